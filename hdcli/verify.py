@@ -1,0 +1,87 @@
+"""Acceptance rules: which drafted tokens the target keeps. Both rules are lossless.
+
+Greedy (temperature 0): the target's choice at each position is argmax of its logits. A drafted
+token is kept while it equals that argmax; the first position where it differs, or the position
+after the last drafted token, contributes the target's own argmax. Every kept token is therefore
+exactly what plain greedy decoding would have produced.
+
+Sampling: a drafted token x is a point-mass proposal q = delta_x. Accept x with probability p(x)
+(p: the target's distribution after temperature/top-k/top-p). On rejection set p(x) = 0 and
+renormalise; then try the next candidate at this position, if any, or sample from what remains.
+P(out = x) = p(x), and P(out = y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y) for y != x, so the
+output has exactly the target's distribution, candidate by candidate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The distribution plain sampling draws from, per row of logits [n, V] (float32)."""
+    x = logits.float() / s.temperature
+    if s.top_k and s.top_k < x.shape[-1]:
+        kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
+        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= s.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample_point_masses(p: torch.Tensor, candidates, gen: torch.Generator | None) -> tuple[int, int | None]:
+    """Draw one token from p [V] given point-mass proposals tried in order.
+
+    Returns (token, index of the accepted candidate or None when all were rejected)."""
+    for j, x in enumerate(candidates):
+        px = float(p[x])
+        if px > 0.0 and float(torch.rand((), generator=gen)) < px:
+            return int(x), j
+        if px > 0.0:
+            p = p.clone()
+            p[x] = 0.0
+            p = p / p.sum()
+    return int(torch.multinomial(p, 1, generator=gen)), None
+
+
+def accept_chain(logits: torch.Tensor, draft, s: Sampling, gen: torch.Generator | None) -> tuple[int, int]:
+    """Verify one drafted chain. logits [len(draft)+1, V]: row i is the target's prediction for the
+    token after draft[:i]. Returns (number of drafted tokens accepted, the target's next token)."""
+    k = len(draft)
+    if s.greedy:
+        targets = logits.argmax(-1).tolist()
+        n = 0
+        while n < k and draft[n] == targets[n]:
+            n += 1
+        return n, targets[n]
+    probs = target_probs(logits, s)
+    for i in range(k):
+        tok, won = sample_point_masses(probs[i], (draft[i],), gen)
+        if won is None:
+            return i, tok
+    return k, int(torch.multinomial(probs[k], 1, generator=gen))
