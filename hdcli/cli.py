@@ -12,6 +12,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from . import __version__, api
 from .errors import HdError
@@ -99,6 +100,8 @@ def generate(
 ):
     """Generate text with lossless speculative decoding and report per-layer statistics."""
     text = _read_prompt(prompt, prompt_file)
+    if not text.strip():
+        raise HdError("the prompt is empty: pass --prompt TEXT or --prompt-file FILE")
     if max_new_tokens < 1:
         raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
     try:
@@ -152,7 +155,8 @@ def main() -> None:
     try:
         app()
     except HdError as exc:
-        Console(stderr=True, highlight=False).print(f"[red]error:[/red] {exc}", markup=True)
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            Text.assemble(("error: ", "red"), str(exc)))
         sys.exit(2)
 
 

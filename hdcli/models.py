@@ -212,6 +212,19 @@ def _convert_gguf(path: Path, out: Path) -> None:
         raise
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load a target model by bundled name, .gguf path, folder or hub id. Raises HdError."""
     import torch
@@ -233,15 +246,20 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
         load_from = str(folder)
     else:
         load_from = source
+    # Without a reachable hub, ask only the local cache: huggingface_hub would otherwise retry
+    # for ~45 s before failing.
+    offline = {"local_files_only": True} if kind == "hub" and not _hub_reachable() else {}
     try:
-        tok = AutoTokenizer.from_pretrained(load_from)
-        model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch_dtype(dt))
+        tok = AutoTokenizer.from_pretrained(load_from, **offline)
+        model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch_dtype(dt), **offline)
     except OSError as exc:
         if kind == "hub":
+            hub = "is unreachable and its cache" if offline else "or its cache"
             raise HdError(
                 f"could not load model '{name}' ({source}): it is not a bundled name "
                 f"({', '.join(BUNDLED)}), a local folder or .gguf file, and the Hugging Face hub "
-                "or its cache does not have it; pass a local path or download the model first"
+                f"{hub} does not have it; "
+                "pass a local path or download the model first"
             ) from None
         raise HdError(f"could not load model from {load_from}: {str(exc).splitlines()[0]}") from None
     model.to(dev).eval()

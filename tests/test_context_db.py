@@ -1,0 +1,59 @@
+"""The context DB against a brute-force rescan of the history."""
+from __future__ import annotations
+
+import random
+
+from hdcli.drafting import ContextDB, Hierarchy
+
+
+def brute_force(h, min_n, max_n, max_len, max_candidates):
+    """Longest suffix first; most recent earlier occurrence first; distinct continuations."""
+    out = []
+    for n in range(min(max_n, len(h)), min_n - 1, -1):
+        key = h[-n:]
+        for i in range(len(h) - 2, n - 2, -1):
+            if h[i - n + 1:i + 1] == key:
+                cand = h[i + 1:i + 1 + max_len]
+                if cand and cand not in out:
+                    out.append(cand)
+                    if len(out) >= max_candidates:
+                        return out
+    return out
+
+
+def test_incremental_index_equals_rescan():
+    rng = random.Random(0)
+    for trial in range(30):
+        db = ContextDB(min_n=rng.randint(1, 2), max_n=rng.randint(2, 5), max_scan=10**9)
+        h = [rng.randrange(6) for _ in range(rng.randint(1, 5))]
+        db.reset(h)
+        for _ in range(40):
+            step = [rng.randrange(6) for _ in range(rng.randint(1, 4))]
+            h += step
+            db.extend(step)
+            for max_len, cands in ((1, 1), (5, 1), (4, 3)):
+                assert db.propose(h, max_len, cands) == brute_force(h, db.min_n, db.max_n, max_len, cands)
+
+
+def test_longest_match_wins_over_recent_short_match():
+    db = ContextDB(min_n=1, max_n=3)
+    #        a  b  c  X  ...  b  c  Y  ...  a  b  c
+    h = [1, 2, 3, 10, 11, 2, 3, 20, 21, 1, 2, 3]
+    db.reset(h)
+    assert db.propose(h, 2, 2) == [[10, 11], [20, 21]]
+
+
+def test_no_match_no_draft_and_hierarchy_records_queries():
+    from hdcli.stats import RunStats
+    db = ContextDB(min_n=2, max_n=3)
+    h = [1, 2, 3, 4, 5]
+    hier = Hierarchy([db], draft_len=4)
+    hier.reset(h)
+    st = RunStats()
+    assert hier.propose(h, stats=st) == []
+    hier.extend([1, 2])
+    drafts = hier.propose(h + [1, 2], stats=st)
+    assert [d.tokens for d in drafts] == [(3, 4, 5, 1)] and drafts[0].layer == "context"
+    assert hier.propose(h + [1, 2], max_len=0, stats=st) == []
+    ls = st.layers["context"]
+    assert (ls.queries, ls.hits, ls.candidates) == (2, 1, 1)

@@ -1,0 +1,141 @@
+"""Greedy speculative output must equal plain greedy decoding token for token (fp32)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hdcli import api
+from hdcli.decode import Decoder
+from hdcli.drafting import ContextDB, Hierarchy
+
+from conftest import tiny_llama
+
+
+class ScriptedLayer:
+    """Drafts the true continuation (read from a reference output) with random corruptions, so
+    every step mixes accepted and rejected tokens at random depths."""
+    name = "scripted"
+
+    def __init__(self, prompt_len, reference, corrupt=0.3, vocab=50, seed=0):
+        self.prompt_len, self.ref, self.corrupt, self.vocab = prompt_len, reference, corrupt, vocab
+        self.rng = random.Random(seed)
+
+    def reset(self, tokens):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+    def propose(self, history, max_len, max_candidates):
+        pos = len(history) - self.prompt_len
+        true = self.ref[pos:pos + max_len]
+        return [[t if self.rng.random() > self.corrupt else self.rng.randrange(self.vocab)
+                 for t in true]] if true else []
+
+
+class RandomLayer:
+    """Drafts random tokens: almost everything is rejected."""
+    name = "random"
+
+    def __init__(self, vocab, seed=0):
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def reset(self, tokens):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+    def propose(self, history, max_len, max_candidates):
+        return [[self.rng.randrange(self.vocab) for _ in range(max_len)]]
+
+
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11, 10, 11, 10, 11, 10], [1] + list(range(5, 40)), [1, 7]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=50, seed=1, scale=4.0)
+
+
+def plain(model, prompt, n):
+    return Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=n).tokens
+
+
+def test_plain_decoding_equals_transformers_generate(model):
+    for prompt in PROMPTS:
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                             min_new_tokens=40, pad_token_id=0)[0, len(prompt):].tolist()
+        assert plain(model, prompt, 40) == ref
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 10])
+@pytest.mark.parametrize("min_n,max_n", [(1, 4), (2, 3)])
+def test_context_db_greedy_equals_plain(model, draft_len, min_n, max_n):
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        ref = plain(model, prompt, 60)
+        drafter = Hierarchy([ContextDB(min_n, max_n)], draft_len=draft_len)
+        g = Decoder(model, (), drafter).generate(prompt, max_new_tokens=60)
+        assert g.tokens == ref
+        accepted += g.stats.layers["context"].accepted
+        drafted += g.stats.layers["context"].drafted
+    assert 0 < accepted < drafted  # both paths (accept and reject) were exercised
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.2, 0.6])
+def test_partial_acceptance_keeps_cache_exact(model, corrupt):
+    """Rejected tokens at random depths: any rejected entry left in the KV cache changes what
+    follows, so this fails if cropping keeps a rejected token or drops an accepted one."""
+    for seed, prompt in enumerate(PROMPTS):
+        ref = plain(model, prompt, 50)
+        layer = ScriptedLayer(len(prompt), ref, corrupt=corrupt, seed=seed)
+        g = Decoder(model, (), Hierarchy([layer], draft_len=7)).generate(prompt, max_new_tokens=50)
+        assert g.tokens == ref
+        if corrupt == 0.0:
+            assert g.stats.steps < len(ref) / 3
+
+
+def test_random_drafts_are_all_rejected_and_output_unchanged(model):
+    prompt = PROMPTS[0]
+    ref = plain(model, prompt, 40)
+    g = Decoder(model, (), Hierarchy([RandomLayer(50)], draft_len=8)).generate(prompt, max_new_tokens=40)
+    assert g.tokens == ref
+
+
+def test_eos_inside_accepted_draft_stops_there(model):
+    prompt = PROMPTS[1]
+    ref = plain(model, prompt, 30)
+    eos = ref[12]  # pretend a token in the middle of the output is EOS
+    expected = ref[:ref.index(eos) + 1]
+    layer = ScriptedLayer(len(prompt), ref, corrupt=0.0)
+    for drafter in (None, Hierarchy([layer], draft_len=10)):
+        g = Decoder(model, (eos,), drafter).generate(prompt, max_new_tokens=30)
+        assert g.tokens == expected and g.stop_reason == "eos"
+
+
+def test_tiny_model_through_api(tiny_lm):
+    for prompt in ["the cat sat on the mat and the cat sat on the", "one two three four one two",
+                   "hello world"]:
+        ref = api.generate(tiny_lm, prompt, max_new_tokens=40, drafter=None)
+        got = api.generate(tiny_lm, prompt, max_new_tokens=40)
+        assert got.tokens == ref.tokens and got.text == ref.text
+
+
+@pytest.mark.bundled
+def test_bundled_model_greedy_equals_plain(bundled_lm):
+    prompts = [
+        "Repeat this sentence three times: the quick brown fox jumps over the lazy dog.",
+        "Fix the bug in this code and show the whole function:\n\ndef add(a, b):\n    return a - b\n",
+        "Summarise in one sentence: The meeting moved from Monday to Tuesday because the room was "
+        "booked. The meeting will now be on Tuesday at 10 am in room 4.",
+    ]
+    hits = 0
+    for p in prompts:
+        ref = api.generate(bundled_lm, p, max_new_tokens=48, drafter=None)
+        got = api.generate(bundled_lm, p, max_new_tokens=48)
+        assert got.tokens == ref.tokens, api.first_difference(got.tokens, ref.tokens)
+        hits += got.stats.layers["context"].accepted
+    assert hits > 0

@@ -1,0 +1,124 @@
+"""The sampling path must have exactly the target's distribution.
+
+Each test draws N samples with a fixed seed and runs Pearson's chi-square test against the exact
+distribution computed from the model's logits, rejecting at alpha = 1e-3: with a correct rule a
+run fails with probability 0.1% per test (and, the seed being fixed, either always or never).
+A broken rule (accept with 1.3 p(x), or halve p(x) on rejection instead of zeroing it)
+moves the distribution by far more than these sample sizes resolve; both were checked to fail.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from hdcli.decode import Decoder
+from hdcli.drafting import ContextDB, Hierarchy
+from hdcli.verify import Sampling, sample_point_masses, target_probs
+
+from conftest import tiny_llama
+
+ALPHA = 1e-3
+V = 8
+
+
+class FixedLayer:
+    """Always proposes the same continuation: a point mass that is sometimes right."""
+    name = "fixed"
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    def reset(self, tokens):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+    def propose(self, history, max_len, max_candidates):
+        return [self.tokens[:max_len]]
+
+
+def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
+    """Pearson chi-square p-value, pooling outcomes whose expected count is below 5."""
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    total = sum(probs.values())  # 1 up to float rounding, which scipy's check would trip on
+    for k, p in probs.items():
+        p = p / total
+        if p * n >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(p * n)
+        else:
+            pool_o += counts.get(k, 0)
+            pool_e += p * n
+    assert sum(counts.get(k, 0) for k in counts if k not in probs) == 0, "impossible outcome drawn"
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    return chisquare(obs, exp).pvalue
+
+
+@torch.inference_mode()
+def exact_two_token_distribution(model, prompt, s: Sampling) -> dict:
+    probs = {}
+    p1 = target_probs(model(torch.tensor([prompt])).logits[0, -1:], s)[0]
+    for t1 in range(V):
+        if p1[t1] == 0:
+            continue
+        p2 = target_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1:], s)[0]
+        for t2 in range(V):
+            if p2[t2] > 0:
+                probs[(t1, t2)] = float(p1[t1] * p2[t2])
+    return probs
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=V, seed=3, hidden=16, scale=3.0)
+
+
+SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)]
+
+
+@pytest.mark.parametrize("s", SAMPLINGS, ids=["t1", "t0.7-k5-p0.9"])
+@pytest.mark.parametrize("layer", ["fixed", "context"])
+def test_first_two_tokens_follow_target_distribution(model, s, layer):
+    prompt = [1, 3, 4, 3, 4, 3]
+    probs = exact_two_token_distribution(model, prompt, s)
+    # draft the most likely pair so acceptance and rejection both happen often
+    best = max(probs, key=probs.get)
+    drafter = Hierarchy([FixedLayer(best) if layer == "fixed" else ContextDB(1, 3)], draft_len=2)
+    dec = Decoder(model, (), drafter)
+    n, counts, accepted = 3000, {}, 0
+    for seed in range(n):
+        g = dec.generate(prompt, max_new_tokens=3, sampling=s, seed=seed)
+        key = tuple(g.tokens[:2])
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(ls.accepted for ls in g.stats.layers.values())
+    assert accepted > n / 10  # the drafts were really accepted, often
+    assert chi2_pvalue(counts, probs, n) > ALPHA
+
+
+def test_point_masses_with_several_candidates():
+    """The rule with several candidates at one position (repeats included), alone."""
+    p = torch.tensor([0.05, 0.3, 0.25, 0.1, 0.2, 0.1])
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    for cands in [(1,), (2, 4), (1, 2, 1, 5), (0, 3)]:
+        counts = {}
+        for _ in range(n):
+            tok, _ = sample_point_masses(p, cands, gen)
+            counts[tok] = counts.get(tok, 0) + 1
+        assert chi2_pvalue(counts, {i: float(x) for i, x in enumerate(p)}, n) > ALPHA
+
+
+def test_greedy_sampling_settings():
+    assert Sampling().greedy and not Sampling(temperature=0.5).greedy
+    with pytest.raises(ValueError):
+        Sampling(top_p=0.0)
+    probs = target_probs(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), Sampling(temperature=1.0, top_k=2))
+    assert probs[0, :2].sum() == 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
+    probs = target_probs(torch.tensor([[0.0, 0.0, 5.0, 5.0]]), Sampling(temperature=1.0, top_p=0.5))
+    assert probs[0, :2].sum() == 0  # the two top tokens already make 0.5
