@@ -21,12 +21,19 @@ load_model = models.load
 LAYER_NAMES = ("context",)
 
 
-def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 10,
-                 min_n: int = 1, max_n: int = 4) -> Hierarchy | None:
+def default_min_n(dtype: str) -> int:
+    """Shortest context-DB key by dtype. In fp32 on CPU any verification forward costs ~1.65x one
+    token, and unigram matches are accepted too rarely to pay for it; in bf16 a 10-token forward
+    costs ~1.06x one token, so even unigram drafts pay (benchmarks/context_tuning.py)."""
+    return 2 if dtype == "fp32" else 1
+
+
+def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
+                 min_n: int | None = None, max_n: int = 4, dtype: str = "fp32") -> Hierarchy | None:
     """The drafting hierarchy, most local layer first. An empty `layers` means plain decoding.
 
-    draft_len 10: on this CPU an fp32 forward over 2..4 new tokens costs nearly what 8 cost (MKL
-    blocking), so short drafts waste the verification; longer ones are cut by max_new_tokens."""
+    draft_len 16 caps drafts from the longest key; shorter keys draft less (see ContextDB)."""
+    min_n = default_min_n(dtype) if min_n is None else min_n
     if draft_len < 1:
         raise HdError(f"--draft-len must be >= 1, not {draft_len}")
     if not 1 <= min_n <= max_n:
@@ -125,7 +132,7 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
         raise HdError(f"the prompt is {len(prompt_ids)} tokens but the model's context is "
                       f"{lm.max_context}: shorten the prompt")
     if drafter == "default":
-        drafter = make_drafter()
+        drafter = make_drafter(dtype=lm.dtype)
     decoder = Decoder(lm.model, lm.eos_ids, drafter)
     stream = TextStream(lm.tokenizer, on_text) if on_text else None
     g: Generation = decoder.generate(prompt_ids, min(max_new_tokens, room), sampling, seed,
@@ -147,4 +154,4 @@ def warm_up(lm: models.LoadedModel) -> None:
     """One short run so the first timed generation does not pay for allocations and kernels."""
     eos = next(iter(lm.eos_ids), 0)
     Decoder(lm.model, ()).generate([eos, eos], max_new_tokens=4)
-    Decoder(lm.model, (), make_drafter()).generate([eos] * 8, max_new_tokens=12)
+    Decoder(lm.model, (), make_drafter(min_n=1)).generate([eos] * 8, max_new_tokens=12)

@@ -89,8 +89,9 @@ def generate(
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     layers: str = typer.Option("context", help="Drafting layers in order, comma-separated; "
                                "'none' for plain decoding."),
-    draft_len: int = typer.Option(10, "--draft-len", help="Most tokens drafted per step."),
-    min_n: int = typer.Option(1, "--min-n", help="Shortest n-gram the context DB matches."),
+    draft_len: int = typer.Option(16, "--draft-len", help="Most tokens drafted per step."),
+    min_n: Optional[int] = typer.Option(None, "--min-n", help="Shortest n-gram the context DB "
+                                        "matches (default: 2 in fp32, 1 in bf16/fp16)."),
     max_n: int = typer.Option(4, "--max-n", help="Longest n-gram the context DB matches."),
     dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
@@ -109,7 +110,7 @@ def generate(
     except ValueError as exc:
         raise HdError(f"invalid sampling option: {exc}") from None
     layer_list = [] if layers.strip() == "none" else [x.strip() for x in layers.split(",") if x.strip()]
-    drafter = api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n, max_n=max_n)
+    api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n or 1, max_n=max_n)  # fail early
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
     err = Console(stderr=True, highlight=False)
     if not as_json:
@@ -118,6 +119,7 @@ def generate(
     if not as_json:
         err.print(f"[dim]loaded {lm.source} ({lm.dtype}, {lm.device}) in {lm.load_seconds:.1f}s"
                   f"{' from cache' if lm.from_cache else ''}[/dim]")
+    drafter = api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n, max_n=max_n, dtype=lm.dtype)
     if compare:
         api.warm_up(lm)
 

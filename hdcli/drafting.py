@@ -41,20 +41,26 @@ class ContextDB:
     Parameters
       min_n, max_n   n-gram sizes used as keys; the longest suffix of the history that occurred
                      before wins, since a longer match predicts its continuation better.
+      len_per_key    a match on an n-token key (n < max_n) drafts at most len_per_key * n tokens;
+                     a match on the longest key drafts up to max_len. Short keys predict short
+                     runs: on Spec-Bench-like prompts this beat a fixed length for every cost
+                     profile we measured (benchmarks/context_tuning.py).
+      max_scan       most occurrences of one key examined per query (bounds the query time).
     Invariant
       `positions[key]` lists, oldest first, every index i such that history[i-n+1 : i+1] == key,
       for every i < len(history). Updated in O(max_n) per appended token.
-    A candidate is history[i+1 : i+1+max_len] for a match ending at i < len(history) - 1; among
-    matches of the same key, the most recent comes first (recency predicts best within a request),
-    and candidates that repeat an earlier candidate are skipped.
+    A candidate is history[i+1 : i+1+L] for a match ending at i < len(history) - 1; among
+    matches of the same key, the most recent comes first (recency predicted better than the
+    earliest occurrence, the choice of transformers' prompt lookup), and candidates that repeat
+    an earlier candidate are skipped.
     """
 
     name = "context"
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, max_scan: int = 64):
+    def __init__(self, min_n: int = 1, max_n: int = 4, len_per_key: int = 3, max_scan: int = 64):
         if not 1 <= min_n <= max_n:
             raise ValueError("context DB needs 1 <= min_n <= max_n")
-        self.min_n, self.max_n, self.max_scan = min_n, max_n, max_scan
+        self.min_n, self.max_n, self.len_per_key, self.max_scan = min_n, max_n, len_per_key, max_scan
         self.reset([])
 
     def reset(self, tokens: Sequence[int]) -> None:
@@ -79,10 +85,11 @@ class ContextDB:
             ends = self.positions.get(tuple(h[-n:]))
             if not ends:
                 continue
+            length = max_len if n == self.max_n else min(max_len, self.len_per_key * n)
             for i in reversed(ends[-self.max_scan:]):
                 if i >= last:
                     continue  # the suffix itself
-                cand = h[i + 1:i + 1 + max_len]
+                cand = h[i + 1:i + 1 + length]
                 if cand and cand not in out:
                     out.append(cand)
                     if len(out) >= max_candidates:

@@ -6,14 +6,16 @@ import random
 from hdcli.drafting import ContextDB, Hierarchy
 
 
-def brute_force(h, min_n, max_n, max_len, max_candidates):
-    """Longest suffix first; most recent earlier occurrence first; distinct continuations."""
+def brute_force(h, min_n, max_n, max_len, max_candidates, len_per_key=3):
+    """Longest suffix first; most recent earlier occurrence first; distinct continuations;
+    an n-token key drafts at most len_per_key * n tokens unless n is the longest key size."""
     out = []
     for n in range(min(max_n, len(h)), min_n - 1, -1):
         key = h[-n:]
+        length = max_len if n == max_n else min(max_len, len_per_key * n)
         for i in range(len(h) - 2, n - 2, -1):
             if h[i - n + 1:i + 1] == key:
-                cand = h[i + 1:i + 1 + max_len]
+                cand = h[i + 1:i + 1 + length]
                 if cand and cand not in out:
                     out.append(cand)
                     if len(out) >= max_candidates:
@@ -38,9 +40,15 @@ def test_incremental_index_equals_rescan():
 def test_longest_match_wins_over_recent_short_match():
     db = ContextDB(min_n=1, max_n=3)
     #        a  b  c  X  ...  b  c  Y  ...  a  b  c
-    h = [1, 2, 3, 10, 11, 2, 3, 20, 21, 1, 2, 3]
+    h = [1, 2, 3, 10, 11, 12, 13, 2, 3, 20, 21, 22, 23, 24, 25, 26, 1, 2, 3]
     db.reset(h)
-    assert db.propose(h, 2, 2) == [[10, 11], [20, 21]]
+    assert db.propose(h, 5, 2) == [[10, 11, 12, 13, 2], [20, 21, 22, 23, 24]]
+    h += [30]  # a unigram match drafts at most len_per_key = 3 tokens
+    db.extend([30])
+    assert db.propose(h, 5, 1) == []
+    h += [3]
+    db.extend([3])
+    assert db.propose(h, 5, 1) == [[30, 3]]
 
 
 def test_no_match_no_draft_and_hierarchy_records_queries():
