@@ -127,3 +127,13 @@ def test_console_script_exit_code(tiny_model_dir):
 
 def test_version():
     assert "hd " in hd("--version").output
+
+
+def test_streamed_pieces_make_the_text_and_name_layers(tiny_lm):
+    from hdcli import api
+    pieces = []
+    res = api.generate(tiny_lm, "the cat sat on the mat the cat sat on the", max_new_tokens=30,
+                       on_text=lambda piece, layer: pieces.append((piece, layer)))
+    assert "".join(p for p, _ in pieces) == res.text
+    assert {layer for _, layer in pieces} <= {None, "context"}
+    assert sum(layer == "context" for layer in res.layers) == res.stats.layers["context"].accepted
