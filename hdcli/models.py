@@ -241,8 +241,12 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
         gguf = Path(source)
         folder = _gguf_cache_path(gguf)
         from_cache = (folder / "config.json").is_file()
-        if not from_cache:
-            _convert_gguf(gguf, folder)
+        if not from_cache:  # one-time, ~15 s for the bundled model: show transformers' progress bar
+            hf_logging.enable_progress_bar()
+            try:
+                _convert_gguf(gguf, folder)
+            finally:
+                hf_logging.disable_progress_bar()
         load_from = str(folder)
     else:
         load_from = source
