@@ -12,13 +12,13 @@ from typing import Callable, Sequence
 
 from . import models
 from .decode import Decoder, Generation
-from .drafting import ContextDB, Hierarchy
+from .drafting import ContextDB, Hierarchy, StatsDB
 from .errors import HdError
 from .verify import Sampling
 
 load_model = models.load
 
-LAYER_NAMES = ("context",)
+LAYER_NAMES = ("context", "stats")
 
 
 def default_min_n(dtype: str) -> int:
@@ -28,12 +28,33 @@ def default_min_n(dtype: str) -> int:
     return 2 if dtype == "fp32" else 1
 
 
+def default_min_prob(dtype: str) -> float:
+    """Least estimated probability of a statistics-DB draft, by dtype: costly verification (fp32
+    on CPU) wants confident drafts only (benchmarks/stats_tuning.py, docs/stats-db.md)."""
+    return 0.4 if dtype == "fp32" else 0.1
+
+
+def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None) -> list:
+    """Open statistics DBs read-only, refusing those built for another tokenizer."""
+    from .stores import Store
+    dbs = []
+    for p in paths:
+        db = Store(p)
+        if lm is not None:
+            db.check_tokenizer(lm.tokenizer, lm.name)
+        dbs.append(db)
+    return dbs
+
+
 def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
-                 min_n: int | None = None, max_n: int = 4, dtype: str = "fp32") -> Hierarchy | None:
+                 min_n: int | None = None, max_n: int = 4, dtype: str = "fp32",
+                 stats_dbs: Sequence = (), stats_min_prob: float | None = None) -> Hierarchy | None:
     """The drafting hierarchy, most local layer first. An empty `layers` means plain decoding.
 
-    draft_len 16 caps drafts from the longest key; shorter keys draft less (see ContextDB)."""
+    draft_len 16 caps drafts from the longest key; shorter keys draft less (see ContextDB).
+    `stats` stands for every DB in stats_dbs, in the order given."""
     min_n = default_min_n(dtype) if min_n is None else min_n
+    min_prob = default_min_prob(dtype) if stats_min_prob is None else stats_min_prob
     if draft_len < 1:
         raise HdError(f"--draft-len must be >= 1, not {draft_len}")
     if not 1 <= min_n <= max_n:
@@ -42,6 +63,12 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
     for name in layers:
         if name == "context":
             built.append(ContextDB(min_n=min_n, max_n=max_n))
+        elif name == "stats":
+            if not stats_dbs:
+                raise HdError("layer 'stats' needs a statistics DB: pass --stats-db PATH")
+            for db in stats_dbs:
+                label = "stats" if len(stats_dbs) == 1 else f"stats:{db.path.stem}"
+                built.append(StatsDB(db, name=label, min_prob=min_prob))
         else:
             raise HdError(f"unknown drafting layer '{name}'; known layers: {', '.join(LAYER_NAMES)}")
     return Hierarchy(built, draft_len=draft_len) if built else None

@@ -87,8 +87,13 @@ def generate(
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the model's chat template or not."),
     system: Optional[str] = typer.Option(None, help="System message for the chat template."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    layers: str = typer.Option("context", help="Drafting layers in order, comma-separated; "
-                               "'none' for plain decoding."),
+    layers: Optional[str] = typer.Option(None, help="Drafting layers in order, comma-separated "
+                                         "(context, stats); 'none' for plain decoding. Default: "
+                                         "context, then stats when --stats-db is given."),
+    stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB from `hd build-stats` "
+                                        "(repeatable; asked in the order given)."),
+    stats_min_prob: Optional[float] = typer.Option(None, "--stats-min-prob", help="Least estimated "
+                                                   "probability of a stats draft (default 0.4 fp32, 0.1 bf16)."),
     draft_len: int = typer.Option(16, "--draft-len", help="Most tokens drafted per step."),
     min_n: Optional[int] = typer.Option(None, "--min-n", help="Shortest n-gram the context DB "
                                         "matches (default: 2 in fp32, 1 in bf16/fp16)."),
@@ -109,8 +114,11 @@ def generate(
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     except ValueError as exc:
         raise HdError(f"invalid sampling option: {exc}") from None
+    if layers is None:
+        layers = "context,stats" if stats_db else "context"
     layer_list = [] if layers.strip() == "none" else [x.strip() for x in layers.split(",") if x.strip()]
-    api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n or 1, max_n=max_n)  # fail early
+    dbs = api.open_stats_dbs([str(p) for p in stats_db])  # fail before loading the model
+    api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n or 1, max_n=max_n, stats_dbs=dbs)
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
     err = Console(stderr=True, highlight=False)
     if not as_json:
@@ -119,7 +127,10 @@ def generate(
     if not as_json:
         err.print(f"[dim]loaded {lm.source} ({lm.dtype}, {lm.device}) in {lm.load_seconds:.1f}s"
                   f"{' from cache' if lm.from_cache else ''}[/dim]")
-    drafter = api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n, max_n=max_n, dtype=lm.dtype)
+    for db in dbs:
+        db.check_tokenizer(lm.tokenizer, lm.name)
+    drafter = api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n, max_n=max_n, dtype=lm.dtype,
+                               stats_dbs=dbs, stats_min_prob=stats_min_prob)
     if compare:
         api.warm_up(lm)
 
@@ -132,6 +143,7 @@ def generate(
     runs = {"hd": res.stats}
     report = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
               "load_seconds": lm.load_seconds, "layers": layer_list, "draft_len": draft_len,
+              "stats_dbs": [str(p) for p in stats_db],
               "sampling": vars(sampling) | {"seed": seed}, **res.to_dict()}
     if compare:
         base = api.generate(lm, text, drafter=None, **common)
@@ -151,6 +163,160 @@ def generate(
         same = "identical" if c["identical"] else f"DIFFERENT from token {c['first_difference']}"
         note = "" if sampling.greedy else " (sampling: outputs differ by chance, not by error)"
         out.print(f"speedup over plain decoding: [bold]{c['speedup']:.2f}x[/bold]; output {same}{note}")
+
+
+def _parse_shard(shard: Optional[str]) -> tuple[int, int]:
+    if shard is None:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise HdError(f"--shard must look like I/N (e.g. 0/4), not '{shard}'") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise HdError(f"--shard {shard}: need 0 <= I < N")
+    return i, n
+
+
+def _print_header(header: dict, extra: Optional[dict] = None) -> None:
+    t = Table(show_header=False)
+    for k, v in {**header, **(extra or {})}.items():
+        t.add_row(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v))
+    Console(highlight=False).print(t)
+
+
+@app.command("build-stats")
+def build_stats(
+    corpus: List[str] = typer.Argument(..., help="Files, globs or folders: jsonl, json, txt, parquet, "
+                                       "csv, or a folder saved by `datasets`."),
+    out: Path = typer.Option(..., "--out", "-o", help="The LMDB file to create."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Whose tokenizer to count with."),
+    field: str = typer.Option("text", help="Record field holding the text."),
+    with_prompt: bool = typer.Option(False, "--with-prompt", help="Prepend the `prompt` field."),
+    min_n: int = typer.Option(1, "--min-n", help="Shortest key, in tokens."),
+    max_n: int = typer.Option(4, "--max-n", help="Longest key, in tokens."),
+    draft_len: int = typer.Option(1, "--draft-len", help="Continuation length stored per entry "
+                                  "(1: next-token counts, drafted by a greedy walk; docs/stats-db.md)."),
+    top_k: int = typer.Option(4, "--top-k", help="Continuations kept per key (0: all)."),
+    min_count: int = typer.Option(2, "--min-count", help="Least count of a kept continuation."),
+    shard: Optional[str] = typer.Option(None, help="Build shard I/N only (unpruned, for merge-stats)."),
+    limit: Optional[int] = typer.Option(None, help="Read at most this many documents."),
+    strict: bool = typer.Option(False, help="Fail on a malformed json line instead of skipping it."),
+    num_proc: int = typer.Option(1, "--num-proc", help="Tokeniser processes."),
+    chunk_tokens: int = typer.Option(4_000_000, "--chunk-tokens", help="Tokens counted in memory "
+                                     "before spilling to disk (bounds memory)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output."),
+    as_json: bool = typer.Option(False, "--json", help="Write the header and read report as JSON."),
+):
+    """Count n-gram continuations of a corpus into a statistics DB (LMDB)."""
+    from tqdm import tqdm
+    from . import corpus as corpus_mod, models, statsdb
+    if out.exists() and not overwrite:
+        raise HdError(f"{out} already exists: pass --overwrite to replace it")
+    texts, report = corpus_mod.read_corpus(corpus, field=field, with_prompt=with_prompt, limit=limit,
+                                           shard=_parse_shard(shard), strict=strict)
+    tok = models.load_tokenizer(model)
+    bar = tqdm(unit=" tok", unit_scale=True, desc="counting", disable=as_json, mininterval=0.5)
+    docs = 0
+
+    def progress(n_docs: int, n_tokens: int) -> None:
+        nonlocal docs
+        docs += n_docs
+        bar.update(n_tokens)
+        bar.set_postfix(docs=docs, refresh=False)
+
+    try:
+        header = statsdb.build(texts, out, tok, model, min_n=min_n, max_n=max_n, draft_len=draft_len,
+                               top_k=top_k, min_count=min_count, shard=_parse_shard(shard),
+                               chunk_tokens=chunk_tokens, num_proc=num_proc, overwrite=overwrite,
+                               extra_header={"sources": report.files, "field": field,
+                                             "with_prompt": with_prompt},
+                               progress=progress)
+    finally:
+        bar.close()
+    read = {"skipped_malformed": report.skipped_malformed, "skipped_empty": report.skipped_empty,
+            "replaced_non_utf8": report.replaced_non_utf8}
+    if as_json:
+        typer.echo(json.dumps({"path": str(out), "header": header, "read": read}))
+        return
+    for what, n in read.items():
+        if n:
+            Console(stderr=True).print(f"[yellow]warning:[/yellow] {n} records {what.replace('_', ' ')}")
+    _print_header(header, {"file_bytes": out.stat().st_size})
+
+
+@app.command("merge-stats")
+def merge_stats(
+    inputs: List[Path] = typer.Argument(..., help="Statistics DBs (e.g. the shards of one build)."),
+    out: Path = typer.Option(..., "--out", "-o"),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Default: the inputs' K (4 for shards)."),
+    min_count: Optional[int] = typer.Option(None, "--min-count", help="Default: the inputs' (2 for shards)."),
+    overwrite: bool = typer.Option(False),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Sum the counts of several statistics DBs and prune again."""
+    from . import statsdb
+    header = statsdb.merge([str(p) for p in inputs], out, top_k=top_k, min_count=min_count,
+                           overwrite=overwrite)
+    if as_json:
+        typer.echo(json.dumps({"path": str(out), "header": header}))
+    else:
+        _print_header(header, {"file_bytes": out.stat().st_size})
+
+
+db_app = typer.Typer(help="Inspect DBs.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+@db_app.command("info")
+def db_info(path: Path, as_json: bool = typer.Option(False, "--json")):
+    """Print a DB's header and size figures."""
+    from .stores import Store
+    db = Store(path)
+    info = {"header": db.header, "size": db.size_info()}
+    if as_json:
+        typer.echo(json.dumps(info))
+    else:
+        _print_header(db.header, db.size_info())
+
+
+@db_app.command("query")
+def db_query(
+    path: Path,
+    text: str = typer.Option(..., "--text", help="The history whose continuation to look up."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Tokenizer (default: the DB's model)."),
+    max_len: int = typer.Option(16, "--max-len", help="Longest draft shown."),
+    min_prob: float = typer.Option(0.0, "--min-prob"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Show which key of the text's end matches and what the DB would draft."""
+    from . import models
+    from .drafting import StatsDB
+    from .stores import Store
+    db = Store(path)
+    tok = models.load_tokenizer(model or db.header.get("model", "smollm2-135m"))
+    db.check_tokenizer(tok, model or db.header.get("model", ""))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise HdError("--text is empty")
+    keys = []
+    for n in range(min(db.max_n, len(ids)), db.min_n - 1, -1):
+        got = db.get(ids[-n:])
+        keys.append({"n": n, "key": tok.decode(ids[-n:]), "key_ids": ids[-n:], "found": got is not None,
+                     "total": got[0] if got else 0,
+                     "continuations": [{"text": tok.decode(c), "ids": c, "count": k}
+                                       for c, k in (got[1] if got else [])]})
+    draft = StatsDB(db, min_prob=min_prob).propose(ids, max_len, 1)
+    result = {"keys": keys, "draft": tok.decode(draft[0]) if draft else "", "draft_ids": draft[0] if draft else []}
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    con = Console(highlight=False)
+    t = Table("n", "key", "total", "continuations (count)")
+    for k in keys:
+        conts = "  ".join(f"{c['text']!r} ({c['count']})" for c in k["continuations"]) if k["found"] else "-"
+        t.add_row(str(k["n"]), repr(k["key"]), str(k["total"]), conts)
+    con.print(t)
+    con.print(Text.assemble("draft: ", (repr(result["draft"]), "magenta")))
 
 
 def main() -> None:

@@ -97,6 +97,55 @@ class ContextDB:
         return out
 
 
+class StatsDB:
+    """Corpus statistics: the top continuations of the longest suffix of the history found in an
+    n-gram store built by `hd build-stats` (the same class serves the model DB's store).
+
+    Parameters
+      store       an open hdcli.stores.Store (its header fixes the n range and stored length)
+      min_prob    draft only while the estimated probability of the whole draft (the product of
+                  count / key total along it) stays at or above this: a rare continuation is rarely
+                  accepted and costs verification.
+      walk        when a continuation ends before max_len, look up the history extended by it and
+                  continue with the best continuation found (a greedy walk; with draft_len-1
+                  stores, next-token counts, this is the whole drafting).
+    The layer keeps no per-request state: it reads the history it is given.
+    """
+
+    def __init__(self, store, name: str = "stats", min_prob: float = 0.0, walk: bool = True):
+        self.store, self.name, self.min_prob, self.walk = store, name, min_prob, walk
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def _lookup(self, history: Sequence[int]) -> list[tuple[list[int], float]]:
+        """Continuations of the longest suffix found, with their probabilities, best first."""
+        st = self.store
+        for n in range(min(st.max_n, len(history)), st.min_n - 1, -1):
+            got = st.get(history[-n:])
+            if got is not None:
+                total, entries = got
+                return [(c, count / total) for c, count in entries]
+        return []
+
+    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+        found = [(c[:max_len], p) for c, p in self._lookup(history) if p >= self.min_prob]
+        cands = [c for c, _ in found[:max_candidates]]
+        if self.walk and cands:
+            best, prob = found[0]
+            while len(best) < max_len:
+                more = self._lookup(list(history[-self.store.max_n:]) + best)
+                if not more or prob * more[0][1] < self.min_prob:
+                    break
+                prob *= more[0][1]
+                best = best + more[0][0][:max_len - len(best)]
+            cands[0] = best
+        return cands
+
+
 class Hierarchy:
     """Asks layers in order and returns candidates tagged by layer.
 

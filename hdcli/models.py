@@ -225,31 +225,45 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def _local_folder(name: str) -> tuple[str, str, str, bool]:
+    """(kind, resolved source, folder or hub id to load from, served from the GGUF cache),
+    converting a GGUF once."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    kind, source = resolve(name)
+    if kind != "gguf":
+        return kind, source, source, False
+    folder = _gguf_cache_path(Path(source))
+    if (folder / "config.json").is_file():
+        return kind, source, str(folder), True
+    hf_logging.enable_progress_bar()  # one-time, ~15 s for the bundled model
+    try:
+        _convert_gguf(Path(source), folder)
+    finally:
+        hf_logging.disable_progress_bar()
+    return kind, source, str(folder), False
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """The tokenizer of a model, without loading its weights (for building DBs)."""
+    from transformers import AutoTokenizer
+    kind, _, folder, _ = _local_folder(name)
+    offline = {"local_files_only": True} if kind == "hub" and not _hub_reachable() else {}
+    try:
+        return AutoTokenizer.from_pretrained(folder, **offline)
+    except OSError as exc:
+        raise HdError(f"could not load the tokenizer of '{name}': {str(exc).splitlines()[0]}") from None
+
+
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load a target model by bundled name, .gguf path, folder or hub id. Raises HdError."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
-    kind, source = resolve(name)
-    from_cache = False
-    if kind == "gguf":
-        gguf = Path(source)
-        folder = _gguf_cache_path(gguf)
-        from_cache = (folder / "config.json").is_file()
-        if not from_cache:  # one-time, ~15 s for the bundled model: show transformers' progress bar
-            hf_logging.enable_progress_bar()
-            try:
-                _convert_gguf(gguf, folder)
-            finally:
-                hf_logging.disable_progress_bar()
-        load_from = str(folder)
-    else:
-        load_from = source
+    kind, source, load_from, from_cache = _local_folder(name)
     # Without a reachable hub, ask only the local cache: huggingface_hub would otherwise retry
     # for ~45 s before failing.
     offline = {"local_files_only": True} if kind == "hub" and not _hub_reachable() else {}

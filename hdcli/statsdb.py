@@ -1,0 +1,302 @@
+"""Building the statistics DB: n-gram continuations counted over a corpus, pruned to top-K.
+
+For every position i of every document and every n in [min_n, max_n], the key is the n tokens
+ending at i and the continuation is the next up-to-`draft_len` tokens of the same document. The
+default draft_len is 1 (next-token counts, drafted by a greedy walk): docs/stats-db.md has the
+measurement against stored 8-token continuations. We
+count (key, continuation) pairs, then keep per key the `top_k` most frequent continuations with
+count >= `min_count` (ties broken by tokens, so every build of the same corpus is identical).
+
+Memory stays bounded for corpora larger than RAM: documents are tokenised into chunks of about
+`chunk_tokens` tokens; each chunk is counted with numpy (sort + run-length), and its partial
+counts are spilled to `partitions` files on disk by key hash. At the end each partition is loaded
+alone, its counts summed across chunks, pruned and written. Peak memory ~ one chunk's arrays or
+one partition, whichever is larger. Pairs are identified by 64-bit hashes of their tokens
+(collision odds ~1e-5 for 10^8 distinct pairs; a collision can only change a draft, never output).
+
+Sharding: `shard=(i, n)` counts the documents whose index % n == i and keeps every continuation
+(no pruning, flagged in the header), so `merge()` of all shards sums exact counts and prunes
+once: the result equals a single build.
+"""
+from __future__ import annotations
+
+import heapq
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from . import __version__, stores
+from .errors import HdError
+
+DEFAULTS = dict(min_n=1, max_n=4, draft_len=1, top_k=4, min_count=2)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _hash_rows(m: np.ndarray, salt: int) -> np.ndarray:
+    """64-bit hash of each row of an int array (wrapping multiply-add, then a splitmix finaliser)."""
+    with np.errstate(over="ignore"):
+        h = np.full(m.shape[0], np.uint64(salt) * _MIX + np.uint64(1), dtype=np.uint64)
+        for c in range(m.shape[1]):
+            h = h * _MIX + (m[:, c].astype(np.uint64) + np.uint64(2))
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(29)
+    return h
+
+
+def _reduce(hkey, hcont, count, *cols):
+    """Sum counts of equal (hkey, hcont) pairs; keep the first row's other columns."""
+    order = np.lexsort((hcont, hkey))
+    hkey, hcont, count = hkey[order], hcont[order], count[order]
+    new = np.ones(len(hkey), dtype=bool)
+    new[1:] = (hkey[1:] != hkey[:-1]) | (hcont[1:] != hcont[:-1])
+    starts = np.flatnonzero(new)
+    summed = np.add.reduceat(count, starts) if len(starts) else count[:0]
+    return (hkey[starts], hcont[starts], summed) + tuple(c[order][starts] for c in cols)
+
+
+def count_chunk(docs: list[list[int]], min_n: int, max_n: int, draft_len: int):
+    """Partial counts of one chunk: arrays (hkey, hcont, count, n, key[max_n], cont[draft_len]),
+    tokens as int32 with -1 as padding."""
+    from numpy.lib.stride_tricks import sliding_window_view as windows
+    parts = []
+    for d in docs:
+        parts.append(np.asarray(d, dtype=np.int64))
+        parts.append(np.array([-1], dtype=np.int64))  # document boundary
+    t = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    size = len(t)
+    padded = np.concatenate([t, np.full(draft_len + max_n, -1, dtype=np.int64)])
+    conts = windows(padded[1:], draft_len)[:size]          # conts[i] = t[i+1 : i+1+draft_len]
+    out = []
+    for n in range(min_n, max_n + 1):
+        if size < n:
+            continue
+        keys = windows(t, n)                                 # keys[j] = t[j : j+n], ends at j+n-1
+        ends = np.arange(n - 1, size)
+        ok = (keys.min(axis=1) >= 0) & (conts[ends, 0] >= 0)
+        ends = ends[ok]
+        k = keys[ends - n + 1].astype(np.int32)
+        c = conts[ends].astype(np.int32)
+        c[np.maximum.accumulate(c < 0, axis=1)] = -1         # cut at the document boundary
+        kpad = np.full((len(k), max_n), -1, dtype=np.int32)
+        kpad[:, :n] = k
+        hk, hc = _hash_rows(k, n), _hash_rows(c, 0)
+        nn = np.full(len(k), n, dtype=np.uint8)
+        out.append(_reduce(hk, hc, np.ones(len(k), dtype=np.int64), nn, kpad, c))
+    if not out:
+        z = np.zeros(0, dtype=np.uint64)
+        return (z, z, np.zeros(0, np.int64), np.zeros(0, np.uint8),
+                np.zeros((0, max_n), np.int32), np.zeros((0, draft_len), np.int32))
+    return tuple(np.concatenate([o[i] for o in out]) for i in range(6))
+
+
+def _select(hkey, count, cont, top_k: int, min_count: int):
+    """Indices of the rows to keep: per key, count >= min_count, the top_k by count then tokens.
+    Rows must be grouped by hkey. Returns (kept indices in output order, key totals per row)."""
+    starts = np.flatnonzero(np.r_[True, hkey[1:] != hkey[:-1]])
+    totals = np.repeat(np.add.reduceat(count, starts), np.diff(np.r_[starts, len(hkey)]))
+    ucont = cont.view(np.uint32)                             # -1 padding sorts last, like PAD
+    order = np.lexsort(tuple(ucont[:, j] for j in range(cont.shape[1] - 1, -1, -1)) + (-count, hkey))
+    hk = hkey[order]
+    first = np.r_[True, hk[1:] != hk[:-1]]
+    group_start = np.maximum.accumulate(np.where(first, np.arange(len(hk)), 0))
+    rank = np.arange(len(hk)) - group_start
+    keep = count[order] >= min_count
+    if top_k > 0:
+        keep &= rank < top_k
+    return order[keep], totals
+
+
+def _write_rows(writer, hkey, n, key, cont, count, totals, idx, draft_len):
+    """Write kept rows `idx` (grouped by key, best first) as one value per key."""
+    if len(idx) == 0:
+        return
+    hk = hkey[idx]
+    bounds = np.flatnonzero(np.r_[True, hk[1:] != hk[:-1], True])
+    rows = np.full((len(idx), draft_len + 2), stores.PAD, dtype="<u4")
+    c = cont[idx]
+    rows[:, 0] = count[idx]
+    rows[:, 1] = (c >= 0).sum(axis=1)
+    rows[:, 2:] = c.view(np.uint32)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        i = idx[a]
+        kb = key[i, :n[i]].astype("<u4").tobytes()
+        writer.put(kb, np.r_[np.uint32(totals[i]), rows[a:b].ravel()].astype("<u4").tobytes())
+
+
+class _Spill:
+    """Partial counts on disk, partitioned by key hash."""
+
+    def __init__(self, parent: Path, partitions: int):
+        self.dir = Path(tempfile.mkdtemp(prefix=".hd-spill-", dir=parent))
+        self.partitions, self.chunks = partitions, 0
+
+    def add(self, arrays) -> None:
+        part = (arrays[0] % np.uint64(self.partitions)).astype(np.int64)
+        for p in range(self.partitions):
+            sel = part == p
+            np.savez(self.dir / f"p{p}-c{self.chunks}.npz", *(a[sel] for a in arrays))
+        self.chunks += 1
+
+    def load(self, p: int):
+        files = [np.load(self.dir / f"p{p}-c{c}.npz") for c in range(self.chunks)]
+        return tuple(np.concatenate([f[f"arr_{i}"] for f in files]) for i in range(6))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int = 256,
+                  num_proc: int = 1, on_batch: Callable[[int, int], None] | None = None
+                  ) -> Iterator[list[list[int]]]:
+    """Tokenise documents in batches and group them into chunks of about chunk_tokens tokens."""
+    def batches():
+        buf = []
+        for text in texts:
+            buf.append(text)
+            if len(buf) >= batch:
+                yield buf
+                buf = []
+        if buf:
+            yield buf
+
+    encode = _Encoder(tokenizer)
+    pool = None
+    if num_proc > 1:
+        import multiprocessing as mp
+        pool = mp.get_context("fork").Pool(num_proc)
+        encoded = pool.imap(encode, batches())
+    else:
+        encoded = map(encode, batches())
+    chunk, size = [], 0
+    try:
+        for ids in encoded:
+            if on_batch:
+                on_batch(len(ids), sum(map(len, ids)))
+            for d in ids:
+                chunk.append(d)
+                size += len(d)
+            if size >= chunk_tokens:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+class _Encoder:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
+          min_n: int = 1, max_n: int = 4, draft_len: int = 1, top_k: int = 4, min_count: int = 2,
+          shard: tuple[int, int] = (0, 1), chunk_tokens: int = 4_000_000, partitions: int = 8,
+          num_proc: int = 1, overwrite: bool = False, extra_header: dict | None = None,
+          progress: Callable[[int, int], None] | None = None) -> dict:
+    """Count n-gram continuations of `texts` into a new store at `out`; returns its header.
+    progress(documents, tokens) is called after every tokenised batch."""
+    if not 1 <= min_n <= max_n:
+        raise HdError(f"n range needs 1 <= --min-n <= --max-n, got {min_n}..{max_n}")
+    if draft_len < 1 or top_k < 0 or min_count < 1:
+        raise HdError("--draft-len and --min-count must be >= 1 and --top-k >= 0 (0: keep all)")
+    sharded = shard[1] > 1
+    if sharded:  # shards keep exact counts; merge prunes once
+        top_k, min_count = 0, 1
+    t0 = time.time()
+    out = Path(out)
+    with stores.writing(out, overwrite=overwrite) as writer:
+        spill = _Spill(out.parent, partitions)
+        try:
+            tokens = docs = 0
+            for chunk in _token_chunks(texts, tokenizer, chunk_tokens, num_proc=num_proc,
+                                       on_batch=progress):
+                docs += len(chunk)
+                tokens += sum(map(len, chunk))
+                spill.add(count_chunk(chunk, min_n, max_n, draft_len))
+            if docs == 0:
+                raise HdError("the corpus has no documents (empty files, or every record empty)")
+            pairs = 0
+            for p in range(partitions):
+                hkey, hcont, count, n, key, cont = _reduce(*spill.load(p))
+                idx, totals = _select(hkey, count, cont, top_k, min_count)
+                pairs += len(idx)
+                _write_rows(writer, hkey, n, key, cont, count, totals, idx, draft_len)
+        finally:
+            spill.remove()
+        header = {"kind": "stats", "model": model_name,
+                  "tokenizer_fingerprint": stores.tokenizer_fingerprint(tokenizer),
+                  "n_range": [min_n, max_n], "draft_len": draft_len, "top_k": top_k,
+                  "min_count": min_count, "pruned": not sharded, "shard": list(shard),
+                  "documents": docs, "tokens": tokens, "continuations": pairs,
+                  "build_seconds": round(time.time() - t0, 2), "tool_version": __version__,
+                  **(extra_header or {})}
+        writer.commit(header)
+    return header
+
+
+def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None,
+          min_count: int | None = None, overwrite: bool = False) -> dict:
+    """Sum the counts of several stores key by key and prune again. Merging the shards of one
+    build (unpruned) gives exactly the single build; merging pruned DBs sums what they kept."""
+    if len(inputs) < 1:
+        raise HdError("merge-stats needs at least one input DB")
+    t0 = time.time()
+    dbs = [stores.Store(p) for p in inputs]
+    h0 = dbs[0].header
+    for db in dbs[1:]:
+        for field in ("tokenizer_fingerprint", "n_range", "draft_len"):
+            if db.header.get(field) != h0.get(field):
+                raise HdError(f"cannot merge {db.path} with {dbs[0].path}: their {field} differ")
+    shard_k = [db.header["top_k"] for db in dbs if db.header.get("pruned")]
+    top_k = top_k if top_k is not None else (min(shard_k) if shard_k else DEFAULTS["top_k"])
+    min_count = (min_count if min_count is not None else
+                 max([db.header["min_count"] for db in dbs if db.header.get("pruned")] or
+                     [DEFAULTS["min_count"]]))
+    draft_len = int(h0["draft_len"])
+    pairs = 0
+    with stores.writing(out, overwrite=overwrite) as writer:
+        merged = heapq.merge(*(db.items() for db in dbs), key=lambda kv: kv[0])
+        current, total, counts = None, 0, {}
+
+        def flush():
+            nonlocal pairs
+            if current is None:
+                return
+            pad = lambda c: tuple(c) + (stores.PAD,) * (draft_len - len(c))
+            ranked = sorted(((cnt, c) for c, cnt in counts.items() if cnt >= min_count),
+                            key=lambda x: (-x[0], pad(x[1])))
+            if top_k > 0:
+                ranked = ranked[:top_k]
+            if ranked:
+                pairs += len(ranked)
+                writer.put(current, stores.encode_value(total, [(list(c), n) for n, c in ranked],
+                                                        draft_len))
+        for key, (tot, entries) in merged:
+            if key != current:
+                flush()
+                current, total, counts = key, 0, {}
+            total += tot
+            for cont, cnt in entries:
+                counts[tuple(cont)] = counts.get(tuple(cont), 0) + cnt
+        flush()
+        header = {**h0, "top_k": top_k, "min_count": min_count, "pruned": True, "shard": [0, 1],
+                  "documents": sum(db.header.get("documents", 0) for db in dbs),
+                  "tokens": sum(db.header.get("tokens", 0) for db in dbs),
+                  "continuations": pairs, "merged_from": [str(p) for p in inputs],
+                  "sources": [s for db in dbs for s in db.header.get("sources", [])],
+                  "build_seconds": round(time.time() - t0, 2), "tool_version": __version__}
+        writer.commit(header)
+    for db in dbs:
+        db.close()
+    return header

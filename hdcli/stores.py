@@ -1,0 +1,214 @@
+"""The n-gram store: one LMDB file mapping a key of n tokens to its most frequent continuations.
+
+Used by the statistics DB (corpus n-grams) and, later, the model DB (the target's own n-grams).
+
+Layout (one file, LMDB `subdir=False`):
+  HEADER_KEY          -> JSON header (format version, tokenizer fingerprint, n range, draft length,
+                         K, minimum count, sources, token count, build time, tool version, ...)
+  key tokens (n x <u4) -> value: <u4 array [total, e_1, ..., e_m], each entry e_j is `width` =
+                         draft_len + 2 words: [count, length, tok_1 .. tok_draft_len], unused token
+                         slots PAD. Entries are sorted by count, descending; ties by tokens.
+Invariants
+  * n-gram keys are 4*n bytes and HEADER_KEY is not a multiple of 4 bytes long, so they never clash;
+  * `total` counts every occurrence of the key that had a continuation, including continuations
+    that were pruned (so count/total is the continuation's empirical probability);
+  * the file at the output path is always complete: builds write `PATH.tmp-*` and rename it into
+    place only after the last commit (os.replace is atomic on one filesystem).
+Reads go through LMDB's memory map with `buffers=True`: a lookup parses the mapped bytes in place.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .errors import HdError
+
+FORMAT_VERSION = 1
+HEADER_KEY = b"__hd_header__"   # 13 bytes: never a multiple of 4
+PAD = 0xFFFFFFFF
+INITIAL_MAP_SIZE = 1 << 28     # 256 MiB; doubled whenever LMDB reports the map full
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the vocabulary and special tokens: a DB is valid only for one tokenization."""
+    h = hashlib.sha256()
+    for tok, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{tok}\n".encode("utf-8", "surrogatepass"))
+    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    return h.hexdigest()[:32]
+
+
+def encode_key(tokens) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def decode_value(buf, draft_len: int) -> tuple[int, list[tuple[list[int], int]]]:
+    """(total, [(continuation tokens, count), ...]) from a stored value."""
+    arr = np.frombuffer(buf, dtype="<u4")
+    width = draft_len + 2
+    out = []
+    for j in range(1, len(arr), width):
+        count, length = int(arr[j]), int(arr[j + 1])
+        out.append((arr[j + 2:j + 2 + length].tolist(), count))
+    return int(arr[0]), out
+
+
+def encode_value(total: int, entries: list[tuple[list[int], int]], draft_len: int) -> bytes:
+    rows = np.full((len(entries), draft_len + 2), PAD, dtype="<u4")
+    for r, (cont, count) in enumerate(entries):
+        rows[r, 0], rows[r, 1] = count, len(cont)
+        rows[r, 2:2 + len(cont)] = cont
+    return np.concatenate([np.array([total], dtype="<u4"), rows.ravel()]).tobytes()
+
+
+def _lmdb():
+    import lmdb
+    return lmdb
+
+
+class StoreWriter:
+    """Writes a new store at a temporary path; `commit()` renames it into place.
+
+    Puts are batched into write transactions; when LMDB reports the map full the map is doubled
+    and the batch is replayed, so a big build never crashes on the map size."""
+
+    def __init__(self, path: str | Path, overwrite: bool = False, batch: int = 20000):
+        lmdb = _lmdb()
+        self.path = Path(path)
+        if self.path.exists() and not overwrite:
+            raise HdError(f"{self.path} already exists: pass --overwrite to replace it")
+        if not self.path.parent.is_dir():
+            raise HdError(f"output folder {self.path.parent} does not exist")
+        if not os.access(self.path.parent, os.W_OK):
+            raise HdError(f"output folder {self.path.parent} is not writable")
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".tmp-", dir=self.path.parent)
+        os.close(fd)
+        self.tmp = Path(tmp)
+        self.map_size = INITIAL_MAP_SIZE
+        self.env = lmdb.open(str(self.tmp), subdir=False, map_size=self.map_size, lock=False,
+                             sync=False, metasync=False, writemap=False, max_dbs=0)
+        self.pending: list[tuple[bytes, bytes]] = []
+        self.batch, self.keys, self.done = batch, 0, False
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.pending.append((key, value))
+        if len(self.pending) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        lmdb = _lmdb()
+        while self.pending:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for k, v in self.pending:
+                        txn.put(k, v)
+                self.keys += len(self.pending)
+                self.pending = []
+            except lmdb.MapFullError:
+                self.map_size *= 2
+                self.env.set_mapsize(self.map_size)
+            except lmdb.Error as exc:
+                raise HdError(f"writing {self.path}: {exc}") from None
+
+    def commit(self, header: dict) -> None:
+        """Write the header last, sync, and move the complete file into place."""
+        header = {**header, "format_version": FORMAT_VERSION, "keys": self.keys + len(self.pending),
+                  "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.put(HEADER_KEY, json.dumps(header).encode())
+        self.flush()
+        self.keys -= 1  # the header is not an n-gram key
+        self.env.sync(True)
+        self.env.close()
+        os.replace(self.tmp, self.path)
+        self._drop_lock()
+        self.done = True
+
+    def abort(self) -> None:
+        if not self.done:
+            try:
+                self.env.close()
+            except Exception:
+                pass
+            self.tmp.unlink(missing_ok=True)
+            self._drop_lock()
+
+    def _drop_lock(self) -> None:
+        Path(str(self.tmp) + "-lock").unlink(missing_ok=True)
+
+
+@contextmanager
+def writing(path: str | Path, overwrite: bool = False) -> Iterator[StoreWriter]:
+    """`with writing(out) as w: w.put(...); w.commit(header)`: nothing reaches `out` unless
+    commit() ran; any exception (Ctrl-C included) removes the temporary file."""
+    w = StoreWriter(path, overwrite=overwrite)
+    try:
+        yield w
+    finally:
+        w.abort()
+
+
+class Store:
+    """A read-only, memory-mapped n-gram store."""
+
+    def __init__(self, path: str | Path):
+        lmdb = _lmdb()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise HdError(f"DB {self.path} does not exist (build one with `hd build-stats`)")
+        try:
+            # lock=False: read-only use needs no lock file, so a DB on a read-only filesystem opens
+            self.env = lmdb.open(str(self.path), subdir=False, readonly=True, lock=False,
+                                 readahead=False, max_readers=512)
+        except lmdb.Error as exc:
+            raise HdError(f"{self.path} is not an hd DB ({str(exc).splitlines()[0]})") from None
+        self.txn = self.env.begin(buffers=True)
+        raw = self.txn.get(HEADER_KEY)
+        if raw is None:
+            raise HdError(f"{self.path} is an LMDB file but not an hd DB (no header record)")
+        try:
+            self.header = json.loads(bytes(raw))
+        except ValueError:
+            raise HdError(f"{self.path}: the header record is not valid JSON") from None
+        version = self.header.get("format_version")
+        if version != FORMAT_VERSION:
+            raise HdError(f"{self.path} has DB format version {version}; this hd reads version "
+                          f"{FORMAT_VERSION}: rebuild the DB")
+        self.draft_len = int(self.header["draft_len"])
+        self.min_n, self.max_n = (int(x) for x in self.header["n_range"])
+
+    def check_tokenizer(self, tokenizer, model_name: str = "") -> None:
+        fp = tokenizer_fingerprint(tokenizer)
+        if fp != self.header.get("tokenizer_fingerprint"):
+            raise HdError(f"{self.path} was built for the tokenizer of '{self.header.get('model')}', "
+                          f"which differs from {model_name or 'this model'}'s: rebuild it with "
+                          f"--model {model_name or 'NAME'}")
+
+    def get(self, key_tokens) -> tuple[int, list[tuple[list[int], int]]] | None:
+        buf = self.txn.get(encode_key(key_tokens))
+        return None if buf is None else decode_value(buf, self.draft_len)
+
+    def items(self) -> Iterator[tuple[bytes, tuple[int, list]]]:
+        """All (key bytes, (total, entries)) in key order, header excluded."""
+        with self.env.begin(buffers=True) as txn:
+            for k, v in txn.cursor():
+                k = bytes(k)
+                if k != HEADER_KEY:
+                    yield k, decode_value(v, self.draft_len)
+
+    def size_info(self) -> dict:
+        st = self.env.stat()
+        return {"file_bytes": self.path.stat().st_size, "entries": st["entries"] - 1,
+                "depth": st["depth"], "leaf_pages": st["leaf_pages"],
+                "overflow_pages": st["overflow_pages"]}
+
+    def close(self) -> None:
+        self.txn.abort()
+        self.env.close()
