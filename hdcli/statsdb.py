@@ -98,6 +98,8 @@ def count_chunk(docs: list[list[int]], min_n: int, max_n: int, draft_len: int):
 def _select(hkey, count, cont, top_k: int, min_count: int):
     """Indices of the rows to keep: per key, count >= min_count, the top_k by count then tokens.
     Rows must be grouped by hkey. Returns (kept indices in output order, key totals per row)."""
+    if len(hkey) == 0:
+        return np.zeros(0, dtype=np.int64), count
     starts = np.flatnonzero(np.r_[True, hkey[1:] != hkey[:-1]])
     totals = np.repeat(np.add.reduceat(count, starts), np.diff(np.r_[starts, len(hkey)]))
     ucont = cont.view(np.uint32)                             # -1 padding sorts last, like PAD

@@ -1,0 +1,82 @@
+"""build-stats, merge-stats, db info/query and generate --stats-db through the CLI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_cli import hd, run
+from hdcli.errors import HdError
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    f = tmp_path / "c.jsonl"
+    rows = [{"prompt": "p", "text": "the cat sat on the mat and the cat sat on the red mat"},
+            {"prompt": "q", "text": "one two three one two three four"},
+            "this line is not json {",
+            {"prompt": "r", "text": "the cat sat on the mat again"}]
+    f.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return f
+
+
+def test_build_info_query_generate(tiny_model_dir, corpus, tmp_path):
+    out = tmp_path / "s.lmdb"
+    m = str(tiny_model_dir)
+    r = hd("build-stats", str(corpus), "-o", str(out), "--model", m, "--min-count", "1", "--json")
+    data = json.loads(r.stdout)
+    assert data["read"]["skipped_malformed"] == 1 and data["header"]["documents"] == 3
+    assert data["header"]["sources"][0]["sha256"]
+    info = json.loads(hd("db", "info", str(out), "--json").stdout)
+    assert info["header"]["model"] == m and info["size"]["entries"] > 0
+    q = json.loads(hd("db", "query", str(out), "--text", "the cat sat on", "--json").stdout)
+    assert q["keys"][0]["found"] and q["draft"].startswith("the mat")
+    g = json.loads(hd("generate", "--model", m, "-p", "the cat sat on the", "-n", "20",
+                      "--stats-db", str(out), "--json", "--compare").stdout)
+    assert g["compare"]["identical"] and set(g["stats"]["layers"]) <= {"context", "stats"}
+    assert "stats" in g["stats"]["layers"]
+    assert "stats" in hd("generate", "--model", m, "-p", "the cat", "-n", "10", "--stats-db", str(out),
+                         "--no-color").output
+
+
+def test_shard_and_merge_cli(tiny_model_dir, corpus, tmp_path):
+    m = str(tiny_model_dir)
+    hd("build-stats", str(corpus), "-o", str(tmp_path / "all.lmdb"), "--model", m)
+    for i in range(2):
+        hd("build-stats", str(corpus), "-o", str(tmp_path / f"s{i}.lmdb"), "--model", m, "--shard", f"{i}/2")
+    r = hd("merge-stats", str(tmp_path / "s0.lmdb"), str(tmp_path / "s1.lmdb"), "-o", str(tmp_path / "m.lmdb"),
+           "--json")
+    merged = json.loads(r.stdout)["header"]
+    single = json.loads(hd("db", "info", str(tmp_path / "all.lmdb"), "--json").stdout)["header"]
+    assert merged["continuations"] == single["continuations"] and merged["tokens"] == single["tokens"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["missing.jsonl"], "does not exist"),
+    (["CORPUS", "--shard", "3/2"], "--shard"),
+    (["CORPUS", "--field", "body"], "no field 'body'"),
+    (["CORPUS", "--strict"], "malformed"),
+    (["CORPUS", "-o", "/nonexistent/dir/s.lmdb"], "does not exist"),
+])
+def test_build_stats_bad_input(tiny_model_dir, corpus, tmp_path, args, msg):
+    args = [str(corpus) if a == "CORPUS" else a for a in args]
+    if "-o" not in args:
+        args += ["-o", str(tmp_path / "s.lmdb")]
+    r = run("build-stats", *args, "--model", str(tiny_model_dir))
+    assert isinstance(r, HdError) and msg in str(r) and "\n" not in str(r)
+    assert not (tmp_path / "s.lmdb").exists()
+
+
+def test_existing_output_needs_overwrite(tiny_model_dir, corpus, tmp_path):
+    out = tmp_path / "s.lmdb"
+    hd("build-stats", str(corpus), "-o", str(out), "--model", str(tiny_model_dir))
+    r = run("build-stats", str(corpus), "-o", str(out), "--model", str(tiny_model_dir))
+    assert isinstance(r, HdError) and "--overwrite" in str(r)
+    hd("build-stats", str(corpus), "-o", str(out), "--model", str(tiny_model_dir), "--overwrite")
+
+
+def test_generate_refuses_foreign_or_missing_db(tiny_model_dir, tmp_path):
+    r = run("generate", "--model", str(tiny_model_dir), "-p", "hi", "--stats-db", str(tmp_path / "none.lmdb"))
+    assert isinstance(r, HdError) and "does not exist" in str(r)
+    r = run("generate", "--model", str(tiny_model_dir), "-p", "hi", "--layers", "context,stats")
+    assert isinstance(r, HdError) and "--stats-db" in str(r)

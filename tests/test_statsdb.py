@@ -1,0 +1,213 @@
+"""The statistics DB: exact counts, top-K, shard + merge, header, atomic builds, the layer."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hdcli import api, statsdb, stores
+from hdcli.decode import Decoder
+from hdcli.drafting import ContextDB, Hierarchy, StatsDB
+from hdcli.errors import HdError
+
+DOCS = ["the cat sat on the mat . the cat sat on the red mat",
+        "the dog sat on the mat and the cat ran",
+        "the cat sat on the mat . the dog ran up",
+        "one two three one two four one two three"]
+
+
+def expected(docs_ids, min_n, max_n, draft_len, top_k, min_count):
+    """Brute force: every (key, continuation) pair counted with plain dicts, then pruned."""
+    counts = {}
+    for d in docs_ids:
+        for i in range(len(d) - 1):
+            for n in range(min_n, max_n + 1):
+                if i - n + 1 < 0:
+                    continue
+                key, cont = tuple(d[i - n + 1:i + 1]), tuple(d[i + 1:i + 1 + draft_len])
+                counts.setdefault(key, {})
+                counts[key][cont] = counts[key].get(cont, 0) + 1
+    out = {}
+    for key, conts in counts.items():
+        pad = lambda c: c + (stores.PAD,) * (draft_len - len(c))
+        ranked = sorted(((c, k) for c, k in conts.items() if k >= min_count),
+                        key=lambda ck: (-ck[1], pad(ck[0])))
+        if top_k:
+            ranked = ranked[:top_k]
+        if ranked:
+            out[key] = (sum(conts.values()), [(list(c), k) for c, k in ranked])
+    return out
+
+
+def db_dict(path):
+    db = stores.Store(path)
+    got = {tuple(int.from_bytes(k[i:i + 4], "little") for i in range(0, len(k), 4)): v
+           for k, v in db.items()}
+    db.close()
+    return got
+
+
+def tokenize(tok, docs):
+    return [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+
+
+@pytest.mark.parametrize("params", [dict(min_n=1, max_n=3, draft_len=1, top_k=2, min_count=1),
+                                    dict(min_n=1, max_n=4, draft_len=3, top_k=4, min_count=2),
+                                    dict(min_n=2, max_n=2, draft_len=5, top_k=0, min_count=1)])
+def test_counts_and_top_k_are_exact(tiny_lm, tmp_path, params):
+    tok = tiny_lm.tokenizer
+    out = tmp_path / "s.lmdb"
+    # tiny chunks and several partitions: the spill/merge path is what gets tested
+    statsdb.build(DOCS, out, tok, "tiny", chunk_tokens=10, partitions=3, **params)
+    assert db_dict(out) == expected(tokenize(tok, DOCS), **params)
+
+
+def test_shards_merged_equal_single_build(tiny_lm, tmp_path):
+    tok = tiny_lm.tokenizer
+    docs = DOCS * 3 + ["red blue green red blue", "blue green red blue green"]
+    statsdb.build(docs, tmp_path / "all.lmdb", tok, "tiny", top_k=2)
+    shards = []
+    for i in range(3):
+        shards.append(tmp_path / f"s{i}.lmdb")
+        statsdb.build([d for j, d in enumerate(docs) if j % 3 == i], shards[-1], tok, "tiny",
+                      top_k=2, shard=(i, 3))
+        assert stores.Store(shards[-1]).header["pruned"] is False
+    statsdb.merge(shards, tmp_path / "merged.lmdb", top_k=2, min_count=2)
+    assert db_dict(tmp_path / "merged.lmdb") == db_dict(tmp_path / "all.lmdb")
+    assert stores.Store(tmp_path / "merged.lmdb").header["tokens"] == stores.Store(tmp_path / "all.lmdb").header["tokens"]
+
+
+def test_header_round_trips(tiny_lm, tmp_path):
+    out = tmp_path / "s.lmdb"
+    statsdb.build(DOCS, out, tiny_lm.tokenizer, "tiny", max_n=3, extra_header={"sources": [{"path": "x"}]})
+    h = stores.Store(out).header
+    assert h["format_version"] == stores.FORMAT_VERSION and h["model"] == "tiny"
+    assert h["n_range"] == [1, 3] and h["draft_len"] == 1 and h["top_k"] == 4 and h["min_count"] == 2
+    assert h["tokenizer_fingerprint"] == stores.tokenizer_fingerprint(tiny_lm.tokenizer)
+    assert h["documents"] == 4 and h["tokens"] == sum(map(len, tokenize(tiny_lm.tokenizer, DOCS)))
+    assert h["sources"] == [{"path": "x"}] and h["tool_version"] and h["built_at"]
+
+
+def test_map_full_grows_instead_of_crashing(tiny_lm, tmp_path, monkeypatch):
+    monkeypatch.setattr(stores, "INITIAL_MAP_SIZE", 32 * 1024)
+    docs = [" ".join(f"{a} {b} {c}" for a in ("one", "two", "red", "cat") for b in ("sat", "ran", "up")
+                     for c in ("the", "a", "mat", "dog", "sun"))] * 3
+    statsdb.build(docs, tmp_path / "s.lmdb", tiny_lm.tokenizer, "tiny", min_count=1, top_k=0, max_n=4)
+    assert db_dict(tmp_path / "s.lmdb") == expected(tokenize(tiny_lm.tokenizer, docs), 1, 4, 1, 0, 1)
+
+
+def test_interrupted_build_leaves_nothing(tiny_lm, tmp_path):
+    def docs():
+        yield from DOCS
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        statsdb.build(docs(), tmp_path / "s.lmdb", tiny_lm.tokenizer, "tiny", chunk_tokens=5)
+    assert os.listdir(tmp_path) == []
+
+
+def test_killed_build_never_leaves_a_db_at_the_output(tiny_model_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    with open(corpus, "w") as f:
+        for i in range(40000):
+            f.write(json.dumps({"text": DOCS[i % 4] + f" {i % 7}"}) + "\n")
+    out = tmp_path / "s.lmdb"
+    for delay in (0.5, 1.5, 3.0):
+        p = subprocess.Popen([sys.executable, "-m", "hdcli.cli", "build-stats", str(corpus), "-o", str(out),
+                              "--model", str(tiny_model_dir), "--chunk-tokens", "20000", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert not out.exists() or stores.Store(out).header["documents"] == 40000
+        if out.exists():
+            out.unlink()
+
+
+def test_tokenizer_mismatch_is_refused(tiny_lm, tmp_path):
+    out = tmp_path / "s.lmdb"
+    statsdb.build(DOCS, out, tiny_lm.tokenizer, "tiny")
+    db = stores.Store(out)
+    db.check_tokenizer(tiny_lm.tokenizer)
+
+    class Other:
+        all_special_tokens = ["<s>"]
+
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+    with pytest.raises(HdError, match="rebuild it"):
+        db.check_tokenizer(Other(), "other-model")
+
+
+def test_not_a_db_and_existing_output(tiny_lm, tmp_path):
+    bad = tmp_path / "bad.lmdb"
+    bad.write_bytes(b"hello" * 100)
+    with pytest.raises(HdError, match="not an hd DB"):
+        stores.Store(bad)
+    with pytest.raises(HdError, match="--overwrite"):
+        statsdb.build(DOCS, bad, tiny_lm.tokenizer, "tiny")
+    with pytest.raises(HdError, match="does not exist"):
+        statsdb.build(DOCS, tmp_path / "missing" / "s.lmdb", tiny_lm.tokenizer, "tiny")
+    with pytest.raises(HdError, match="no documents"):
+        statsdb.build([], tmp_path / "e.lmdb", tiny_lm.tokenizer, "tiny")
+    assert sorted(os.listdir(tmp_path)) == ["bad.lmdb"]
+
+
+def test_read_only_db_opens(tiny_lm, tmp_path):
+    out = tmp_path / "s.lmdb"
+    statsdb.build(DOCS, out, tiny_lm.tokenizer, "tiny")
+    os.chmod(out, 0o444)
+    os.chmod(tmp_path, 0o555)
+    try:
+        assert stores.Store(out).get(tokenize(tiny_lm.tokenizer, ["the cat"])[0]) is not None
+    finally:
+        os.chmod(tmp_path, 0o755)
+
+
+def test_layer_walks_and_respects_min_prob(tiny_lm, tmp_path):
+    tok = tiny_lm.tokenizer
+    out = tmp_path / "s.lmdb"
+    statsdb.build(DOCS, out, tok, "tiny", min_count=1)
+    db = stores.Store(out)
+    ids = tokenize(tok, ["the dog sat on"])[0]
+    draft = StatsDB(db).propose(ids, 6, 1)[0]
+    assert draft == tokenize(tok, ["the mat . the cat sat"])[0]
+    assert StatsDB(db, min_prob=1.1).propose(ids, 6, 1) == []
+
+
+def test_greedy_with_context_and_stats_equals_plain(tiny_lm, tmp_path):
+    """The DB is built from the tiny model's own outputs, so its drafts are often right."""
+    prompts = ["the cat sat", "one two three", "red blue", "hello world", "big small fast"]
+    refs = {p: api.generate(tiny_lm, p, max_new_tokens=40, drafter=None) for p in prompts}
+    corpus = [tiny_lm.tokenizer.decode(refs[p].tokens, skip_special_tokens=True) for p in prompts[:3]]
+    out = tmp_path / "s.lmdb"
+    statsdb.build(corpus, out, tiny_lm.tokenizer, "tiny", min_count=1)
+    dbs = api.open_stats_dbs([str(out)], tiny_lm)
+    accepted = 0
+    for p in prompts:
+        for layers in (["stats"], ["context", "stats"]):
+            d = api.make_drafter(layers, stats_dbs=dbs, stats_min_prob=0.0)
+            got = api.generate(tiny_lm, p, max_new_tokens=40, drafter=d)
+            assert got.tokens == refs[p].tokens
+            accepted += got.stats.layers.get("stats").accepted if "stats" in got.stats.layers else 0
+    assert accepted > 0
+
+
+@pytest.mark.bundled
+def test_bundled_model_with_stats_equals_plain(bundled_lm, tmp_path):
+    from pathlib import Path
+    from hdcli import corpus
+    texts, _ = corpus.read_corpus([str(Path(__file__).parents[1] / "sample_corpora" / "assistant_answers.jsonl")])
+    out = tmp_path / "s.lmdb"
+    statsdb.build(texts, out, bundled_lm.tokenizer, "smollm2-135m", min_count=1)
+    d = api.make_drafter(["context", "stats"], stats_dbs=api.open_stats_dbs([str(out)], bundled_lm),
+                         stats_min_prob=0.0)
+    for p in ["Write a Python function that returns the sum of a list.", "What is photosynthesis?"]:
+        ref = api.generate(bundled_lm, p, max_new_tokens=40, drafter=None)
+        got = api.generate(bundled_lm, p, max_new_tokens=40, drafter=d)
+        assert got.tokens == ref.tokens
+        assert got.stats.layers["stats"].drafted > 0
