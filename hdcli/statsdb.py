@@ -243,7 +243,7 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
                   "documents": docs, "tokens": tokens, "continuations": pairs,
                   "build_seconds": round(time.time() - t0, 2), "tool_version": __version__,
                   **(extra_header or {})}
-        writer.commit(header)
+        header = writer.commit(header)
     return header
 
 
@@ -298,7 +298,7 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
                   "continuations": pairs, "merged_from": [str(p) for p in inputs],
                   "sources": [s for db in dbs for s in db.header.get("sources", [])],
                   "build_seconds": round(time.time() - t0, 2), "tool_version": __version__}
-        writer.commit(header)
+        header = writer.commit(header)
     for db in dbs:
         db.close()
     return header

@@ -118,8 +118,9 @@ class StoreWriter:
             except lmdb.Error as exc:
                 raise HdError(f"writing {self.path}: {exc}") from None
 
-    def commit(self, header: dict) -> None:
-        """Write the header last, sync, and move the complete file into place."""
+    def commit(self, header: dict) -> dict:
+        """Write the header last, sync, and move the complete file into place. Returns the
+        header as stored."""
         header = {**header, "format_version": FORMAT_VERSION, "keys": self.keys + len(self.pending),
                   "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.put(HEADER_KEY, json.dumps(header).encode())
@@ -130,6 +131,7 @@ class StoreWriter:
         os.replace(self.tmp, self.path)
         self._drop_lock()
         self.done = True
+        return header
 
     def abort(self) -> None:
         if not self.done:
@@ -155,6 +157,26 @@ def writing(path: str | Path, overwrite: bool = False) -> Iterator[StoreWriter]:
         w.abort()
 
 
+_READ_ENVS: dict = {}  # realpath -> lmdb.Environment: LMDB allows one open per file per process
+
+
+def _open_readonly(path: Path):
+    lmdb = _lmdb()
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_ino, st.st_mtime_ns)  # a rebuilt file (renamed into place) is a new file
+    if key not in _READ_ENVS:
+        for old in [k for k in _READ_ENVS if k[0] == real]:
+            _READ_ENVS.pop(old).close()
+        try:
+            # lock=False: read-only use needs no lock file, so a DB on a read-only filesystem opens
+            _READ_ENVS[key] = lmdb.open(real, subdir=False, readonly=True, lock=False,
+                                        readahead=False, max_readers=512)
+        except lmdb.Error as exc:
+            raise HdError(f"{path} is not an hd DB ({str(exc).splitlines()[0]})") from None
+    return _READ_ENVS[key]
+
+
 class Store:
     """A read-only, memory-mapped n-gram store."""
 
@@ -163,12 +185,7 @@ class Store:
         self.path = Path(path)
         if not self.path.is_file():
             raise HdError(f"DB {self.path} does not exist (build one with `hd build-stats`)")
-        try:
-            # lock=False: read-only use needs no lock file, so a DB on a read-only filesystem opens
-            self.env = lmdb.open(str(self.path), subdir=False, readonly=True, lock=False,
-                                 readahead=False, max_readers=512)
-        except lmdb.Error as exc:
-            raise HdError(f"{self.path} is not an hd DB ({str(exc).splitlines()[0]})") from None
+        self.env = _open_readonly(self.path)
         self.txn = self.env.begin(buffers=True)
         raw = self.txn.get(HEADER_KEY)
         if raw is None:
@@ -210,5 +227,5 @@ class Store:
                 "overflow_pages": st["overflow_pages"]}
 
     def close(self) -> None:
+        """End this reader's transaction (the environment stays open for other readers)."""
         self.txn.abort()
-        self.env.close()
