@@ -18,7 +18,7 @@ from .verify import Sampling
 
 load_model = models.load
 
-LAYER_NAMES = ("context", "stats")
+LAYER_NAMES = ("context", "model", "stats")
 
 
 def default_min_n(dtype: str) -> int:
@@ -34,12 +34,14 @@ def default_min_prob(dtype: str) -> float:
     return 0.4 if dtype == "fp32" else 0.1
 
 
-def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None) -> list:
-    """Open statistics DBs read-only, refusing those built for another tokenizer."""
+def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
+                   writable: bool = False) -> list:
+    """Open statistics or model DBs, refusing those built for another tokenizer. writable: for
+    --learn (model DB)."""
     from .stores import Store
     dbs = []
     for p in paths:
-        db = Store(p)
+        db = Store(p, writable=writable)
         if lm is not None:
             db.check_tokenizer(lm.tokenizer, lm.name)
         dbs.append(db)
@@ -48,11 +50,13 @@ def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None) -
 
 def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
                  min_n: int | None = None, max_n: int = 4, dtype: str = "fp32",
-                 stats_dbs: Sequence = (), stats_min_prob: float | None = None) -> Hierarchy | None:
+                 stats_dbs: Sequence = (), stats_min_prob: float | None = None,
+                 model_db=None) -> Hierarchy | None:
     """The drafting hierarchy, most local layer first. An empty `layers` means plain decoding.
 
     draft_len 16 caps drafts from the longest key; shorter keys draft less (see ContextDB).
-    `stats` stands for every DB in stats_dbs, in the order given."""
+    `stats` stands for every DB in stats_dbs, in the order given; `model` for model_db. Both
+    draft with the same walk and min_prob (default by dtype)."""
     min_n = default_min_n(dtype) if min_n is None else min_n
     min_prob = default_min_prob(dtype) if stats_min_prob is None else stats_min_prob
     if draft_len < 1:
@@ -63,6 +67,10 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
     for name in layers:
         if name == "context":
             built.append(ContextDB(min_n=min_n, max_n=max_n))
+        elif name == "model":
+            if model_db is None:
+                raise HdError("layer 'model' needs a model DB: pass --model-db PATH")
+            built.append(StatsDB(model_db, name="model", min_prob=min_prob))
         elif name == "stats":
             if not stats_dbs:
                 raise HdError("layer 'stats' needs a statistics DB: pass --stats-db PATH")
@@ -72,6 +80,17 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
         else:
             raise HdError(f"unknown drafting layer '{name}'; known layers: {', '.join(LAYER_NAMES)}")
     return Hierarchy(built, draft_len=draft_len) if built else None
+
+
+def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int]) -> int:
+    """Add the n-grams of a generation to the model DB (keys may start in the prompt's last
+    tokens, continuations are generated tokens only). Returns keys touched."""
+    from .statsdb import add_counts
+    max_n = int(model_db.header["n_range"][1])
+    context = list(prompt_ids[-max_n:]) if prompt_ids else []
+    doc = context + [t for t in tokens]
+    # counting starts where a continuation is generated: drop keys that end before the output
+    return add_counts(model_db, [doc], first_end=len(context) - 1)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:

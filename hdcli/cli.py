@@ -90,6 +90,8 @@ def generate(
     layers: Optional[str] = typer.Option(None, help="Drafting layers in order, comma-separated "
                                          "(context, stats); 'none' for plain decoding. Default: "
                                          "context, then stats when --stats-db is given."),
+    model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB from `hd build-model-db`."),
+    learn: bool = typer.Option(False, "--learn", help="Add what was generated to the model DB."),
     stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB from `hd build-stats` "
                                         "(repeatable; asked in the order given)."),
     stats_min_prob: Optional[float] = typer.Option(None, "--stats-min-prob", help="Least estimated "
@@ -114,11 +116,15 @@ def generate(
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     except ValueError as exc:
         raise HdError(f"invalid sampling option: {exc}") from None
+    if learn and model_db is None:
+        raise HdError("--learn adds to a model DB: pass --model-db PATH")
     if layers is None:
-        layers = "context,stats" if stats_db else "context"
+        layers = ",".join(["context"] + ["model"] * (model_db is not None) + ["stats"] * bool(stats_db))
     layer_list = [] if layers.strip() == "none" else [x.strip() for x in layers.split(",") if x.strip()]
     dbs = api.open_stats_dbs([str(p) for p in stats_db])  # fail before loading the model
-    api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n or 1, max_n=max_n, stats_dbs=dbs)
+    mdb = api.open_stats_dbs([str(model_db)], writable=learn)[0] if model_db else None
+    api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n or 1, max_n=max_n, stats_dbs=dbs,
+                     model_db=mdb)
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
     err = Console(stderr=True, highlight=False)
     if not as_json:
@@ -127,10 +133,10 @@ def generate(
     if not as_json:
         err.print(f"[dim]loaded {lm.source} ({lm.dtype}, {lm.device}) in {lm.load_seconds:.1f}s"
                   f"{' from cache' if lm.from_cache else ''}[/dim]")
-    for db in dbs:
+    for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
     drafter = api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n, max_n=max_n, dtype=lm.dtype,
-                               stats_dbs=dbs, stats_min_prob=stats_min_prob)
+                               stats_dbs=dbs, stats_min_prob=stats_min_prob, model_db=mdb)
     if compare:
         api.warm_up(lm)
 
@@ -143,8 +149,10 @@ def generate(
     runs = {"hd": res.stats}
     report = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
               "load_seconds": lm.load_seconds, "layers": layer_list, "draft_len": draft_len,
-              "stats_dbs": [str(p) for p in stats_db],
+              "stats_dbs": [str(p) for p in stats_db], "model_db": str(model_db) if model_db else None,
               "sampling": vars(sampling) | {"seed": seed}, **res.to_dict()}
+    if learn:
+        report["learned_keys"] = api.learn(mdb, res.prompt_ids, res.tokens)
     if compare:
         base = api.generate(lm, text, drafter=None, **common)
         runs["plain"] = base.stats
@@ -259,6 +267,76 @@ def merge_stats(
                            overwrite=overwrite)
     if as_json:
         typer.echo(json.dumps({"path": str(out), "header": header}))
+    else:
+        _print_header(header, {"file_bytes": out.stat().st_size})
+
+
+@app.command("build-model-db")
+def build_model_db(
+    out: Path = typer.Option(..., "--out", "-o", help="The LMDB file to create."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m"),
+    prompts: Optional[Path] = typer.Option(None, help="jsonl with `prompt`, `turns` or `text` "
+                                           "(default: sample_corpora/model_db_prompts.jsonl)."),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.8, help="0 = greedy."),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    batch_size: int = typer.Option(8, "--batch-size", help="Prompts per forward pass "
+                                   "(benchmarks/model_db_bench.py measured 1/4/8/16)."),
+    seed: int = typer.Option(0),
+    samples: Optional[Path] = typer.Option(None, help="Where raw generations are appended "
+                                           "(default: OUT.samples.jsonl)."),
+    resume: bool = typer.Option(False, help="Continue an interrupted sampling run."),
+    from_samples: Optional[Path] = typer.Option(None, "--from-samples", help="Only index this "
+                                                "samples file (no generation)."),
+    min_n: int = typer.Option(1, "--min-n"),
+    max_n: int = typer.Option(4, "--max-n"),
+    top_k: int = typer.Option(4, "--top-k"),
+    min_count: int = typer.Option(1, "--min-count", help="Least count kept (the samples are few)."),
+    dtype: str = typer.Option("auto"),
+    device: str = typer.Option("auto"),
+    overwrite: bool = typer.Option(False),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Sample the target model on a prompt set and index what it wrote into a model DB."""
+    from tqdm import tqdm
+    from . import models, modeldb
+    if out.exists() and not overwrite:
+        raise HdError(f"{out} already exists: pass --overwrite to replace it")
+    result = {"path": str(out)}
+    params = dict(min_n=min_n, max_n=max_n, top_k=top_k, min_count=min_count)
+    if from_samples is not None:
+        tok = models.load_tokenizer(model)
+        header = modeldb.index(from_samples, out, tok, model, overwrite=overwrite, **params)
+    else:
+        prompt_list, source = modeldb.load_prompts(prompts, num_prompts)
+        samples = samples or out.with_name(out.name + ".samples.jsonl")
+        if overwrite and not resume and samples.exists():
+            samples.unlink()  # --overwrite starts the whole build afresh
+        lm = api.load_model(model, dtype=dtype, device=device)
+        bar = tqdm(total=len(prompt_list), unit=" prompts", desc="sampling", disable=as_json)
+        last = {"done": 0}
+
+        def progress(done: int, tokens: int) -> None:
+            bar.update(done - last["done"])
+            last["done"] = done
+            bar.set_postfix(tokens=tokens, tok_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+
+        try:
+            run = modeldb.sample(lm, prompt_list, samples, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=top_p, batch_size=batch_size,
+                                 seed=seed, resume=resume, progress=progress)
+        finally:
+            bar.close()
+        result["sampling"] = run
+        sampling = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+                    "batch_size": batch_size, "seed": seed, "dtype": lm.dtype}
+        header = modeldb.index(samples, out, lm.tokenizer, model, overwrite=overwrite,
+                               header={"sampling": sampling, "prompt_source": source,
+                                       "prompts": len(prompt_list)}, **params)
+    result["header"] = header
+    if as_json:
+        typer.echo(json.dumps(result))
     else:
         _print_header(header, {"file_bytes": out.stat().st_size})
 

@@ -116,7 +116,7 @@ class StatsDB:
         self.store, self.name, self.min_prob, self.walk = store, name, min_prob, walk
 
     def reset(self, tokens: Sequence[int]) -> None:
-        pass
+        self.store.refresh()  # a new request sees what was learned since
 
     def extend(self, tokens: Sequence[int]) -> None:
         pass

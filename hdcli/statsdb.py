@@ -167,9 +167,9 @@ def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int
         if buf:
             yield buf
 
-    encode = _Encoder(tokenizer)
+    encode = list if tokenizer is None else _Encoder(tokenizer)  # None: texts are token lists
     pool = None
-    if num_proc > 1:
+    if num_proc > 1 and tokenizer is not None:
         import multiprocessing as mp
         pool = mp.get_context("fork").Pool(num_proc)
         encoded = pool.imap(encode, batches())
@@ -205,8 +205,10 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
           min_n: int = 1, max_n: int = 4, draft_len: int = 1, top_k: int = 4, min_count: int = 2,
           shard: tuple[int, int] = (0, 1), chunk_tokens: int = 4_000_000, partitions: int = 8,
           num_proc: int = 1, overwrite: bool = False, extra_header: dict | None = None,
-          progress: Callable[[int, int], None] | None = None) -> dict:
+          progress: Callable[[int, int], None] | None = None, tokenized: bool = False,
+          kind: str = "stats") -> dict:
     """Count n-gram continuations of `texts` into a new store at `out`; returns its header.
+    tokenized: `texts` are token-id lists already (the model DB's samples).
     progress(documents, tokens) is called after every tokenised batch."""
     if not 1 <= min_n <= max_n:
         raise HdError(f"n range needs 1 <= --min-n <= --max-n, got {min_n}..{max_n}")
@@ -221,8 +223,8 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
         spill = _Spill(out.parent, partitions)
         try:
             tokens = docs = 0
-            for chunk in _token_chunks(texts, tokenizer, chunk_tokens, num_proc=num_proc,
-                                       on_batch=progress):
+            for chunk in _token_chunks(texts, None if tokenized else tokenizer, chunk_tokens,
+                                       num_proc=num_proc, on_batch=progress):
                 docs += len(chunk)
                 tokens += sum(map(len, chunk))
                 spill.add(count_chunk(chunk, min_n, max_n, draft_len))
@@ -236,7 +238,7 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
                 _write_rows(writer, hkey, n, key, cont, count, totals, idx, draft_len)
         finally:
             spill.remove()
-        header = {"kind": "stats", "model": model_name,
+        header = {"kind": kind, "model": model_name,
                   "tokenizer_fingerprint": stores.tokenizer_fingerprint(tokenizer),
                   "n_range": [min_n, max_n], "draft_len": draft_len, "top_k": top_k,
                   "min_count": min_count, "pruned": not sharded, "shard": list(shard),
@@ -302,3 +304,44 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
     for db in dbs:
         db.close()
     return header
+
+
+def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int = 0) -> int:
+    """Add the n-gram continuations of `docs` to a writable store in ONE write transaction
+    (atomic; concurrent writers serialise on LMDB's lock, so no update is lost), re-pruning each
+    touched key to the store's top_k. min_count is not applied: one generation rarely repeats an
+    n-gram, and learning exists to keep what the model wrote recently. Keys end at positions
+    >= first_end of each doc (earlier tokens serve as key context only). Returns keys touched."""
+    h = store.header
+    min_n, max_n = h["n_range"]
+    draft_len, top_k = int(h["draft_len"]), int(h["top_k"])
+    counts: dict[tuple, dict[tuple, int]] = {}
+    learned = 0
+    for d in docs:
+        learned += len(d) - (first_end + 1 if first_end > 0 else 0)
+        for i in range(max(0, first_end), len(d) - 1):
+            cont = tuple(d[i + 1:i + 1 + draft_len])
+            for n in range(min_n, min(max_n, i + 1) + 1):
+                per = counts.setdefault(tuple(d[i - n + 1:i + 1]), {})
+                per[cont] = per.get(cont, 0) + 1
+    pad = lambda c: tuple(c) + (stores.PAD,) * (draft_len - len(c))
+
+    def write(txn):
+        for key, conts in counts.items():
+            kb = stores.encode_key(key)
+            old = txn.get(kb)
+            total, entries = stores.decode_value(old, draft_len) if old is not None else (0, [])
+            merged = {tuple(c): k for c, k in entries}
+            for c, k in conts.items():
+                merged[c] = merged.get(c, 0) + k
+            ranked = sorted(merged.items(), key=lambda ck: (-ck[1], pad(ck[0])))
+            if top_k > 0:
+                ranked = ranked[:top_k]
+            txn.put(kb, stores.encode_value(total + sum(conts.values()),
+                                            [(list(c), k) for c, k in ranked], draft_len))
+        header = stores.read_header(txn)
+        header["learned_tokens"] = header.get("learned_tokens", 0) + learned
+        header["learned_updates"] = header.get("learned_updates", 0) + 1
+        stores.write_header(txn, header)
+    store.update(write)
+    return len(counts)

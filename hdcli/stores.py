@@ -157,43 +157,67 @@ def writing(path: str | Path, overwrite: bool = False) -> Iterator[StoreWriter]:
         w.abort()
 
 
-_READ_ENVS: dict = {}  # realpath -> lmdb.Environment: LMDB allows one open per file per process
+_ENVS: dict = {}  # realpath -> (lmdb.Environment, writable): LMDB allows one open per file per process
 
 
-def _open_readonly(path: Path):
+def _open_env(path: Path, writable: bool):
+    """Readers take LMDB's lock file so a concurrent writer (`--learn`) never reuses pages a
+    reader still sees; where no lock file can be made (read-only filesystem) no writer can exist
+    either, and we read without one."""
     lmdb = _lmdb()
     real = os.path.realpath(path)
     st = os.stat(real)
-    key = (real, st.st_ino, st.st_mtime_ns)  # a rebuilt file (renamed into place) is a new file
-    if key not in _READ_ENVS:
-        for old in [k for k in _READ_ENVS if k[0] == real]:
-            _READ_ENVS.pop(old).close()
-        try:
-            # lock=False: read-only use needs no lock file, so a DB on a read-only filesystem opens
-            _READ_ENVS[key] = lmdb.open(real, subdir=False, readonly=True, lock=False,
-                                        readahead=False, max_readers=512)
-        except lmdb.Error as exc:
-            raise HdError(f"{path} is not an hd DB ({str(exc).splitlines()[0]})") from None
-    return _READ_ENVS[key]
+    key = (real, st.st_ino)  # a rebuilt file (renamed into place) is a new file
+    cached = _ENVS.get(real)
+    if cached and cached[0] == key and (cached[2] or not writable):
+        return cached[1]
+    if cached:
+        _ENVS.pop(real)[1].close()
+    had_lock = os.path.exists(real + "-lock")
+    try:
+        if writable:
+            env = lmdb.open(real, subdir=False, map_size=max(INITIAL_MAP_SIZE, 2 * st.st_size),
+                            max_readers=512)
+        else:
+            try:
+                env = lmdb.open(real, subdir=False, readonly=True, max_readers=512, readahead=False)
+            except lmdb.Error:
+                env = lmdb.open(real, subdir=False, readonly=True, lock=False, readahead=False)
+    except lmdb.Error as exc:
+        if not had_lock:
+            Path(real + "-lock").unlink(missing_ok=True)
+        raise HdError(f"{path} is not an hd DB ({str(exc).splitlines()[0]})") from None
+    _ENVS[real] = (key, env, writable)
+    return env
+
+
+def read_header(txn) -> dict:
+    raw = txn.get(HEADER_KEY)
+    return None if raw is None else json.loads(bytes(raw))
+
+
+def write_header(txn, header: dict) -> None:
+    txn.put(HEADER_KEY, json.dumps(header).encode())
 
 
 class Store:
     """A read-only, memory-mapped n-gram store."""
 
-    def __init__(self, path: str | Path):
-        lmdb = _lmdb()
+    def __init__(self, path: str | Path, writable: bool = False):
         self.path = Path(path)
         if not self.path.is_file():
-            raise HdError(f"DB {self.path} does not exist (build one with `hd build-stats`)")
-        self.env = _open_readonly(self.path)
+            raise HdError(f"DB {self.path} does not exist (build one with `hd build-stats` or "
+                          "`hd build-model-db`)")
+        if writable and not os.access(self.path, os.W_OK):
+            raise HdError(f"{self.path} is not writable: --learn needs to write to it")
+        self.env = _open_env(self.path, writable)
         self.txn = self.env.begin(buffers=True)
-        raw = self.txn.get(HEADER_KEY)
-        if raw is None:
-            raise HdError(f"{self.path} is an LMDB file but not an hd DB (no header record)")
         try:
-            self.header = json.loads(bytes(raw))
+            self.header = read_header(self.txn)
         except ValueError:
             raise HdError(f"{self.path}: the header record is not valid JSON") from None
+        if self.header is None:
+            raise HdError(f"{self.path} is an LMDB file but not an hd DB (no header record)")
         version = self.header.get("format_version")
         if version != FORMAT_VERSION:
             raise HdError(f"{self.path} has DB format version {version}; this hd reads version "
@@ -207,6 +231,29 @@ class Store:
             raise HdError(f"{self.path} was built for the tokenizer of '{self.header.get('model')}', "
                           f"which differs from {model_name or 'this model'}'s: rebuild it with "
                           f"--model {model_name or 'NAME'}")
+
+    def refresh(self) -> None:
+        """Start a new read snapshot: see what other processes committed since, and stop
+        pinning old pages."""
+        self.txn.abort()
+        self.txn = self.env.begin(buffers=True)
+
+    def update(self, fn):
+        """Run fn(write_txn) in one write transaction, growing the map when it is full."""
+        lmdb = _lmdb()
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    result = fn(txn)
+                break
+            except lmdb.MapFullError:
+                self.txn.abort()
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            except lmdb.ReadonlyError:
+                raise HdError(f"{self.path} is open read-only") from None
+        self.refresh()
+        self.header = read_header(self.txn)
+        return result
 
     def get(self, key_tokens) -> tuple[int, list[tuple[list[int], int]]] | None:
         buf = self.txn.get(encode_key(key_tokens))

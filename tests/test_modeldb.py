@@ -1,0 +1,131 @@
+"""The model DB: sampling, resume, indexing, learning (also from two processes at once)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hdcli import api, modeldb, statsdb, stores
+
+from test_cli import hd
+from test_statsdb import db_dict, expected
+
+PROMPTS = ["the cat sat", "one two three", "red blue green", "hello world", "big small",
+           "the dog ran", "yes no yes", "sun moon"]
+
+
+def samples_of(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_index_holds_exactly_the_sampled_ngrams(tiny_lm, tmp_path):
+    s = tmp_path / "s.jsonl"
+    run = modeldb.sample(tiny_lm, PROMPTS, s, max_new_tokens=12, temperature=0.9, batch_size=3, seed=1)
+    assert run["prompts_done"] == len(PROMPTS) and run["new_tokens"] > 0
+    recs = samples_of(s)
+    assert sorted(r["index"] for r in recs) == list(range(len(PROMPTS)))
+    out = tmp_path / "m.lmdb"
+    header = modeldb.index(s, out, tiny_lm.tokenizer, "tiny", min_count=1, top_k=3)
+    assert header["kind"] == "model" and header["tokens"] == run["new_tokens"]
+    docs = [r["tokens"] for r in sorted(recs, key=lambda r: r["index"])]
+    assert db_dict(out) == expected(docs, 1, 4, 1, 3, 1)
+
+
+def test_batched_sampling_matches_one_by_one_greedy(tiny_lm, tmp_path):
+    """Left padding must not change what the model writes (greedy, fp32)."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    modeldb.sample(tiny_lm, PROMPTS, a, max_new_tokens=10, temperature=0, batch_size=4)
+    modeldb.sample(tiny_lm, PROMPTS, b, max_new_tokens=10, temperature=0, batch_size=1)
+    tokens = lambda p: {r["index"]: r["tokens"] for r in samples_of(p)}
+    assert tokens(a) == tokens(b)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_resume_after_interruption_equals_uninterrupted(tiny_lm, tmp_path, temperature):
+    kw = dict(max_new_tokens=10, temperature=temperature, batch_size=3, seed=7)
+    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
+    modeldb.sample(tiny_lm, PROMPTS, full, **kw)
+    modeldb.sample(tiny_lm, PROMPTS, part, stop_after=1, **kw)
+    with open(part, "a") as f:  # a kill in the middle of the next batch: one line and a torn one
+        f.write(json.dumps({"batch": 1, "index": 3, "prompt": "x", "tokens": [1, 2]}) + "\n")
+        f.write('{"batch": 1, "ind')
+    with pytest.raises(Exception, match="--resume"):
+        modeldb.sample(tiny_lm, PROMPTS, part, **kw)
+    modeldb.sample(tiny_lm, PROMPTS, part, resume=True, **kw)
+    assert samples_of(part) == samples_of(full)
+    modeldb.index(full, tmp_path / "a.lmdb", tiny_lm.tokenizer, "tiny")
+    modeldb.index(part, tmp_path / "b.lmdb", tiny_lm.tokenizer, "tiny")
+    assert db_dict(tmp_path / "a.lmdb") == db_dict(tmp_path / "b.lmdb")
+
+
+def test_learn_adds_counts_and_reprunes(tiny_lm, tmp_path):
+    out = tmp_path / "m.lmdb"
+    statsdb.build([[5, 6, 7], [5, 6, 8]], out, tiny_lm.tokenizer, "tiny", tokenized=True,
+                  min_count=1, top_k=2, kind="model")
+    db = stores.Store(out, writable=True)
+    assert db.get([5, 6]) == (2, [([7], 1), ([8], 1)])
+    statsdb.add_counts(db, [[5, 6, 9, 5, 6, 9]])
+    assert db.get([5, 6]) == (4, [([9], 2), ([7], 1)])  # top-2 kept, total counts everything
+    assert db.header["learned_updates"] == 1
+
+
+def test_learn_from_two_processes_loses_nothing(tiny_lm, tmp_path):
+    out = tmp_path / "m.lmdb"
+    statsdb.build([[1, 2, 3]], out, tiny_lm.tokenizer, "tiny", tokenized=True, min_count=1, top_k=0,
+                  kind="model")
+    script = textwrap.dedent(f"""
+        import sys
+        from hdcli import stores, statsdb
+        me = int(sys.argv[1])
+        db = stores.Store({str(out)!r}, writable=True)
+        for i in range(60):
+            statsdb.add_counts(db, [[10 + me, 20 + me, 30 + me], [7, 8]])
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(me)]) for me in (0, 1)]
+    assert [p.wait() for p in procs] == [0, 0]
+    db = stores.Store(out)
+    assert db.get([10, 20]) == (60, [([30], 60)]) and db.get([11, 21]) == (60, [([31], 60)])
+    assert db.get([7]) == (120, [([8], 120)])
+    assert db.header["learned_updates"] == 120
+
+
+def test_greedy_with_context_model_and_stats_equals_plain(tiny_lm, tmp_path):
+    s = tmp_path / "s.jsonl"
+    modeldb.sample(tiny_lm, PROMPTS[:5], s, max_new_tokens=30, temperature=0.0, batch_size=5)
+    modeldb.index(s, tmp_path / "m.lmdb", tiny_lm.tokenizer, "tiny", min_count=1)
+    statsdb.build(["the cat sat on the mat and the dog ran up"] * 3, tmp_path / "st.lmdb",
+                  tiny_lm.tokenizer, "tiny")
+    mdb = api.open_stats_dbs([str(tmp_path / "m.lmdb")], tiny_lm, writable=True)[0]
+    sdb = api.open_stats_dbs([str(tmp_path / "st.lmdb")], tiny_lm)
+    accepted = 0
+    for p in PROMPTS:
+        ref = api.generate(tiny_lm, p, max_new_tokens=30, drafter=None)
+        for layers in (["model"], ["context", "model", "stats"]):
+            d = api.make_drafter(layers, model_db=mdb, stats_dbs=sdb, stats_min_prob=0.0)
+            got = api.generate(tiny_lm, p, max_new_tokens=30, drafter=d)
+            assert got.tokens == ref.tokens
+            accepted += got.stats.layers["model"].accepted if "model" in got.stats.layers else 0
+        api.learn(mdb, ref.prompt_ids, ref.tokens)  # learning must not break exactness either
+    assert accepted > 0
+
+
+def test_cli_build_model_db_and_learn(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"turns": [p, "second turn"]}) for p in PROMPTS) + "\n")
+    out = tmp_path / "m.lmdb"
+    m = str(tiny_model_dir)
+    r = json.loads(hd("build-model-db", "-o", str(out), "--model", m, "--prompts", str(prompts),
+                      "--num-prompts", "4", "-n", "8", "--batch-size", "2", "--json").stdout)
+    h = r["header"]
+    assert h["prompts"] == 4 and h["sampling"]["temperature"] == 0.8 and h["prompt_source"] == str(prompts)
+    assert r["sampling"]["new_tokens"] == h["tokens"]
+    again = tmp_path / "again.lmdb"
+    hd("build-model-db", "-o", str(again), "--model", m, "--from-samples", str(out) + ".samples.jsonl")
+    assert db_dict(again) == db_dict(out)
+    g = json.loads(hd("generate", "--model", m, "-p", "the cat sat", "-n", "12", "--model-db", str(out),
+                      "--learn", "--json").stdout)
+    assert g["learned_keys"] > 0
+    assert stores.Store(out).header["learned_tokens"] == len(g["tokens"])
