@@ -1,0 +1,99 @@
+"""The model DB end to end: sampling throughput by batch size, build time, and speedup.
+
+    # 1. tokens/s of batched sampling for batch sizes 1, 4, 8, 16 (same prompts, same settings)
+    python benchmarks/model_db_bench.py throughput --dtype bf16
+    # 2. decoding on Spec-Bench questions with context / +model / +model+stats, in one run
+    python benchmarks/model_db_bench.py decode --model-db model.lmdb --stats-db stats.lmdb --dtype fp32
+
+The model DB itself is built with the CLI, timed by the shell (the exact command is in
+docs/benchmarks.md), from prompts that are not Spec-Bench questions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from hdcli import api, modeldb
+
+from stats_bench import questions
+
+
+def throughput(args) -> dict:
+    lm = api.load_model(dtype=args.dtype)
+    prompts, _ = modeldb.load_prompts(None, args.prompts)
+    rows = {}
+    for bs in args.batch_sizes:
+        with tempfile.TemporaryDirectory() as d:
+            r = modeldb.sample(lm, prompts, Path(d) / "s.jsonl", max_new_tokens=args.max_new_tokens,
+                               batch_size=bs, temperature=0.8, seed=0)
+        rows[bs] = {"tokens_per_second": r["tokens_per_second"], "new_tokens": r["new_tokens"],
+                    "seconds": r["seconds"]}
+        print(f"batch {bs:3d}: {r['tokens_per_second']:7.1f} tok/s ({r['new_tokens']} tokens in {r['seconds']:.1f}s)")
+    return {"dtype": lm.dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": rows}
+
+
+def decode(args) -> dict:
+    lm = api.load_model(dtype=args.dtype)
+    api.warm_up(lm)
+    mdb = api.open_stats_dbs([args.model_db], lm)[0]
+    sdbs = api.open_stats_dbs([args.stats_db], lm) if args.stats_db else []
+    methods = {"plain": None, "context": ["context"], "context+model": ["context", "model"]}
+    if sdbs:
+        methods["context+model+stats"] = ["context", "model", "stats"]
+    runs = {m: [] for m in methods}
+    for q in questions(args.spec_bench, args.questions):
+        ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
+        for m, layers in methods.items():
+            d = api.make_drafter(layers, dtype=lm.dtype, model_db=mdb, stats_dbs=sdbs) if layers else None
+            runs[m].append(api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d))
+    plain = statistics.mean(r.stats.tokens_per_second for r in runs["plain"])
+    out = {"dtype": lm.dtype, "questions": args.questions, "max_new_tokens": args.max_new_tokens, "methods": {}}
+    for m, rs in runs.items():
+        layers = {}
+        for r in rs:
+            for name, ls in r.stats.layers.items():
+                agg = layers.setdefault(name, {"queries": 0, "hits": 0, "drafted": 0, "accepted": 0})
+                for f in agg:
+                    agg[f] += getattr(ls, f)
+        steps = [a for r in rs for a in r.stats.accept_lengths]
+        tps = statistics.mean(r.stats.tokens_per_second for r in rs)
+        out["methods"][m] = {
+            "tokens_per_second": tps, "speedup": tps / plain, "mean_accepted_tokens": sum(steps) / len(steps),
+            "differ_from_plain": sum(r.tokens != p.tokens for r, p in zip(rs, runs["plain"])),
+            "layers": {k: {**v, "hit_rate": v["hits"] / max(1, v["queries"]),
+                           "acceptance_rate": v["accepted"] / max(1, v["drafted"])} for k, v in layers.items()}}
+        print(f"{m:20s} {tps:6.1f} tok/s {tps / plain:5.2f}x  mean accepted {sum(steps) / len(steps):.2f}  "
+              f"differ {out['methods'][m]['differ_from_plain']}/{len(rs)}  " +
+              "  ".join(f"{k}: hit {v['hits'] / max(1, v['queries']):.0%} acc {v['accepted'] / max(1, v['drafted']):.0%}"
+                        for k, v in layers.items()))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("throughput")
+    t.add_argument("--dtype", default="bf16")
+    t.add_argument("--prompts", type=int, default=16)
+    t.add_argument("--max-new-tokens", type=int, default=128)
+    t.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4, 8, 16])
+    d = sub.add_parser("decode")
+    d.add_argument("--model-db", required=True)
+    d.add_argument("--stats-db")
+    d.add_argument("--dtype", default="fp32")
+    d.add_argument("--spec-bench", default="../shared/data/spec_bench/question.jsonl")
+    d.add_argument("--questions", type=int, default=20)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    for p in (t, d):
+        p.add_argument("--out")
+    args = ap.parse_args()
+    result = throughput(args) if args.what == "throughput" else decode(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
