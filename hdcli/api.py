@@ -29,9 +29,15 @@ def default_min_n(dtype: str) -> int:
 
 
 def default_min_prob(dtype: str) -> float:
-    """Least estimated probability of a statistics-DB draft, by dtype: costly verification (fp32
-    on CPU) wants confident drafts only (benchmarks/stats_tuning.py, docs/stats-db.md)."""
-    return 0.4 if dtype == "fp32" else 0.1
+    """Where the statistics/model DB walk stops: the estimated probability of the whole draft."""
+    return 0.2 if dtype == "fp32" else 0.1
+
+
+def default_min_expected(dtype: str) -> float:
+    """Least expected accepted tokens for a DB draft to be worth a verification forward: in fp32
+    on CPU a forward over a draft costs ~1.65 plain steps; in bf16 about one. Both defaults come
+    from replaying Spec-Bench outputs (benchmarks/stats_tuning.py, docs/stats-db.md)."""
+    return 1.0 if dtype == "fp32" else 0.0
 
 
 def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
@@ -51,14 +57,15 @@ def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
 def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
                  min_n: int | None = None, max_n: int = 4, dtype: str = "fp32",
                  stats_dbs: Sequence = (), stats_min_prob: float | None = None,
-                 model_db=None) -> Hierarchy | None:
+                 stats_min_expected: float | None = None, model_db=None) -> Hierarchy | None:
     """The drafting hierarchy, most local layer first. An empty `layers` means plain decoding.
 
     draft_len 16 caps drafts from the longest key; shorter keys draft less (see ContextDB).
     `stats` stands for every DB in stats_dbs, in the order given; `model` for model_db. Both
-    draft with the same walk and min_prob (default by dtype)."""
+    draft with the same walk, min_prob and min_expected (defaults by dtype)."""
     min_n = default_min_n(dtype) if min_n is None else min_n
     min_prob = default_min_prob(dtype) if stats_min_prob is None else stats_min_prob
+    min_expected = default_min_expected(dtype) if stats_min_expected is None else stats_min_expected
     if draft_len < 1:
         raise HdError(f"--draft-len must be >= 1, not {draft_len}")
     if not 1 <= min_n <= max_n:
@@ -70,13 +77,13 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
         elif name == "model":
             if model_db is None:
                 raise HdError("layer 'model' needs a model DB: pass --model-db PATH")
-            built.append(StatsDB(model_db, name="model", min_prob=min_prob))
+            built.append(StatsDB(model_db, name="model", min_prob=min_prob, min_expected=min_expected))
         elif name == "stats":
             if not stats_dbs:
                 raise HdError("layer 'stats' needs a statistics DB: pass --stats-db PATH")
             for db in stats_dbs:
                 label = "stats" if len(stats_dbs) == 1 else f"stats:{db.path.stem}"
-                built.append(StatsDB(db, name=label, min_prob=min_prob))
+                built.append(StatsDB(db, name=label, min_prob=min_prob, min_expected=min_expected))
         else:
             raise HdError(f"unknown drafting layer '{name}'; known layers: {', '.join(LAYER_NAMES)}")
     return Hierarchy(built, draft_len=draft_len) if built else None

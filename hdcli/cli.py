@@ -95,7 +95,10 @@ def generate(
     stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB from `hd build-stats` "
                                         "(repeatable; asked in the order given)."),
     stats_min_prob: Optional[float] = typer.Option(None, "--stats-min-prob", help="Least estimated "
-                                                   "probability of a stats draft (default 0.4 fp32, 0.1 bf16)."),
+                                                   "probability of a stats/model draft (default 0.2 fp32, 0.1 bf16)."),
+    stats_min_expected: Optional[float] = typer.Option(None, "--stats-min-expected", help="Least "
+                                                       "expected accepted tokens of a stats/model draft "
+                                                       "(default 1.0 fp32, 0 bf16)."),
     draft_len: int = typer.Option(16, "--draft-len", help="Most tokens drafted per step."),
     min_n: Optional[int] = typer.Option(None, "--min-n", help="Shortest n-gram the context DB "
                                         "matches (default: 2 in fp32, 1 in bf16/fp16)."),
@@ -136,7 +139,8 @@ def generate(
     for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
     drafter = api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n, max_n=max_n, dtype=lm.dtype,
-                               stats_dbs=dbs, stats_min_prob=stats_min_prob, model_db=mdb)
+                               stats_dbs=dbs, stats_min_prob=stats_min_prob,
+                               stats_min_expected=stats_min_expected, model_db=mdb)
     if compare:
         api.warm_up(lm)
 
@@ -281,7 +285,7 @@ def build_model_db(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.8, help="0 = greedy."),
     top_p: float = typer.Option(0.95, "--top-p"),
-    batch_size: int = typer.Option(8, "--batch-size", help="Prompts per forward pass "
+    batch_size: int = typer.Option(16, "--batch-size", help="Prompts per forward pass "
                                    "(benchmarks/model_db_bench.py measured 1/4/8/16)."),
     seed: int = typer.Option(0),
     samples: Optional[Path] = typer.Option(None, help="Where raw generations are appended "
@@ -293,7 +297,8 @@ def build_model_db(
     max_n: int = typer.Option(4, "--max-n"),
     top_k: int = typer.Option(4, "--top-k"),
     min_count: int = typer.Option(1, "--min-count", help="Least count kept (the samples are few)."),
-    dtype: str = typer.Option("auto"),
+    dtype: str = typer.Option("bf16", help="Sampling needs no bit-exactness, so the fast dtype "
+                              "is the default here (fp16/fp32/auto also work)."),
     device: str = typer.Option("auto"),
     overwrite: bool = typer.Option(False),
     as_json: bool = typer.Option(False, "--json"),

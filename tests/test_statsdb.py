@@ -177,6 +177,9 @@ def test_layer_walks_and_respects_min_prob(tiny_lm, tmp_path):
     draft = StatsDB(db).propose(ids, 6, 1)[0]
     assert draft == tokenize(tok, ["the mat . the cat sat"])[0]
     assert StatsDB(db, min_prob=1.1).propose(ids, 6, 1) == []
+    # the gate compares the sum of prefix probabilities along the walk with min_expected
+    assert StatsDB(db, min_expected=1.0).propose(ids, 6, 1) == [draft]
+    assert StatsDB(db, min_expected=6.0).propose(ids, 6, 1) == []
 
 
 def test_greedy_with_context_and_stats_equals_plain(tiny_lm, tmp_path):
@@ -190,7 +193,7 @@ def test_greedy_with_context_and_stats_equals_plain(tiny_lm, tmp_path):
     accepted = 0
     for p in prompts:
         for layers in (["stats"], ["context", "stats"]):
-            d = api.make_drafter(layers, stats_dbs=dbs, stats_min_prob=0.0)
+            d = api.make_drafter(layers, stats_dbs=dbs, stats_min_prob=0.0, stats_min_expected=0.0)
             got = api.generate(tiny_lm, p, max_new_tokens=40, drafter=d)
             assert got.tokens == refs[p].tokens
             accepted += got.stats.layers.get("stats").accepted if "stats" in got.stats.layers else 0
@@ -205,7 +208,7 @@ def test_bundled_model_with_stats_equals_plain(bundled_lm, tmp_path):
     out = tmp_path / "s.lmdb"
     statsdb.build(texts, out, bundled_lm.tokenizer, "smollm2-135m", min_count=1)
     d = api.make_drafter(["context", "stats"], stats_dbs=api.open_stats_dbs([str(out)], bundled_lm),
-                         stats_min_prob=0.0)
+                         stats_min_prob=0.0, stats_min_expected=0.0)
     for p in ["Write a Python function that returns the sum of a list.", "What is photosynthesis?"]:
         ref = api.generate(bundled_lm, p, max_new_tokens=40, drafter=None)
         got = api.generate(bundled_lm, p, max_new_tokens=40, drafter=d)
