@@ -11,7 +11,7 @@ be kept incrementally instead of rescanning.
         def extend(self, tokens: list[int]) -> None         # tokens appended to the history
         def propose(self, history, max_len, max_candidates) -> list[list[int]]
 
-The hierarchy asks its layers in order (most local first: context DB, then later the model DB and
+The hierarchy asks its layers in order (most local first: context DB, then the model DB and
 the statistics DB) and returns `Draft`s tagged with the layer that made them, so statistics and
 colouring can be kept per layer.
 """

@@ -1,6 +1,6 @@
 """The n-gram store: one LMDB file mapping a key of n tokens to its most frequent continuations.
 
-Used by the statistics DB (corpus n-grams) and, later, the model DB (the target's own n-grams).
+Used by the statistics DB (corpus n-grams) and the model DB (the target's own n-grams).
 
 Layout (one file, LMDB `subdir=False`):
   HEADER_KEY          -> JSON header (format version, tokenizer fingerprint, n range, draft length,
