@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 from pathlib import Path
 
 from hdcli import api, modeldb
 
-from stats_bench import questions
+from stats_bench import questions, summarize
 
 
 def throughput(args) -> dict:
@@ -49,27 +48,8 @@ def decode(args) -> dict:
         for m, layers in methods.items():
             d = api.make_drafter(layers, dtype=lm.dtype, model_db=mdb, stats_dbs=sdbs) if layers else None
             runs[m].append(api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d))
-    plain = statistics.mean(r.stats.tokens_per_second for r in runs["plain"])
-    out = {"dtype": lm.dtype, "questions": args.questions, "max_new_tokens": args.max_new_tokens, "methods": {}}
-    for m, rs in runs.items():
-        layers = {}
-        for r in rs:
-            for name, ls in r.stats.layers.items():
-                agg = layers.setdefault(name, {"queries": 0, "hits": 0, "drafted": 0, "accepted": 0})
-                for f in agg:
-                    agg[f] += getattr(ls, f)
-        steps = [a for r in rs for a in r.stats.accept_lengths]
-        tps = statistics.mean(r.stats.tokens_per_second for r in rs)
-        out["methods"][m] = {
-            "tokens_per_second": tps, "speedup": tps / plain, "mean_accepted_tokens": sum(steps) / len(steps),
-            "differ_from_plain": sum(r.tokens != p.tokens for r, p in zip(rs, runs["plain"])),
-            "layers": {k: {**v, "hit_rate": v["hits"] / max(1, v["queries"]),
-                           "acceptance_rate": v["accepted"] / max(1, v["drafted"])} for k, v in layers.items()}}
-        print(f"{m:20s} {tps:6.1f} tok/s {tps / plain:5.2f}x  mean accepted {sum(steps) / len(steps):.2f}  "
-              f"differ {out['methods'][m]['differ_from_plain']}/{len(rs)}  " +
-              "  ".join(f"{k}: hit {v['hits'] / max(1, v['queries']):.0%} acc {v['accepted'] / max(1, v['drafted']):.0%}"
-                        for k, v in layers.items()))
-    return out
+    return {"dtype": lm.dtype, "questions": args.questions, "max_new_tokens": args.max_new_tokens,
+            "methods": summarize(runs)}
 
 
 def main():

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -82,6 +81,34 @@ def questions(path: str, count: int) -> list[dict]:
     return out
 
 
+def summarize(runs: dict) -> dict:
+    """runs: method -> list of api.Result, one per question, "plain" among them. Prints a line per
+    method and returns Spec-Bench's figures: speedup = mean tokens/s / mean plain tokens/s, mean
+    accepted tokens pooled over all steps, per-layer totals, and outputs differing from plain."""
+    plain_tps = statistics.mean(r.stats.tokens_per_second for r in runs["plain"])
+    out = {}
+    for m, rs in runs.items():
+        layers = {}
+        for r in rs:
+            for name, ls in r.stats.layers.items():
+                agg = layers.setdefault(name, {"queries": 0, "hits": 0, "drafted": 0, "accepted": 0})
+                for f in agg:
+                    agg[f] += getattr(ls, f)
+        for v in layers.values():
+            v["hit_rate"] = v["hits"] / max(1, v["queries"])
+            v["acceptance_rate"] = v["accepted"] / max(1, v["drafted"])
+        steps = [a for r in rs for a in r.stats.accept_lengths]
+        tps = statistics.mean(r.stats.tokens_per_second for r in rs)
+        out[m] = {"tokens_per_second": tps, "speedup": tps / plain_tps,
+                  "mean_accepted_tokens": sum(steps) / len(steps),
+                  "differ_from_plain": sum(r.tokens != p.tokens for r, p in zip(rs, runs["plain"])),
+                  "layers": layers}
+        print(f"{m:20s} {tps:6.1f} tok/s  {tps / plain_tps:5.2f}x  mean accepted {out[m]['mean_accepted_tokens']:.2f}"
+              f"  differ {out[m]['differ_from_plain']}/{len(rs)}  " +
+              "  ".join(f"{k}: hit {v['hit_rate']:.0%} acc {v['acceptance_rate']:.0%}" for k, v in layers.items()))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--corpora", default="../shared/corpora")
@@ -112,29 +139,8 @@ def main():
     for q in questions(args.spec_bench, args.questions):
         ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
         for m, make in methods.items():
-            r = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=make())
-            runs[m].append({"category": q["category"], "tokens": r.tokens, "stats": r.stats})
-    plain_tps = statistics.mean(r["stats"].tokens_per_second for r in runs["plain"])
-    result["methods"] = {}
-    for m, rs in runs.items():
-        layers = {}
-        for r in rs:
-            for name, ls in r["stats"].layers.items():
-                agg = layers.setdefault(name, {"queries": 0, "hits": 0, "drafted": 0, "accepted": 0})
-                for f in agg:
-                    agg[f] += getattr(ls, f)
-        steps = [a for r in rs for a in r["stats"].accept_lengths]
-        tps = statistics.mean(r["stats"].tokens_per_second for r in rs)
-        result["methods"][m] = {
-            "tokens_per_second": tps, "speedup": tps / plain_tps,
-            "mean_accepted_tokens": sum(steps) / len(steps),
-            "differ_from_plain": sum(r["tokens"] != p["tokens"] for r, p in zip(rs, runs["plain"])),
-            "layers": {k: {**v, "hit_rate": v["hits"] / max(1, v["queries"]),
-                           "acceptance_rate": v["accepted"] / max(1, v["drafted"])} for k, v in layers.items()}}
-        print(f"{m:14s} {tps:6.1f} tok/s  {tps / plain_tps:5.2f}x  mean accepted "
-              f"{result['methods'][m]['mean_accepted_tokens']:.2f}  differ {result['methods'][m]['differ_from_plain']}"
-              f"/{len(rs)}  " + "  ".join(f"{k}: hit {v['hits'] / max(1, v['queries']):.0%} acc "
-                                          f"{v['accepted'] / max(1, v['drafted']):.0%}" for k, v in layers.items()))
+            runs[m].append(api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=make()))
+    result["methods"] = summarize(runs)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 

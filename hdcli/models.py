@@ -258,7 +258,6 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load a target model by bundled name, .gguf path, folder or hub id. Raises HdError."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)

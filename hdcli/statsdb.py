@@ -21,7 +21,6 @@ once: the result equals a single build.
 from __future__ import annotations
 
 import heapq
-import os
 import shutil
 import tempfile
 import time

@@ -8,7 +8,6 @@ moves the distribution by far more than these sample sizes resolve; both were ch
 """
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

@@ -11,8 +11,7 @@ import time
 import pytest
 
 from hdcli import api, statsdb, stores
-from hdcli.decode import Decoder
-from hdcli.drafting import ContextDB, Hierarchy, StatsDB
+from hdcli.drafting import StatsDB
 from hdcli.errors import HdError
 
 DOCS = ["the cat sat on the mat . the cat sat on the red mat",
