@@ -104,8 +104,8 @@ class StatsDB:
     Parameters
       store       an open hdcli.stores.Store (its header fixes the n range and stored length)
       min_prob    draft only while the estimated probability of the whole draft (the product of
-                  count / key total along it) stays at or above this: a rare continuation is rarely
-                  accepted and costs verification.
+                  count / (key total + 1) along it) stays at or above this: a rare continuation
+                  is rarely accepted and costs verification.
       walk        when a continuation ends before max_len, look up the history extended by it and
                   continue with the best continuation found (a greedy walk; with draft_len-1
                   stores, next-token counts, this is the whole drafting).
@@ -133,7 +133,10 @@ class StatsDB:
             got = st.get(history[-n:])
             if got is not None:
                 total, entries = got
-                return [(c, count / total) for c, count in entries]
+                # total + 1: a continuation seen once after a key seen once is a coin flip, not a
+                # certainty; without this discount the walk drafts 16-token runs from single
+                # samples of the model DB (replay: model layer accepted 5% of its tokens in fp32)
+                return [(c, count / (total + 1)) for c, count in entries]
         return []
 
     def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
