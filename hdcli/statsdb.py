@@ -21,6 +21,7 @@ once: the result equals a single build.
 from __future__ import annotations
 
 import heapq
+import os
 import shutil
 import tempfile
 import time
@@ -134,7 +135,8 @@ class _Spill:
     """Partial counts on disk, partitioned by key hash."""
 
     def __init__(self, parent: Path, partitions: int):
-        self.dir = Path(tempfile.mkdtemp(prefix=".hd-spill-", dir=parent))
+        stores.sweep_stale(parent, ".hd-spill-")
+        self.dir = Path(tempfile.mkdtemp(prefix=f".hd-spill-{os.getpid()}-", dir=parent))
         self.partitions, self.chunks = partitions, 0
 
     def add(self, arrays) -> None:

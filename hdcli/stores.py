@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from contextlib import contextmanager
@@ -69,6 +70,28 @@ def encode_value(total: int, entries: list[tuple[list[int], int]], draft_len: in
     return np.concatenate([np.array([total], dtype="<u4"), rows.ravel()]).tobytes()
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(folder: Path, prefix: str) -> None:
+    """Remove `PREFIX<pid>-*` leftovers of builds whose process is gone (a SIGKILLed build
+    cannot clean up after itself; the next build beside it does)."""
+    for p in Path(folder).glob(prefix + "*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
 def _lmdb():
     import lmdb
     return lmdb
@@ -89,7 +112,8 @@ class StoreWriter:
             raise HdError(f"output folder {self.path.parent} does not exist")
         if not os.access(self.path.parent, os.W_OK):
             raise HdError(f"output folder {self.path.parent} is not writable")
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".tmp-", dir=self.path.parent)
+        sweep_stale(self.path.parent, self.path.name + ".tmp-")
+        fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.tmp-{os.getpid()}-", dir=self.path.parent)
         os.close(fd)
         self.tmp = Path(tmp)
         self.map_size = INITIAL_MAP_SIZE

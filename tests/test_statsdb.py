@@ -125,6 +125,14 @@ def test_killed_build_never_leaves_a_db_at_the_output(tiny_model_dir, tmp_path):
         assert not out.exists() or stores.Store(out).header["documents"] == 40000
         if out.exists():
             out.unlink()
+    # what the killed builds left beside the output is swept by the next build
+    statsdb.build(DOCS, out, stores_tokenizer(tiny_model_dir), "tiny")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "s.lmdb"]
+
+
+def stores_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def test_tokenizer_mismatch_is_refused(tiny_lm, tmp_path):
