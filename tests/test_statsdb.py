@@ -221,3 +221,10 @@ def test_bundled_model_with_stats_equals_plain(bundled_lm, tmp_path):
         got = api.generate(bundled_lm, p, max_new_tokens=40, drafter=d)
         assert got.tokens == ref.tokens
         assert got.stats.layers["stats"].drafted > 0
+
+
+def test_num_proc_gives_the_same_db(tiny_lm, tmp_path):
+    docs = DOCS * 200  # several tokeniser batches
+    statsdb.build(docs, tmp_path / "a.lmdb", tiny_lm.tokenizer, "tiny", num_proc=1)
+    statsdb.build(docs, tmp_path / "b.lmdb", tiny_lm.tokenizer, "tiny", num_proc=2)
+    assert db_dict(tmp_path / "a.lmdb") == db_dict(tmp_path / "b.lmdb")
