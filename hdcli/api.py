@@ -95,7 +95,7 @@ def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int]) -> int:
     from .statsdb import add_counts
     max_n = int(model_db.header["n_range"][1])
     context = list(prompt_ids[-max_n:]) if prompt_ids else []
-    doc = context + [t for t in tokens]
+    doc = context + list(tokens)
     # counting starts where a continuation is generated: drop keys that end before the output
     return add_counts(model_db, [doc], first_end=len(context) - 1)
 

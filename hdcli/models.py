@@ -225,6 +225,12 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def _offline_kwargs(kind: str) -> dict:
+    """Without a reachable hub, ask only the local cache: huggingface_hub would otherwise retry
+    for ~45 s before failing."""
+    return {"local_files_only": True} if kind == "hub" and not _hub_reachable() else {}
+
+
 def _local_folder(name: str) -> tuple[str, str, str, bool]:
     """(kind, resolved source, folder or hub id to load from, served from the GGUF cache),
     converting a GGUF once."""
@@ -249,7 +255,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
     """The tokenizer of a model, without loading its weights (for building DBs)."""
     from transformers import AutoTokenizer
     kind, _, folder, _ = _local_folder(name)
-    offline = {"local_files_only": True} if kind == "hub" and not _hub_reachable() else {}
+    offline = _offline_kwargs(kind)
     try:
         return AutoTokenizer.from_pretrained(folder, **offline)
     except OSError as exc:
@@ -263,9 +269,7 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
     kind, source, load_from, from_cache = _local_folder(name)
-    # Without a reachable hub, ask only the local cache: huggingface_hub would otherwise retry
-    # for ~45 s before failing.
-    offline = {"local_files_only": True} if kind == "hub" and not _hub_reachable() else {}
+    offline = _offline_kwargs(kind)
     try:
         tok = AutoTokenizer.from_pretrained(load_from, **offline)
         model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch_dtype(dt), **offline)

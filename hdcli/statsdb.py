@@ -250,6 +250,14 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
     return header
 
 
+def _prune(counts: dict, top_k: int, min_count: int, draft_len: int) -> list[tuple[list[int], int]]:
+    """{continuation: count} -> [(continuation, count)] with count >= min_count, best first, the
+    top_k (0: all). Ties by tokens padded with PAD: the order _select gives in a build."""
+    pad = lambda c: tuple(c) + (stores.PAD,) * (draft_len - len(c))
+    ranked = sorted(((c, k) for c, k in counts.items() if k >= min_count), key=lambda ck: (-ck[1], pad(ck[0])))
+    return [(list(c), k) for c, k in (ranked[:top_k] if top_k > 0 else ranked)]
+
+
 def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None,
           min_count: int | None = None, overwrite: bool = False) -> dict:
     """Sum the counts of several stores key by key and prune again. Merging the shards of one
@@ -278,15 +286,10 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
             nonlocal pairs
             if current is None:
                 return
-            pad = lambda c: tuple(c) + (stores.PAD,) * (draft_len - len(c))
-            ranked = sorted(((cnt, c) for c, cnt in counts.items() if cnt >= min_count),
-                            key=lambda x: (-x[0], pad(x[1])))
-            if top_k > 0:
-                ranked = ranked[:top_k]
+            ranked = _prune(counts, top_k, min_count, draft_len)
             if ranked:
                 pairs += len(ranked)
-                writer.put(current, stores.encode_value(total, [(list(c), n) for n, c in ranked],
-                                                        draft_len))
+                writer.put(current, stores.encode_value(total, ranked, draft_len))
         for key, (tot, entries) in merged:
             if key != current:
                 flush()
@@ -325,7 +328,6 @@ def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int 
             for n in range(min_n, min(max_n, i + 1) + 1):
                 per = counts.setdefault(tuple(d[i - n + 1:i + 1]), {})
                 per[cont] = per.get(cont, 0) + 1
-    pad = lambda c: tuple(c) + (stores.PAD,) * (draft_len - len(c))
 
     def write(txn):
         for key, conts in counts.items():
@@ -335,11 +337,8 @@ def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int 
             merged = {tuple(c): k for c, k in entries}
             for c, k in conts.items():
                 merged[c] = merged.get(c, 0) + k
-            ranked = sorted(merged.items(), key=lambda ck: (-ck[1], pad(ck[0])))
-            if top_k > 0:
-                ranked = ranked[:top_k]
             txn.put(kb, stores.encode_value(total + sum(conts.values()),
-                                            [(list(c), k) for c, k in ranked], draft_len))
+                                            _prune(merged, top_k, 1, draft_len), draft_len))
         header = stores.read_header(txn)
         header["learned_tokens"] = header.get("learned_tokens", 0) + learned
         header["learned_updates"] = header.get("learned_updates", 0) + 1
