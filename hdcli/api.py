@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from . import models
+from . import costs, models
 from .decode import Decoder, Generation
 from .drafting import ContextDB, Hierarchy, StatsDB
 from .errors import HdError
@@ -54,20 +54,52 @@ def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
     return dbs
 
 
-def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
+DEFAULT_POLICY = "adaptive"
+DEFAULT_CANDIDATES = 4
+
+
+def parse_draft_len(spec: str | int) -> int | dict[str, int]:
+    """'16' -> 16; 'context=16,stats=8' -> {'context': 16, 'stats': 8}."""
+    if isinstance(spec, int):
+        return spec
+    try:
+        if "=" not in spec:
+            return int(spec)
+        out = {}
+        for part in spec.split(","):
+            name, _, n = part.partition("=")
+            out[name.strip()] = int(n)
+        return out
+    except ValueError:
+        raise HdError(f"--draft-len takes a number or layer=number pairs (context=16,stats=8), "
+                      f"not {spec!r}") from None
+
+
+def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str, int] = 16,
                  min_n: int | None = None, max_n: int = 4, dtype: str = "fp32",
                  stats_dbs: Sequence = (), stats_min_prob: float | None = None,
-                 stats_min_expected: float | None = None, model_db=None) -> Hierarchy | None:
+                 stats_min_expected: float | None = None, model_db=None,
+                 policy: str = DEFAULT_POLICY, candidates: int = DEFAULT_CANDIDATES) -> Hierarchy | None:
     """The drafting hierarchy, most local layer first. An empty `layers` means plain decoding.
 
-    draft_len 16 caps drafts from the longest key; shorter keys draft less (see ContextDB).
-    `stats` stands for every DB in stats_dbs, in the order given; `model` for model_db. Both
-    draft with the same walk, min_prob and min_expected (defaults by dtype)."""
+    draft_len: most tokens per candidate, one number or {layer: number}; shorter context-DB keys
+    draft less (see ContextDB). `stats` stands for every DB in stats_dbs, in the order given;
+    `model` for model_db; both draft with the same walk, min_prob and min_expected (defaults by
+    dtype). policy and candidates (C): see drafting.Hierarchy; candidates 1 verifies one chain."""
     min_n = default_min_n(dtype) if min_n is None else min_n
     min_prob = default_min_prob(dtype) if stats_min_prob is None else stats_min_prob
     min_expected = default_min_expected(dtype) if stats_min_expected is None else stats_min_expected
-    if draft_len < 1:
+    lens = draft_len.values() if isinstance(draft_len, dict) else [draft_len]
+    if any(n < 1 for n in lens):
         raise HdError(f"--draft-len must be >= 1, not {draft_len}")
+    if isinstance(draft_len, dict):
+        unknown = [k for k in draft_len if k.split(":")[0] not in LAYER_NAMES]
+        if unknown:
+            raise HdError(f"--draft-len names unknown layer '{unknown[0]}'; known layers: {', '.join(LAYER_NAMES)}")
+    if policy not in Hierarchy.POLICIES:
+        raise HdError(f"unknown --policy '{policy}'; known: {', '.join(Hierarchy.POLICIES)}")
+    if candidates < 1:
+        raise HdError(f"--candidates must be >= 1, not {candidates}")
     if not 1 <= min_n <= max_n:
         raise HdError(f"n-gram sizes need 1 <= --min-n <= --max-n, got {min_n}..{max_n}")
     built = []
@@ -86,7 +118,7 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int = 16,
                 built.append(StatsDB(db, name=label, min_prob=min_prob, min_expected=min_expected))
         else:
             raise HdError(f"unknown drafting layer '{name}'; known layers: {', '.join(LAYER_NAMES)}")
-    return Hierarchy(built, draft_len=draft_len) if built else None
+    return Hierarchy(built, policy=policy, draft_len=draft_len, max_candidates=candidates) if built else None
 
 
 def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int]) -> int:
@@ -186,7 +218,7 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
                       f"{lm.max_context}: shorten the prompt")
     if drafter == "default":
         drafter = make_drafter(dtype=lm.dtype)
-    decoder = Decoder(lm.model, lm.eos_ids, drafter)
+    decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=costs.curve_for(lm) if drafter else None)
     stream = TextStream(lm.tokenizer, on_text) if on_text else None
     g: Generation = decoder.generate(prompt_ids, min(max_new_tokens, room), sampling, seed,
                                      stop_check=_stop_checker(lm.tokenizer, stop), on_tokens=stream)

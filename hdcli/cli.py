@@ -51,22 +51,24 @@ def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
 
 
 def _stats_table(title: str, runs: dict) -> Table:
-    """runs: label -> RunStats. One row per drafting layer of each run, then its totals."""
+    """runs: label -> RunStats. One row per drafting layer of each run, then each run's speed."""
     t = Table(title=title)
-    for col in ("run", "layer", "queries", "hit rate", "drafted", "accepted", "accept rate"):
+    for col in ("run", "layer", "queries", "hit rate", "candidates", "won", "drafted", "accepted",
+                "accept rate"):
         t.add_column(col, justify="left" if col in ("run", "layer") else "right")
     for label, st in runs.items():
         for ls in st.layers.values():
-            t.add_row(label, ls.name, str(ls.queries), f"{ls.hit_rate:.1%}", str(ls.drafted),
-                      str(ls.accepted), f"{ls.acceptance_rate:.1%}")
+            t.add_row(label, ls.name, str(ls.queries), f"{ls.hit_rate:.1%}", str(ls.candidates),
+                      str(ls.won), str(ls.drafted), str(ls.accepted), f"{ls.acceptance_rate:.1%}")
     s = Table(title="speed")
-    for col in ("run", "new tokens", "steps", "mean accepted", "tok/s", "draft s", "verify s",
-                "prefill s"):
+    for col in ("run", "new tokens", "steps", "mean accepted", "mean tree", "tok/s", "draft s",
+                "forward s", "bookkeeping s", "outside forward", "prefill s"):
         s.add_column(col, justify="left" if col == "run" else "right")
     for label, st in runs.items():
         s.add_row(label, str(st.new_tokens), str(st.steps), f"{st.mean_accepted:.2f}",
-                  f"{st.tokens_per_second:.1f}", f"{st.draft_seconds:.3f}", f"{st.verify_seconds:.2f}",
-                  f"{st.prefill_seconds:.2f}")
+                  f"{st.mean_tree_size:.1f}", f"{st.tokens_per_second:.1f}", f"{st.draft_seconds:.3f}",
+                  f"{st.forward_seconds:.2f}", f"{st.bookkeeping_seconds:.3f}",
+                  f"{st.overhead_share:.1%}", f"{st.prefill_seconds:.2f}")
     grid = Table.grid()
     grid.add_row(t)
     grid.add_row(s)
@@ -87,9 +89,15 @@ def generate(
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the model's chat template or not."),
     system: Optional[str] = typer.Option(None, help="System message for the chat template."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    layers: Optional[str] = typer.Option(None, help="Drafting layers in order, comma-separated "
-                                         "(context, stats); 'none' for plain decoding. Default: "
-                                         "context, then stats when --stats-db is given."),
+    layers: Optional[str] = typer.Option(None, help="Drafting layers, most local first, comma-separated "
+                                         "(context, model, stats); 'none' for plain decoding. Default: "
+                                         "context, then model and stats when their DBs are given."),
+    policy: str = typer.Option(api.DEFAULT_POLICY, help="How layers share a step: first-hit (first "
+                               "layer that matches), fill (slots in layer order), adaptive (by "
+                               "each layer's acceptance in this request)."),
+    candidates: int = typer.Option(api.DEFAULT_CANDIDATES, "--candidates", "-C", help="Most "
+                                   "candidate continuations per step, verified as one token tree "
+                                   "(1: a single chain)."),
     model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB from `hd build-model-db`."),
     learn: bool = typer.Option(False, "--learn", help="Add what was generated to the model DB."),
     stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB from `hd build-stats` "
@@ -99,7 +107,8 @@ def generate(
     stats_min_expected: Optional[float] = typer.Option(None, "--stats-min-expected", help="Least "
                                                        "expected accepted tokens of a stats/model draft "
                                                        "(default 1.0 fp32, 0 bf16)."),
-    draft_len: int = typer.Option(16, "--draft-len", help="Most tokens drafted per step."),
+    draft_len: str = typer.Option("16", "--draft-len", help="Most tokens per candidate: a number, "
+                                  "or per layer as context=16,model=8,stats=8."),
     min_n: Optional[int] = typer.Option(None, "--min-n", help="Shortest n-gram the context DB "
                                         "matches (default: 2 in fp32, 1 in bf16/fp16)."),
     max_n: int = typer.Option(4, "--max-n", help="Longest n-gram the context DB matches."),
@@ -126,8 +135,9 @@ def generate(
     layer_list = [] if layers.strip() == "none" else [x.strip() for x in layers.split(",") if x.strip()]
     dbs = api.open_stats_dbs([str(p) for p in stats_db])  # fail before loading the model
     mdb = api.open_stats_dbs([str(model_db)], writable=learn)[0] if model_db else None
-    api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n or 1, max_n=max_n, stats_dbs=dbs,
-                     model_db=mdb)
+    draft_lens = api.parse_draft_len(draft_len)
+    api.make_drafter(layer_list, draft_len=draft_lens, min_n=min_n or 1, max_n=max_n, stats_dbs=dbs,
+                     model_db=mdb, policy=policy, candidates=candidates)
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
     err = Console(stderr=True, highlight=False)
     if not as_json:
@@ -138,9 +148,10 @@ def generate(
                   f"{' from cache' if lm.from_cache else ''}[/dim]")
     for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
-    drafter = api.make_drafter(layer_list, draft_len=draft_len, min_n=min_n, max_n=max_n, dtype=lm.dtype,
+    drafter = api.make_drafter(layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, dtype=lm.dtype,
                                stats_dbs=dbs, stats_min_prob=stats_min_prob,
-                               stats_min_expected=stats_min_expected, model_db=mdb)
+                               stats_min_expected=stats_min_expected, model_db=mdb, policy=policy,
+                               candidates=candidates)
     if compare:
         api.warm_up(lm)
 
@@ -152,7 +163,8 @@ def generate(
     res = api.generate(lm, text, drafter=drafter, on_text=None if as_json else show, **common)
     runs = {"hd": res.stats}
     report = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
-              "load_seconds": lm.load_seconds, "layers": layer_list, "draft_len": draft_len,
+              "load_seconds": lm.load_seconds, "layers": layer_list, "draft_len": draft_lens,
+              "policy": policy, "candidates": candidates,
               "stats_dbs": [str(p) for p in stats_db], "model_db": str(model_db) if model_db else None,
               "sampling": vars(sampling) | {"seed": seed}, **res.to_dict()}
     if learn:

@@ -1,10 +1,14 @@
 """The decode loop: draft, verify every drafted token in one target forward, accept, crop, repeat.
 
+Each step the hierarchy proposes candidates; they are merged into a token tree rooted at the
+last history token and capped by cost (hdcli/tree.py); one forward over the tree gives the
+target's prediction after every node; the acceptance rule (hdcli/verify.py) walks the tree.
+
 KV-cache invariant: at the top of each step the cache holds every history token except the
-last one (`last`), which is fed as the first input of the step together with the draft. After a
-forward over [last] + draft the cache holds history + draft; we crop it to history + the accepted
-draft tokens, so a rejected token never stays in the cache. The target's own next token becomes
-`last` for the next step.
+last one (`last`, the tree's root), which is fed as the first input of the step together with
+the tree. After the forward the cache holds history + every tree node; keep_path moves the
+accepted path's entries next to `last` and drops the rest, so a rejected token or branch never
+stays in the cache. The target's own next token becomes `last` for the next step.
 
 With no drafter this is plain autoregressive decoding with the same model and cache (the `ar`
 baseline every speedup is measured against).
@@ -19,7 +23,9 @@ import torch
 
 from .drafting import Hierarchy
 from .stats import RunStats
-from .verify import Sampling, accept_chain
+from .costs import CostCurve
+from .tree import Tree, cap_by_cost, keep_path, node_estimates, supports_trees, tree_forward
+from .verify import Sampling, accept_tree
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
 # of the layer that drafted it (None for the target's own token).
@@ -34,28 +40,34 @@ class Generation:
     stats: RunStats = field(default_factory=RunStats)
 
 
-def _crop_to(cache, length: int) -> None:
-    """Drop cache entries past `length`. transformers 5 reads crop(-r) as "remove r" and refuses
-    positive values; older versions read a positive value as the length to keep. -r means the
-    same in both."""
-    remove = cache.get_seq_length() - length
-    assert remove >= 0, f"cache holds {cache.get_seq_length()} tokens, cannot crop to {length}"
-    if remove:
-        cache.crop(-remove)
-
-
 class Decoder:
-    """Speculative decoding of one sequence with a target model and a drafting hierarchy."""
+    """Speculative decoding of one sequence with a target model and a drafting hierarchy.
 
-    def __init__(self, model, eos_ids: Sequence[int] = (), drafter: Hierarchy | None = None):
+    cost: the target's forward-cost curve (hdcli.costs) that caps each step's draft tree; None
+    sends every drafted node (up to max_nodes)."""
+
+    def __init__(self, model, eos_ids: Sequence[int] = (), drafter: Hierarchy | None = None,
+                 cost: CostCurve | None = None, max_nodes: int = 63):
         self.model = model
         self.eos_ids = set(int(e) for e in eos_ids)
         self.drafter = drafter
+        self.cost, self.max_nodes = cost, max_nodes
         self.device = next(model.parameters()).device
 
     def _forward(self, ids: Sequence[int], cache) -> torch.Tensor:
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         return self.model(input_ids=inp, past_key_values=cache, use_cache=True).logits[0]
+
+    def _tree(self, drafts, trees_ok: bool) -> Tree:
+        """Merge the candidates into a tree, then keep what pays for its forward."""
+        tree = Tree()
+        for j, d in enumerate(drafts if trees_ok else drafts[:1]):
+            tree.add_candidate(d.tokens, d.layer, j)
+        if tree.size() and self.cost is not None:
+            tree = cap_by_cost(tree, node_estimates(tree, self.drafter.rate), self.cost, self.max_nodes)
+        elif tree.size() > self.max_nodes:
+            tree = tree.subtree(range(self.max_nodes + 1))
+        return tree
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
@@ -75,6 +87,7 @@ class Decoder:
         stats = RunStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
         cache = DynamicCache(config=self.model.config)
+        trees_ok = supports_trees(cache)
         history = [int(t) for t in prompt_ids]
         if len(history) > 1:
             self._forward(history[:-1], cache)
@@ -88,30 +101,30 @@ class Decoder:
         while len(out) < max_new_tokens:
             t0 = time.perf_counter()
             drafts = drafter.propose(history, max_new_tokens - len(out) - 1, stats) if drafter else []
-            draft = list(drafts[0].tokens) if drafts else []
+            tree = self._tree(drafts, trees_ok)
             t1 = time.perf_counter()
-            kept = len(history) - 1            # cache length before this step
-            logits = self._forward([history[-1]] + draft, cache)
-            n, nxt = accept_chain(logits, draft, sampling, gen)
-            _crop_to(cache, kept + 1 + n)      # keep `last` and the accepted draft tokens only
+            past = len(history) - 1            # cache length before this step
+            logits = tree_forward(self.model, tree, history[-1], cache)
             t2 = time.perf_counter()
-            stats.draft_seconds += t1 - t0
-            stats.verify_seconds += t2 - t1
-            new = draft[:n] + [nxt]
-            new_layers = [drafts[0].layer] * n + [None] if drafts else [None]
-            if drafts:
-                ls = stats.layer(drafts[0].layer)
-                ls.drafted += len(draft)
-                ls.accepted += n
+            path, nxt = accept_tree(logits, tree.children, tree.tokens, sampling, gen)
+            keep_path(cache, past, path)       # the root and the accepted path only
+            new = [tree.tokens[i] for i in path] + [nxt]
+            new_layers = [tree.layers[i] for i in path] + [None]
+            if tree.size():
+                self._record(stats, drafts, tree, path)
             for i, t in enumerate(new):
                 if t in self.eos_ids:
                     new, new_layers, stop_reason = new[:i + 1], new_layers[:i + 1], "eos"
                     break
             stats.accept_lengths.append(len(new))
+            stats.tree_sizes.append(tree.size())
             history.extend(new)
             before = len(out)
             out.extend(new)
             out_layers.extend(new_layers)
+            stats.draft_seconds += t1 - t0
+            stats.forward_seconds += t2 - t1
+            stats.bookkeeping_seconds += time.perf_counter() - t2
             if stop_check is not None:
                 cut = stop_check(out)
                 if cut is not None:
@@ -126,3 +139,20 @@ class Decoder:
         stats.new_tokens = len(out)
         stats.wall_seconds = time.perf_counter() - t_start
         return Generation(tokens=out, layers=out_layers, stop_reason=stop_reason, stats=stats)
+
+    def _record(self, stats: RunStats, drafts, tree: Tree, path: list[int]) -> None:
+        """Per-layer counts of what was sent, reached, kept and which candidate won."""
+        on_path = set(path)
+        tested: dict[str, int] = {}
+        accepted: dict[str, int] = {}
+        for i in range(1, len(tree.tokens)):
+            name = tree.layers[i]
+            stats.layer(name).drafted += 1
+            if tree.parents[i] == 0 or tree.parents[i] in on_path:
+                tested[name] = tested.get(name, 0) + 1
+            if i in on_path:
+                stats.layer(name).accepted += 1
+                accepted[name] = accepted.get(name, 0) + 1
+        if path:
+            stats.layer(tree.layers[path[-1]]).won += 1
+        self.drafter.observe(tested, accepted)

@@ -17,6 +17,7 @@ colouring can be kept per layer.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -49,10 +50,12 @@ class ContextDB:
     Invariant
       `positions[key]` lists, oldest first, every index i such that history[i-n+1 : i+1] == key,
       for every i < len(history). Updated in O(max_n) per appended token.
-    A candidate is history[i+1 : i+1+L] for a match ending at i < len(history) - 1; among
-    matches of the same key, the most recent comes first (recency predicted better than the
-    earliest occurrence, the choice of transformers' prompt lookup), and candidates that repeat
-    an earlier candidate are skipped.
+    A candidate is history[i+1 : i+1+L] for a match ending at i < len(history) - 1. Longer keys
+    come first; among the matches of one key, continuations are grouped by their first token and
+    the groups ranked by count (how often that token followed the key), then by recency, the most
+    recent occurrence of a group giving its candidate (recency predicted better than the earliest
+    occurrence, the choice of transformers' prompt lookup). A candidate that is a prefix of an
+    earlier one adds nothing to the tree and is skipped.
     """
 
     name = "context"
@@ -86,11 +89,16 @@ class ContextDB:
             if not ends:
                 continue
             length = max_len if n == self.max_n else min(max_len, self.len_per_key * n)
+            # group this key's occurrences by the token that followed; groups rank by count, then
+            # by their most recent occurrence, whose continuation represents the group
+            groups: dict[int, list[int]] = {}
             for i in reversed(ends[-self.max_scan:]):
-                if i >= last:
-                    continue  # the suffix itself
-                cand = h[i + 1:i + 1 + length]
-                if cand and cand not in out:
+                if i < last:  # i == last is the suffix itself
+                    groups.setdefault(h[i + 1], []).append(i)
+            ranked = sorted(groups.values(), key=lambda g: (-len(g), -g[0]))
+            for g in ranked:
+                cand = h[g[0] + 1:g[0] + 1 + length]
+                if not any(c[:len(cand)] == cand for c in out):  # adds nothing to the tree
                     out.append(cand)
                     if len(out) >= max_candidates:
                         return out
@@ -139,42 +147,128 @@ class StatsDB:
                 return [(c, count / (total + 1)) for c, count in entries]
         return []
 
+    def _walk(self, history: Sequence[int], cand: list[int], prob: float, max_len: int):
+        """Extend a candidate greedily; returns (tokens, expected accepted tokens along it)."""
+        expected = prob * len(cand)
+        while len(cand) < max_len:
+            more = self._lookup(list(history[-self.store.max_n:]) + cand)
+            if not more or prob * more[0][1] < self.min_prob:
+                break
+            prob *= more[0][1]
+            step = more[0][0][:max_len - len(cand)]
+            cand = cand + step
+            expected += prob * len(step)
+        return cand, expected
+
     def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
         found = [(c[:max_len], p) for c, p in self._lookup(history) if p >= self.min_prob]
-        cands = [c for c, _ in found[:max_candidates]]
-        if self.walk and cands:
-            best, prob = found[0]
-            expected = prob * len(best)
-            while len(best) < max_len:
-                more = self._lookup(list(history[-self.store.max_n:]) + best)
-                if not more or prob * more[0][1] < self.min_prob:
-                    break
-                prob *= more[0][1]
-                best = best + more[0][0][:max_len - len(best)]
-                expected += prob * len(more[0][0][:max_len])
-            if expected < self.min_expected:
-                return []
-            cands[0] = best
-        return cands
+        out = []
+        for j, (cand, prob) in enumerate(found[:max_candidates]):
+            if self.walk:
+                cand, expected = self._walk(history, cand, prob, max_len)
+                if j == 0 and expected < self.min_expected:
+                    return []  # even the best continuation is not worth a forward
+            out.append(cand)
+        return out
+
+
+# Prior per-token acceptance of each layer (the chance that the target keeps a drafted token once
+# it keeps the one before): the static estimate of `first-hit` and `fill`, and where `adaptive`
+# starts every request. From replayed Spec-Bench runs (benchmarks/tree_bench.py).
+PRIOR_RATES = {"context": 0.5, "model": 0.4, "stats": 0.35}
+DEFAULT_PRIOR = 0.35
+
+
+def base_name(layer: str | None) -> str:
+    """'stats:wiki' -> 'stats' (several statistics DBs share the stats settings)."""
+    return (layer or "").split(":", 1)[0]
+
+
+class AcceptanceTracker:
+    """Online, per-request estimate of each layer's per-token acceptance.
+
+    rate = (accepted + prior * weight) / (tested + weight), where `tested` counts the layer's
+    drafted tokens the verification reached (their parent was kept) and `accepted` those it kept.
+    Both counts decay by `decay` at every step, so the estimate follows the current stretch of the
+    answer, and a layer whose drafts stop being sent drifts back to its prior and is tried again:
+    no layer starves for good.
+    """
+
+    def __init__(self, priors: dict[str, float] | None = None, weight: float = 2.0, decay: float = 0.9):
+        self.priors = dict(PRIOR_RATES if priors is None else priors)
+        self.weight, self.decay = weight, decay
+        self.reset()
+
+    def reset(self) -> None:
+        self.tested: dict[str, float] = {}
+        self.accepted: dict[str, float] = {}
+
+    def prior(self, layer: str | None) -> float:
+        return self.priors.get(layer or "", self.priors.get(base_name(layer), DEFAULT_PRIOR))
+
+    def rate(self, layer: str | None) -> float:
+        t, a = self.tested.get(layer, 0.0), self.accepted.get(layer, 0.0)
+        return (a + self.prior(layer) * self.weight) / (t + self.weight)
+
+    def update(self, tested: dict[str, int], accepted: dict[str, int]) -> None:
+        for d in (self.tested, self.accepted):
+            for k in d:
+                d[k] *= self.decay
+        for k, v in tested.items():
+            self.tested[k] = self.tested.get(k, 0.0) + v
+        for k, v in accepted.items():
+            self.accepted[k] = self.accepted.get(k, 0.0) + v
 
 
 class Hierarchy:
-    """Asks layers in order and returns candidates tagged by layer.
+    """Asks the layers in order (most local first) and returns candidates tagged by layer, best first.
 
-    policy `first-hit`: candidates come only from the first layer that proposes anything. (Further
-    policies that mix layers belong to the hierarchy-drafting issue.)
+    Parameters
+      policy          `first-hit`: candidates come only from the first layer that proposes any.
+                      `fill`: the C slots are filled in layer order, each layer's best first (the
+                      order of the published Hierarchy Drafting method).
+                      `adaptive`: every layer is asked; layers are ordered, and given slots and
+                      draft length, by their online acceptance in this request (AcceptanceTracker):
+                      a layer being accepted now gets more; every layer that matches keeps at
+                      least one slot, so none starves.
+      draft_len       most tokens per candidate: one int, or {layer: int} (a base name such as
+                      'stats' covers 'stats:wiki'; missing layers use `default_len`).
+      max_candidates  C, the most candidates per step (1 = single-chain verification).
+    `rate(layer)` is the per-token acceptance estimate the verifier uses to cap the tree by cost:
+    the prior for `first-hit`/`fill`, the online tracker for `adaptive`.
     """
 
-    POLICIES = ("first-hit",)
+    POLICIES = ("first-hit", "fill", "adaptive")
 
     def __init__(self, layers: Sequence[Layer], policy: str = "first-hit",
-                 draft_len: int = 10, max_candidates: int = 1):
+                 draft_len: int | dict[str, int] = 16, max_candidates: int = 1,
+                 priors: dict[str, float] | None = None, default_len: int = 16):
         if policy not in self.POLICIES:
-            raise ValueError(f"unknown drafting policy {policy!r}")
+            raise ValueError(f"unknown drafting policy {policy!r}; known: {', '.join(self.POLICIES)}")
+        if max_candidates < 1:
+            raise ValueError("max_candidates must be >= 1")
         self.layers = list(layers)
-        self.policy, self.draft_len, self.max_candidates = policy, draft_len, max_candidates
+        self.policy, self.max_candidates = policy, max_candidates
+        if isinstance(draft_len, int):
+            self.lengths, self.draft_len = {}, draft_len
+        else:
+            self.lengths, self.draft_len = dict(draft_len), default_len
+        self.tracker = AcceptanceTracker(priors)
+
+    def layer_len(self, name: str) -> int:
+        return self.lengths.get(name, self.lengths.get(base_name(name), self.draft_len))
+
+    @property
+    def max_len(self) -> int:
+        return max([self.layer_len(layer.name) for layer in self.layers] or [self.draft_len])
+
+    def rate(self, layer: str | None) -> float:
+        if self.policy == "adaptive":
+            return self.tracker.rate(layer)
+        return self.tracker.prior(layer)
 
     def reset(self, tokens: Sequence[int]) -> None:
+        self.tracker.reset()
         for layer in self.layers:
             layer.reset(tokens)
 
@@ -182,15 +276,53 @@ class Hierarchy:
         for layer in self.layers:
             layer.extend(tokens)
 
+    def observe(self, tested: dict[str, int], accepted: dict[str, int]) -> None:
+        """What the last verification reached and kept, per layer (feeds `adaptive`)."""
+        self.tracker.update(tested, accepted)
+
+    def _ask(self, layer, history, max_len, slots, stats) -> list[Draft]:
+        length = min(max_len, self.layer_len(layer.name))
+        cands = layer.propose(history, length, slots) if length > 0 and slots > 0 else []
+        if stats is not None:
+            stats.layer(layer.name).record_query(cands)
+        return [Draft(tuple(c), layer.name) for c in cands]
+
     def propose(self, history: Sequence[int], max_len: int | None = None,
                 stats=None) -> list[Draft]:
-        max_len = self.draft_len if max_len is None else min(max_len, self.draft_len)
+        max_len = self.max_len if max_len is None else min(max_len, self.max_len)
         if max_len <= 0:
             return []
-        for layer in self.layers:
-            cands = layer.propose(history, max_len, self.max_candidates)
-            if stats is not None:
-                stats.layer(layer.name).record_query(cands)
-            if cands:
-                return [Draft(tuple(c), layer.name) for c in cands]
-        return []
+        C = self.max_candidates
+        if self.policy == "first-hit":
+            for layer in self.layers:
+                got = self._ask(layer, history, max_len, C, stats)
+                if got:
+                    return got
+            return []
+        if self.policy == "fill":
+            out: list[Draft] = []
+            for layer in self.layers:
+                out += self._ask(layer, history, max_len, C - len(out), stats)
+                if len(out) >= C:
+                    break
+            return out
+        # adaptive: a layer accepting at rate a keeps a depth-d token with chance ~a^d; draft
+        # while that stays >= 1/8 (at least 2 tokens), and order the layers by a
+        ranked = sorted(self.layers, key=lambda l: -self.rate(l.name))
+        found: list[list[Draft]] = []
+        for layer in ranked:
+            a = min(self.rate(layer.name), 0.97)
+            length = max(2, int(math.log(1 / 8) / math.log(a))) if a > 0 else 2
+            found.append(self._ask(layer, history, min(max_len, length), C, stats))
+        # every layer that matched gets one slot, the slots left go to the best layers' next
+        # candidates; the output keeps the ranking (best layer first) as the order children are tried
+        quota = [min(1, len(got)) for got in found]
+        spare = C - sum(quota)
+        while spare < 0:  # more matching layers than slots: the worst matching one goes
+            last = max(i for i, q in enumerate(quota) if q)
+            quota[last], spare = 0, spare + 1
+        for i, got in enumerate(found):
+            extra = min(spare, len(got) - quota[i])
+            quota[i] += extra
+            spare -= extra
+        return [d for got, q in zip(found, quota) for d in got[:q]]

@@ -17,7 +17,8 @@ class LayerStats:
     queries: int = 0     # times the hierarchy asked this layer
     hits: int = 0        # ... and it proposed at least one candidate
     candidates: int = 0  # candidates it proposed
-    drafted: int = 0     # its tokens sent to the target for verification
+    won: int = 0         # steps whose accepted path ended in a node it drafted
+    drafted: int = 0     # its tokens sent to the target for verification (tree nodes it created)
     accepted: int = 0    # its tokens the target kept
 
     def record_query(self, cands) -> None:
@@ -42,12 +43,14 @@ class LayerStats:
 class RunStats:
     layers: dict[str, LayerStats] = field(default_factory=dict)
     accept_lengths: list[int] = field(default_factory=list)  # one entry per decode step
+    tree_sizes: list[int] = field(default_factory=list)      # drafted nodes verified per step
     prompt_tokens: int = 0
     new_tokens: int = 0
     wall_seconds: float = 0.0     # whole generation, prefill included
     prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0   # target forward passes and acceptance after prefill
+    draft_seconds: float = 0.0        # asking the layers and building the tree
+    forward_seconds: float = 0.0      # the target's verification forwards (after prefill)
+    bookkeeping_seconds: float = 0.0  # acceptance, KV cache crop, statistics, layer updates
 
     def layer(self, name: str) -> LayerStats:
         if name not in self.layers:
@@ -63,6 +66,16 @@ class RunStats:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
 
     @property
+    def mean_tree_size(self) -> float:
+        return sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 0.0
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of the decode steps' time spent outside the target's forward pass."""
+        steps = self.draft_seconds + self.forward_seconds + self.bookkeeping_seconds
+        return (self.draft_seconds + self.bookkeeping_seconds) / steps if steps else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
@@ -71,7 +84,9 @@ class RunStats:
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "steps": self.steps,
             "mean_accepted_tokens": self.mean_accepted, "tokens_per_second": self.tokens_per_second,
             "wall_seconds": self.wall_seconds, "prefill_seconds": self.prefill_seconds,
-            "draft_seconds": self.draft_seconds, "verify_seconds": self.verify_seconds,
-            "accept_lengths": self.accept_lengths,
+            "mean_tree_size": self.mean_tree_size, "draft_seconds": self.draft_seconds,
+            "forward_seconds": self.forward_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
+            "overhead_share": self.overhead_share,
+            "accept_lengths": self.accept_lengths, "tree_sizes": self.tree_sizes,
             "layers": {k: v.to_dict() for k, v in self.layers.items()},
         }

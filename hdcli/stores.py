@@ -113,6 +113,8 @@ class StoreWriter:
         if not os.access(self.path.parent, os.W_OK):
             raise HdError(f"output folder {self.path.parent} is not writable")
         sweep_stale(self.path.parent, self.path.name + ".tmp-")
+        if not self.path.exists():  # the lock file of a DB deleted since is an orphan
+            Path(str(self.path) + "-lock").unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.tmp-{os.getpid()}-", dir=self.path.parent)
         os.close(fd)
         self.tmp = Path(tmp)

@@ -85,3 +85,30 @@ def accept_chain(logits: torch.Tensor, draft, s: Sampling, gen: torch.Generator 
         if won is None:
             return i, tok
     return k, int(torch.multinomial(probs[k], 1, generator=gen))
+
+
+def accept_tree(logits: torch.Tensor, children: list[list[int]], tokens: list[int], s: Sampling,
+                gen: torch.Generator | None) -> tuple[list[int], int]:
+    """Verify a token tree (hdcli.tree.Tree's children/tokens). logits [nodes, V]: row i is the
+    target's prediction for the token after node i's path. Walk from the root: at each node the
+    target draws its token (greedy: argmax; sampling: the point-mass rule over the node's children
+    tried in order, then the residual); follow the child that holds it, stop where none does.
+    Returns (accepted nodes, root excluded, in path order; the target's next token)."""
+    path: list[int] = []
+    node = 0
+    if s.greedy:
+        targets = logits.argmax(-1).tolist()
+        while True:
+            nxt = next((c for c in children[node] if tokens[c] == targets[node]), None)
+            if nxt is None:
+                return path, targets[node]
+            path.append(nxt)
+            node = nxt
+    probs = target_probs(logits, s)
+    while True:
+        kids = children[node]
+        tok, won = sample_point_masses(probs[node], [tokens[c] for c in kids], gen)
+        if won is None:
+            return path, tok
+        node = kids[won]
+        path.append(node)

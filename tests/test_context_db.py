@@ -7,19 +7,23 @@ from hdcli.drafting import ContextDB, Hierarchy
 
 
 def brute_force(h, min_n, max_n, max_len, max_candidates, len_per_key=3):
-    """Longest suffix first; most recent earlier occurrence first; distinct continuations;
-    an n-token key drafts at most len_per_key * n tokens unless n is the longest key size."""
+    """Longest suffix first; within a key, continuations grouped by their first token, groups
+    ranked by count then by their most recent occurrence, which gives the candidate; candidates
+    that are a prefix of an earlier one skipped; an n-token key drafts at most len_per_key * n
+    tokens unless n is the longest key size."""
     out = []
     for n in range(min(max_n, len(h)), min_n - 1, -1):
         key = h[-n:]
         length = max_len if n == max_n else min(max_len, len_per_key * n)
-        for i in range(len(h) - 2, n - 2, -1):
-            if h[i - n + 1:i + 1] == key:
-                cand = h[i + 1:i + 1 + length]
-                if cand and cand not in out:
-                    out.append(cand)
-                    if len(out) >= max_candidates:
-                        return out
+        ends = [i for i in range(n - 1, len(h) - 1) if h[i - n + 1:i + 1] == key]
+        firsts = {h[i + 1] for i in ends}
+        groups = [(sum(h[i + 1] == t for i in ends), max(i for i in ends if h[i + 1] == t)) for t in firsts]
+        for count, recent in sorted(groups, reverse=True):
+            cand = h[recent + 1:recent + 1 + length]
+            if not any(c[:len(cand)] == cand for c in out):
+                out.append(cand)
+                if len(out) >= max_candidates:
+                    return out
     return out
 
 

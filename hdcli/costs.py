@@ -1,0 +1,111 @@
+"""Forward cost against the number of tokens verified, measured on this machine.
+
+cost(w) is the time of one forward over w new tokens on top of a KV cache, divided by the time
+of a one-token forward (so cost(1) = 1 and plain decoding costs 1 per token). It caps the draft
+tree (hdcli/tree.py) and feeds the planner. The curve depends on the model, dtype, device and
+thread count, so it is measured once per such combination (~1-3 s) and cached as JSON under
+HD_CACHE_DIR (default ~/.cache/hdcli/costs). Between measured widths it is interpolated linearly;
+beyond the last it grows linearly with the last slope.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+class CostCurve:
+    def __init__(self, points: dict[int, float]):
+        self.widths = sorted(int(w) for w in points)
+        self.costs = [float(points[w]) for w in self.widths]
+        if self.widths[0] != 1:
+            raise ValueError("a cost curve starts at width 1")
+
+    def __call__(self, w: int) -> float:
+        ws, cs = self.widths, self.costs
+        if w <= ws[0]:
+            return cs[0]
+        i = bisect.bisect_left(ws, w)
+        if i == len(ws):
+            slope = (cs[-1] - cs[-2]) / (ws[-1] - ws[-2]) if len(ws) > 1 else 1.0
+            return cs[-1] + max(slope, 0.0) * (w - ws[-1])
+        if ws[i] == w:
+            return cs[i]
+        f = (w - ws[i - 1]) / (ws[i] - ws[i - 1])
+        return cs[i - 1] + f * (cs[i] - cs[i - 1])
+
+    def to_dict(self) -> dict:
+        return {str(w): c for w, c in zip(self.widths, self.costs)}
+
+
+def flat(cost: float = 1.0) -> CostCurve:
+    """A curve where every forward costs the same (an idealised accelerator)."""
+    return CostCurve({1: 1.0, 64: cost})
+
+
+@torch.inference_mode()
+def measure(model, context: int = 256, repeats: int = 5, widths=WIDTHS) -> CostCurve:
+    """Median time of a w-token forward over a `context`-token cache, relative to w = 1."""
+    from transformers import DynamicCache
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    ctx = torch.arange(context, device=device)[None] % vocab
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    base = cache.get_seq_length()
+    seconds = {}
+    for w in widths:
+        ids = (torch.arange(w, device=device)[None] * 7 + 11) % vocab
+        ts = []
+        for _ in range(repeats + 1):  # the first run of a shape warms its kernels up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+            cache.crop(-(cache.get_seq_length() - base))
+        seconds[w] = statistics.median(ts[1:])
+    one = seconds[widths[0]]
+    # a wider forward never costs less than a narrower one: noise must not invite wider trees
+    points, top = {}, 0.0
+    for w in widths:
+        top = max(top, seconds[w] / one)
+        points[w] = top
+    points[1] = 1.0
+    return CostCurve(points)
+
+
+def _cache_path(key: str) -> Path:
+    root = Path(os.environ.get("HD_CACHE_DIR", Path.home() / ".cache" / "hdcli")) / "costs"
+    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def curve_for(lm) -> CostCurve:
+    """The cost curve of a loaded model (api.load_model), from the cache or measured now."""
+    key = f"{lm.source}|{lm.dtype}|{lm.device}|{torch.get_num_threads()}|{torch.__version__}"
+    path = _cache_path(key)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return CostCurve({int(w): c for w, c in data["cost"].items()})
+    except (OSError, ValueError, KeyError):
+        pass
+    curve = measure(lm.model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "cost": curve.to_dict()}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return curve

@@ -1,0 +1,243 @@
+"""Tree verification: the tree mask, the KV cache after a tree, greedy exactness of every policy,
+and the sampling distribution with several candidates per position (all fp32)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hdcli import costs, tree as tree_mod
+from hdcli.decode import Decoder
+from hdcli.drafting import AcceptanceTracker, ContextDB, Hierarchy
+from hdcli.tree import Tree, cap_by_cost, keep_path, node_estimates, tree_forward
+from hdcli.verify import Sampling
+
+from conftest import tiny_llama
+from test_sampling import chi2_pvalue, exact_two_token_distribution
+
+V = 50
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab_size=V, seed=1, scale=4.0)
+
+
+def plain(model, prompt, n):
+    return Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=n).tokens
+
+
+def random_tree(rng, n_cands=6, max_len=5):
+    t = Tree()
+    for j in range(n_cands):
+        base = rng.choice([[], [3], [3, 4], [7]])  # shared prefixes make branches
+        t.add_candidate(base + [rng.randrange(V) for _ in range(rng.randrange(1, max_len))], "x", j)
+    return t
+
+
+@torch.inference_mode()
+def prefilled(model, prompt):
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+@torch.inference_mode()
+def test_tree_mask_logits_equal_each_path_run_alone(model):
+    rng = random.Random(0)
+    prompt = [1] + [rng.randrange(V) for _ in range(20)]
+    for _ in range(5):
+        t = random_tree(rng)
+        assert not t.is_chain()
+        logits = tree_forward(model, t, prompt[-1], prefilled(model, prompt))
+        for node in range(1, len(t.tokens)):
+            path = [t.tokens[i] for i in t.path(node)]
+            alone = model(input_ids=torch.tensor([[prompt[-1]] + path]),
+                          past_key_values=prefilled(model, prompt), use_cache=True).logits[0, -1]
+            torch.testing.assert_close(logits[node], alone, atol=1e-4, rtol=1e-4)
+        # the root's row is the prediction after the history itself
+        alone = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits[0], alone, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_keep_path_leaves_exactly_the_path_in_the_cache(model):
+    rng = random.Random(1)
+    prompt = [1] + [rng.randrange(V) for _ in range(12)]
+    t = random_tree(rng, n_cands=5)
+    last_leaf = max(i for i in range(1, len(t.tokens)) if not t.children[i])
+    path = t.path(last_leaf)
+    assert path != list(range(1, len(path) + 1))  # a later branch: entries must move
+    cache = prefilled(model, prompt)
+    past = cache.get_seq_length()
+    tree_forward(model, t, prompt[-1], cache)
+    keep_path(cache, past, path)
+    ref = prefilled(model, prompt + [t.tokens[i] for i in path] + [0])
+    assert cache.get_seq_length() == ref.get_seq_length()
+    for got, want in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
+class BranchyLayer:
+    """Proposes several candidates per step: the true continuation (read from a reference
+    output, sometimes corrupted) placed at a random rank among wrong ones that share its first
+    tokens, so the accepted path is often a later branch whose KV entries have to move."""
+
+    def __init__(self, name, prompt_len, reference, seed=0, corrupt=0.2):
+        self.name, self.prompt_len, self.ref = name, prompt_len, reference
+        self.rng, self.corrupt = random.Random(seed), corrupt
+
+    def reset(self, tokens):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+    def propose(self, history, max_len, max_candidates):
+        pos = len(history) - self.prompt_len
+        true = self.ref[pos:pos + max_len]
+        if not true:
+            return []
+        true = [t if self.rng.random() > self.corrupt else self.rng.randrange(V) for t in true]
+        cands = []
+        for _ in range(max_candidates - 1):
+            cut = self.rng.randrange(len(true))
+            cands.append(true[:cut] + [self.rng.randrange(V) for _ in range(len(true) - cut)])
+        cands.insert(self.rng.randrange(max_candidates), true)
+        return cands
+
+
+@pytest.mark.parametrize("policy", Hierarchy.POLICIES)
+def test_greedy_tree_equals_plain_for_every_policy(model, policy):
+    moved = 0
+    for seed, prompt in enumerate([[1, 5, 6, 7, 8, 9], [1, 10, 11, 10, 11, 10, 11], [1] + list(range(5, 30))]):
+        ref = plain(model, prompt, 60)
+        layers = [BranchyLayer("a", len(prompt), ref, seed), ContextDB(1, 3),
+                  BranchyLayer("b", len(prompt), ref, seed + 10, corrupt=0.5)]
+        dec = Decoder(model, (), Hierarchy(layers, policy=policy, draft_len=6, max_candidates=4))
+        g = dec.generate(prompt, max_new_tokens=60)
+        assert g.tokens == ref
+        assert max(g.stats.tree_sizes) > 6  # real trees, not chains
+        moved += sum(ls.won for ls in g.stats.layers.values())
+    assert moved > 0
+
+
+def test_a_kept_rejected_branch_breaks_the_greedy_test(model, monkeypatch):
+    """The test above fails when keep_path keeps tree order instead of moving the path: the
+    cache then holds rejected branches' entries at the accepted tokens' places."""
+    prompt = [1, 5, 6, 7, 8, 9]
+    ref = plain(model, prompt, 60)
+
+    def run():
+        layers = [BranchyLayer("a", len(prompt), ref, 0)]
+        return Decoder(model, (), Hierarchy(layers, draft_len=6, max_candidates=4)).generate(
+            prompt, max_new_tokens=60).tokens
+
+    assert run() == ref
+
+    def broken(cache, past, path):
+        remove = cache.get_seq_length() - (past + 1 + len(path))
+        if remove:
+            cache.crop(-remove)
+    monkeypatch.setattr("hdcli.decode.keep_path", broken)
+    assert run() != ref
+
+
+def test_cost_cap_keeps_likely_nodes_and_drops_what_does_not_pay():
+    t = Tree()
+    t.add_candidate([1, 2, 3, 4], "good", 0)
+    t.add_candidate([5, 6], "bad", 1)
+    rates = {"good": 0.9, "bad": 0.05}
+    est = node_estimates(t, rates.get)
+    assert est[1] == pytest.approx(0.9) and est[5] == pytest.approx(0.1 * 0.05)
+    free = cap_by_cost(t, est, costs.flat(1.0))  # a free forward: keep every node
+    assert free.size() == 6
+    steep = costs.CostCurve({1: 1.0, 2: 1.6, 4: 1.7, 8: 1.9, 64: 6.0})
+    kept = cap_by_cost(t, est, steep)
+    assert kept.tokens[1:] == [1, 2, 3, 4]  # the unlikely branch is not worth its cost
+    hopeless = cap_by_cost(t, node_estimates(t, {"good": 0.2, "bad": 0.05}.get), steep)
+    assert hopeless.size() == 0  # plain decoding is cheaper than this draft
+
+
+def test_measured_cost_curve_is_monotone_and_cached(model, tmp_path, monkeypatch):
+    curve = costs.measure(model, context=16, repeats=1, widths=(1, 4, 16))
+    assert curve(1) == 1.0 and curve(4) <= curve(16) and curve(10) <= curve(16)
+    assert curve(32) >= curve(16)
+
+
+def test_adaptive_tracker_follows_acceptance_and_recovers():
+    tr = AcceptanceTracker({"a": 0.5, "b": 0.5})
+    for _ in range(20):
+        tr.update({"a": 4, "b": 4}, {"a": 4, "b": 0})
+    assert tr.rate("a") > 0.9 and tr.rate("b") < 0.1
+    for _ in range(60):  # b no longer drafted: it drifts back towards its prior
+        tr.update({"a": 4}, {"a": 4})
+    assert tr.rate("b") > 0.4
+
+
+def test_adaptive_gives_every_matching_layer_a_slot():
+    class Fixed:
+        def __init__(self, name, cands):
+            self.name, self.cands = name, cands
+
+        def reset(self, tokens):
+            pass
+
+        def extend(self, tokens):
+            pass
+
+        def propose(self, history, max_len, max_candidates):
+            return [c[:max_len] for c in self.cands[:max_candidates]]
+
+    h = Hierarchy([Fixed("a", [[1], [2], [3]]), Fixed("b", [[4], [5]])], policy="adaptive",
+                  max_candidates=3)
+    h.reset([0])
+    h.observe({"a": 10, "b": 10}, {"a": 10, "b": 0})
+    got = h.propose([0], 4)
+    assert [d.layer for d in got] == ["a", "a", "b"]  # best layer first, b keeps one slot
+    fill = Hierarchy(h.layers, policy="fill", max_candidates=4).propose([0], 4)
+    assert [d.tokens for d in fill] == [(1,), (2,), (3,), (4,)]
+    first = Hierarchy(h.layers, policy="first-hit", max_candidates=4).propose([0], 4)
+    assert [d.layer for d in first] == ["a", "a", "a"]
+
+
+class TwoTokenTree:
+    """Proposes a fixed tree of candidates for the first two tokens."""
+    name = "tree"
+
+    def __init__(self, cands):
+        self.cands = cands
+
+    def reset(self, tokens):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+    def propose(self, history, max_len, max_candidates):
+        return [c[:max_len] for c in self.cands[:max_candidates]]
+
+
+@pytest.mark.parametrize("s", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)],
+                         ids=["t1", "t0.7-k5-p0.9"])
+def test_sampling_through_a_tree_follows_target_distribution(s):
+    Vs = 8
+    m = tiny_llama(vocab_size=Vs, seed=3, hidden=16, scale=3.0)
+    prompt = [1, 3, 4, 3, 4, 3]
+    probs = exact_two_token_distribution(m, prompt, s)
+    ranked = sorted(probs, key=probs.get, reverse=True)
+    # several first tokens, some with two second tokens: the point-mass rule at both depths
+    cands = [list(ranked[0]), [ranked[0][0], ranked[1][1]], list(ranked[2]), list(ranked[3])]
+    dec = Decoder(m, (), Hierarchy([TwoTokenTree(cands)], draft_len=2, max_candidates=4))
+    n, counts, later_branch = 3000, {}, 0
+    for seed in range(n):
+        g = dec.generate(prompt, max_new_tokens=3, sampling=s, seed=seed)
+        key = tuple(g.tokens[:2])
+        counts[key] = counts.get(key, 0) + 1
+        acc = g.stats.layers["tree"].accepted
+        later_branch += (acc >= 1 and key[0] != cands[0][0]) or (acc >= 2 and key[1] != cands[0][1])
+    assert later_branch > n / 20  # children after the first really won, at either depth
+    assert chi2_pvalue(counts, probs, n) > 1e-3
