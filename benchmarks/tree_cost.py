@@ -48,11 +48,14 @@ def main():
         for w in widths:
             ids = [7 + i for i in range(w)]
             chain = timed(lambda: lm.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True))
-            # a bushy tree of the same size: root + children of depth <= 4
+            # a bushy tree of the same width: the root and w - 1 drafted nodes, depth <= 4
             tree = Tree()
-            for i in range(w - 1):
-                tree.add_candidate([3 + i, 5, 6, 8][: 1 + i % 4] if i % 2 else [3 + i], "x")
-            nodes = tree.size()
+            j = 0
+            while tree.size() < w - 1:
+                tree.add_candidate([3 + j % 5, 20 + j, 40 + j, 60 + j], "x", j)
+                j += 1
+            tree = tree.subtree(range(w))
+            nodes = tree.size() + 1
             tr = timed(lambda: tree_forward(lm.model, tree, 9, cache))
             rows[w] = {"chain_seconds": chain, "tree_seconds": tr, "tree_nodes": nodes}
     one = rows[1]["chain_seconds"]

@@ -54,7 +54,7 @@ def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
     return dbs
 
 
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "fill"  # measured: docs/benchmarks.md, "Token trees and policies"
 DEFAULT_CANDIDATES = 4
 
 
@@ -236,7 +236,11 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def warm_up(lm: models.LoadedModel) -> None:
-    """One short run so the first timed generation does not pay for allocations and kernels."""
+    """Short runs so the first timed generation pays for no allocations or kernel set-up: plain
+    steps, chain verification and a branching tree (its mask path), and the cost curve."""
     eos = next(iter(lm.eos_ids), 0)
     Decoder(lm.model, ()).generate([eos, eos], max_new_tokens=4)
-    Decoder(lm.model, (), make_drafter(min_n=1)).generate([eos] * 8, max_new_tokens=12)
+    a, b, c, d = (min(t, lm.model.config.vocab_size - 1) for t in (100, 200, 300, 400))
+    branching = make_drafter(min_n=1, policy="fill", candidates=4)  # 'a' was followed by b, c, d
+    Decoder(lm.model, (), branching).generate([a, b, a, c, a, d, a], max_new_tokens=12)
+    costs.curve_for(lm)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__, api
+from . import __version__, api, bench
 from .errors import HdError
 from .verify import Sampling
 
@@ -412,6 +412,162 @@ def db_query(
         t.add_row(str(k["n"]), repr(k["key"]), str(k["total"]), conts)
     con.print(t)
     con.print(Text.assemble("draft: ", (repr(result["draft"]), "magenta")))
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against plain decoding and peers.")
+app.add_typer(bench_app, name="bench")
+
+
+def _bench_tables(summary: dict, meta: dict) -> Table:
+    """The overall table, then speedup per category per method."""
+    methods = summary["methods"]
+    t = Table(title=f"Spec-Bench · {meta['model']} · {meta['dtype']} · {meta['device']} · "
+                    f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens")
+    for col in ("method", "speedup", "tok/s", "mean accepted", "outside forward", "differ from ar",
+                "accepted by layer"):
+        t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right")
+    for m, f in methods.items():
+        o = f["overall"]
+        differ = (f"{o['differ_from_ar']}/{o['questions']}" if "differ_from_ar" in o else "n/a (sampling)")
+        share = "  ".join(f"{k} {v['share_of_accepted']:.0%}" for k, v in o["layers"].items() if v["accepted"])
+        t.add_row(m, f"{o['speedup']:.2f}x", f"{o['tokens_per_second']:.1f}",
+                  "-" if o["mean_accepted_tokens"] is None else f"{o['mean_accepted_tokens']:.2f}",
+                  "-" if o["overhead_share"] is None else f"{o['overhead_share']:.1%}", differ, share)
+    cats = list(next(iter(methods.values()))["categories"])
+    c = Table(title="speedup over ar by category")
+    c.add_column("method")
+    for cat in cats:
+        c.add_column(cat, justify="right")
+    for m, f in methods.items():
+        c.add_row(m, *[f"{f['categories'][cat]['speedup']:.2f}x" for cat in cats])
+    grid = Table.grid()
+    grid.add_row(t)
+    grid.add_row(c)
+    return grid
+
+
+def _bench_chart(summary: dict, meta: dict, path: Path) -> None:
+    """Grouped bars: speedup per category (and overall) per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    methods = summary["methods"]
+    cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(cats)), 4.5))
+    for i, (m, f) in enumerate(methods.items()):
+        vals = [f["categories"][c]["speedup"] if c != "overall" else f["overall"]["speedup"] for c in cats]
+        ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
+    ax.set_ylabel("speedup over ar (tokens/s ratio)")
+    ax.set_title(f"Spec-Bench, {meta['model']} ({meta['dtype']}, {meta['device']}), "
+                 f"{meta['max_new_tokens']} new tokens")
+    ax.legend(fontsize=8, ncol=min(len(methods), 4))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@bench_app.command("spec-bench")
+def bench_spec_bench(
+    data: Optional[Path] = typer.Option(None, "--data", help="Spec-Bench question.jsonl (default: "
+                                        "data/spec_bench/question.jsonl here or under ../shared/)."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m"),
+    methods: Optional[str] = typer.Option(None, "--methods",
+                                help="Comma-separated, 'ar' included (default: ar, context, stats and "
+                                "model where their DBs are given, hd, hf-pld). Known: " + "; ".join(
+                                    f"{k}: {v}" for k, v in bench.METHOD_HELP.items())),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Questions per category (default: all)."),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated (default: all)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
+    temperature: float = typer.Option(0.0, help="0 = greedy (exactness is checked only then)."),
+    seed: int = typer.Option(0, help="Seed for sampling."),
+    stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB (repeatable)."),
+    model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB."),
+    dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
+    device: str = typer.Option("auto", help="auto|cpu|cuda."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json, answers/<method>.jsonl "
+                                           "(Spec-Bench's answer schema) and speedup.png here."),
+    as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
+):
+    """Run Spec-Bench with several methods on one model, interleaved, and report speedups."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from . import specbench
+    if max_new_tokens < 1:
+        raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
+    if limit is not None and limit < 1:
+        raise HdError(f"--limit must be >= 1, not {limit}")
+    try:
+        sampling = Sampling(temperature=temperature)
+    except ValueError as exc:
+        raise HdError(f"invalid sampling option: {exc}") from None
+    if methods is None:
+        names = [m for m in bench.DEFAULT_METHODS
+                 if (m != "stats" or stats_db) and (m != "model" or model_db)]
+    else:
+        names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in bench.METHODS]
+    if unknown:
+        raise HdError(f"unknown method '{unknown[0]}'; known methods: {', '.join(bench.METHODS)}")
+    path = specbench.find(data)
+    cats = [c.strip() for c in categories.split(",")] if categories else None
+    questions = specbench.select(specbench.load(path), limit, cats)
+    dbs = api.open_stats_dbs([str(p) for p in stats_db])
+    mdb = api.open_stats_dbs([str(model_db)])[0] if model_db else None
+    err = Console(stderr=True, highlight=False)
+    if not as_json:
+        err.print(f"[dim]loading {model} ...[/dim]")
+    lm = api.load_model(model, dtype=dtype, device=device)
+    for db in dbs + ([mdb] if mdb else []):
+        db.check_tokenizer(lm.tokenizer, lm.name)
+    runners = bench.make_runners(lm, names, dbs, mdb)
+    total = len(questions) * len(runners)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, disable=as_json) as prog:
+        task = prog.add_task("warming up", total=total)
+
+        def progress(method, q):
+            prog.update(task, advance=1, description=f"{q['category']} · {method}")
+        results = bench.run(lm, questions, runners, max_new_tokens, sampling, seed, progress)
+    summary = bench.summarize(results, greedy=sampling.greedy)
+    meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
+            "data": str(path), "questions": len(questions), "max_new_tokens": max_new_tokens,
+            "temperature": temperature, "seed": seed, "stats_dbs": [str(p) for p in stats_db],
+            "model_db": str(model_db) if model_db else None, "machine": bench.machine(),
+            "methods_run": names}
+    report = {**meta, "methods": summary}
+    if out_dir is not None:
+        bench.save(out_dir, summary, results, meta, lm.name)
+        _bench_chart(report, meta, out_dir / "speedup.png")
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    Console(highlight=False).print(_bench_tables(report, meta))
+    if out_dir is not None:
+        err.print(f"wrote {out_dir}/summary.json, {out_dir}/answers/*.jsonl, {out_dir}/speedup.png")
+
+
+@bench_app.command("report")
+def bench_report(
+    run_dir: Path = typer.Argument(..., help="A folder written by `hd bench spec-bench --out`."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Re-render a saved Spec-Bench run: the tables, and speedup.png again."""
+    f = run_dir / "summary.json"
+    try:
+        report = json.loads(f.read_text())
+        meta = {k: report[k] for k in ("model", "dtype", "device", "questions", "max_new_tokens")}
+        report["methods"]
+    except FileNotFoundError:
+        raise HdError(f"{f} not found: pass a folder written by `hd bench spec-bench --out DIR`") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HdError(f"{f} is not an hd bench summary ({exc})") from None
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    _bench_chart(report, meta, run_dir / "speedup.png")
+    Console(highlight=False).print(_bench_tables(report, meta))
 
 
 def main() -> None:

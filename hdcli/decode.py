@@ -24,7 +24,7 @@ import torch
 from .drafting import Hierarchy
 from .stats import RunStats
 from .costs import CostCurve
-from .tree import Tree, cap_by_cost, keep_path, node_estimates, supports_trees, tree_forward
+from .tree import Tree, build_tree, keep_path, reached, supports_trees, tree_forward
 from .verify import Sampling, accept_tree
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
@@ -58,17 +58,6 @@ class Decoder:
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         return self.model(input_ids=inp, past_key_values=cache, use_cache=True).logits[0]
 
-    def _tree(self, drafts, trees_ok: bool) -> Tree:
-        """Merge the candidates into a tree, then keep what pays for its forward."""
-        tree = Tree()
-        for j, d in enumerate(drafts if trees_ok else drafts[:1]):
-            tree.add_candidate(d.tokens, d.layer, j)
-        if tree.size() and self.cost is not None:
-            tree = cap_by_cost(tree, node_estimates(tree, self.drafter.rate), self.cost, self.max_nodes)
-        elif tree.size() > self.max_nodes:
-            tree = tree.subtree(range(self.max_nodes + 1))
-        return tree
-
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
                  sampling: Sampling = Sampling(), seed: int | None = None,
@@ -87,6 +76,9 @@ class Decoder:
         stats = RunStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
         cache = DynamicCache(config=self.model.config)
+        for layer in getattr(cache, "layers", []):
+            if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()  # sliding-window layers must be croppable too
         trees_ok = supports_trees(cache)
         history = [int(t) for t in prompt_ids]
         if len(history) > 1:
@@ -101,7 +93,7 @@ class Decoder:
         while len(out) < max_new_tokens:
             t0 = time.perf_counter()
             drafts = drafter.propose(history, max_new_tokens - len(out) - 1, stats) if drafter else []
-            tree = self._tree(drafts, trees_ok)
+            tree = build_tree(drafts, drafter.rate if drafter else None, self.cost, self.max_nodes, trees_ok)
             t1 = time.perf_counter()
             past = len(history) - 1            # cache length before this step
             logits = tree_forward(self.model, tree, history[-1], cache)
@@ -111,7 +103,7 @@ class Decoder:
             new = [tree.tokens[i] for i in path] + [nxt]
             new_layers = [tree.layers[i] for i in path] + [None]
             if tree.size():
-                self._record(stats, drafts, tree, path)
+                self._record(stats, tree, path)
             for i, t in enumerate(new):
                 if t in self.eos_ids:
                     new, new_layers, stop_reason = new[:i + 1], new_layers[:i + 1], "eos"
@@ -140,19 +132,13 @@ class Decoder:
         stats.wall_seconds = time.perf_counter() - t_start
         return Generation(tokens=out, layers=out_layers, stop_reason=stop_reason, stats=stats)
 
-    def _record(self, stats: RunStats, drafts, tree: Tree, path: list[int]) -> None:
-        """Per-layer counts of what was sent, reached, kept and which candidate won."""
-        on_path = set(path)
-        tested: dict[str, int] = {}
-        accepted: dict[str, int] = {}
-        for i in range(1, len(tree.tokens)):
-            name = tree.layers[i]
+    def _record(self, stats: RunStats, tree: Tree, path: list[int]) -> None:
+        """Per-layer counts of what was sent, kept and which candidate won; feeds `adaptive`."""
+        for name in tree.layers[1:]:
             stats.layer(name).drafted += 1
-            if tree.parents[i] == 0 or tree.parents[i] in on_path:
-                tested[name] = tested.get(name, 0) + 1
-            if i in on_path:
-                stats.layer(name).accepted += 1
-                accepted[name] = accepted.get(name, 0) + 1
+        for i in path:
+            stats.layer(tree.layers[i]).accepted += 1
+        tested, accepted = reached(tree, path)
         if path:
             stats.layer(tree.layers[path[-1]]).won += 1
         self.drafter.observe(tested, accepted)

@@ -17,7 +17,6 @@ colouring can be kept per layer.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -172,11 +171,15 @@ class StatsDB:
         return out
 
 
-# Prior per-token acceptance of each layer (the chance that the target keeps a drafted token once
-# it keeps the one before): the static estimate of `first-hit` and `fill`, and where `adaptive`
-# starts every request. From replayed Spec-Bench runs (benchmarks/tree_bench.py).
-PRIOR_RATES = {"context": 0.5, "model": 0.4, "stats": 0.35}
-DEFAULT_PRIOR = 0.35
+# Prior per-token acceptance of a drafted token once the verification reaches it (its parent
+# kept), by layer and by the node's place in the tree: a later sibling (a candidate tried after
+# another at the same position), or a first child at depth 1, 2, 3+. Acceptance rises with depth
+# (a match that held so far goes on holding) and later siblings are rarely right, so one rate per
+# layer misjudges both. Measured by replaying Spec-Bench outputs (docs/engine.md); the static
+# estimate of `first-hit` and `fill`, and where `adaptive` starts every request.
+PRIOR_RATES = {"context": (0.1, 0.5, 0.65, 0.8), "model": (0.1, 0.4, 0.4, 0.6),
+               "stats": (0.1, 0.3, 0.45, 0.55)}
+DEFAULT_PRIOR = (0.1, 0.3, 0.45, 0.55)
 
 
 def base_name(layer: str | None) -> str:
@@ -184,8 +187,13 @@ def base_name(layer: str | None) -> str:
     return (layer or "").split(":", 1)[0]
 
 
+def bucket(depth: int, first_child: bool) -> int:
+    """0: a later sibling; 1, 2, 3: a first child at depth 1, 2, 3 or more."""
+    return min(depth, 3) if first_child else 0
+
+
 class AcceptanceTracker:
-    """Online, per-request estimate of each layer's per-token acceptance.
+    """Online, per-request estimate of each layer's per-token acceptance, per tree place (bucket).
 
     rate = (accepted + prior * weight) / (tested + weight), where `tested` counts the layer's
     drafted tokens the verification reached (their parent was kept) and `accepted` those it kept.
@@ -194,23 +202,25 @@ class AcceptanceTracker:
     no layer starves for good.
     """
 
-    def __init__(self, priors: dict[str, float] | None = None, weight: float = 2.0, decay: float = 0.9):
+    def __init__(self, priors: dict[str, tuple] | None = None, weight: float = 2.0, decay: float = 0.9):
         self.priors = dict(PRIOR_RATES if priors is None else priors)
         self.weight, self.decay = weight, decay
         self.reset()
 
     def reset(self) -> None:
-        self.tested: dict[str, float] = {}
-        self.accepted: dict[str, float] = {}
+        self.tested: dict[tuple, float] = {}
+        self.accepted: dict[tuple, float] = {}
 
-    def prior(self, layer: str | None) -> float:
-        return self.priors.get(layer or "", self.priors.get(base_name(layer), DEFAULT_PRIOR))
+    def prior(self, layer: str | None, b: int = 1) -> float:
+        p = self.priors.get(layer or "", self.priors.get(base_name(layer), DEFAULT_PRIOR))
+        return p if isinstance(p, float) else p[b]
 
-    def rate(self, layer: str | None) -> float:
-        t, a = self.tested.get(layer, 0.0), self.accepted.get(layer, 0.0)
-        return (a + self.prior(layer) * self.weight) / (t + self.weight)
+    def rate(self, layer: str | None, b: int = 1) -> float:
+        t, a = self.tested.get((layer, b), 0.0), self.accepted.get((layer, b), 0.0)
+        return (a + self.prior(layer, b) * self.weight) / (t + self.weight)
 
-    def update(self, tested: dict[str, int], accepted: dict[str, int]) -> None:
+    def update(self, tested: dict[tuple, int], accepted: dict[tuple, int]) -> None:
+        """tested/accepted: counts keyed by (layer, bucket)."""
         for d in (self.tested, self.accepted):
             for k in d:
                 d[k] *= self.decay
@@ -262,10 +272,22 @@ class Hierarchy:
     def max_len(self) -> int:
         return max([self.layer_len(layer.name) for layer in self.layers] or [self.draft_len])
 
-    def rate(self, layer: str | None) -> float:
+    def rate(self, layer: str | None, depth: int = 1, first_child: bool = True) -> float:
+        b = bucket(depth, first_child)
         if self.policy == "adaptive":
-            return self.tracker.rate(layer)
-        return self.tracker.prior(layer)
+            return self.tracker.rate(layer, b)
+        return self.tracker.prior(layer, b)
+
+    def depth_for(self, layer: str, floor: float = 1 / 8) -> int:
+        """How deep a first-choice candidate of this layer stays likely: while the chance of
+        keeping the whole prefix is >= floor (at least 2 tokens)."""
+        p, d = 1.0, 0
+        while d < 64:
+            p *= min(self.rate(layer, d + 1), 0.97)
+            if p < floor:
+                break
+            d += 1
+        return max(2, d)
 
     def reset(self, tokens: Sequence[int]) -> None:
         self.tracker.reset()
@@ -306,14 +328,12 @@ class Hierarchy:
                 if len(out) >= C:
                     break
             return out
-        # adaptive: a layer accepting at rate a keeps a depth-d token with chance ~a^d; draft
-        # while that stays >= 1/8 (at least 2 tokens), and order the layers by a
+        # adaptive: order the layers by how well their first token is accepted now, and let each
+        # draft as deep as its candidates stay likely (depth_for)
         ranked = sorted(self.layers, key=lambda l: -self.rate(l.name))
         found: list[list[Draft]] = []
         for layer in ranked:
-            a = min(self.rate(layer.name), 0.97)
-            length = max(2, int(math.log(1 / 8) / math.log(a))) if a > 0 else 2
-            found.append(self._ask(layer, history, min(max_len, length), C, stats))
+            found.append(self._ask(layer, history, min(max_len, self.depth_for(layer.name)), C, stats))
         # every layer that matched gets one slot, the slots left go to the best layers' next
         # candidates; the output keeps the ranking (best layer first) as the order children are tried
         quota = [min(1, len(got)) for got in found]

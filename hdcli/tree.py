@@ -78,13 +78,16 @@ class Tree:
         return t
 
 
-def node_estimates(tree: Tree, rate: Callable[[str | None], float]) -> list[float]:
+Rate = Callable[[str | None, int, bool], float]  # (layer, depth, first child?) -> acceptance
+
+
+def node_estimates(tree: Tree, rate: Rate) -> list[float]:
     """Estimated probability that each node is accepted (root: 1)."""
     est = [1.0] * len(tree.tokens)
     for parent in range(len(tree.tokens)):
         left = est[parent]  # chance that the search reaches this child: parent reached, earlier siblings rejected
-        for c in tree.children[parent]:
-            a = rate(tree.layers[c])
+        for j, c in enumerate(tree.children[parent]):
+            a = rate(tree.layers[c], tree.depths[c], j == 0)
             est[c] = left * a
             left *= 1.0 - a
     return est
@@ -106,6 +109,37 @@ def cap_by_cost(tree: Tree, est: Sequence[float], cost: Callable[[int], float],
     if best_k == len(tree.tokens) - 1:
         return tree
     return tree.subtree(order[:best_k])
+
+
+def build_tree(drafts, rate: Rate, cost: Callable[[int], float] | None,
+               max_nodes: int = 63, branches: bool = True) -> Tree:
+    """Merge candidates (drafting.Draft, best first) into a tree and keep what pays for its
+    forward (cost None: everything up to max_nodes). branches False: the first candidate only."""
+    tree = Tree()
+    for j, d in enumerate(drafts if branches else drafts[:1]):
+        tree.add_candidate(d.tokens, d.layer, j)
+    if tree.size() and cost is not None:
+        return cap_by_cost(tree, node_estimates(tree, rate), cost, max_nodes)
+    if tree.size() > max_nodes:
+        return tree.subtree(range(max_nodes + 1))
+    return tree
+
+
+def reached(tree: Tree, path: Sequence[int]) -> tuple[dict, dict]:
+    """Drafted nodes the verification reached (parent kept) and nodes it kept, counted by
+    (layer, bucket) where bucket is drafting.bucket(depth, first child?)."""
+    from .drafting import bucket
+    on_path = set(path)
+    tested: dict[tuple, int] = {}
+    accepted: dict[tuple, int] = {}
+    for i in range(1, len(tree.tokens)):
+        parent = tree.parents[i]
+        if parent == 0 or parent in on_path:
+            key = (tree.layers[i], bucket(tree.depths[i], tree.children[parent][0] == i))
+            tested[key] = tested.get(key, 0) + 1
+            if i in on_path:
+                accepted[key] = accepted.get(key, 0) + 1
+    return tested, accepted
 
 
 def tree_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> torch.Tensor:

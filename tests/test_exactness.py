@@ -139,3 +139,27 @@ def test_bundled_model_greedy_equals_plain(bundled_lm):
         assert got.tokens == ref.tokens, api.first_difference(got.tokens, ref.tokens)
         hits += got.stats.layers["context"].accepted
     assert hits > 0
+
+
+def test_sliding_window_model_greedy_equals_plain_past_the_window():
+    """Gemma 3 style caches (sliding-window layers) verify single chains, also once the
+    context is longer than the window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"],
+                           max_position_embeddings=256, pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    for prompt in PROMPTS[:3]:
+        ref = plain(model, prompt, 60)
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False,
+                            min_new_tokens=60, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ref == hf
+        layer = ScriptedLayer(len(prompt), ref, corrupt=0.3)
+        g = Decoder(model, (), Hierarchy([layer, ContextDB(1, 3)], policy="fill", draft_len=6,
+                                         max_candidates=4)).generate(prompt, max_new_tokens=60)
+        assert g.tokens == ref
+        assert max(g.stats.tree_sizes) > 1

@@ -151,14 +151,15 @@ def test_cost_cap_keeps_likely_nodes_and_drops_what_does_not_pay():
     t.add_candidate([1, 2, 3, 4], "good", 0)
     t.add_candidate([5, 6], "bad", 1)
     rates = {"good": 0.9, "bad": 0.05}
-    est = node_estimates(t, rates.get)
+    est = node_estimates(t, lambda layer, depth, first: rates[layer])
     assert est[1] == pytest.approx(0.9) and est[5] == pytest.approx(0.1 * 0.05)
     free = cap_by_cost(t, est, costs.flat(1.0))  # a free forward: keep every node
     assert free.size() == 6
     steep = costs.CostCurve({1: 1.0, 2: 1.6, 4: 1.7, 8: 1.9, 64: 6.0})
     kept = cap_by_cost(t, est, steep)
     assert kept.tokens[1:] == [1, 2, 3, 4]  # the unlikely branch is not worth its cost
-    hopeless = cap_by_cost(t, node_estimates(t, {"good": 0.2, "bad": 0.05}.get), steep)
+    low = {"good": 0.2, "bad": 0.05}
+    hopeless = cap_by_cost(t, node_estimates(t, lambda layer, depth, first: low[layer]), steep)
     assert hopeless.size() == 0  # plain decoding is cheaper than this draft
 
 
@@ -171,11 +172,11 @@ def test_measured_cost_curve_is_monotone_and_cached(model, tmp_path, monkeypatch
 def test_adaptive_tracker_follows_acceptance_and_recovers():
     tr = AcceptanceTracker({"a": 0.5, "b": 0.5})
     for _ in range(20):
-        tr.update({"a": 4, "b": 4}, {"a": 4, "b": 0})
-    assert tr.rate("a") > 0.9 and tr.rate("b") < 0.1
+        tr.update({("a", 1): 4, ("b", 1): 4}, {("a", 1): 4, ("b", 1): 0})
+    assert tr.rate("a", 1) > 0.9 and tr.rate("b", 1) < 0.1
     for _ in range(60):  # b no longer drafted: it drifts back towards its prior
-        tr.update({"a": 4}, {"a": 4})
-    assert tr.rate("b") > 0.4
+        tr.update({("a", 1): 4}, {("a", 1): 4})
+    assert tr.rate("b", 1) > 0.4
 
 
 def test_adaptive_gives_every_matching_layer_a_slot():
@@ -195,7 +196,7 @@ def test_adaptive_gives_every_matching_layer_a_slot():
     h = Hierarchy([Fixed("a", [[1], [2], [3]]), Fixed("b", [[4], [5]])], policy="adaptive",
                   max_candidates=3)
     h.reset([0])
-    h.observe({"a": 10, "b": 10}, {"a": 10, "b": 0})
+    h.observe({("a", 1): 10, ("b", 1): 10}, {("a", 1): 10, ("b", 1): 0})
     got = h.propose([0], 4)
     assert [d.layer for d in got] == ["a", "a", "b"]  # best layer first, b keeps one slot
     fill = Hierarchy(h.layers, policy="fill", max_candidates=4).propose([0], 4)

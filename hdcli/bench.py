@@ -1,0 +1,277 @@
+"""Spec-Bench runs: several decoding methods on the same model, in one process, interleaved.
+
+Definitions (Spec-Bench's, so figures compare with its published tables):
+  tokens/s of a question = its new tokens / its wall time, over all its turns (prefill included);
+  speedup of a method    = mean over questions of its tokens/s / the same mean for `ar`;
+  mean accepted tokens   = mean accepted length over all decode steps, pooled over questions
+                           (accepted length = drafted tokens kept + the target's own token);
+  exactness              = for greedy runs, answers that differ from `ar`'s and where they first do.
+
+Methods run one after another on each question (A B C, A B C, ...), so drift of the machine hits
+all of them alike. Multi-turn questions run turn by turn; each method's own answer to a turn is
+the history of the next, as in Spec-Bench.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import api, costs, specbench
+from .decode import Decoder
+from .errors import HdError
+from .verify import Sampling
+
+# method -> (layers, policy, candidates); None layers: plain decoding. `hd*` use every layer given.
+DB_METHODS = {
+    "ar": None,
+    "context": (["context"], "first-hit", 1),
+    "stats": (["stats"], "first-hit", 1),
+    "model": (["model"], "first-hit", 1),
+    "hd": ("all", api.DEFAULT_POLICY, api.DEFAULT_CANDIDATES),
+    "hd-chain": ("all", api.DEFAULT_POLICY, 1),
+    "hd-first-hit": ("all", "first-hit", api.DEFAULT_CANDIDATES),
+    "hd-fill": ("all", "fill", api.DEFAULT_CANDIDATES),
+    "hd-adaptive": ("all", "adaptive", api.DEFAULT_CANDIDATES),
+}
+PEERS = ("hf-pld",)
+METHODS = tuple(DB_METHODS) + PEERS
+DEFAULT_METHODS = ("ar", "context", "stats", "model", "hd", "hf-pld")
+METHOD_HELP = {
+    "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
+    "context": "context DB only (prompt lookup)",
+    "stats": "statistics DB only (corpus retrieval, REST-like)",
+    "model": "model DB only",
+    "hd": f"every layer given, {api.DEFAULT_POLICY} policy, token trees of up to "
+          f"{api.DEFAULT_CANDIDATES} candidates",
+    "hd-chain": "every layer, default policy, one candidate (single-chain verification)",
+    "hd-first-hit": "every layer, first-hit policy, token trees",
+    "hd-fill": "every layer, fill policy, token trees",
+    "hd-adaptive": "every layer, adaptive policy, token trees",
+    "hf-pld": "transformers' generate(prompt_lookup_num_tokens=10), the peer",
+}
+
+
+@dataclass
+class Turn:
+    text: str
+    tokens: list[int]
+    wall_time: float
+    accept_lengths: list[int]        # empty where the method does not expose its steps (hf-pld)
+    layers: dict = field(default_factory=dict)  # layer -> LayerStats.to_dict()
+    forward_seconds: float = 0.0
+    overhead_seconds: float = 0.0
+
+
+class Runner:
+    """One method: answers a prompt (token ids) with new tokens and its timing."""
+
+    def __init__(self, name: str, lm, drafter_factory: Callable | None = None):
+        self.name, self.lm, self.factory = name, lm, drafter_factory
+        self.cost = costs.curve_for(lm) if drafter_factory else None
+
+    def answer(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, seed: int | None) -> Turn:
+        drafter = self.factory() if self.factory else None
+        dec = Decoder(self.lm.model, self.lm.eos_ids, drafter, cost=self.cost)
+        g = dec.generate(prompt_ids, max_new_tokens, sampling, seed)
+        s = g.stats
+        return Turn(text=self.lm.tokenizer.decode(g.tokens, skip_special_tokens=True), tokens=g.tokens,
+                    wall_time=s.wall_seconds, accept_lengths=list(s.accept_lengths),
+                    layers={k: v.to_dict() for k, v in s.layers.items()},
+                    forward_seconds=s.forward_seconds,
+                    overhead_seconds=s.draft_seconds + s.bookkeeping_seconds)
+
+
+class HfPromptLookup(Runner):
+    """transformers' own prompt lookup decoding on the same model: the peer users would pick."""
+
+    def answer(self, prompt_ids, max_new_tokens, sampling, seed):
+        lm = self.lm
+        kwargs = dict(max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=10,
+                      eos_token_id=sorted(lm.eos_ids) or None,
+                      pad_token_id=lm.tokenizer.pad_token_id or (sorted(lm.eos_ids) or [0])[0])
+        if sampling.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k or None)
+            torch.manual_seed(seed or 0)
+        ids = torch.tensor([prompt_ids], device=next(lm.model.parameters()).device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        wall = time.perf_counter() - t0
+        tokens = out[0, len(prompt_ids):].tolist()
+        return Turn(text=lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
+                    wall_time=wall, accept_lengths=[])
+
+
+def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise HdError(f"unknown method '{unknown[0]}'; known methods: {', '.join(METHODS)}")
+    if "ar" not in names:
+        raise HdError("--methods must include 'ar': every speedup is measured against it")
+    all_layers = ["context"] + ["model"] * (model_db is not None) + ["stats"] * bool(stats_dbs)
+    runners = {}
+    for name in names:
+        if name == "hf-pld":
+            runners[name] = HfPromptLookup(name, lm)
+            continue
+        spec = DB_METHODS[name]
+        if spec is None:
+            runners[name] = Runner(name, lm)
+            continue
+        layers, policy, cands = spec
+        layers = all_layers if layers == "all" else layers
+        if "stats" in layers and not stats_dbs:
+            raise HdError(f"method '{name}' needs a statistics DB: pass --stats-db PATH")
+        if "model" in layers and model_db is None:
+            raise HdError(f"method '{name}' needs a model DB: pass --model-db PATH")
+        api.make_drafter(layers, dtype=lm.dtype, stats_dbs=stats_dbs, model_db=model_db,
+                         policy=policy, candidates=cands)  # fail now, not mid-run
+
+        def factory(layers=layers, policy=policy, cands=cands):
+            return api.make_drafter(layers, dtype=lm.dtype, stats_dbs=stats_dbs, model_db=model_db,
+                                    policy=policy, candidates=cands)
+        runners[name] = Runner(name, lm, factory)
+    return runners
+
+
+def run_question(lm, q: dict, runner: Runner, max_new_tokens: int, sampling: Sampling,
+                 seed: int | None) -> list[Turn]:
+    """Every turn of a question, each with the method's own earlier answers as history."""
+    messages, turns = [], []
+    for text in q["turns"]:
+        messages.append({"role": "user", "content": text})
+        if getattr(lm.tokenizer, "chat_template", None):
+            ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            ids = [int(t) for t in ids]
+        else:
+            ids = api.encode_prompt(lm.tokenizer, "\n\n".join(m["content"] for m in messages), chat=False)
+        room = lm.max_context - len(ids)
+        if room < 2:
+            raise HdError(f"question {q['question_id']}: prompt of {len(ids)} tokens leaves no room "
+                          f"in the model's context of {lm.max_context}")
+        turn = runner.answer(ids, min(max_new_tokens, room - 1), sampling, seed)
+        turns.append(turn)
+        messages.append({"role": "assistant", "content": turn.text})
+    return turns
+
+
+def run(lm, questions: list[dict], runners: dict[str, Runner], max_new_tokens: int,
+        sampling: Sampling = Sampling(), seed: int | None = 0, progress=None) -> dict:
+    """results[method] = list of (question, turns), questions in order, methods interleaved."""
+    api.warm_up(lm)
+    for r in runners.values():  # each method's own first call (kernels, caches) is not timed
+        r.answer([int(t) for t in api.encode_prompt(lm.tokenizer, "Say hello.")], 8, sampling, seed)
+    results: dict[str, list] = {m: [] for m in runners}
+    for q in questions:
+        for name, r in runners.items():
+            results[name].append((q, run_question(lm, q, r, max_new_tokens, sampling, seed)))
+            if progress:
+                progress(name, q)
+    return results
+
+
+def _first_difference(a: list[Turn], b: list[Turn]) -> int | None:
+    """Token index (counted over all turns) of the first difference, None if identical."""
+    offset = 0
+    for x, y in zip(a, b):
+        d = api.first_difference(x.tokens, y.tokens)
+        if d is not None:
+            return offset + d
+        offset += len(x.tokens)
+    return None
+
+
+def summarize(results: dict, greedy: bool = True) -> dict:
+    """Per method: overall and per category figures (see the module docstring)."""
+    base = results["ar"]
+    order = {c: i for i, c in enumerate(specbench.CATEGORIES)}
+    cats = sorted({q["category"] for q, _ in base}, key=lambda c: (order.get(c, len(order)), c))
+
+    def figures(method: str, keep) -> dict:
+        rows = [(q, turns) for q, turns in results[method] if keep(q)]
+        ref = [(q, turns) for q, turns in base if keep(q)]
+        tps = [sum(len(t.tokens) for t in turns) / sum(t.wall_time for t in turns) for _, turns in rows]
+        ar_tps = [sum(len(t.tokens) for t in turns) / sum(t.wall_time for t in turns) for _, turns in ref]
+        steps = [a for _, turns in rows for t in turns for a in t.accept_lengths]
+        layers: dict[str, dict] = {}
+        for _, turns in rows:
+            for t in turns:
+                for name, ls in t.layers.items():
+                    agg = layers.setdefault(name, {"queries": 0, "hits": 0, "candidates": 0, "won": 0,
+                                                   "drafted": 0, "accepted": 0})
+                    for k in agg:
+                        agg[k] += ls.get(k, 0)
+        total_acc = sum(v["accepted"] for v in layers.values())
+        for v in layers.values():
+            v["hit_rate"] = v["hits"] / v["queries"] if v["queries"] else 0.0
+            v["acceptance_rate"] = v["accepted"] / v["drafted"] if v["drafted"] else 0.0
+            v["share_of_accepted"] = v["accepted"] / total_acc if total_acc else 0.0
+        diffs = [_first_difference(turns, r) for (_, turns), (_, r) in zip(rows, ref)]
+        fwd = sum(t.forward_seconds for _, turns in rows for t in turns)
+        over = sum(t.overhead_seconds for _, turns in rows for t in turns)
+        out = {"questions": len(rows), "tokens_per_second": statistics.mean(tps),
+               "speedup": statistics.mean(tps) / statistics.mean(ar_tps),
+               "mean_accepted_tokens": sum(steps) / len(steps) if steps else None,
+               "new_tokens": sum(len(t.tokens) for _, turns in rows for t in turns),
+               "overhead_share": over / (over + fwd) if fwd else None,
+               "layers": layers}
+        if greedy:
+            out["differ_from_ar"] = sum(d is not None for d in diffs)
+            out["first_differences"] = [d for d in diffs if d is not None]
+        return out
+
+    summary = {}
+    for m in results:
+        summary[m] = {"overall": figures(m, lambda q: True),
+                      "categories": {c: figures(m, lambda q, c=c: q["category"] == c) for c in cats}}
+    return summary
+
+
+def machine() -> dict:
+    import transformers
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def answer_records(results: dict, model_id: str) -> dict[str, list[dict]]:
+    """Spec-Bench's answer schema, one record per question per method (its evaluation scripts
+    read choices[0].new_tokens, wall_time and accept_lengths)."""
+    out = {}
+    for m, rows in results.items():
+        recs = []
+        for q, turns in rows:
+            recs.append({"question_id": q["question_id"], "category": q["subcategory"],
+                         "answer_id": uuid.uuid4().hex[:22], "model_id": f"{model_id}-{m}",
+                         "choices": [{"index": 0, "turns": [t.text for t in turns],
+                                      "decoding_steps": [len(t.accept_lengths) for t in turns],
+                                      "new_tokens": [len(t.tokens) for t in turns],
+                                      "wall_time": [t.wall_time for t in turns],
+                                      "accept_lengths": [a for t in turns for a in t.accept_lengths]}],
+                         "tstamp": time.time()})
+        out[m] = recs
+    return out
+
+
+def save(out_dir: Path, summary: dict, results: dict, meta: dict, model_id: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    answers = out_dir / "answers"
+    answers.mkdir(exist_ok=True)
+    for m, recs in answer_records(results, model_id).items():
+        with open(answers / f"{m}.jsonl", "w", encoding="utf-8") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps({**meta, "methods": summary}, indent=1))

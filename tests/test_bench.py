@@ -1,0 +1,114 @@
+"""`hd bench spec-bench` end to end on the tiny model, and its arithmetic on recorded timings."""
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from hdcli import bench, specbench
+from hdcli.errors import HdError
+
+from test_cli import hd, run
+
+WORDS = "the cat sat on the mat and then the dog ran up and down the red mat".split()
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    """One question per Spec-Bench category; mt_bench's with two turns, as in the real file."""
+    rows = [{"question_id": 81, "category": "writing",
+             "turns": ["the cat sat on the mat", "and then the dog ran"]}]
+    for i, cat in enumerate(specbench.CATEGORIES[1:]):
+        rows.append({"question_id": 100 + i, "category": cat,
+                     "turns": [" ".join(WORDS[i:i + 8]) + " the cat sat on the"]})
+    f = tmp_path / "question.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+@pytest.fixture
+def stats_db(tiny_model_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(WORDS[i:] + WORDS[:i])}) + "\n" for i in range(10)))
+    out = tmp_path / "s.lmdb"
+    hd("build-stats", str(corpus), "-o", str(out), "--model", str(tiny_model_dir), "--min-count", "1", "--json")
+    return out
+
+
+def test_spec_bench_end_to_end(tiny_model_dir, spec_file, stats_db, tmp_path):
+    out = tmp_path / "run"
+    r = hd("bench", "spec-bench", "--data", str(spec_file), "--model", str(tiny_model_dir),
+           "--methods", "ar,context,stats,hd,hd-chain,hf-pld", "--stats-db", str(stats_db),
+           "-n", "16", "--out", str(out), "--json")
+    report = json.loads(r.stdout)
+    assert report["questions"] == 6 and set(report["methods"]) == {"ar", "context", "stats", "hd",
+                                                                   "hd-chain", "hf-pld"}
+    assert (out / "speedup.png").stat().st_size > 1000
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["methods"] == report["methods"]
+    for m in report["methods"]:
+        recs = [json.loads(line) for line in open(out / "answers" / f"{m}.jsonl")]
+        assert len(recs) == 6
+        for rec in recs:
+            assert set(rec) >= {"question_id", "category", "answer_id", "model_id", "choices", "tstamp"}
+            ch = rec["choices"][0]
+            n_turns = 2 if rec["category"] == "writing" else 1
+            assert len(ch["turns"]) == len(ch["new_tokens"]) == len(ch["wall_time"]) == n_turns
+            if m != "hf-pld":
+                assert sum(ch["accept_lengths"]) == sum(ch["new_tokens"])
+        # the speedup, recomputed by hand from the answer files
+        tps = {}
+        for name in ("ar", m):
+            tps[name] = statistics.mean(
+                sum(r["choices"][0]["new_tokens"]) / sum(r["choices"][0]["wall_time"])
+                for r in map(json.loads, open(out / "answers" / f"{name}.jsonl")))
+        assert report["methods"][m]["overall"]["speedup"] == pytest.approx(tps[m] / tps["ar"], rel=1e-9)
+        # greedy fp32: every method answers exactly as plain decoding does
+        assert report["methods"][m]["overall"]["differ_from_ar"] == 0
+        assert set(report["methods"][m]["categories"]) == set(specbench.CATEGORIES)
+    assert report["methods"]["hd"]["overall"]["layers"]["context"]["accepted"] > 0
+    assert "stats" in report["methods"]["stats"]["overall"]["layers"]
+    # the saved run renders again
+    assert "speedup over ar by category" in hd("bench", "report", str(out)).output
+
+
+def _turn(n, wall, steps):
+    return bench.Turn(text="", tokens=list(range(n)), wall_time=wall, accept_lengths=steps)
+
+
+def test_summary_arithmetic_on_recorded_timings():
+    qa = {"question_id": 1, "category": "qa", "subcategory": "qa", "turns": ["x"]}
+    mt = {"question_id": 2, "category": "mt_bench", "subcategory": "writing", "turns": ["x", "y"]}
+    results = {
+        "ar": [(qa, [_turn(10, 1.0, [1] * 10)]), (mt, [_turn(10, 2.0, [1] * 10), _turn(20, 2.0, [1] * 20)])],
+        "m": [(qa, [_turn(10, 0.5, [2] * 5)]), (mt, [_turn(10, 1.0, [5, 5]), _turn(20, 1.0, [4] * 4 + [4])])],
+    }
+    results["m"][1][1][1].tokens[3] = 99  # differs from ar at token 3 of the second turn
+    s = bench.summarize(results)
+    # per-question tokens/s: ar 10 and 7.5; m 20 and 15 -> speedup (17.5) / (8.75) = 2
+    assert s["m"]["overall"]["speedup"] == pytest.approx(2.0)
+    assert s["m"]["categories"]["qa"]["speedup"] == pytest.approx(20 / 10)
+    # pooled steps: 5 x 2, 2 x 5, 5 x 4 -> 40 tokens over 12 steps
+    assert s["m"]["overall"]["mean_accepted_tokens"] == pytest.approx(40 / 12)
+    assert s["m"]["overall"]["differ_from_ar"] == 1 and s["m"]["overall"]["first_differences"] == [13]
+
+
+def test_spec_bench_bad_input(tiny_model_dir, spec_file, tmp_path):
+    m = str(tiny_model_dir)
+    r = run("bench", "spec-bench", "--data", str(tmp_path / "none.jsonl"), "--model", m)
+    assert isinstance(r, HdError) and "not found" in str(r)
+    r = run("bench", "spec-bench", "--data", str(spec_file), "--model", m, "--categories", "poetry")
+    assert isinstance(r, HdError) and "poetry" in str(r)
+    r = run("bench", "spec-bench", "--data", str(spec_file), "--model", m, "--methods", "ar,warp")
+    assert isinstance(r, HdError) and "warp" in str(r)
+    r = run("bench", "spec-bench", "--data", str(spec_file), "--model", m, "--methods", "context")
+    assert isinstance(r, HdError) and "'ar'" in str(r)
+    r = run("bench", "spec-bench", "--data", str(spec_file), "--model", m, "--methods", "ar,stats")
+    assert isinstance(r, HdError) and "--stats-db" in str(r)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": []}) + "\n")
+    r = run("bench", "spec-bench", "--data", str(bad), "--model", m)
+    assert isinstance(r, HdError) and "turns" in str(r) and "bad.jsonl:1" in str(r)
+    r = run("bench", "report", str(tmp_path))
+    assert isinstance(r, HdError) and "summary.json" in str(r)
