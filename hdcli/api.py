@@ -244,3 +244,32 @@ def warm_up(lm: models.LoadedModel) -> None:
     branching = make_drafter(min_n=1, policy="fill", candidates=4)  # 'a' was followed by b, c, d
     Decoder(lm.model, (), branching).generate([a, b, a, c, a, d, a], max_new_tokens=12)
     costs.curve_for(lm)
+
+
+DEFAULT_LEVEL_TOKENS = 4
+
+
+def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens: Sequence[int] = (),
+               base: Hierarchy | None = None, sampling: Sampling = Sampling(), seed: int = 0,
+               loaded: dict | None = None):
+    """A hierarchy of draft models (smallest first) over the database hierarchy `base` (None:
+    the smallest model drafts alone). level_tokens: T_i per model level, the tokens a level holds
+    before it returns its batch (default DEFAULT_LEVEL_TOKENS each). loaded: name -> DraftModel
+    cache, so repeated stacks share their draft models."""
+    from . import draftmodels
+    from .stack import ModelStack
+    names = [n.strip() for n in draft_models if n.strip()]
+    if not names:
+        raise HdError("--draft-models is empty: name at least one draft model")
+    Ts = list(level_tokens) or [DEFAULT_LEVEL_TOKENS] * len(names)
+    if len(Ts) != len(names):
+        raise HdError(f"--level-tokens gives {len(Ts)} sizes for {len(names)} draft models")
+    if any(t < 1 for t in Ts):
+        raise HdError(f"--level-tokens must all be >= 1, not {Ts}")
+    loaded = {} if loaded is None else loaded
+    levels = []
+    for name, T in zip(names, Ts):
+        if name not in loaded:
+            loaded[name] = draftmodels.load(name, lm)
+        levels.append((name, loaded[name].model, T))
+    return ModelStack(levels, base, sampling, seed)

@@ -25,7 +25,7 @@ from .drafting import Hierarchy
 from .stats import RunStats
 from .costs import CostCurve
 from .tree import Tree, build_tree, keep_path, reached, supports_trees, tree_forward
-from .verify import Sampling, accept_tree
+from .verify import Sampling, accept_chain_q, accept_tree
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
 # of the layer that drafted it (None for the target's own token).
@@ -93,12 +93,21 @@ class Decoder:
         while len(out) < max_new_tokens:
             t0 = time.perf_counter()
             drafts = drafter.propose(history, max_new_tokens - len(out) - 1, stats) if drafter else []
-            tree = build_tree(drafts, drafter.rate if drafter else None, self.cost, self.max_nodes, trees_ok)
+            q_rows = drafts[0].q if drafts else None
+            if q_rows is not None:  # a draft model's sampled chain: verified with its distribution
+                tree = build_tree(drafts[:1], None, None, self.max_nodes)
+            else:
+                tree = build_tree(drafts, drafter.rate if drafter else None, self.cost, self.max_nodes,
+                                  trees_ok)
             t1 = time.perf_counter()
             past = len(history) - 1            # cache length before this step
             logits = tree_forward(self.model, tree, history[-1], cache)
             t2 = time.perf_counter()
-            path, nxt = accept_tree(logits, tree.children, tree.tokens, sampling, gen)
+            if q_rows is not None and not sampling.greedy:
+                n, nxt = accept_chain_q(logits, tree.tokens[1:], q_rows, sampling, gen)
+                path = list(range(1, n + 1))
+            else:
+                path, nxt = accept_tree(logits, tree.children, tree.tokens, sampling, gen)
             keep_path(cache, past, path)       # the root and the accepted path only
             new = [tree.tokens[i] for i in path] + [nxt]
             new_layers = [tree.layers[i] for i in path] + [None]
@@ -142,3 +151,5 @@ class Decoder:
         if path:
             stats.layer(tree.layers[path[-1]]).won += 1
         self.drafter.observe(tested, accepted)
+        if hasattr(self.drafter, "record_target"):
+            self.drafter.record_target(tree.size(), len(path))

@@ -17,7 +17,7 @@ colouring can be kept per layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 
@@ -25,6 +25,9 @@ from typing import Protocol, Sequence
 class Draft:
     tokens: tuple[int, ...]
     layer: str
+    # the distribution each token was drawn from, [len(tokens), V], when a draft model sampled it
+    # (hdcli.stack); None for point masses (database layers, greedy)
+    q: object = field(default=None, compare=False, repr=False)
 
 
 class Layer(Protocol):
@@ -79,10 +82,14 @@ class ContextDB:
                 self.positions.setdefault(tuple(h[i - n + 1:i + 1]), []).append(i)
 
     def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+        # `history` is the indexed history, or (under a draft-model level, hdcli.stack) the indexed
+        # history followed by tokens not yet accepted: those are looked up, not indexed
         h = self.history
-        assert len(history) == len(h), "context DB is out of step with the decode loop"
+        assert len(history) >= len(h), "context DB is out of step with the decode loop"
+        if len(history) > len(h):
+            h = list(history)
         out: list[list[int]] = []
-        last = len(h) - 1
+        last = len(self.history) - 1 if len(h) == len(self.history) else len(h)
         for n in range(min(self.max_n, len(h)), self.min_n - 1, -1):
             ends = self.positions.get(tuple(h[-n:]))
             if not ends:

@@ -112,3 +112,36 @@ def accept_tree(logits: torch.Tensor, children: list[list[int]], tokens: list[in
             return path, tok
         node = kids[won]
         path.append(node)
+
+
+def sample_with_draft(p: torch.Tensor, x: int, q: torch.Tensor, gen: torch.Generator | None) -> tuple[int, bool]:
+    """The standard speculative sampling rule for a token x drawn from a draft distribution q:
+    accept with probability min(1, p(x) / q(x)); on rejection draw from norm(max(0, p - q)).
+    Then P(out = y) = q(y) min(1, p(y)/q(y)) + (1 - sum_z min(p(z), q(z))) (p(y) - q(y))+ / Z = p(y).
+    Returns (token, accepted?)."""
+    px, qx = float(p[x]), float(q[x])
+    if qx > 0.0 and float(torch.rand((), generator=gen)) < min(1.0, px / qx):
+        return int(x), True
+    residual = torch.clamp(p - q, min=0.0)
+    if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is right
+        residual = p
+    return int(torch.multinomial(residual / residual.sum(), 1, generator=gen)), False
+
+
+def accept_chain_q(logits: torch.Tensor, draft, q_rows, s: Sampling, gen: torch.Generator | None) -> tuple[int, int]:
+    """Verify a chain drafted by a model level: q_rows[i] is the distribution draft[i] was drawn
+    from (None: a point mass, as from a database). Greedy ignores q. Returns (kept, next token)."""
+    if s.greedy:
+        return accept_chain(logits, draft, s, gen)
+    probs = target_probs(logits, s)
+    for i, x in enumerate(draft):
+        q = q_rows[i] if q_rows is not None else None
+        if q is None:
+            tok, won = sample_point_masses(probs[i], (x,), gen)
+            if won is None:
+                return i, tok
+        else:
+            tok, ok = sample_with_draft(probs[i], x, q, gen)
+            if not ok:
+                return i, tok
+    return len(draft), int(torch.multinomial(probs[len(draft)], 1, generator=gen))

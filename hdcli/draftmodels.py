@@ -1,0 +1,100 @@
+"""Draft models for the model hierarchy: any model sharing the target's tokenizer, or a self-draft.
+
+Names (`--draft-models A,B`, smallest first):
+  self:layers=K   the target's first K decoder layers, its final norm and head: a real, smaller
+                  model of the same family (weights copied, the target is untouched);
+  self:int8       the target with every Linear layer dynamically quantised to int8
+                  (torch.ao.quantization.quantize_dynamic; CPU only, computes in fp32);
+  anything else   loaded like a target (bundled name, .gguf, folder, hub id) and refused unless
+                  its tokenizer is the target's (same vocabulary and special tokens).
+"""
+from __future__ import annotations
+
+import copy
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import models
+from .errors import HdError
+
+
+@dataclass
+class DraftModel:
+    name: str
+    model: object
+    load_seconds: float
+    params: int
+
+
+def _count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def truncated(model, k: int):
+    """A copy of a decoder-only model keeping its first k layers (and embeddings, norm, head)."""
+    cfg = copy.deepcopy(model.config)
+    n = int(cfg.num_hidden_layers)
+    if not 1 <= k < n:
+        raise HdError(f"self:layers={k}: the target has {n} layers, pass 1 <= K < {n}")
+    cfg.num_hidden_layers = k
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:k]
+    small = type(model)(cfg)
+    keep = {}
+    for key, value in model.state_dict().items():
+        m = re.search(r"\.layers\.(\d+)\.", key)
+        if m is None or int(m.group(1)) < k:
+            keep[key] = value
+    missing, unexpected = small.load_state_dict(keep, strict=False)
+    missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise HdError(f"self:layers={k}: cannot slice this architecture (missing {missing[:2]})")
+    return small.to(dtype=model.dtype, device=next(model.parameters()).device).eval()
+
+
+def int8(model):
+    """Dynamic int8 quantisation of the Linear layers (weights int8, activations quantised on the
+    fly). CPU only; the copy computes in fp32 whatever the target's dtype."""
+    if next(model.parameters()).device.type != "cpu":
+        raise HdError("self:int8 is CPU only (torch dynamic quantisation); use self:layers=K on CUDA")
+    try:
+        from torch.ao.quantization import quantize_dynamic
+    except ImportError:  # pragma: no cover
+        raise HdError("self:int8 needs torch.ao.quantization, missing from this torch") from None
+    base = copy.deepcopy(model).float()
+    return quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8).eval()
+
+
+def same_tokenizer(a, b) -> bool:
+    from .stores import tokenizer_fingerprint
+    return tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
+
+
+def load(name: str, target: models.LoadedModel) -> DraftModel:
+    t0 = time.perf_counter()
+    name = name.strip()
+    if name.startswith("self:"):
+        spec = name[5:]
+        if spec == "int8":
+            m = int8(target.model)
+        elif spec.startswith("layers="):
+            try:
+                k = int(spec[7:])
+            except ValueError:
+                raise HdError(f"draft model '{name}': write self:layers=K with K a number") from None
+            m = truncated(target.model, k)
+        else:
+            raise HdError(f"unknown self-draft '{name}': use self:layers=K or self:int8")
+        return DraftModel(name, m, time.perf_counter() - t0, _count(m))
+    lm = models.load(name, dtype=target.dtype, device=target.device)
+    if not same_tokenizer(lm.tokenizer, target.tokenizer):
+        raise HdError(f"draft model '{name}' has another tokenizer than the target '{target.name}': "
+                      "a draft must tokenize exactly like its target")
+    return DraftModel(name, lm.model, time.perf_counter() - t0, _count(lm.model))
+
+
+def load_all(names, target: models.LoadedModel) -> list[DraftModel]:
+    return [load(n, target) for n in names]

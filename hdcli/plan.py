@@ -1,0 +1,210 @@
+"""The expected latency of a drafting hierarchy, and the latency-optimal one (`hd plan`).
+
+The model (docs/planner.md derives it). A hierarchy is a chain: a bottom (`none`: nothing, the
+lowest model drafts alone; or `db`: the database hierarchy), then draft models, then the target.
+Each model level i has a batch size T_i. Per-token acceptance between levels is i.i.d.: a token
+of level j survives level i's verification with probability a[j, i] (its parent surviving).
+
+  bottom   `none` hands up B = 0 tokens at no cost; `db` hands up B ~ its measured proposal-length
+           distribution for its measured time per call.
+  level i  repeats rounds: the level below produces a batch (B_j tokens, time tau_j), level i
+           verifies it in one forward of cost c_i(B_j + 1) and keeps X = min(G, B_j) + 1 tokens,
+           G geometric: P(G >= g) = a^g. It stops once it holds >= T_i tokens and hands up
+           exactly T_i (the rest is dropped), so the level above always sees B_i = T_i.
+           By Wald's identity tau_i = E[N] * (tau_j + E[c_i(B_j + 1)]), N the number of rounds,
+           computed exactly by a recursion over the tokens held so far.
+  target   one round per decode step: tokens/s = E[X] / (tau_top + E[c_t(B_top + 1)]).
+
+With one draft model drafting alone (bottom `none`, T tokens) and a target whose forward costs
+the same for any width, this is the classic single-draft formula: tokens per target-step time
+(1 - a^(T+1)) / ((1 - a) (T c + 1)).
+
+Since a level above sees only T_i, the cheapest way to make level i produce T_i tokens does not
+depend on what is above: the dynamic programme over (level, T) is exact
+(tests/test_plan.py checks it against brute force over every chain and every T_i, and the formula
+against a Monte-Carlo run of the same process).
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+Cost = Callable[[int], float]  # seconds of one forward over w tokens
+
+
+@dataclass
+class Params:
+    """What the planner knows about the levels it may use.
+
+    models      names of the draft models, smallest (cheapest) first
+    cost        name -> seconds of a forward over w tokens, for every model and "target"
+    accept      (lower, upper) -> per-token acceptance; lower in {"none", "db", models}, upper in
+                models or "target" ("none" needs no entry)
+    db_lengths  P(db proposes b tokens), b = 0..len-1 (empty: no database level available)
+    db_seconds  time of one database proposal
+    """
+    models: list[str]
+    cost: dict[str, Cost]
+    accept: dict[tuple[str, str], float]
+    db_lengths: list[float] = field(default_factory=list)
+    db_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Chain:
+    bottom: str                      # "none" | "db"
+    levels: tuple[tuple[str, int], ...]  # (model, T) from the smallest up
+
+    def describe(self) -> str:
+        parts = ([] if self.bottom == "none" else ["db"]) + [f"{m}(T={t})" for m, t in self.levels]
+        return " -> ".join(parts + ["target"]) if parts else "target alone (plain decoding)"
+
+    def to_dict(self) -> dict:
+        return {"bottom": self.bottom, "levels": [{"model": m, "T": t} for m, t in self.levels]}
+
+
+def x_dist(a: float, b_dist: Sequence[float]) -> list[float]:
+    """P(X = x), X = min(G, B) + 1 tokens kept in a round (x = 0 has probability 0)."""
+    out = [0.0] * (len(b_dist) + 1)
+    for b, pb in enumerate(b_dist):
+        if pb == 0.0:
+            continue
+        for g in range(b):  # G = g < b: g accepted, then a correction
+            out[g + 1] += pb * (a ** g) * (1 - a)
+        out[b + 1] += pb * (a ** b)  # the whole batch accepted, then a bonus token
+    return out
+
+
+def expected_rounds(T: int, xd: Sequence[float]) -> float:
+    """E[number of rounds until the tokens held reach >= T], rounds i.i.d. with P(X=x) = xd[x]."""
+    reach = [0.0] * T  # P(the held count ever equals s), s < T
+    reach[0] = 1.0
+    for s in range(T):
+        for x in range(1, len(xd)):
+            if s + x < T:
+                reach[s + x] += reach[s] * xd[x]
+    return sum(reach)
+
+
+def point(n: int) -> list[float]:
+    return [0.0] * n + [1.0]
+
+
+def level_time(lower: tuple[list[float], float, str], model: str, T: int, p: Params) -> float:
+    """tau of `model` making T tokens over a lower level (B distribution, tau, name)."""
+    b_dist, tau, name = lower
+    xd = x_dist(p.accept.get((name, model), 0.0), b_dist)
+    round_cost = tau + sum(pb * p.cost[model](b + 1) for b, pb in enumerate(b_dist))
+    return expected_rounds(T, xd) * round_cost
+
+
+def bottom(name: str, p: Params) -> tuple[list[float], float, str]:
+    if name == "none":
+        return point(0), 0.0, "none"
+    return list(p.db_lengths), p.db_seconds, "db"
+
+
+def tokens_per_second(chain: Chain, p: Params) -> float:
+    if chain.bottom == "none" and not chain.levels:
+        return 1.0 / p.cost["target"](1)
+    lower = bottom(chain.bottom, p)
+    for model, T in chain.levels:
+        lower = (point(T), level_time(lower, model, T, p), model)
+    b_dist, tau, name = lower
+    xd = x_dist(p.accept.get((name, "target"), 0.0), b_dist)
+    ex = sum(x * px for x, px in enumerate(xd))
+    return ex / (tau + sum(pb * p.cost["target"](b + 1) for b, pb in enumerate(b_dist)))
+
+
+def candidates(p: Params, t_max: int):
+    """Every chain and every T vector (brute force)."""
+    bottoms = ["none"] + (["db"] if p.db_lengths else [])
+    yield Chain("none", ())
+    if p.db_lengths:
+        yield Chain("db", ())
+    for r in range(1, len(p.models) + 1):
+        for subset in itertools.combinations(p.models, r):
+            for b in bottoms:
+                for Ts in itertools.product(range(1, t_max + 1), repeat=r):
+                    yield Chain(b, tuple(zip(subset, Ts)))
+
+
+def brute_force(p: Params, t_max: int) -> tuple[Chain, float]:
+    return max(((c, tokens_per_second(c, p)) for c in candidates(p, t_max)), key=lambda x: x[1])
+
+
+def dp(p: Params, t_max: int) -> tuple[Chain, float]:
+    """best[(model, T)] = the cheapest chain below `model` making it produce T tokens.
+    O(models^2 * t_max^2) level evaluations."""
+    best: dict[tuple[str, int], tuple[float, Chain]] = {}
+    bottoms = ["none"] + (["db"] if p.db_lengths else [])
+    for i, model in enumerate(p.models):
+        for T in range(1, t_max + 1):
+            options = []
+            for b in bottoms:
+                options.append((level_time(bottom(b, p), model, T, p), Chain(b, ((model, T),))))
+            for lower_model in p.models[:i]:
+                for Tj in range(1, t_max + 1):
+                    tau_j, chain_j = best[(lower_model, Tj)]
+                    tau = level_time((point(Tj), tau_j, lower_model), model, T, p)
+                    options.append((tau, Chain(chain_j.bottom, chain_j.levels + ((model, T),))))
+            best[(model, T)] = min(options, key=lambda o: o[0])
+    tops = [Chain("none", ())] + ([Chain("db", ())] if p.db_lengths else [])
+    tops += [chain for _, chain in best.values()]
+    scored = [(c, tokens_per_second(c, p)) for c in tops]
+    return max(scored, key=lambda x: x[1])
+
+
+def ranked(p: Params, t_max: int) -> list[tuple[Chain, float]]:
+    """The best T vector of every chain of levels (for the table `hd plan` prints), best first."""
+    by_shape: dict[tuple, tuple[Chain, float]] = {}
+    for c in candidates(p, t_max):
+        key = (c.bottom, tuple(m for m, _ in c.levels))
+        v = tokens_per_second(c, p)
+        if key not in by_shape or v > by_shape[key][1]:
+            by_shape[key] = (c, v)
+    return sorted(by_shape.values(), key=lambda x: -x[1])
+
+
+def simulate(chain: Chain, p: Params, steps: int, seed: int = 0) -> float:
+    """Monte-Carlo run of the same process (Bernoulli acceptances, DB lengths drawn from their
+    distribution, deterministic costs): target tokens per second."""
+    rng = random.Random(seed)
+
+    def produce(level: int) -> tuple[int, float]:
+        """(tokens handed up, seconds spent) by chain level `level` (-1: the bottom)."""
+        if level < 0:
+            if chain.bottom == "none":
+                return 0, 0.0
+            u, acc = rng.random(), 0.0
+            for b, pb in enumerate(p.db_lengths):
+                acc += pb
+                if u < acc:
+                    return b, p.db_seconds
+            return len(p.db_lengths) - 1, p.db_seconds
+        model, T = chain.levels[level]
+        lower_name = chain.levels[level - 1][0] if level > 0 else chain.bottom
+        a = p.accept.get((lower_name, model), 0.0)
+        held, spent = 0, 0.0
+        while held < T:
+            b, t = produce(level - 1)
+            spent += t + p.cost[model](b + 1)
+            g = 0
+            while g < b and rng.random() < a:
+                g += 1
+            held += g + 1
+        return T, spent
+
+    tokens = seconds = 0.0
+    top_name = chain.levels[-1][0] if chain.levels else chain.bottom
+    a = p.accept.get((top_name, "target"), 0.0)
+    for _ in range(steps):
+        b, t = produce(len(chain.levels) - 1)
+        seconds += t + p.cost["target"](b + 1)
+        g = 0
+        while g < b and rng.random() < a:
+            g += 1
+        tokens += g + 1
+    return tokens / seconds

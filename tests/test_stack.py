@@ -1,0 +1,109 @@
+"""Draft-model hierarchies (hdcli/stack.py): greedy exactness of 2- and 3-level stacks, the
+sampling distribution through a 3-level stack, self-drafts and the tokenizer check."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hdcli import api, draftmodels
+from hdcli.decode import Decoder
+from hdcli.drafting import ContextDB, Hierarchy
+from hdcli.errors import HdError
+from hdcli.stack import ModelStack
+from hdcli.verify import Sampling
+
+from conftest import tiny_llama
+from test_sampling import chi2_pvalue, exact_two_token_distribution
+
+PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11, 10, 11, 10, 11, 10], [1] + list(range(5, 30))]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=50, seed=1, scale=4.0, layers=4)
+
+
+def plain(model, prompt, n):
+    return Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=n).tokens
+
+
+def db():
+    return Hierarchy([ContextDB(1, 3)], policy="fill", draft_len=8)
+
+
+@pytest.mark.parametrize("shape", ["1 model, none", "1 model, db", "2 models, none", "2 models, db",
+                                   "independent model, db"])
+def test_greedy_stack_equals_plain(target, shape):
+    d1, d2 = draftmodels.truncated(target, 1), draftmodels.truncated(target, 2)
+    other = tiny_llama(vocab_size=50, seed=9, scale=4.0)  # a different model, same vocabulary
+    levels = {"1 model, none": [("d2", d2, 4)], "1 model, db": [("d2", d2, 5)],
+              "2 models, none": [("d1", d1, 3), ("d2", d2, 6)], "2 models, db": [("d1", d1, 2), ("d2", d2, 5)],
+              "independent model, db": [("other", other, 3), ("d2", d2, 4)]}[shape]
+    proposed = 0
+    for prompt in PROMPTS:
+        ref = plain(target, prompt, 50)
+        stack = ModelStack(levels, db() if "db" in shape else None, Sampling())
+        g = Decoder(target, (), stack).generate(prompt, max_new_tokens=50)
+        assert g.tokens == ref
+        stats = stack.level_stats()
+        proposed += stats[-1]["proposed"]
+        assert stats[-1]["accepted"] <= stats[-1]["proposed"]
+    assert proposed > 0
+
+
+def test_sampling_through_a_three_level_stack_follows_target_distribution():
+    """db -> model -> model -> target, first two tokens. The draft models are independent random
+    models (same vocabulary), so every boundary rejects often and the residual draws run."""
+    V = 8
+    target = tiny_llama(vocab_size=V, seed=3, hidden=16, scale=3.0)
+    d1, d2 = tiny_llama(vocab_size=V, seed=4, hidden=16, scale=2.0), tiny_llama(vocab_size=V, seed=5, hidden=16, scale=2.0)
+    s = Sampling(temperature=1.0)
+    prompt = [1, 3, 4, 3, 4, 3]
+    probs = exact_two_token_distribution(target, prompt, s)
+    stack = ModelStack([("d1", d1, 2), ("d2", d2, 3)], Hierarchy([ContextDB(1, 3)], draft_len=3), s)
+    dec = Decoder(target, (), stack)
+    n, counts = 3000, {}
+    for seed in range(n):
+        g = dec.generate(prompt, max_new_tokens=4, sampling=s, seed=seed)
+        key = tuple(g.tokens[:2])
+        counts[key] = counts.get(key, 0) + 1
+    levels = {lv["name"]: lv for lv in stack.level_stats()}
+    # every level both accepted and rejected often: the rules at all three boundaries ran
+    for name in ("db", "d1", "d2"):
+        assert 0.05 < levels[name]["acceptance_rate"] < 0.9, levels
+    assert chi2_pvalue(counts, probs, n) > 1e-3
+
+
+def test_self_drafts_are_real_smaller_models(target):
+    small = draftmodels.truncated(target, 2)
+    assert small.config.num_hidden_layers == 2
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert small(ids).logits.shape == target(ids).logits.shape
+        q = draftmodels.int8(target)
+        assert torch.allclose(q(ids).logits, target(ids).logits, atol=0.5)  # close, not equal
+    with pytest.raises(HdError, match="1 <= K"):
+        draftmodels.truncated(target, 4)
+
+
+def test_tokenizer_mismatch_and_bad_names_are_refused(tiny_lm, tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_lm.source)
+    tok.add_tokens(["zebra"])  # one more token: another tokenization
+    other = tmp_path / "other"
+    tiny_llama(vocab_size=len(tok), seed=2).save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(HdError, match="another tokenizer"):
+        draftmodels.load(str(other), tiny_lm)
+    with pytest.raises(HdError, match="self-draft"):
+        draftmodels.load("self:layers", tiny_lm)
+    with pytest.raises(HdError, match="level-tokens"):
+        api.make_stack(tiny_lm, ["self:layers=1"], level_tokens=[2, 3])
+
+
+def test_api_stack_through_generate(tiny_lm):
+    stack = api.make_stack(tiny_lm, ["self:layers=1"], [3], base=api.make_drafter(["context"], candidates=1))
+    for prompt in ["the cat sat on the mat and the cat sat on the", "one two three four one two"]:
+        ref = api.generate(tiny_lm, prompt, max_new_tokens=30, drafter=None)
+        got = api.generate(tiny_lm, prompt, max_new_tokens=30, drafter=stack)
+        assert got.tokens == ref.tokens
