@@ -273,3 +273,21 @@ def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens
             loaded[name] = draftmodels.load(name, lm)
         levels.append((name, loaded[name].model, T))
     return ModelStack(levels, base, sampling, seed)
+
+
+def read_plan(path, lm: models.LoadedModel | None = None) -> dict:
+    """The chain saved by `hd plan` ({"bottom": "none"|"db", "levels": [{"model", "T"}]})."""
+    import json
+    from pathlib import Path
+    try:
+        data = json.loads(Path(path).read_text())
+        chain = data["chain"]
+        chain["bottom"], [(lv["model"], int(lv["T"])) for lv in chain["levels"]]
+    except FileNotFoundError:
+        raise HdError(f"plan {path} not found: make one with `hd plan --out {path}`") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise HdError(f"{path} is not a plan written by `hd plan`") from None
+    if lm is not None and (data.get("target") != lm.name or data.get("dtype") != lm.dtype):
+        raise HdError(f"plan {path} was made for {data.get('target')} in {data.get('dtype')}, not "
+                      f"{lm.name} in {lm.dtype}: costs and acceptance differ, run `hd plan` again")
+    return chain

@@ -112,6 +112,15 @@ def generate(
     min_n: Optional[int] = typer.Option(None, "--min-n", help="Shortest n-gram the context DB "
                                         "matches (default: 2 in fp32, 1 in bf16/fp16)."),
     max_n: int = typer.Option(4, "--max-n", help="Longest n-gram the context DB matches."),
+    draft_models: Optional[str] = typer.Option(None, "--draft-models", help="Draft models, smallest "
+                                               "first, comma-separated, stacked above the DB layers "
+                                               "(self:layers=K, self:int8, or any model with the "
+                                               "target's tokenizer)."),
+    level_tokens: Optional[str] = typer.Option(None, "--level-tokens", help="T per draft model: tokens "
+                                               "a level holds before handing them up (e.g. 2,6)."),
+    no_db: bool = typer.Option(False, "--no-db", help="With --draft-models: no DB level; the smallest "
+                               "model drafts alone."),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="Use the hierarchy chosen by `hd plan`."),
     dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
     compare: bool = typer.Option(False, help="Also run plain decoding and report speedup and identity."),
@@ -152,6 +161,27 @@ def generate(
                                stats_dbs=dbs, stats_min_prob=stats_min_prob,
                                stats_min_expected=stats_min_expected, model_db=mdb, policy=policy,
                                candidates=candidates)
+    stack = None
+    if plan is not None:
+        if draft_models:
+            raise HdError("pass either --plan or --draft-models, not both")
+        chosen = api.read_plan(plan, lm)
+        draft_models = ",".join(lv["model"] for lv in chosen["levels"]) or None
+        level_tokens = ",".join(str(lv["T"]) for lv in chosen["levels"]) or None
+        no_db = chosen["bottom"] == "none"
+        if not draft_models:
+            drafter = None if no_db else api.make_drafter(
+                layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, dtype=lm.dtype,
+                stats_dbs=dbs, model_db=mdb, policy=policy, candidates=1)
+    if draft_models:
+        Ts = _int_list(level_tokens, "--level-tokens") if level_tokens else []
+        base = None if no_db else api.make_drafter(
+            layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, dtype=lm.dtype, stats_dbs=dbs,
+            stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected, model_db=mdb,
+            policy=policy, candidates=1)
+        drafter = stack = api.make_stack(lm, draft_models.split(","), Ts, base, sampling, seed or 0)
+    elif (no_db or level_tokens) and plan is None:
+        raise HdError("--no-db and --level-tokens go with --draft-models")
     if compare:
         api.warm_up(lm)
 
@@ -167,6 +197,8 @@ def generate(
               "policy": policy, "candidates": candidates,
               "stats_dbs": [str(p) for p in stats_db], "model_db": str(model_db) if model_db else None,
               "sampling": vars(sampling) | {"seed": seed}, **res.to_dict()}
+    if stack is not None:
+        report["levels"] = stack.level_stats()
     if learn:
         report["learned_keys"] = api.learn(mdb, res.prompt_ids, res.tokens)
     if compare:
@@ -182,11 +214,26 @@ def generate(
         return
     out.print()
     out.print(_stats_table(f"{lm.name} · {lm.dtype} · {lm.device}", runs))
+    if stack is not None:
+        lt = Table(title="draft hierarchy (bottom first; 'accepted' = kept by the level above)")
+        for col in ("level", "calls", "forwards", "proposed", "accepted", "accept rate", "seconds"):
+            lt.add_column(col, justify="left" if col == "level" else "right")
+        for lv in report["levels"]:
+            lt.add_row(lv["name"], str(lv["calls"]), str(lv["forwards"]), str(lv["proposed"]),
+                       str(lv["accepted"]), f"{lv['acceptance_rate']:.1%}", f"{lv['seconds']:.2f}")
+        out.print(lt)
     if compare:
         c = report["compare"]
         same = "identical" if c["identical"] else f"DIFFERENT from token {c['first_difference']}"
         note = "" if sampling.greedy else " (sampling: outputs differ by chance, not by error)"
         out.print(f"speedup over plain decoding: [bold]{c['speedup']:.2f}x[/bold]; output {same}{note}")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HdError(f"{flag} takes comma-separated numbers, not '{text}'") from None
 
 
 def _parse_shard(shard: Optional[str]) -> tuple[int, int]:
@@ -412,6 +459,144 @@ def db_query(
         t.add_row(str(k["n"]), repr(k["key"]), str(k["total"]), conts)
     con.print(t)
     con.print(Text.assemble("draft: ", (repr(result["draft"]), "magenta")))
+
+
+def _calibration_prompts(lm, prompts: Optional[Path], count: int) -> list[list[int]]:
+    """Token ids of the calibration prompts: a jsonl (field prompt, text or turns) or text file
+    (one prompt per blank-line-separated block), else the first question of Spec-Bench's
+    categories (round-robin) when its file is found."""
+    from . import specbench
+    texts = []
+    if prompts is not None:
+        try:
+            raw = prompts.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise HdError(f"cannot read --prompts {prompts}: {exc}") from None
+        if prompts.suffix == ".jsonl":
+            for n, line in enumerate(raw.splitlines(), 1):
+                if line.strip():
+                    try:
+                        rec = json.loads(line)
+                        texts.append(rec.get("prompt") or rec.get("text") or rec["turns"][0])
+                    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+                        raise HdError(f"{prompts}:{n}: need a JSON object with 'prompt', 'text' or 'turns'") from None
+        else:
+            texts = [b.strip() for b in raw.split("\n\n") if b.strip()]
+    else:
+        qs = specbench.select(specbench.load(specbench.find(None)), 1)
+        texts = [q["turns"][0] for q in qs]
+    if not texts:
+        raise HdError(f"no prompts in {prompts}")
+    return [api.encode_prompt(lm.tokenizer, t) for t in texts[:count]]
+
+
+@app.command("plan")
+def plan_cmd(
+    draft_models: str = typer.Option(..., "--draft-models", help="Candidate draft models, smallest "
+                                     "first (self:layers=K, self:int8, or models with the target's tokenizer)."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="The target."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Calibration prompts (jsonl or "
+                                           "text); default: Spec-Bench's first question per category."),
+    count: int = typer.Option(6, "--count", help="Calibration prompts used."),
+    tokens: int = typer.Option(64, "--tokens", help="Target tokens per prompt to read acceptance on."),
+    t_max: int = typer.Option(12, "--t-max", help="Largest batch size T a level may get."),
+    stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB for the DB level."),
+    model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB for the DB level."),
+    no_db: bool = typer.Option(False, "--no-db", help="Plan without the DB level."),
+    measure_top: int = typer.Option(3, "--measure-top", help="Run the best N hierarchies (and plain "
+                                    "decoding) on the prompts and print measured beside predicted tokens/s."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per measured run."),
+    dtype: str = typer.Option("auto"),
+    device: str = typer.Option("auto"),
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Save the chosen plan (for hd generate --plan)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Measure costs and acceptance, predict every hierarchy's speed, choose the fastest (DP)."""
+    from . import draftmodels, plan as plan_mod
+    from .decode import Decoder
+    err = Console(stderr=True, highlight=False)
+    say = (lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]"))
+    if t_max < 1 or count < 1 or tokens < 2:
+        raise HdError("--t-max and --count must be >= 1, --tokens >= 2")
+    dbs = api.open_stats_dbs([str(p) for p in stats_db])
+    mdb = api.open_stats_dbs([str(model_db)])[0] if model_db else None
+    say(f"loading {model} ...")
+    lm = api.load_model(model, dtype=dtype, device=device)
+    for db in dbs + ([mdb] if mdb else []):
+        db.check_tokenizer(lm.tokenizer, lm.name)
+    layers = ["context"] + ["model"] * (mdb is not None) + ["stats"] * bool(dbs)
+
+    def db_factory():
+        return api.make_drafter(layers, dtype=lm.dtype, stats_dbs=dbs, model_db=mdb, candidates=1)
+    ids = _calibration_prompts(lm, prompts, count)
+    names = [n.strip() for n in draft_models.split(",") if n.strip()]
+    loaded = {}
+    for n in names:
+        say(f"loading draft {n} ...")
+        loaded[n] = draftmodels.load(n, lm)
+    say("measuring forward costs and acceptance ...")
+    params, info = plan_mod.measure(lm, [loaded[n] for n in names], None if no_db else db_factory, ids,
+                                    tokens=tokens, t_max=t_max, progress=say)
+    best, best_v = plan_mod.dp(params, t_max)
+    table = plan_mod.ranked(params, t_max)
+    plain_tps = params.cost["target"](1) ** -1
+    rows = [{"hierarchy": c.describe(), "chain": c.to_dict(), "predicted_tokens_per_second": v,
+             "predicted_speedup": v * params.cost["target"](1)} for c, v in table]
+    # the best N, plus the references: plain decoding and the best single drafting level
+    single = [r for r in rows if len(r["chain"]["levels"]) + (r["chain"]["bottom"] == "db") == 1]
+    plain_row = [r for r in rows if not r["chain"]["levels"] and r["chain"]["bottom"] == "none"]
+    to_measure = []
+    for r in rows[:measure_top] + single[:1] + plain_row:
+        if r not in to_measure:
+            to_measure.append(r)
+    if measure_top > 0:
+        api.warm_up(lm)
+        for r in rows:
+            r["single_level"] = r in single[:1]
+        for r in to_measure:
+            ch = r["chain"]
+            if ch["levels"]:
+                base = db_factory() if ch["bottom"] == "db" else None
+                drafter = api.make_stack(lm, [lv["model"] for lv in ch["levels"]],
+                                         [lv["T"] for lv in ch["levels"]], base, loaded=loaded)
+            else:
+                drafter = db_factory() if ch["bottom"] == "db" else None
+            say(f"measuring {r['hierarchy']} ...")
+            toks = secs = 0.0
+            for p in ids:
+                g = Decoder(lm.model, lm.eos_ids, drafter).generate(p, max_new_tokens)
+                toks += g.stats.new_tokens
+                secs += g.stats.wall_seconds
+            r["measured_tokens_per_second"] = toks / secs
+    assert abs(best_v - table[0][1]) < 1e-9 * max(1.0, best_v), "DP and enumeration disagree"
+    result = {"kind": "hd-plan", "target": lm.name, "dtype": lm.dtype, "device": lm.device,
+              "draft_models": names, "db_layers": [] if no_db else layers,
+              "stats_dbs": [str(p) for p in stats_db], "model_db": str(model_db) if model_db else None,
+              "chain": best.to_dict(), "hierarchy": best.describe(), "predicted_tokens_per_second": best_v,
+              "plain_tokens_per_second_predicted": plain_tps, "t_max": t_max,
+              "calibration": {"prompts": len(ids), **info,
+                              "draft_params": {n: loaded[n].params for n in names}},
+              "candidates": rows}
+    if out_path is not None:
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out_path)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    t = Table(title=f"hierarchies for {lm.name} ({lm.dtype}, {lm.device}), best T per chain")
+    for col in ("hierarchy", "predicted tok/s", "predicted speedup", "measured tok/s"):
+        t.add_column(col, justify="left" if col == "hierarchy" else "right")
+    for r in rows:
+        m = r.get("measured_tokens_per_second")
+        t.add_row(r["hierarchy"], f"{r['predicted_tokens_per_second']:.1f}", f"{r['predicted_speedup']:.2f}x",
+                  "-" if m is None else f"{m:.1f}")
+    con = Console(highlight=False)
+    con.print(t)
+    acc = "  ".join(f"{k} {v:.2f}" for k, v in info["accept"].items())
+    con.print(f"acceptance: {acc}")
+    con.print(f"chosen: [bold]{best.describe()}[/bold]"
+              + (f"; saved to {out_path} (hd generate --plan {out_path})" if out_path else ""))
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against plain decoding and peers.")

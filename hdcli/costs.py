@@ -23,7 +23,10 @@ WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
 class CostCurve:
-    def __init__(self, points: dict[int, float]):
+    """cost(w) relative to a one-token forward; one_token_seconds (when measured) makes it absolute."""
+
+    def __init__(self, points: dict[int, float], one_token_seconds: float | None = None):
+        self.one_token_seconds = one_token_seconds
         self.widths = sorted(int(w) for w in points)
         self.costs = [float(points[w]) for w in self.widths]
         if self.widths[0] != 1:
@@ -82,7 +85,7 @@ def measure(model, context: int = 256, repeats: int = 5, widths=WIDTHS) -> CostC
         top = max(top, seconds[w] / one)
         points[w] = top
     points[1] = 1.0
-    return CostCurve(points)
+    return CostCurve(points, one_token_seconds=one)
 
 
 def _cache_path(key: str) -> Path:

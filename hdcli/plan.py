@@ -208,3 +208,91 @@ def simulate(chain: Chain, p: Params, steps: int, seed: int = 0) -> float:
             g += 1
         tokens += g + 1
     return tokens / seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring the parameters on a calibration set (hd plan)
+
+def measure(lm, drafts, db_factory, prompts: Sequence[list[int]], tokens: int = 64,
+            sampling=None, t_max: int = 16, progress=None) -> tuple[Params, dict]:
+    """Params of the levels on this machine: forward costs by width, acceptance between every
+    pair of levels, and the database level's proposal lengths and time.
+
+    drafts: hdcli.draftmodels.DraftModel list (smallest first); db_factory: () -> Hierarchy or
+    None. Acceptance is read on the target's own greedy continuations of the prompts: between
+    models, from both models' distributions at the same positions (greedy: the argmaxes agree;
+    sampling: sum_x min(p, q), the chance the standard rule keeps a draw); for the database, the
+    chance the level keeps its proposed token (greedy: it is the argmax; sampling: p(token))."""
+    import time as _time
+
+    import torch
+
+    from . import costs
+    from .decode import Decoder
+    from .verify import Sampling, target_probs
+    s = sampling or Sampling()
+    names = [d.name for d in drafts]
+    model_of = {d.name: d.model for d in drafts}
+    model_of["target"] = lm.model
+    widths = tuple(w for w in costs.WIDTHS if w <= t_max + 1) + (t_max + 1,)
+    cost = {}
+    for name, m in model_of.items():
+        curve = costs.measure(m, widths=tuple(sorted(set(widths))))
+        cost[name] = (lambda c: (lambda w: c.one_token_seconds * c(w)))(curve)
+        if progress:
+            progress(f"cost of {name}: {curve.one_token_seconds * 1000:.1f} ms per token")
+    refs = [Decoder(lm.model, ()).generate(p, tokens).tokens for p in prompts]
+    # per model, per prompt: rows [len(ref), V] predicting each reference token
+    dists: dict[str, list] = {}
+    with torch.inference_mode():
+        for name, m in model_of.items():
+            rows = []
+            dev = next(m.parameters()).device
+            for p, ref in zip(prompts, refs):
+                ids = torch.tensor([list(p) + ref[:-1]], device=dev)
+                logits = m(input_ids=ids).logits[0, len(p) - 1:].float()
+                rows.append(logits.argmax(-1) if s.greedy else target_probs(logits, s))
+            dists[name] = rows
+    accept: dict[tuple[str, str], float] = {}
+    uppers = names + ["target"]
+    for i, lo in enumerate(names):
+        for up in uppers[i + 1:]:
+            vals = []
+            for a, b in zip(dists[lo], dists[up]):
+                vals.append((a == b).float().mean() if s.greedy else torch.minimum(a, b).sum(-1).mean())
+            accept[(lo, up)] = float(sum(vals) / len(vals))
+    db_lengths, db_seconds = [], 0.0
+    if db_factory is not None:
+        hier = db_factory()
+        counts: dict[int, int] = {}
+        tested = {u: 0 for u in uppers}
+        kept = {u: 0.0 for u in uppers}
+        calls, spent = 0, 0.0
+        for pi, (p, ref) in enumerate(zip(prompts, refs)):
+            hist = list(p)
+            hier.reset(hist)
+            for t in range(len(ref) - 1):
+                t0 = _time.perf_counter()
+                drafts_ = hier.propose(hist, len(ref) - t - 1)
+                spent += _time.perf_counter() - t0
+                calls += 1
+                d = list(drafts_[0].tokens) if drafts_ else []
+                counts[len(d)] = counts.get(len(d), 0) + 1
+                for k, x in enumerate(d):
+                    if t + k >= len(ref) or (k and d[k - 1] != ref[t + k - 1]):
+                        break  # the models' predictions are known along the reference only
+                    for u in uppers:
+                        row = dists[u][pi][t + k]
+                        tested[u] += 1
+                        kept[u] += float(row == x) if s.greedy else float(row[x])
+                hist.append(ref[t])
+                hier.extend([ref[t]])
+        n = max(counts) + 1 if counts else 1
+        db_lengths = [counts.get(b, 0) / calls for b in range(n)] if calls else [1.0]
+        db_seconds = spent / max(1, calls)
+        for u in uppers:
+            accept[("db", u)] = kept[u] / tested[u] if tested[u] else 0.0
+    info = {"references": len(refs), "reference_tokens": sum(len(r) for r in refs),
+            "one_token_seconds": {k: cost[k](1) for k in cost}, "accept": {f"{a}->{b}": v for (a, b), v in accept.items()},
+            "db_lengths": db_lengths, "db_seconds": db_seconds}
+    return Params(models=names, cost=cost, accept=accept, db_lengths=db_lengths, db_seconds=db_seconds), info

@@ -107,3 +107,34 @@ def test_api_stack_through_generate(tiny_lm):
         ref = api.generate(tiny_lm, prompt, max_new_tokens=30, drafter=None)
         got = api.generate(tiny_lm, prompt, max_new_tokens=30, drafter=stack)
         assert got.tokens == ref.tokens
+
+
+def test_plan_and_generate_with_draft_models_through_the_cli(tiny_model_dir, tmp_path):
+    import json
+    from test_cli import hd, run
+    m = str(tiny_model_dir)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat sat on the mat and the cat sat on the\n\none two three four one two three")
+    plan_path = tmp_path / "plan.json"
+    r = hd("plan", "--model", m, "--draft-models", "self:layers=1", "--prompts", str(prompts),
+           "--count", "2", "--tokens", "8", "--t-max", "3", "--measure-top", "1", "-n", "8",
+           "--out", str(plan_path), "--json")
+    result = json.loads(r.stdout)
+    assert json.loads(plan_path.read_text())["chain"] == result["chain"]
+    shapes = {c["hierarchy"] for c in result["candidates"]}
+    assert "target alone (plain decoding)" in shapes and "db -> target" in shapes
+    assert any("self:layers=1" in s for s in shapes)
+    assert result["predicted_tokens_per_second"] == max(c["predicted_tokens_per_second"] for c in result["candidates"])
+    assert sum("measured_tokens_per_second" in c for c in result["candidates"]) >= 2
+    g = json.loads(hd("generate", "--model", m, "-p", "the cat sat on the", "-n", "16", "--plan",
+                      str(plan_path), "--compare", "--json").stdout)
+    assert g["compare"]["identical"]
+    g = json.loads(hd("generate", "--model", m, "-p", "the cat sat on the mat and the cat", "-n", "16",
+                      "--draft-models", "self:layers=1", "--level-tokens", "3", "--compare", "--json").stdout)
+    assert g["compare"]["identical"] and [lv["name"] for lv in g["levels"]] == ["db", "self:layers=1"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**result, "dtype": "bf16"}))
+    r = run("generate", "--model", m, "-p", "x", "--plan", str(bad))
+    assert isinstance(r, HdError) and "run `hd plan` again" in str(r)
+    r = run("generate", "--model", m, "-p", "x", "--no-db")
+    assert isinstance(r, HdError) and "--draft-models" in str(r)
