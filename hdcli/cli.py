@@ -4,7 +4,9 @@ Every error the user can fix is an HdError: printed as one line on stderr, exit 
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -302,6 +304,13 @@ def build_stats(
                                extra_header={"sources": report.files, "field": field,
                                              "with_prompt": with_prompt},
                                progress=progress)
+    except HdError as exc:
+        if "no documents" in str(exc):  # name what was read and what was skipped
+            names = ", ".join(Path(f["path"]).name for f in report.files) or ", ".join(corpus)
+            raise HdError(f"no documents in {names} (field '{field}'): {report.skipped_empty} empty "
+                          f"records, {report.skipped_malformed} malformed lines; check the files "
+                          "and --field") from None
+        raise
     finally:
         bar.close()
     read = {"skipped_malformed": report.skipped_malformed, "skipped_empty": report.skipped_empty,
@@ -755,12 +764,36 @@ def bench_report(
     Console(highlight=False).print(_bench_tables(report, meta))
 
 
+# errno values that mean "the disk/file system refused the write": a user-fixable condition
+_DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES}
+
+
+def _disk_error(exc: BaseException) -> Optional[str]:
+    """A one-line message for a write refused by the disk, or None for anything else."""
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return (f"cannot write{where}: {os.strerror(exc.errno)}. Nothing was replaced: outputs are "
+                "written to a temporary file and renamed only when complete; free space or choose "
+                "another output path")
+    text = str(exc)
+    if type(exc).__module__ == "lmdb" and any(k in text for k in ("No space", "too large", "Read-only", "Disk quota")):
+        return (f"cannot write the DB: {text.splitlines()[0]}. Nothing was replaced; free space or "
+                "choose another output path")
+    return None
+
+
 def main() -> None:
     try:
         app()
     except HdError as exc:
         Console(stderr=True, highlight=False, soft_wrap=True).print(
             Text.assemble(("error: ", "red"), str(exc)))
+        sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - only disk refusals are turned into one line
+        msg = _disk_error(exc)
+        if msg is None:
+            raise
+        Console(stderr=True, highlight=False, soft_wrap=True).print(Text.assemble(("error: ", "red"), msg))
         sys.exit(2)
 
 

@@ -142,7 +142,9 @@ class StoreWriter:
                 self.map_size *= 2
                 self.env.set_mapsize(self.map_size)
             except lmdb.Error as exc:
-                raise HdError(f"writing {self.path}: {exc}") from None
+                # LMDB reports a full disk or a file-size limit as an I/O error on commit
+                raise HdError(f"cannot write {self.path} ({exc}): the disk may be full. Nothing was "
+                              "replaced: free space or choose another output path") from None
 
     def commit(self, header: dict) -> dict:
         """Write the header last, sync, and move the complete file into place. Returns the
