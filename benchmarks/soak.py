@@ -20,12 +20,18 @@ from pathlib import Path
 from hdcli import api, specbench
 
 
-def rss_mb() -> float:
+def rss_mb(kind: str = "VmRSS") -> float:
+    """Resident memory in MB: VmRSS (all), RssAnon (heap: what a leak grows) or RssFile (mapped
+    files: the model DB's pages count here as learning grows it)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(kind + ":"):
                 return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory() -> dict:
+    return {k: round(rss_mb(k), 1) for k in ("VmRSS", "RssAnon", "RssFile")}
 
 
 def main():
@@ -44,7 +50,7 @@ def main():
     sdb = api.open_stats_dbs([args.stats_db], lm)
     mdb = api.open_stats_dbs([str(mdb_path)], lm, writable=True)[0]
     qs = specbench.select(specbench.load(specbench.find(None)), None)
-    rss = {"start": rss_mb()}
+    rss = {"start": memory()}
     differ, t0, samples = 0, time.time(), []
     for i in range(args.generations):
         ids = api.encode_prompt(lm.tokenizer, qs[(i * 37) % len(qs)]["turns"][0])
@@ -54,11 +60,11 @@ def main():
         differ += got.tokens != plain.tokens
         api.learn(mdb, ids, got.tokens)
         if i == 9:
-            rss["after_10"] = rss_mb()
+            rss["after_10"] = memory()
         if (i + 1) % 20 == 0:
-            samples.append({"generation": i + 1, "rss_mb": rss_mb()})
-            print(f"{i + 1}/{args.generations}  rss {rss_mb():.0f} MB  differ {differ}", flush=True)
-    rss["end"] = rss_mb()
+            samples.append({"generation": i + 1, **memory()})
+            print(f"{i + 1}/{args.generations}  {memory()}  differ {differ}", flush=True)
+    rss["end"] = memory()
     result = {"generations": args.generations, "max_new_tokens": args.max_new_tokens, "differ_from_plain": differ,
               "rss_mb": rss, "rss_by_generation": samples, "seconds": time.time() - t0,
               "model_db_learned_updates": mdb.header.get("learned_updates")}
