@@ -52,7 +52,7 @@ def main():
             tree = Tree()
             j = 0
             while tree.size() < w - 1:
-                tree.add_candidate([3 + j % 5, 20 + j, 40 + j, 60 + j], "x", j)
+                tree.add_candidate([3 + j % 5, 20 + j, 40 + j, 60 + j], "x")
                 j += 1
             tree = tree.subtree(range(w))
             nodes = tree.size() + 1

@@ -136,14 +136,21 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True, system: str | None 
     """Token ids of the prompt, through the model's chat template unless chat is False."""
     if not prompt or not prompt.strip():
         raise HdError("the prompt is empty: pass --prompt TEXT or --prompt-file FILE")
+    messages = ([{"role": "system", "content": system}] if system else [])
+    return encode_messages(tokenizer, messages + [{"role": "user", "content": prompt}], chat=chat)
+
+
+def encode_messages(tokenizer, messages: list[dict], chat: bool = True) -> list[int]:
+    """Token ids of a conversation ending with a user turn, ready for the assistant's answer:
+    the chat template when the tokenizer has one (and chat), else the contents of the user and
+    assistant turns joined by blank lines (a lone prompt is itself; a system message is dropped)."""
     if chat and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else [])
-        messages.append({"role": "user", "content": prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
-    return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+    text = "\n\n".join(m["content"] for m in messages if m["role"] != "system")
+    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
 @dataclass

@@ -113,12 +113,17 @@ class HfPromptLookup(Runner):
                     wall_time=wall, accept_lengths=[])
 
 
-def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
+def check_methods(names) -> None:
+    """Known names, `ar` among them (checked before the model is loaded, and again here)."""
     unknown = [m for m in names if m not in METHODS]
     if unknown:
         raise HdError(f"unknown method '{unknown[0]}'; known methods: {', '.join(METHODS)}")
     if "ar" not in names:
         raise HdError("--methods must include 'ar': every speedup is measured against it")
+
+
+def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
+    check_methods(names)
     all_layers = ["context"] + ["model"] * (model_db is not None) + ["stats"] * bool(stats_dbs)
     runners = {}
     for name in names:
@@ -151,13 +156,7 @@ def run_question(lm, q: dict, runner: Runner, max_new_tokens: int, sampling: Sam
     messages, turns = [], []
     for text in q["turns"]:
         messages.append({"role": "user", "content": text})
-        if getattr(lm.tokenizer, "chat_template", None):
-            ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            ids = [int(t) for t in ids]
-        else:
-            ids = api.encode_prompt(lm.tokenizer, "\n\n".join(m["content"] for m in messages), chat=False)
+        ids = api.encode_messages(lm.tokenizer, messages)
         room = lm.max_context - len(ids)
         if room < 2:
             raise HdError(f"question {q['question_id']}: prompt of {len(ids)} tokens leaves no room "

@@ -701,9 +701,7 @@ def bench_spec_bench(
                  if (m != "stats" or stats_db) and (m != "model" or model_db)]
     else:
         names = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = [m for m in names if m not in bench.METHODS]
-    if unknown:
-        raise HdError(f"unknown method '{unknown[0]}'; known methods: {', '.join(bench.METHODS)}")
+    bench.check_methods(names)
     path = specbench.find(data)
     cats = [c.strip() for c in categories.split(",")] if categories else None
     questions = specbench.select(specbench.load(path), limit, cats)

@@ -93,17 +93,23 @@ def _cache_path(key: str) -> Path:
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
+_CURVES: dict[str, CostCurve] = {}  # per process: api.generate asks for every generation
+
+
 def curve_for(lm) -> CostCurve:
     """The cost curve of a loaded model (api.load_model), from the cache or measured now."""
     key = f"{lm.source}|{lm.dtype}|{lm.device}|{torch.get_num_threads()}|{torch.__version__}"
+    if key in _CURVES:
+        return _CURVES[key]
     path = _cache_path(key)
     try:
         data = json.loads(path.read_text())
         if data.get("key") == key:
-            return CostCurve({int(w): c for w, c in data["cost"].items()})
+            _CURVES[key] = CostCurve({int(w): c for w, c in data["cost"].items()})
+            return _CURVES[key]
     except (OSError, ValueError, KeyError):
         pass
-    curve = measure(lm.model)
+    curve = _CURVES[key] = measure(lm.model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")

@@ -24,7 +24,7 @@ so the forward yields the prediction after the context), then feeds the rest.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -193,10 +193,6 @@ class ModelStack:
         self.seed, self.requests = seed, 0
         self.gen = torch.Generator(device=self.top.device)
         self.target_stats = LevelStats("target")
-
-    @property
-    def layers(self):  # what `hd generate` lists
-        return self.all_levels
 
     def reset(self, tokens):
         self.gen.manual_seed(self.seed + self.requests)

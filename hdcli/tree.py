@@ -31,7 +31,6 @@ class Tree:
         self.parents: list[int] = [-1]
         self.depths: list[int] = [0]
         self.layers: list[str | None] = [None]  # layer of the candidate that created the node
-        self.owners: list[int] = [-1]           # index of the candidate that created the node
         self.children: list[list[int]] = [[]]   # in insertion order = the order they are tried
 
     def size(self) -> int:
@@ -41,7 +40,7 @@ class Tree:
     def is_chain(self) -> bool:
         return all(len(c) <= 1 for c in self.children)
 
-    def add(self, parent: int, token: int, layer: str | None, owner: int) -> int:
+    def add(self, parent: int, token: int, layer: str | None) -> int:
         for c in self.children[parent]:
             if self.tokens[c] == token:
                 return c
@@ -49,15 +48,14 @@ class Tree:
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.layers.append(layer)
-        self.owners.append(owner)
         self.children.append([])
         self.children[parent].append(len(self.tokens) - 1)
         return len(self.tokens) - 1
 
-    def add_candidate(self, tokens: Sequence[int], layer: str | None, owner: int = 0) -> None:
+    def add_candidate(self, tokens: Sequence[int], layer: str | None) -> None:
         node = 0
         for t in tokens:
-            node = self.add(node, t, layer, owner)
+            node = self.add(node, t, layer)
 
     def path(self, node: int) -> list[int]:
         """Nodes from the root's child down to `node`."""
@@ -74,7 +72,7 @@ class Tree:
         for i in sorted(keep):
             if i == 0:
                 continue
-            new_of[i] = t.add(new_of[self.parents[i]], self.tokens[i], self.layers[i], self.owners[i])
+            new_of[i] = t.add(new_of[self.parents[i]], self.tokens[i], self.layers[i])
         return t
 
 
@@ -116,8 +114,8 @@ def build_tree(drafts, rate: Rate, cost: Callable[[int], float] | None,
     """Merge candidates (drafting.Draft, best first) into a tree and keep what pays for its
     forward (cost None: everything up to max_nodes). branches False: the first candidate only."""
     tree = Tree()
-    for j, d in enumerate(drafts if branches else drafts[:1]):
-        tree.add_candidate(d.tokens, d.layer, j)
+    for d in drafts if branches else drafts[:1]:
+        tree.add_candidate(d.tokens, d.layer)
     if tree.size() and cost is not None:
         return cap_by_cost(tree, node_estimates(tree, rate), cost, max_nodes)
     if tree.size() > max_nodes:

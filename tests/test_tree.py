@@ -8,13 +8,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hdcli import costs, tree as tree_mod
+from hdcli import costs
 from hdcli.decode import Decoder
 from hdcli.drafting import AcceptanceTracker, ContextDB, Hierarchy
 from hdcli.tree import Tree, cap_by_cost, keep_path, node_estimates, tree_forward
 from hdcli.verify import Sampling
 
 from conftest import tiny_llama
+from test_exactness import ScriptedLayer
 from test_sampling import chi2_pvalue, exact_two_token_distribution
 
 V = 50
@@ -31,9 +32,9 @@ def plain(model, prompt, n):
 
 def random_tree(rng, n_cands=6, max_len=5):
     t = Tree()
-    for j in range(n_cands):
+    for _ in range(n_cands):
         base = rng.choice([[], [3], [3, 4], [7]])  # shared prefixes make branches
-        t.add_candidate(base + [rng.randrange(V) for _ in range(rng.randrange(1, max_len))], "x", j)
+        t.add_candidate(base + [rng.randrange(V) for _ in range(rng.randrange(1, max_len))], "x")
     return t
 
 
@@ -81,27 +82,20 @@ def test_keep_path_leaves_exactly_the_path_in_the_cache(model):
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
 
 
-class BranchyLayer:
+class BranchyLayer(ScriptedLayer):
     """Proposes several candidates per step: the true continuation (read from a reference
     output, sometimes corrupted) placed at a random rank among wrong ones that share its first
     tokens, so the accepted path is often a later branch whose KV entries have to move."""
 
     def __init__(self, name, prompt_len, reference, seed=0, corrupt=0.2):
-        self.name, self.prompt_len, self.ref = name, prompt_len, reference
-        self.rng, self.corrupt = random.Random(seed), corrupt
-
-    def reset(self, tokens):
-        pass
-
-    def extend(self, tokens):
-        pass
+        super().__init__(prompt_len, reference, corrupt=corrupt, vocab=V, seed=seed)
+        self.name = name
 
     def propose(self, history, max_len, max_candidates):
-        pos = len(history) - self.prompt_len
-        true = self.ref[pos:pos + max_len]
-        if not true:
+        got = super().propose(history, max_len, 1)
+        if not got:
             return []
-        true = [t if self.rng.random() > self.corrupt else self.rng.randrange(V) for t in true]
+        true = got[0]
         cands = []
         for _ in range(max_candidates - 1):
             cut = self.rng.randrange(len(true))
@@ -148,8 +142,8 @@ def test_a_kept_rejected_branch_breaks_the_greedy_test(model, monkeypatch):
 
 def test_cost_cap_keeps_likely_nodes_and_drops_what_does_not_pay():
     t = Tree()
-    t.add_candidate([1, 2, 3, 4], "good", 0)
-    t.add_candidate([5, 6], "bad", 1)
+    t.add_candidate([1, 2, 3, 4], "good")
+    t.add_candidate([5, 6], "bad")
     rates = {"good": 0.9, "bad": 0.05}
     est = node_estimates(t, lambda layer, depth, first: rates[layer])
     assert est[1] == pytest.approx(0.9) and est[5] == pytest.approx(0.1 * 0.05)
@@ -163,7 +157,7 @@ def test_cost_cap_keeps_likely_nodes_and_drops_what_does_not_pay():
     assert hopeless.size() == 0  # plain decoding is cheaper than this draft
 
 
-def test_measured_cost_curve_is_monotone_and_cached(model, tmp_path, monkeypatch):
+def test_measured_cost_curve_is_monotone(model):
     curve = costs.measure(model, context=16, repeats=1, widths=(1, 4, 16))
     assert curve(1) == 1.0 and curve(4) <= curve(16) and curve(10) <= curve(16)
     assert curve(32) >= curve(16)
@@ -179,38 +173,11 @@ def test_adaptive_tracker_follows_acceptance_and_recovers():
     assert tr.rate("b", 1) > 0.4
 
 
-def test_adaptive_gives_every_matching_layer_a_slot():
-    class Fixed:
-        def __init__(self, name, cands):
-            self.name, self.cands = name, cands
+class FixedCandidates:
+    """Proposes the same candidates at every step, best first."""
 
-        def reset(self, tokens):
-            pass
-
-        def extend(self, tokens):
-            pass
-
-        def propose(self, history, max_len, max_candidates):
-            return [c[:max_len] for c in self.cands[:max_candidates]]
-
-    h = Hierarchy([Fixed("a", [[1], [2], [3]]), Fixed("b", [[4], [5]])], policy="adaptive",
-                  max_candidates=3)
-    h.reset([0])
-    h.observe({("a", 1): 10, ("b", 1): 10}, {("a", 1): 10, ("b", 1): 0})
-    got = h.propose([0], 4)
-    assert [d.layer for d in got] == ["a", "a", "b"]  # best layer first, b keeps one slot
-    fill = Hierarchy(h.layers, policy="fill", max_candidates=4).propose([0], 4)
-    assert [d.tokens for d in fill] == [(1,), (2,), (3,), (4,)]
-    first = Hierarchy(h.layers, policy="first-hit", max_candidates=4).propose([0], 4)
-    assert [d.layer for d in first] == ["a", "a", "a"]
-
-
-class TwoTokenTree:
-    """Proposes a fixed tree of candidates for the first two tokens."""
-    name = "tree"
-
-    def __init__(self, cands):
-        self.cands = cands
+    def __init__(self, name, cands):
+        self.name, self.cands = name, cands
 
     def reset(self, tokens):
         pass
@@ -220,6 +187,19 @@ class TwoTokenTree:
 
     def propose(self, history, max_len, max_candidates):
         return [c[:max_len] for c in self.cands[:max_candidates]]
+
+
+def test_adaptive_gives_every_matching_layer_a_slot():
+    h = Hierarchy([FixedCandidates("a", [[1], [2], [3]]), FixedCandidates("b", [[4], [5]])], policy="adaptive",
+                  max_candidates=3)
+    h.reset([0])
+    h.observe({("a", 1): 10, ("b", 1): 10}, {("a", 1): 10, ("b", 1): 0})
+    got = h.propose([0], 4)
+    assert [d.layer for d in got] == ["a", "a", "b"]  # best layer first, b keeps one slot
+    fill = Hierarchy(h.layers, policy="fill", max_candidates=4).propose([0], 4)
+    assert [d.tokens for d in fill] == [(1,), (2,), (3,), (4,)]
+    first = Hierarchy(h.layers, policy="first-hit", max_candidates=4).propose([0], 4)
+    assert [d.layer for d in first] == ["a", "a", "a"]
 
 
 @pytest.mark.parametrize("s", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)],
@@ -232,7 +212,7 @@ def test_sampling_through_a_tree_follows_target_distribution(s):
     ranked = sorted(probs, key=probs.get, reverse=True)
     # several first tokens, some with two second tokens: the point-mass rule at both depths
     cands = [list(ranked[0]), [ranked[0][0], ranked[1][1]], list(ranked[2]), list(ranked[3])]
-    dec = Decoder(m, (), Hierarchy([TwoTokenTree(cands)], draft_len=2, max_candidates=4))
+    dec = Decoder(m, (), Hierarchy([FixedCandidates("tree", cands)], draft_len=2, max_candidates=4))
     n, counts, later_branch = 3000, {}, 0
     for seed in range(n):
         g = dec.generate(prompt, max_new_tokens=3, sampling=s, seed=seed)
