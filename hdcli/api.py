@@ -212,9 +212,12 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
              max_new_tokens: int = 256, sampling: Sampling = Sampling(), seed: int | None = None,
              chat: bool = True, system: str | None = None, stop: Sequence[str] = (),
              drafter: Hierarchy | None | str = "default",
-             on_text: Callable[[str, str | None], None] | None = None) -> Result:
+             on_text: Callable[[str, str | None], None] | None = None,
+             cost: costs.CostCurve | None = None) -> Result:
     """Generate a completion. drafter: a Hierarchy, None for plain decoding, "default" for the
-    context DB with default settings. Greedy output equals plain greedy decoding token for token."""
+    context DB with default settings. cost: the forward-cost curve that caps draft trees (default:
+    measured once for this model and machine, see costs.curve_for). Greedy output equals plain
+    greedy decoding token for token whatever the drafts."""
     if max_new_tokens < 1:
         raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
     if prompt_ids is None:
@@ -225,7 +228,9 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
                       f"{lm.max_context}: shorten the prompt")
     if drafter == "default":
         drafter = make_drafter(dtype=lm.dtype)
-    decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=costs.curve_for(lm) if drafter else None)
+    if drafter and cost is None:
+        cost = costs.curve_for(lm)
+    decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)
     stream = TextStream(lm.tokenizer, on_text) if on_text else None
     g: Generation = decoder.generate(prompt_ids, min(max_new_tokens, room), sampling, seed,
                                      stop_check=_stop_checker(lm.tokenizer, stop), on_tokens=stream)
