@@ -8,17 +8,13 @@ import textwrap
 
 import pytest
 
-from hdcli import api, costs, modeldb, statsdb, stores
+from hdcli import api, modeldb, statsdb, stores
 
 from test_cli import hd
-from test_statsdb import db_dict, expected
+from test_statsdb import FREE_FORWARD, db_dict, expected
 
 PROMPTS = ["the cat sat", "one two three", "red blue green", "hello world", "big small",
            "the dog ran", "yes no yes", "sun moon"]
-
-# A forward whose cost does not grow with width: the cost cap keeps every drafted node, so these
-# tests exercise the DB drafts whatever this machine's measured cost curve says.
-FREE_FORWARD = costs.flat(1.0)
 
 
 def samples_of(path):
