@@ -13,10 +13,11 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__, api, bench
+from . import __version__, api, bench, specbench
 from .errors import HdError
 from .verify import Sampling
 
@@ -53,24 +54,24 @@ def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
 
 
 def _stats_table(title: str, runs: dict) -> Table:
-    """runs: label -> RunStats. One row per drafting layer of each run, then each run's speed."""
-    t = Table(title=title)
-    for col in ("run", "layer", "queries", "hit rate", "candidates", "won", "drafted", "accepted",
-                "accept rate"):
+    """runs: label -> RunStats. One row per drafting layer of each run, then each run's speed.
+    Fits 80 columns; --json has every field, the draft/bookkeeping split included."""
+    t = Table(title=f"{title} · hit = queries answered · kept = accepted / drafted",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("run", "layer", "queries", "hit", "candidates", "won", "drafted", "accepted", "kept"):
         t.add_column(col, justify="left" if col in ("run", "layer") else "right")
     for label, st in runs.items():
         for ls in st.layers.values():
-            t.add_row(label, ls.name, str(ls.queries), f"{ls.hit_rate:.1%}", str(ls.candidates),
-                      str(ls.won), str(ls.drafted), str(ls.accepted), f"{ls.acceptance_rate:.1%}")
-    s = Table(title="speed")
-    for col in ("run", "new tokens", "steps", "mean accepted", "mean tree", "tok/s", "draft s",
-                "forward s", "bookkeeping s", "outside forward", "prefill s"):
+            t.add_row(label, ls.name, str(ls.queries), f"{ls.hit_rate:.0%}", str(ls.candidates),
+                      str(ls.won), str(ls.drafted), str(ls.accepted), f"{ls.acceptance_rate:.0%}")
+    s = Table(title="speed: prefill and forward in seconds; outside = share of decode time spent "
+              "outside the target's forward", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("run", "tokens", "steps", "tok/step", "tree", "tok/s", "prefill", "forward", "outside"):
         s.add_column(col, justify="left" if col == "run" else "right")
     for label, st in runs.items():
         s.add_row(label, str(st.new_tokens), str(st.steps), f"{st.mean_accepted:.2f}",
-                  f"{st.mean_tree_size:.1f}", f"{st.tokens_per_second:.1f}", f"{st.draft_seconds:.3f}",
-                  f"{st.forward_seconds:.2f}", f"{st.bookkeeping_seconds:.3f}",
-                  f"{st.overhead_share:.1%}", f"{st.prefill_seconds:.2f}")
+                  f"{st.mean_tree_size:.1f}", f"{st.tokens_per_second:.1f}", f"{st.prefill_seconds:.2f}",
+                  f"{st.forward_seconds:.2f}", f"{st.overhead_share:.1%}")
     grid = Table.grid()
     grid.add_row(t)
     grid.add_row(s)
@@ -474,7 +475,6 @@ def _calibration_prompts(lm, prompts: Optional[Path], count: int) -> list[list[i
     """Token ids of the calibration prompts: a jsonl (field prompt, text or turns) or text file
     (one prompt per blank-line-separated block), else the first question of Spec-Bench's
     categories (round-robin) when its file is found."""
-    from . import specbench
     texts = []
     if prompts is not None:
         try:
@@ -616,22 +616,22 @@ def _bench_tables(summary: dict, meta: dict) -> Table:
     """The overall table, then speedup per category per method."""
     methods = summary["methods"]
     t = Table(title=f"Spec-Bench · {meta['model']} · {meta['dtype']} · {meta['device']} · "
-                    f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens")
-    for col in ("method", "speedup", "tok/s", "mean accepted", "outside forward", "differ from ar",
-                "accepted by layer"):
+                    f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("method", "speedup", "tok/s", "tok/step", "outside", "differ", "accepted by layer"):
         t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right")
     for m, f in methods.items():
         o = f["overall"]
         differ = (f"{o['differ_from_ar']}/{o['questions']}" if "differ_from_ar" in o else "n/a (sampling)")
-        share = "  ".join(f"{k} {v['share_of_accepted']:.0%}" for k, v in o["layers"].items() if v["accepted"])
+        share = " ".join(f"{k} {v['share_of_accepted']:.0%}" for k, v in o["layers"].items() if v["accepted"])
         t.add_row(m, f"{o['speedup']:.2f}x", f"{o['tokens_per_second']:.1f}",
                   "-" if o["mean_accepted_tokens"] is None else f"{o['mean_accepted_tokens']:.2f}",
                   "-" if o["overhead_share"] is None else f"{o['overhead_share']:.1%}", differ, share)
     cats = list(next(iter(methods.values()))["categories"])
-    c = Table(title="speedup over ar by category")
+    c = Table(title="speedup over ar by category", box=box.SIMPLE_HEAD, pad_edge=False)
     c.add_column("method")
     for cat in cats:
-        c.add_column(cat, justify="right")
+        c.add_column(specbench.SHORT_NAMES.get(cat, cat), justify="right")
     for m, f in methods.items():
         c.add_row(m, *[f"{f['categories'][cat]['speedup']:.2f}x" for cat in cats])
     grid = Table.grid()

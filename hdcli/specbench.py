@@ -15,6 +15,8 @@ from pathlib import Path
 from .errors import HdError
 
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+SHORT_NAMES = {"mt_bench": "MT", "translation": "Trans.", "summarization": "Sum.", "qa": "QA",
+               "math_reasoning": "Math", "rag": "RAG"}  # the column names of Spec-Bench's tables
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 RELATIVE = Path("data/spec_bench/question.jsonl")
 WHERE = ("Spec-Bench's question.jsonl is at https://github.com/hemingkx/Spec-Bench "
