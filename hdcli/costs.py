@@ -57,11 +57,11 @@ def flat(cost: float = 1.0) -> CostCurve:
 @torch.inference_mode()
 def measure(model, context: int = 256, repeats: int = 5, widths=WIDTHS) -> CostCurve:
     """Median time of a w-token forward over a `context`-token cache, relative to w = 1."""
-    from transformers import DynamicCache
+    from .tree import new_cache
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     ctx = torch.arange(context, device=device)[None] % vocab
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     model(input_ids=ctx, past_key_values=cache, use_cache=True)
     base = cache.get_seq_length()
     seconds = {}

@@ -24,7 +24,7 @@ import torch
 from .drafting import Hierarchy
 from .stats import RunStats
 from .costs import CostCurve
-from .tree import Tree, build_tree, keep_path, reached, supports_trees, tree_forward
+from .tree import Tree, build_tree, keep_path, new_cache, reached, supports_trees, tree_forward
 from .verify import Sampling, accept_chain_q, accept_tree
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
@@ -64,7 +64,6 @@ class Decoder:
                  stop_check: Callable[[list[int]], int | None] | None = None,
                  on_tokens: TokenCallback | None = None) -> Generation:
         """stop_check(tokens) may return a length to cut the output at (a stop string was seen)."""
-        from transformers import DynamicCache
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if max_new_tokens < 1:
@@ -75,10 +74,7 @@ class Decoder:
             gen.manual_seed(seed if seed is not None else torch.seed())
         stats = RunStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
-        cache = DynamicCache(config=self.model.config)
-        for layer in getattr(cache, "layers", []):
-            if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()  # sliding-window layers must be croppable too
+        cache = new_cache(self.model)
         trees_ok = supports_trees(cache)
         history = [int(t) for t in prompt_ids]
         if len(history) > 1:

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from .drafting import Draft, Hierarchy
+from .tree import new_cache
 from .verify import Sampling, sample_point_masses, sample_with_draft, target_probs
 
 
@@ -102,8 +103,7 @@ class ModelLevel:
         self.reset([])
 
     def reset(self, tokens):
-        from transformers import DynamicCache
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model)
         self.seq: list[int] = []
         self.below.reset(tokens)
 

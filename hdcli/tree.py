@@ -9,6 +9,9 @@ are already where a chain's would be and no cache entry has to move.
 The forward over a tree feeds every node at once, at position (cache length + depth), with an
 attention mask that lets a node see the whole cache, its ancestors and itself, nothing else. Each
 node's logits are then the logits of its path run alone (tests/test_tree.py checks this).
+Sliding-window layers (Gemma 2/3, Mistral) get their own mask: a node at position p sees only the
+cached keys at positions > p - window, as it would in a chain; models mixing both kinds of layers
+take the two masks as a dict keyed by layer type, the form transformers' own mask mapping has.
 
 Cost cap. Each node gets an estimate of the probability that the target accepts it: along a
 candidate, the product of its layer's per-token acceptance estimate; for the j-th child of a
@@ -140,18 +143,75 @@ def reached(tree: Tree, path: Sequence[int]) -> tuple[dict, dict]:
     return tested, accepted
 
 
+def _tree_part(tree: Tree) -> torch.Tensor:
+    """[nodes, nodes] bool: node i sees its ancestors and itself."""
+    n = len(tree.tokens)
+    allowed = torch.zeros((n, n), dtype=torch.bool)
+    for i in range(n):
+        if i:
+            allowed[i] = allowed[tree.parents[i]]
+        allowed[i, i] = True
+    return allowed
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
 def tree_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive 4D mask [1, 1, nodes, past + nodes]: 0 where a node may attend, -inf elsewhere."""
     n = len(tree.tokens)
-    allowed = torch.zeros((n, past + n), dtype=torch.bool)
-    allowed[:, :past] = True
-    for i in range(n):
-        if i:
-            allowed[i, past:] = allowed[tree.parents[i], past:]
-        allowed[i, past + i] = True
-    mask = torch.zeros((n, past + n), dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.to(device)[None, None]
+    allowed = torch.ones((n, past + n), dtype=torch.bool)
+    allowed[:, past:] = _tree_part(tree)
+    return _additive(allowed, dtype, device)
+
+
+def sliding_tree_mask(tree: Tree, past: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The mask of a sliding-window layer, [1, 1, nodes, c + nodes]: such a layer shows the last
+    c = min(past, window - 1) cached keys (positions past - c .. past - 1), and a node at depth d
+    (position past + d) may see key position k only when k > past + d - window."""
+    n, c = len(tree.tokens), min(past, window - 1)
+    allowed = torch.zeros((n, c + n), dtype=torch.bool)
+    allowed[:, c:] = _tree_part(tree)
+    for i, d in enumerate(tree.depths):
+        allowed[i, max(0, c + d - window + 1):c] = True  # key j is at position past - c + j
+    return _additive(allowed, dtype, device)
+
+
+def new_cache(model):
+    """An empty KV cache for `model` whose every layer can be cropped back after a rejection:
+    sliding-window layers keep their past until the step's crop (`activate_past_recording`)."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording()
+    return cache
+
+
+def _sliding_layers(cache) -> list:
+    return [layer for layer in getattr(cache, "layers", []) if getattr(layer, "is_sliding", False)]
+
+
+def supports_trees(cache) -> bool:
+    """Tree forwards need each sliding-window layer to keep its past until the step's crop
+    (`activate_past_recording`), so that rejected branches can be removed from it."""
+    return all(getattr(layer, "record_past", False) for layer in _sliding_layers(cache))
+
+
+def attention_mask(model, tree: Tree, past: int, cache):
+    """The mask (or the dict of masks by layer type) for a forward over `tree` on `cache`."""
+    device = next(model.parameters()).device
+    full = tree_mask(tree, past, model.dtype, device)
+    sliding = _sliding_layers(cache)
+    if not sliding:
+        return full
+    sw = sliding_tree_mask(tree, past, sliding[0].sliding_window, model.dtype, device)
+    if len(sliding) == len(cache.layers):
+        return sw
+    return {"full_attention": full, "sliding_attention": sw}
 
 
 def tree_forward(model, tree: Tree, root_token: int, cache) -> torch.Tensor:
@@ -162,29 +222,29 @@ def tree_forward(model, tree: Tree, root_token: int, cache) -> torch.Tensor:
         return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
     past = cache.get_seq_length()
     pos = torch.tensor([[past + d for d in tree.depths]], dtype=torch.long, device=device)
-    mask = tree_mask(tree, past, model.dtype, device)
-    return model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                 use_cache=True).logits[0]
+    return model(input_ids=ids, position_ids=pos, attention_mask=attention_mask(model, tree, past, cache),
+                 past_key_values=cache, use_cache=True).logits[0]
 
 
 def keep_path(cache, past: int, path: Sequence[int]) -> None:
-    """After a tree forward, keep the root and the accepted path's entries in the cache, in order.
+    """After a forward over a tree (or chain), keep the root and the accepted path's entries in
+    the cache, in order, and crop the rest.
 
-    The cache holds `past` entries, then one per tree node. Path nodes that are already at their
-    final place (the first candidate's chain) are not moved."""
+    Each layer holds its earlier entries, then one per tree node: `past` of them in a full layer,
+    fewer in a sliding-window layer, so the nodes are found from the end. Path nodes already at
+    their final place (the first candidate's chain) are not moved."""
     want = [0] + list(path)
+    nodes = cache.get_seq_length() - past
     if want != list(range(len(want))):
-        src = torch.tensor([past + i for i in want], dtype=torch.long)
         for layer in cache.layers:
-            idx = src.to(layer.keys.device)
-            layer.keys[..., past:past + len(want), :] = layer.keys.index_select(-2, idx)
-            layer.values[..., past:past + len(want), :] = layer.values.index_select(-2, idx)
-    remove = cache.get_seq_length() - (past + len(want))
+            base = layer.keys.shape[-2] - nodes
+            idx = torch.tensor([base + i for i in want], dtype=torch.long, device=layer.keys.device)
+            layer.keys[..., base:base + len(want), :] = layer.keys.index_select(-2, idx)
+            layer.values[..., base:base + len(want), :] = layer.values.index_select(-2, idx)
+    remove = nodes - len(want)
     assert remove >= 0
     if remove:
         cache.crop(-remove)
-
-
-def supports_trees(cache) -> bool:
-    """Tree forwards need every cache layer to keep all positions (no sliding window)."""
-    return all(not getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", []))
+    for layer in _sliding_layers(cache):  # back to window - 1 entries (recording keeps them all)
+        if layer.get_seq_length() >= layer.sliding_window and layer.keys.shape[-2] >= layer.sliding_window:
+            layer.crop(0)

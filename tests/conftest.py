@@ -30,6 +30,21 @@ def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2
     return model
 
 
+def tiny_gemma3(vocab_size: int, seed: int = 0, window: int = 8, scale: float = 1.0):
+    """A random Gemma 3 text model: a sliding-window layer (window 8) then a full-attention one,
+    so short tests already run past the window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
+                           layer_types=["sliding_attention", "full_attention"],
+                           max_position_embeddings=256, pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A saved model folder (config.json, safetensors, tokenizer with chat template)."""

@@ -11,18 +11,22 @@ from transformers import DynamicCache
 from hdcli import costs
 from hdcli.decode import Decoder
 from hdcli.drafting import AcceptanceTracker, ContextDB, Hierarchy
-from hdcli.tree import Tree, cap_by_cost, keep_path, node_estimates, tree_forward
+from hdcli.tree import Tree, cap_by_cost, keep_path, new_cache, node_estimates, tree_forward
 from hdcli.verify import Sampling
 
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from test_exactness import ScriptedLayer
 from test_sampling import chi2_pvalue, exact_two_token_distribution
 
 V = 50
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request):
+    """A plain causal model and one with a sliding-window layer (window 8: the prompts below run
+    past it), whose tree masks and cache entries differ from full attention's."""
+    if request.param == "gemma3":
+        return tiny_gemma3(vocab_size=V, seed=1, scale=4.0)
     return tiny_llama(vocab_size=V, seed=1, scale=4.0)
 
 
@@ -39,8 +43,10 @@ def random_tree(rng, n_cands=6, max_len=5):
 
 
 @torch.inference_mode()
-def prefilled(model, prompt):
-    cache = DynamicCache(config=model.config)
+def prefilled(model, prompt, recording=True):
+    """The cache after prompt[:-1]; recording: as the decoder makes it (sliding-window layers keep
+    their past until cropped), else transformers' default."""
+    cache = new_cache(model) if recording else DynamicCache(config=model.config)
     model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
     return cache
 
@@ -75,7 +81,7 @@ def test_keep_path_leaves_exactly_the_path_in_the_cache(model):
     past = cache.get_seq_length()
     tree_forward(model, t, prompt[-1], cache)
     keep_path(cache, past, path)
-    ref = prefilled(model, prompt + [t.tokens[i] for i in path] + [0])
+    ref = prefilled(model, prompt + [t.tokens[i] for i in path] + [0], recording=False)
     assert cache.get_seq_length() == ref.get_seq_length()
     for got, want in zip(cache.layers, ref.layers):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
