@@ -126,6 +126,8 @@ def generate(
     plan: Optional[Path] = typer.Option(None, "--plan", help="Use the hierarchy chosen by `hd plan`."),
     dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
+    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto prepacks Linear layers for oneDNN "
+                                "on CPU (faster; docs/dtype.md), torch keeps torch's kernels."),
     compare: bool = typer.Option(False, help="Also run plain decoding and report speedup and identity."),
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object to stdout, nothing else."),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour drafted tokens by layer."),
@@ -154,10 +156,10 @@ def generate(
     err = Console(stderr=True, highlight=False)
     if not as_json:
         err.print(f"[dim]loading {model} ...[/dim]")
-    lm = api.load_model(model, dtype=dtype, device=device)
+    lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels)
     if not as_json:
-        err.print(f"[dim]loaded {lm.source} ({lm.dtype}, {lm.device}) in {lm.load_seconds:.1f}s"
-                  f"{' from cache' if lm.from_cache else ''}[/dim]")
+        err.print(f"[dim]loaded {lm.source} ({lm.dtype}, {lm.device}, {lm.kernels} kernels) in "
+                  f"{lm.load_seconds:.1f}s{' from cache' if lm.from_cache else ''}[/dim]")
     for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
     drafter = api.make_drafter(layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, dtype=lm.dtype,
@@ -196,6 +198,7 @@ def generate(
     res = api.generate(lm, text, drafter=drafter, on_text=None if as_json else show, **common)
     runs = {"hd": res.stats}
     report = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
+              "kernels": lm.kernels,
               "load_seconds": lm.load_seconds, "layers": layer_list, "draft_len": draft_lens,
               "policy": policy, "candidates": candidates,
               "stats_dbs": [str(p) for p in stats_db], "model_db": str(model_db) if model_db else None,
@@ -369,6 +372,8 @@ def build_model_db(
     dtype: str = typer.Option("bf16", help="Sampling needs no bit-exactness, so the fast dtype "
                               "is the default here (fp16/fp32/auto also work)."),
     device: str = typer.Option("auto"),
+    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto prepacks Linear layers for oneDNN "
+                                "on CPU (faster; docs/dtype.md), torch keeps torch's kernels."),
     overwrite: bool = typer.Option(False),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -387,7 +392,7 @@ def build_model_db(
         samples = samples or out.with_name(out.name + ".samples.jsonl")
         if overwrite and not resume and samples.exists():
             samples.unlink()  # --overwrite starts the whole build afresh
-        lm = api.load_model(model, dtype=dtype, device=device)
+        lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels)
         bar = tqdm(total=len(prompt_list), unit=" prompts", desc="sampling", disable=as_json)
         last = {"done": 0}
 
@@ -517,6 +522,8 @@ def plan_cmd(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per measured run."),
     dtype: str = typer.Option("auto"),
     device: str = typer.Option("auto"),
+    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto prepacks Linear layers for oneDNN "
+                                "on CPU (faster; docs/dtype.md), torch keeps torch's kernels."),
     out_path: Optional[Path] = typer.Option(None, "--out", help="Save the chosen plan (for hd generate --plan)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -530,7 +537,7 @@ def plan_cmd(
     dbs = api.open_stats_dbs([str(p) for p in stats_db])
     mdb = api.open_stats_dbs([str(model_db)])[0] if model_db else None
     say(f"loading {model} ...")
-    lm = api.load_model(model, dtype=dtype, device=device)
+    lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels)
     for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
     layers = ["context"] + ["model"] * (mdb is not None) + ["stats"] * bool(dbs)
@@ -579,6 +586,7 @@ def plan_cmd(
             r["measured_tokens_per_second"] = toks / secs
     assert abs(best_v - table[0][1]) < 1e-9 * max(1.0, best_v), "DP and enumeration disagree"
     result = {"kind": "hd-plan", "target": lm.name, "dtype": lm.dtype, "device": lm.device,
+              "kernels": lm.kernels,
               "draft_models": names, "db_layers": [] if no_db else layers,
               "stats_dbs": [str(p) for p in stats_db], "model_db": str(model_db) if model_db else None,
               "chain": best.to_dict(), "hierarchy": best.describe(), "predicted_tokens_per_second": best_v,
@@ -681,6 +689,8 @@ def bench_spec_bench(
     model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB."),
     dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
+    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto prepacks Linear layers for oneDNN "
+                                "on CPU (faster; docs/dtype.md), torch keeps torch's kernels."),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json, answers/<method>.jsonl "
                                            "(Spec-Bench's answer schema) and speedup.png here."),
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
@@ -710,7 +720,7 @@ def bench_spec_bench(
     err = Console(stderr=True, highlight=False)
     if not as_json:
         err.print(f"[dim]loading {model} ...[/dim]")
-    lm = api.load_model(model, dtype=dtype, device=device)
+    lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels)
     for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
     runners = bench.make_runners(lm, names, dbs, mdb)
@@ -724,6 +734,7 @@ def bench_spec_bench(
         results = bench.run(lm, questions, runners, max_new_tokens, sampling, seed, progress)
     summary = bench.summarize(results, greedy=sampling.greedy)
     meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
+            "kernels": lm.kernels,
             "data": str(path), "questions": len(questions), "max_new_tokens": max_new_tokens,
             "temperature": temperature, "seed": seed, "stats_dbs": [str(p) for p in stats_db],
             "model_db": str(model_db) if model_db else None, "machine": bench.machine(),

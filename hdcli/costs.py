@@ -98,7 +98,8 @@ _CURVES: dict[str, CostCurve] = {}  # per process: api.generate asks for every g
 
 def curve_for(lm) -> CostCurve:
     """The cost curve of a loaded model (api.load_model), from the cache or measured now."""
-    key = f"{lm.source}|{lm.dtype}|{lm.device}|{torch.get_num_threads()}|{torch.__version__}"
+    key = (f"{lm.source}|{lm.dtype}|{lm.device}|{getattr(lm, 'kernels', 'torch')}|"
+           f"{torch.get_num_threads()}|{torch.__version__}")
     if key in _CURVES:
         return _CURVES[key]
     path = _cache_path(key)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import models
+from . import kernels, models
 from .errors import HdError
 
 
@@ -30,7 +30,8 @@ class DraftModel:
 
 
 def _count(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    packed = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, kernels.PackedLinear))
+    return sum(p.numel() for p in model.parameters()) + packed
 
 
 def truncated(model, k: int):
@@ -52,7 +53,10 @@ def truncated(model, k: int):
     missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
         raise HdError(f"self:layers={k}: cannot slice this architecture (missing {missing[:2]})")
-    return small.to(dtype=model.dtype, device=next(model.parameters()).device).eval()
+    small = small.to(dtype=model.dtype, device=next(model.parameters()).device).eval()
+    if kernels.is_packed(model):  # as fast per token as its target
+        kernels.pack(small)
+    return small
 
 
 def int8(model):
@@ -64,7 +68,9 @@ def int8(model):
         from torch.ao.quantization import quantize_dynamic
     except ImportError:  # pragma: no cover
         raise HdError("self:int8 needs torch.ao.quantization, missing from this torch") from None
-    base = copy.deepcopy(model).float()
+    base = copy.deepcopy(model)
+    kernels.unpack(base)  # torch.ao quantises nn.Linear layers only
+    base = base.float()
     return quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8).eval()
 
 
@@ -89,7 +95,7 @@ def load(name: str, target: models.LoadedModel) -> DraftModel:
         else:
             raise HdError(f"unknown self-draft '{name}': use self:layers=K or self:int8")
         return DraftModel(name, m, time.perf_counter() - t0, _count(m))
-    lm = models.load(name, dtype=target.dtype, device=target.device)
+    lm = models.load(name, dtype=target.dtype, device=target.device, kernels=target.kernels)
     if not same_tokenizer(lm.tokenizer, target.tokenizer):
         raise HdError(f"draft model '{name}' has another tokenizer than the target '{target.name}': "
                       "a draft must tokenize exactly like its target")

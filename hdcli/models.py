@@ -70,6 +70,7 @@ class LoadedModel:
     dtype: str               # "fp32" | "bf16" | "fp16"
     device: str              # "cpu" | "cuda"
     load_seconds: float
+    kernels: str = "torch"   # "onednn": Linear layers prepacked (hdcli/kernels.py), else torch's
     from_cache: bool = False  # GGUF served from the converted-weights cache
     info: dict = field(default_factory=dict)
 
@@ -262,11 +263,15 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
         raise HdError(f"could not load the tokenizer of '{name}': {str(exc).splitlines()[0]}") from None
 
 
-def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
-    """Load a target model by bundled name, .gguf path, folder or hub id. Raises HdError."""
+def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
+         kernels: str = "auto") -> LoadedModel:
+    """Load a target model by bundled name, .gguf path, folder or hub id. kernels: "auto" packs
+    the Linear layers for oneDNN on CPU (hdcli/kernels.py), "torch" keeps torch's. Raises HdError."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from . import kernels as kern
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    kn = kern.resolve(kernels, dev, dt)
     t0 = time.perf_counter()
     kind, source, load_from, from_cache = _local_folder(name)
     offline = _offline_kwargs(kind)
@@ -284,5 +289,7 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -
             ) from None
         raise HdError(f"could not load model from {load_from}: {str(exc).splitlines()[0]}") from None
     model.to(dev).eval()
+    if kn == "onednn":
+        kern.pack(model)
     return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dt, device=dev,
-                       load_seconds=time.perf_counter() - t0, from_cache=from_cache)
+                       load_seconds=time.perf_counter() - t0, kernels=kn, from_cache=from_cache)

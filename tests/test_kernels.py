@@ -1,0 +1,75 @@
+"""Prepacked oneDNN linear layers: same layer, same model, recoverable weights, exact decoding."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hdcli import api, draftmodels, kernels
+from hdcli.decode import Decoder
+from hdcli.drafting import ContextDB, Hierarchy
+from hdcli.errors import HdError
+
+from conftest import tiny_gemma3, tiny_llama
+from test_exactness import PROMPTS, ScriptedLayer
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch has no oneDNN packed linear")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_packed_linear_is_the_same_layer(dtype, tol):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200, dtype=dtype)
+    packed = kernels.PackedLinear(lin)
+    for shape in [(1, 96), (7, 96), (2, 5, 96)]:
+        x = torch.randn(shape, dtype=dtype)
+        torch.testing.assert_close(packed(x), lin(x), atol=tol, rtol=tol)
+    assert torch.equal(packed.weight_matrix(), lin.weight.detach())  # recovered bit for bit
+    assert torch.equal(packed.to_linear().bias, lin.bias)
+    sd = torch.nn.Sequential(packed).state_dict()
+    assert set(sd) == {"0.weight", "0.bias"} and torch.equal(sd["0.weight"], lin.weight.detach())
+    twin = copy.deepcopy(packed)
+    x = torch.randn(3, 96, dtype=dtype)
+    assert torch.equal(twin(x), packed(x))
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_packed_model_decodes_exactly(make):
+    """Plain and speculative decoding on the packed model agree token for token (chains and trees),
+    and its logits are the unpacked model's up to float rounding."""
+    model = make(vocab_size=50, seed=3, scale=4.0)
+    stock = copy.deepcopy(model)
+    assert kernels.pack(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, atol=1e-4, rtol=1e-4)
+    for seed, prompt in enumerate(PROMPTS):
+        ref = Decoder(model, ()).generate(prompt, max_new_tokens=40).tokens
+        drafter = Hierarchy([ScriptedLayer(len(prompt), ref, corrupt=0.3, seed=seed), ContextDB(1, 3)],
+                            policy="fill", draft_len=6, max_candidates=4)
+        g = Decoder(model, (), drafter).generate(prompt, max_new_tokens=40)
+        assert g.tokens == ref
+    assert kernels.unpack(model) == 15 and not kernels.is_packed(model)
+
+
+def test_loading_packs_by_default_on_cpu_and_torch_opts_out(tiny_model_dir, tiny_lm):
+    assert tiny_lm.kernels == "onednn" and kernels.is_packed(tiny_lm.model)  # the suite runs packed
+    plain = api.load_model(str(tiny_model_dir), dtype="fp32", kernels="torch")
+    assert plain.kernels == "torch" and not kernels.is_packed(plain.model)
+    with pytest.raises(HdError, match="--kernels must be one of"):
+        kernels.resolve("fast", "cpu", "fp32")
+    with pytest.raises(HdError, match="CPU model in fp32 or bf16"):
+        kernels.resolve("onednn", "cpu", "fp16")
+    assert kernels.resolve("auto", "cuda", "bf16") == "torch"
+
+
+def test_self_drafts_of_a_packed_target(tiny_lm):
+    """self:layers copies the packed target's weights exactly; self:int8 still quantises."""
+    small = draftmodels.load("self:layers=1", tiny_lm).model
+    assert kernels.is_packed(small)
+    q = draftmodels.load("self:int8", tiny_lm).model
+    assert any("quantized" in type(m).__module__ for m in q.modules())
+    assert not kernels.is_packed(q)
+    head = next(m for n, m in small.named_modules() if n == "lm_head")
+    assert torch.equal(head.weight_matrix(), tiny_lm.model.lm_head.weight_matrix())
