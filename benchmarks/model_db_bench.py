@@ -46,7 +46,7 @@ def decode(args) -> dict:
     for q in questions(args.spec_bench, args.questions):
         ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
         for m, layers in methods.items():
-            d = api.make_drafter(layers, dtype=lm.dtype, model_db=mdb, stats_dbs=sdbs) if layers else None
+            d = api.make_drafter(layers, cheap_verify=api.cheap_verification(lm), model_db=mdb, stats_dbs=sdbs) if layers else None
             runs[m].append(api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d))
     return {"dtype": lm.dtype, "questions": args.questions, "max_new_tokens": args.max_new_tokens,
             "methods": summarize(runs)}

@@ -57,7 +57,7 @@ def main():
     loaded = {n: draftmodels.load(n, lm) for n in args.draft_models.split(",")}
 
     def drafter(chain):
-        base = api.make_drafter(layers, dtype=lm.dtype, stats_dbs=dbs, model_db=mdb, candidates=1) \
+        base = api.make_drafter(layers, cheap_verify=api.cheap_verification(lm), stats_dbs=dbs, model_db=mdb, candidates=1) \
             if chain["bottom"] == "db" else None
         if not chain["levels"]:
             return base

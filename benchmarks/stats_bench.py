@@ -133,8 +133,8 @@ def main():
     api.warm_up(lm)
     dbs = api.open_stats_dbs([str(db_path)], lm)
     methods = {"plain": lambda: None,
-               "context": lambda: api.make_drafter(["context"], dtype=lm.dtype),
-               "context+stats": lambda: api.make_drafter(["context", "stats"], dtype=lm.dtype, stats_dbs=dbs)}
+               "context": lambda: api.make_drafter(["context"], cheap_verify=api.cheap_verification(lm)),
+               "context+stats": lambda: api.make_drafter(["context", "stats"], cheap_verify=api.cheap_verification(lm), stats_dbs=dbs)}
     runs = {m: [] for m in methods}
     for q in questions(args.spec_bench, args.questions):
         ids = api.encode_prompt(lm.tokenizer, q["turns"][0])

@@ -93,7 +93,8 @@ def main():
             for C in (1, 2, 4, 8):
                 for L in (8, 16):
                     def make():
-                        return api.make_drafter(["context", "model", "stats"], draft_len=L, dtype=dtype,
+                        return api.make_drafter(["context", "model", "stats"], draft_len=L,
+                                                cheap_verify=cost(8) <= api.CHEAP_VERIFY,
                                                 stats_dbs=[stats], model_db=model, policy=policy,
                                                 candidates=C)
                     r = replay(refs, make, cost)

@@ -21,23 +21,35 @@ load_model = models.load
 LAYER_NAMES = ("context", "model", "stats")
 
 
-def default_min_n(dtype: str) -> int:
-    """Shortest context-DB key by dtype. In fp32 on CPU any verification forward costs ~1.65x one
-    token, and unigram matches are accepted too rarely to pay for it; in bf16 a 10-token forward
-    costs ~1.06x one token, so even unigram drafts pay (benchmarks/context_tuning.py)."""
-    return 2 if dtype == "fp32" else 1
+CHEAP_VERIFY = 1.45  # cost(8) at or below this (in one-token forwards): verification is nearly free
 
 
-def default_min_prob(dtype: str) -> float:
+def cheap_verification(lm: models.LoadedModel) -> bool:
+    """Whether verifying 8 drafted tokens costs at most CHEAP_VERIFY one-token forwards with this
+    model, dtype, kernels and machine (costs.curve_for: measured once, cached). Measured here:
+    fp32 with torch's kernels 1.60 (costly); fp32 on packed oneDNN kernels 1.23, bf16 ~1.1 (cheap).
+    The drafting defaults below follow this, not the dtype's name."""
+    return costs.curve_for(lm)(8) <= CHEAP_VERIFY
+
+
+def default_min_n(cheap_verify: bool) -> int:
+    """Shortest context-DB key. Where a verification forward costs ~1.65x one token, unigram
+    matches are accepted too rarely to pay for it; where it costs ~1.1x, even unigram drafts pay
+    (benchmarks/context_tuning.py)."""
+    return 1 if cheap_verify else 2
+
+
+def default_min_prob(cheap_verify: bool) -> float:
     """Where the statistics/model DB walk stops: the estimated probability of the whole draft."""
-    return 0.2 if dtype == "fp32" else 0.1
+    return 0.1 if cheap_verify else 0.2
 
 
-def default_min_expected(dtype: str) -> float:
-    """Least expected accepted tokens for a DB draft to be worth a verification forward: in fp32
-    on CPU a forward over a draft costs ~1.65 plain steps; in bf16 about one. Both defaults come
-    from replaying Spec-Bench outputs (benchmarks/stats_tuning.py, docs/stats-db.md)."""
-    return 1.0 if dtype == "fp32" else 0.0
+def default_min_expected(cheap_verify: bool) -> float:
+    """Least expected accepted tokens for a DB draft to be worth a verification forward: ~1 where
+    a forward over a draft costs ~1.65 plain steps, 0 where it costs about one. Both defaults come
+    from replaying Spec-Bench outputs (benchmarks/stats_tuning.py, docs/stats-db.md); on packed fp32
+    kernels the cheap defaults gave 1.64x against 1.54x over plain on 30 Spec-Bench first turns."""
+    return 0.0 if cheap_verify else 1.0
 
 
 def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
@@ -76,7 +88,7 @@ def parse_draft_len(spec: str | int) -> int | dict[str, int]:
 
 
 def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str, int] = 16,
-                 min_n: int | None = None, max_n: int = 4, dtype: str = "fp32",
+                 min_n: int | None = None, max_n: int = 4, cheap_verify: bool = False,
                  stats_dbs: Sequence = (), stats_min_prob: float | None = None,
                  stats_min_expected: float | None = None, model_db=None,
                  policy: str = DEFAULT_POLICY, candidates: int = DEFAULT_CANDIDATES) -> Hierarchy | None:
@@ -84,11 +96,12 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
 
     draft_len: most tokens per candidate, one number or {layer: number}; shorter context-DB keys
     draft less (see ContextDB). `stats` stands for every DB in stats_dbs, in the order given;
-    `model` for model_db; both draft with the same walk, min_prob and min_expected (defaults by
-    dtype). policy and candidates (C): see drafting.Hierarchy; candidates 1 verifies one chain."""
-    min_n = default_min_n(dtype) if min_n is None else min_n
-    min_prob = default_min_prob(dtype) if stats_min_prob is None else stats_min_prob
-    min_expected = default_min_expected(dtype) if stats_min_expected is None else stats_min_expected
+    `model` for model_db; both draft with the same walk, min_prob and min_expected. cheap_verify
+    (see cheap_verification) picks the defaults of min_n, min_prob and min_expected. policy and
+    candidates (C): see drafting.Hierarchy; candidates 1 verifies one chain."""
+    min_n = default_min_n(cheap_verify) if min_n is None else min_n
+    min_prob = default_min_prob(cheap_verify) if stats_min_prob is None else stats_min_prob
+    min_expected = default_min_expected(cheap_verify) if stats_min_expected is None else stats_min_expected
     lens = draft_len.values() if isinstance(draft_len, dict) else [draft_len]
     if any(n < 1 for n in lens):
         raise HdError(f"--draft-len must be >= 1, not {draft_len}")
@@ -227,7 +240,7 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
         raise HdError(f"the prompt is {len(prompt_ids)} tokens but the model's context is "
                       f"{lm.max_context}: shorten the prompt")
     if drafter == "default":
-        drafter = make_drafter(dtype=lm.dtype)
+        drafter = make_drafter(cheap_verify=cheap_verification(lm))
     if drafter and cost is None:
         cost = costs.curve_for(lm)
     decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)

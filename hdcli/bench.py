@@ -125,6 +125,7 @@ def check_methods(names) -> None:
 def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
     check_methods(names)
     all_layers = ["context"] + ["model"] * (model_db is not None) + ["stats"] * bool(stats_dbs)
+    cheap = api.cheap_verification(lm)
     runners = {}
     for name in names:
         if name == "hf-pld":
@@ -140,11 +141,11 @@ def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
             raise HdError(f"method '{name}' needs a statistics DB: pass --stats-db PATH")
         if "model" in layers and model_db is None:
             raise HdError(f"method '{name}' needs a model DB: pass --model-db PATH")
-        api.make_drafter(layers, dtype=lm.dtype, stats_dbs=stats_dbs, model_db=model_db,
+        api.make_drafter(layers, cheap_verify=cheap, stats_dbs=stats_dbs, model_db=model_db,
                          policy=policy, candidates=cands)  # fail now, not mid-run
 
         def factory(layers=layers, policy=policy, cands=cands):
-            return api.make_drafter(layers, dtype=lm.dtype, stats_dbs=stats_dbs, model_db=model_db,
+            return api.make_drafter(layers, cheap_verify=cheap, stats_dbs=stats_dbs, model_db=model_db,
                                     policy=policy, candidates=cands)
         runners[name] = Runner(name, lm, factory)
     return runners

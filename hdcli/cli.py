@@ -162,7 +162,8 @@ def generate(
                   f"{lm.load_seconds:.1f}s{' from cache' if lm.from_cache else ''}[/dim]")
     for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
-    drafter = api.make_drafter(layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, dtype=lm.dtype,
+    cheap = api.cheap_verification(lm)
+    drafter = api.make_drafter(layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, cheap_verify=cheap,
                                stats_dbs=dbs, stats_min_prob=stats_min_prob,
                                stats_min_expected=stats_min_expected, model_db=mdb, policy=policy,
                                candidates=candidates)
@@ -176,12 +177,12 @@ def generate(
         no_db = chosen["bottom"] == "none"
         if not draft_models:
             drafter = None if no_db else api.make_drafter(
-                layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, dtype=lm.dtype,
+                layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, cheap_verify=cheap,
                 stats_dbs=dbs, model_db=mdb, policy=policy, candidates=1)
     if draft_models:
         Ts = _int_list(level_tokens, "--level-tokens") if level_tokens else []
         base = None if no_db else api.make_drafter(
-            layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, dtype=lm.dtype, stats_dbs=dbs,
+            layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, cheap_verify=cheap, stats_dbs=dbs,
             stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected, model_db=mdb,
             policy=policy, candidates=1)
         drafter = stack = api.make_stack(lm, draft_models.split(","), Ts, base, sampling, seed or 0)
@@ -541,9 +542,10 @@ def plan_cmd(
     for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
     layers = ["context"] + ["model"] * (mdb is not None) + ["stats"] * bool(dbs)
+    cheap = api.cheap_verification(lm)
 
     def db_factory():
-        return api.make_drafter(layers, dtype=lm.dtype, stats_dbs=dbs, model_db=mdb, candidates=1)
+        return api.make_drafter(layers, cheap_verify=cheap, stats_dbs=dbs, model_db=mdb, candidates=1)
     ids = _calibration_prompts(lm, prompts, count)
     names = [n.strip() for n in draft_models.split(",") if n.strip()]
     loaded = {}

@@ -228,3 +228,14 @@ def test_sampling_through_a_tree_follows_target_distribution(s):
         later_branch += (acc >= 1 and key[0] != cands[0][0]) or (acc >= 2 and key[1] != cands[0][1])
     assert later_branch > n / 20  # children after the first really won, at either depth
     assert chi2_pvalue(counts, probs, n) > 1e-3
+
+
+def test_drafting_defaults_follow_the_measured_verification_cost(tiny_lm, monkeypatch):
+    """Cheap verification (bf16, or fp32 on packed kernels) unlocks unigram keys and ungated DB
+    drafts; a costly one (fp32 on torch's kernels, 1.6x at 8 tokens) keeps the stricter defaults."""
+    from hdcli import api
+    for cost8, cheap in ((1.6, False), (1.23, True)):
+        monkeypatch.setattr(costs, "curve_for", lambda lm, c=cost8: costs.CostCurve({1: 1.0, 8: c}))
+        assert api.cheap_verification(tiny_lm) is cheap
+        context = api.make_drafter(["context"], cheap_verify=cheap).layers[0]
+        assert context.min_n == (1 if cheap else 2)
