@@ -48,7 +48,7 @@ def default_min_expected(cheap_verify: bool) -> float:
     """Least expected accepted tokens for a DB draft to be worth a verification forward: ~1 where
     a forward over a draft costs ~1.65 plain steps, 0 where it costs about one. Both defaults come
     from replaying Spec-Bench outputs (benchmarks/stats_tuning.py, docs/stats-db.md); on packed fp32
-    kernels the cheap defaults gave 1.64x against 1.54x over plain on 30 Spec-Bench first turns."""
+    kernels the cheap defaults raised hd from 1.64x to 1.72x over plain (docs/benchmarks.md)."""
     return 0.0 if cheap_verify else 1.0
 
 
