@@ -45,6 +45,18 @@ def resolve(kernels: str, device: str, dtype: str) -> str:
     return kernels
 
 
+def padded_rows(m: int) -> int:
+    """The row count a forward over m rows is run at. oneDNN compiles and caches a kernel per
+    shape (~0.75 MB each, up to 1024 of them), so feeding every prompt length as is grows the heap
+    by megabytes per request until that cache is full. Up to 16 rows (a decode step) run exactly;
+    above, rows are padded with zeros to one of 4 sizes per octave (<= 25% more rows, in the
+    Linear layers only), so a server sees ~50 sizes per weight shape, whatever its prompts."""
+    if m <= 16:
+        return m
+    step = 1 << max(3, m.bit_length() - 3)
+    return -(-m // step) * step
+
+
 class PackedLinear(torch.nn.Module):
     """An nn.Linear whose weight lives in oneDNN's blocked layout (see the module docstring)."""
 
@@ -58,8 +70,12 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        m = rows.shape[0]
+        padded = padded_rows(m)
+        if padded != m:
+            rows = torch.cat([rows, rows.new_zeros(padded - m, self.in_features)])
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y[:m].reshape(*x.shape[:-1], self.out_features)
 
     def weight_matrix(self) -> torch.Tensor:
         """The plain [out, in] weight, exactly: I @ W^T is W^T (products by 1 and 0 are exact)."""

@@ -22,7 +22,7 @@ def test_packed_linear_is_the_same_layer(dtype, tol):
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 200, dtype=dtype)
     packed = kernels.PackedLinear(lin)
-    for shape in [(1, 96), (7, 96), (2, 5, 96)]:
+    for shape in [(1, 96), (7, 96), (2, 5, 96), (37, 96), (3, 100, 96)]:  # 37, 300 rows: padded
         x = torch.randn(shape, dtype=dtype)
         torch.testing.assert_close(packed(x), lin(x), atol=tol, rtol=tol)
     assert torch.equal(packed.weight_matrix(), lin.weight.detach())  # recovered bit for bit
@@ -32,6 +32,12 @@ def test_packed_linear_is_the_same_layer(dtype, tol):
     twin = copy.deepcopy(packed)
     x = torch.randn(3, 96, dtype=dtype)
     assert torch.equal(twin(x), packed(x))
+
+
+def test_row_counts_are_bounded_and_padding_is_small():
+    sizes = {kernels.padded_rows(m) for m in range(1, 8193)}
+    assert len(sizes) <= 64 and all(kernels.padded_rows(m) == m for m in range(1, 17))
+    assert all(m <= kernels.padded_rows(m) <= 1.25 * m for m in range(32, 8193))
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
