@@ -52,11 +52,12 @@ def main():
 
     lm = api.load_model(args.model, dtype=args.dtype)
     api.warm_up(lm)
+    cheap = api.cheap_verification(lm)  # picks the drafting defaults (docs/dtype.md)
     results = {"model": args.model, "dtype": lm.dtype, "device": lm.device,
                "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
                "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
                "draft_len": args.draft_len,
-               "ngram": [args.min_n or api.default_min_n(api.cheap_verification(lm)), args.max_n], "prompts": {}}
+               "ngram": [args.min_n or api.default_min_n(cheap), args.max_n], "prompts": {}}
     for path in args.prompts:
         ids = api.encode_prompt(lm.tokenizer, Path(path).read_text())
         runs = {m: [] for m in ("plain", "hd", "hf", "hf-pld")}
@@ -65,7 +66,7 @@ def main():
             r = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=None)
             runs["plain"].append(r.stats.tokens_per_second)
             toks["plain"] = r.tokens
-            d = api.make_drafter(["context"], args.draft_len, args.min_n, args.max_n, cheap_verify=api.cheap_verification(lm))
+            d = api.make_drafter(["context"], args.draft_len, args.min_n, args.max_n, cheap_verify=cheap)
             r = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d)
             runs["hd"].append(r.stats.tokens_per_second)
             toks["hd"], accepted = r.tokens, r.stats.mean_accepted

@@ -37,6 +37,7 @@ def throughput(args) -> dict:
 def decode(args) -> dict:
     lm = api.load_model(dtype=args.dtype)
     api.warm_up(lm)
+    cheap = api.cheap_verification(lm)  # picks the drafting defaults (docs/dtype.md)
     mdb = api.open_stats_dbs([args.model_db], lm)[0]
     sdbs = api.open_stats_dbs([args.stats_db], lm) if args.stats_db else []
     methods = {"plain": None, "context": ["context"], "context+model": ["context", "model"]}
@@ -46,7 +47,7 @@ def decode(args) -> dict:
     for q in questions(args.spec_bench, args.questions):
         ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
         for m, layers in methods.items():
-            d = api.make_drafter(layers, cheap_verify=api.cheap_verification(lm), model_db=mdb, stats_dbs=sdbs) if layers else None
+            d = api.make_drafter(layers, cheap_verify=cheap, model_db=mdb, stats_dbs=sdbs) if layers else None
             runs[m].append(api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d))
     return {"dtype": lm.dtype, "questions": args.questions, "max_new_tokens": args.max_new_tokens,
             "methods": summarize(runs)}

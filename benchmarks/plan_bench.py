@@ -51,13 +51,14 @@ def main():
 
     lm = api.load_model(dtype=args.dtype)
     api.warm_up(lm)
+    cheap = api.cheap_verification(lm)  # picks the drafting defaults (docs/dtype.md)
     dbs = api.open_stats_dbs([args.stats_db] if args.stats_db else [], lm)
     mdb = api.open_stats_dbs([args.model_db], lm)[0] if args.model_db else None
     layers = ["context"] + ["model"] * (mdb is not None) + ["stats"] * bool(dbs)
     loaded = {n: draftmodels.load(n, lm) for n in args.draft_models.split(",")}
 
     def drafter(chain):
-        base = api.make_drafter(layers, cheap_verify=api.cheap_verification(lm), stats_dbs=dbs, model_db=mdb, candidates=1) \
+        base = api.make_drafter(layers, cheap_verify=cheap, stats_dbs=dbs, model_db=mdb, candidates=1) \
             if chain["bottom"] == "db" else None
         if not chain["levels"]:
             return base

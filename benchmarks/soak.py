@@ -47,6 +47,7 @@ def main():
     shutil.copy(args.model_db, mdb_path)  # learning writes to a copy
     lm = api.load_model(dtype="fp32")
     api.warm_up(lm)
+    cheap = api.cheap_verification(lm)  # picks the drafting defaults (docs/dtype.md)
     sdb = api.open_stats_dbs([args.stats_db], lm)
     mdb = api.open_stats_dbs([str(mdb_path)], lm, writable=True)[0]
     qs = specbench.select(specbench.load(specbench.find(None)), None)
@@ -55,7 +56,7 @@ def main():
     for i in range(args.generations):
         ids = api.encode_prompt(lm.tokenizer, qs[(i * 37) % len(qs)]["turns"][0])
         plain = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=None)
-        d = api.make_drafter(["context", "model", "stats"], cheap_verify=api.cheap_verification(lm), stats_dbs=sdb, model_db=mdb)
+        d = api.make_drafter(["context", "model", "stats"], cheap_verify=cheap, stats_dbs=sdb, model_db=mdb)
         got = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d)
         differ += got.tokens != plain.tokens
         api.learn(mdb, ids, got.tokens)

@@ -131,10 +131,11 @@ def main():
 
     lm = api.load_model(dtype=args.dtype)
     api.warm_up(lm)
+    cheap = api.cheap_verification(lm)  # picks the drafting defaults (docs/dtype.md)
     dbs = api.open_stats_dbs([str(db_path)], lm)
     methods = {"plain": lambda: None,
-               "context": lambda: api.make_drafter(["context"], cheap_verify=api.cheap_verification(lm)),
-               "context+stats": lambda: api.make_drafter(["context", "stats"], cheap_verify=api.cheap_verification(lm), stats_dbs=dbs)}
+               "context": lambda: api.make_drafter(["context"], cheap_verify=cheap),
+               "context+stats": lambda: api.make_drafter(["context", "stats"], cheap_verify=cheap, stats_dbs=dbs)}
     runs = {m: [] for m in methods}
     for q in questions(args.spec_bench, args.questions):
         ids = api.encode_prompt(lm.tokenizer, q["turns"][0])

@@ -94,7 +94,7 @@ def main():
                 for L in (8, 16):
                     def make():
                         return api.make_drafter(["context", "model", "stats"], draft_len=L,
-                                                cheap_verify=cost(8) <= api.CHEAP_VERIFY,
+                                                cheap_verify=cost.verifies_cheaply(),
                                                 stats_dbs=[stats], model_db=model, policy=policy,
                                                 candidates=C)
                     r = replay(refs, make, cost)

@@ -21,15 +21,11 @@ load_model = models.load
 LAYER_NAMES = ("context", "model", "stats")
 
 
-CHEAP_VERIFY = 1.45  # cost(8) at or below this (in one-token forwards): verification is nearly free
-
-
 def cheap_verification(lm: models.LoadedModel) -> bool:
-    """Whether verifying 8 drafted tokens costs at most CHEAP_VERIFY one-token forwards with this
-    model, dtype, kernels and machine (costs.curve_for: measured once, cached). Measured here:
-    fp32 with torch's kernels 1.60 (costly); fp32 on packed oneDNN kernels 1.23, bf16 ~1.1 (cheap).
-    The drafting defaults below follow this, not the dtype's name."""
-    return costs.curve_for(lm)(8) <= CHEAP_VERIFY
+    """Whether verification is nearly free with this model, dtype, kernels and machine
+    (costs.CostCurve.verifies_cheaply on costs.curve_for: measured once, cached). The drafting
+    defaults below follow this, not the dtype's name."""
+    return costs.curve_for(lm).verifies_cheaply()
 
 
 def default_min_n(cheap_verify: bool) -> int:

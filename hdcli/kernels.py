@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import HdError
+
 PACK_ROWS = 8       # the row count oneDNN tunes the layout for; a decode step verifies ~1-16 rows
 KERNELS = ("auto", "onednn", "torch")
 
@@ -33,7 +35,6 @@ def available() -> bool:
 
 def resolve(kernels: str, device: str, dtype: str) -> str:
     """`auto`: oneDNN on CPU in fp32/bf16 where available, else torch's own kernels."""
-    from .errors import HdError
     if kernels not in KERNELS:
         raise HdError(f"--kernels must be one of {', '.join(KERNELS)}, not '{kernels}'")
     usable = device == "cpu" and dtype in ("fp32", "bf16") and available()
