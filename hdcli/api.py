@@ -16,9 +16,14 @@ from .drafting import ContextDB, Hierarchy, StatsDB
 from .errors import HdError
 from .verify import Sampling
 
-load_model = models.load
-
 LAYER_NAMES = ("context", "model", "stats")
+
+
+def load_model(name: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
+               kernels: str = "auto", drafting: bool = True, quiet: bool = False) -> models.LoadedModel:
+    """models.load: a target model, with `kernels="auto"` choosing the faster kernel set on this
+    machine by measurement (for speculative decoding, or plain decoding when drafting is False)."""
+    return models.load(name, dtype=dtype, device=device, kernels=kernels, drafting=drafting, quiet=quiet)
 
 
 def cheap_verification(lm: models.LoadedModel) -> bool:
@@ -265,6 +270,40 @@ def warm_up(lm: models.LoadedModel) -> None:
     branching = make_drafter(min_n=1, policy="fill", candidates=4)  # 'a' was followed by b, c, d
     Decoder(lm.model, (), branching).generate([a, b, a, c, a, d, a], max_new_tokens=12)
     costs.curve_for(lm)
+
+
+def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
+                kernels: str = "auto", remeasure: bool = False, quiet: bool = False) -> dict:
+    """What `hd costs` shows: the forward-cost curve of each kernel set `kernels` allows for this
+    model on this machine (cached, or measured now; all measured again with remeasure) and which
+    set `auto` keeps."""
+    import torch
+    from . import kernels as kern
+    dev = models.resolve_device(device)
+    dt = models.resolve_dtype(dtype, dev)
+    kn = kern.resolve(kernels, dev, dt)
+    if remeasure:
+        source = models.resolve(model)[1]
+        for k in ("torch", "onednn"):
+            costs.forget(costs.curve_key(source, dt, dev, k))
+    lm = load_model(model, dtype=dt, device=dev, kernels=kernels, quiet=quiet)
+    if kn == "measure":
+        choice = lm.info["kernel_choice"]
+        curves = {k: costs.cached_curve(costs.curve_key(lm.source, dt, dev, k), None,
+                                        measure_missing=False) for k in ("torch", "onednn")}
+    else:
+        choice = None
+        curves = {lm.kernels: costs.curve_for(lm, quiet=quiet)}
+    out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": dev, "cpu": costs.cpu_name(),
+           "threads": torch.get_num_threads(), "kernels": lm.kernels, "choice": choice, "curves": {}}
+    for k, c in curves.items():
+        if c is None:
+            continue
+        out["curves"][k] = {"one_token_ms": None if c.one_token_seconds is None else 1e3 * c.one_token_seconds,
+                            "cost": c.to_dict(), "verifies_cheaply": c.verifies_cheaply(),
+                            "measured_at": c.info.get("measured_at"),
+                            "plausible": c.info.get("plausible", True)}
+    return out
 
 
 DEFAULT_LEVEL_TOKENS = 4

@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -156,7 +157,8 @@ def generate(
     err = Console(stderr=True, highlight=False)
     if not as_json:
         err.print(f"[dim]loading {model} ...[/dim]")
-    lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels)
+    lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels,
+                        drafting=bool(layer_list or draft_models or plan))
     if not as_json:
         err.print(f"[dim]loaded {lm.source} ({lm.dtype}, {lm.device}, {lm.kernels} kernels) in "
                   f"{lm.load_seconds:.1f}s{' from cache' if lm.from_cache else ''}[/dim]")
@@ -234,6 +236,45 @@ def generate(
         same = "identical" if c["identical"] else f"DIFFERENT from token {c['first_difference']}"
         note = "" if sampling.greedy else " (sampling: outputs differ by chance, not by error)"
         out.print(f"speedup over plain decoding: [bold]{c['speedup']:.2f}x[/bold]; output {same}{note}")
+
+
+@app.command("costs")
+def costs_cmd(
+    model: str = typer.Option("smollm2-135m", "--model", "-m"),
+    dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
+    device: str = typer.Option("auto", help="auto|cpu|cuda."),
+    kernels: str = typer.Option("auto", help="auto shows both CPU kernel sets and which one is kept."),
+    remeasure: bool = typer.Option(False, "--remeasure", help="Drop the cached curves and measure again."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Show the measured forward cost by width (what caps draft trees and picks the kernels)."""
+    rep = api.cost_report(model, dtype=dtype, device=device, kernels=kernels, remeasure=remeasure)
+    if as_json:
+        typer.echo(json.dumps(rep))
+        return
+    shown = [w for w in (2, 4, 8, 16, 32, 64)
+             if any(str(w) in c["cost"] for c in rep["curves"].values())]  # --json has every width
+    t = Table(title=f"forward cost by width, one token = 1 · {rep['model']} · {rep['dtype']} · "
+                    f"{rep['threads']} threads · {rep['cpu']}", box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("kernels", no_wrap=True)
+    t.add_column("1 token", justify="right", no_wrap=True)
+    for w in shown:
+        t.add_column(f"{w}", justify="right", no_wrap=True)
+    for k, c in rep["curves"].items():
+        mark = "*" if k == rep["kernels"] else ""
+        t.add_row(k + mark, "-" if c["one_token_ms"] is None else f"{c['one_token_ms']:.1f} ms",
+                  *[f"{c['cost'][str(w)]:.2f}" if str(w) in c["cost"] else "-" for w in shown])
+    con = Console(highlight=False)
+    con.print(t)
+    ch = rep["choice"]
+    if ch:
+        con.print(f"kept: [bold]{ch['chosen']}[/bold] (* above), lower {ch['by']}: " +
+                  ", ".join(f"{k} {ch[k]['score_ms']:.1f} ms" for k in ("torch", "onednn")))
+    when = [c["measured_at"] for c in rep["curves"].values() if c.get("measured_at")]
+    if when:
+        age = (time.time() - min(when)) / 86400
+        con.print(f"measured {age:.1f} days ago; cached under {api.costs._cache_root()} "
+                  f"(re-measured after {api.costs.MAX_AGE_DAYS} days, or with --remeasure)")
 
 
 def _int_list(text: str, flag: str) -> list[int]:

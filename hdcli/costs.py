@@ -2,10 +2,25 @@
 
 cost(w) is the time of one forward over w new tokens on top of a KV cache, divided by the time
 of a one-token forward (so cost(1) = 1 and plain decoding costs 1 per token). It caps the draft
-tree (hdcli/tree.py) and feeds the planner. The curve depends on the model, dtype, device and
-thread count, so it is measured once per such combination (~1-3 s) and cached as JSON under
-HD_CACHE_DIR (default ~/.cache/hdcli/costs). Between measured widths it is interpolated linearly;
-beyond the last it grows linearly with the last slope.
+tree (hdcli/tree.py), picks the drafting defaults (CostCurve.verifies_cheaply), picks the CPU
+kernels (hdcli/kernels.py, `--kernels auto`) and feeds the planner. The curve depends on the
+model, dtype, kernels, device, thread count, torch version and CPU, so it is measured once per
+such combination (a few seconds) and cached as JSON under HD_CACHE_DIR (default
+~/.cache/hdcli/costs); `hd costs` shows and re-measures it. Between measured widths it is
+interpolated linearly; beyond the last it grows linearly with the last slope.
+
+Measurement, made so that a loaded machine cannot fake the curve
+  * rounds: every width is timed once per round, the widths of a round in a rotated order, so a
+    burst of load hits all widths alike rather than one width's block of repeats;
+  * each width's time is the minimum over rounds: load only ever adds time, so the minimum is
+    the estimate least hurt by it (the median let one loaded stretch set the one-token time and
+    turn the whole curve into 1.0, "every width free");
+  * sanity: a wider forward never costs less than a narrower one (noise must not invite wider
+    trees), and where the model is big enough that compute must show (MIN_PARAMS_FOR_SLOPE), a
+    curve whose widest forward costs under FLAT_LIMIT is implausible on a CPU: it is measured
+    again, and if it stays so it is used for this process only and never cached;
+  * a cached curve older than MAX_AGE_DAYS, of an older format or from another CPU is measured
+    again.
 """
 from __future__ import annotations
 
@@ -13,7 +28,8 @@ import bisect
 import hashlib
 import json
 import os
-import statistics
+import platform
+import sys
 import time
 from pathlib import Path
 
@@ -23,15 +39,22 @@ from .tree import new_cache
 
 WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CHEAP_VERIFY = 1.45  # cost(8) at or below this (in one-token forwards): verification is nearly free
+ROUNDS = 7           # timed rounds over all widths (the minimum of each width is kept)
+FORMAT = 2           # cache records of another format are measured again
+MAX_AGE_DAYS = 30    # machines change (firmware, microcode, neighbours): re-measure monthly
+FLAT_LIMIT = 1.05    # cost(64) under this on a CPU means the one-token time was inflated
+MIN_PARAMS_FOR_SLOPE = 20_000_000  # below this a forward is overhead-bound and may be flat
 
 
 class CostCurve:
     """cost(w) relative to a one-token forward; one_token_seconds (when measured) makes it absolute."""
 
-    def __init__(self, points: dict[int, float], one_token_seconds: float | None = None):
+    def __init__(self, points: dict[int, float], one_token_seconds: float | None = None,
+                 info: dict | None = None):
         self.one_token_seconds = one_token_seconds
         self.widths = sorted(int(w) for w in points)
         self.costs = [float(points[w]) for w in self.widths]
+        self.info = dict(info or {})  # how and when it was measured (cache records)
         if self.widths[0] != 1:
             raise ValueError("a cost curve starts at width 1")
 
@@ -54,6 +77,10 @@ class CostCurve:
         bf16 ~1.1 (cheap). The drafting defaults (api.default_min_n and its siblings) follow this."""
         return self(8) <= CHEAP_VERIFY
 
+    def seconds(self, w: int) -> float | None:
+        """Absolute time of a w-token forward, where the one-token time was measured."""
+        return None if self.one_token_seconds is None else self.one_token_seconds * self(w)
+
     def to_dict(self) -> dict:
         return {str(w): c for w, c in zip(self.widths, self.costs)}
 
@@ -63,67 +90,195 @@ def flat(cost: float = 1.0) -> CostCurve:
     return CostCurve({1: 1.0, 64: cost})
 
 
+def cpu_name() -> str:
+    """The CPU model (lscpu's 'Model name'), part of every cache key: curves do not travel."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _n_params(model) -> int:
+    n = 0
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            n += p.numel()
+        packed = getattr(m, "packed", None)  # kernels.PackedLinear holds an opaque tensor
+        if packed is not None:
+            n += m.in_features * m.out_features
+    return n
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    from tqdm import tqdm
+    # not `disable=None`: progress shows when stderr is a file or a pipe too
+    return tqdm(total=total, desc=desc, unit=" forwards", file=sys.stderr, disable=quiet,
+                mininterval=0.5, leave=False)
+
+
 @torch.inference_mode()
-def measure(model, context: int = 256, repeats: int = 5, widths=WIDTHS) -> CostCurve:
-    """Median time of a w-token forward over a `context`-token cache, relative to w = 1."""
+def measure_seconds(model, context: int = 256, rounds: int = ROUNDS, widths=WIDTHS,
+                    desc: str = "measuring forward cost", quiet: bool = False) -> dict[int, float]:
+    """Least time of a w-token forward over a `context`-token cache, per width, over `rounds`
+    interleaved rounds (see the module docstring)."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     ctx = torch.arange(context, device=device)[None] % vocab
     cache = new_cache(model)
     model(input_ids=ctx, past_key_values=cache, use_cache=True)
     base = cache.get_seq_length()
-    seconds = {}
-    for w in widths:
-        ids = (torch.arange(w, device=device)[None] * 7 + 11) % vocab
-        ts = []
-        for _ in range(repeats + 1):  # the first run of a shape warms its kernels up
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-            cache.crop(-(cache.get_seq_length() - base))
-        seconds[w] = statistics.median(ts[1:])
+    inputs = {w: (torch.arange(w, device=device)[None] * 7 + 11) % vocab for w in widths}
+
+    def once(w: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(input_ids=inputs[w], past_key_values=cache, use_cache=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        cache.crop(-(cache.get_seq_length() - base))
+        return dt
+
+    best = {w: float("inf") for w in widths}
+    with _progress(len(widths) * (rounds + 1), desc, quiet) as bar:
+        for w in widths:  # the first run of a shape warms its kernels up; not timed
+            once(w)
+            bar.update()
+        for r in range(rounds):
+            shift = r % len(widths)
+            for w in widths[shift:] + widths[:shift]:
+                best[w] = min(best[w], once(w))
+                bar.update()
+    return best
+
+
+def curve_from_seconds(seconds: dict[int, float]) -> CostCurve:
+    """Relative costs, made monotone: a wider forward never costs less than a narrower one."""
+    widths = sorted(seconds)
     one = seconds[widths[0]]
-    # a wider forward never costs less than a narrower one: noise must not invite wider trees
     points, top = {}, 0.0
     for w in widths:
         top = max(top, seconds[w] / one)
         points[w] = top
-    points[1] = 1.0
-    return CostCurve(points, one_token_seconds=one)
+    points[widths[0]] = 1.0
+    return CostCurve(points, one_token_seconds=one, info={"seconds": {str(w): seconds[w] for w in widths}})
+
+
+def plausible(curve: CostCurve, model) -> bool:
+    """False for a curve a CPU cannot have: flat to the widest width on a model whose compute
+    must show (a 20M+ parameter forward over 64 tokens does 64x the arithmetic of one)."""
+    device = next(model.parameters()).device
+    if device.type != "cpu" or _n_params(model) < MIN_PARAMS_FOR_SLOPE:
+        return True
+    return curve(curve.widths[-1]) >= FLAT_LIMIT
+
+
+def measure(model, context: int = 256, repeats: int = ROUNDS, widths=WIDTHS, quiet: bool = True,
+            desc: str = "measuring forward cost") -> CostCurve:
+    """The cost curve of `model`: least times over interleaved rounds, relative to w = 1, checked
+    for plausibility and measured once more (twice the rounds) when it fails."""
+    curve = curve_from_seconds(measure_seconds(model, context, repeats, widths, desc, quiet))
+    if not plausible(curve, model):
+        curve = curve_from_seconds(measure_seconds(model, context, 2 * repeats, widths,
+                                                   desc + " (again: the first looked loaded)", quiet))
+    curve.info["plausible"] = plausible(curve, model)
+    return curve
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("HD_CACHE_DIR") or Path.home() / ".cache" / "hdcli") / "costs"
 
 
 def _cache_path(key: str) -> Path:
-    root = Path(os.environ.get("HD_CACHE_DIR", Path.home() / ".cache" / "hdcli")) / "costs"
-    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return _cache_root() / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def curve_key(source: str, dtype: str, device: str, kernels: str) -> str:
+    return (f"{source}|{dtype}|{device}|{kernels}|{torch.get_num_threads()}|{torch.__version__}|"
+            f"{cpu_name() if device == 'cpu' else torch.cuda.get_device_name() if torch.cuda.is_available() else device}")
+
+
+def _key_of(lm) -> str:
+    return curve_key(lm.source, lm.dtype, lm.device, getattr(lm, "kernels", "torch"))
 
 
 _CURVES: dict[str, CostCurve] = {}  # per process: api.generate asks for every generation
 
 
-def curve_for(lm) -> CostCurve:
-    """The cost curve of a loaded model (api.load_model), from the cache or measured now."""
-    key = (f"{lm.source}|{lm.dtype}|{lm.device}|{getattr(lm, 'kernels', 'torch')}|"
-           f"{torch.get_num_threads()}|{torch.__version__}")
-    if key in _CURVES:
-        return _CURVES[key]
-    path = _cache_path(key)
+def _read(key: str) -> CostCurve | None:
+    """The cached curve for key, or None when missing, unreadable, of another format or old."""
     try:
-        data = json.loads(path.read_text())
-        if data.get("key") == key:
-            _CURVES[key] = CostCurve({int(w): c for w, c in data["cost"].items()})
-            return _CURVES[key]
-    except (OSError, ValueError, KeyError):
-        pass
-    curve = _CURVES[key] = measure(lm.model)
+        data = json.loads(_cache_path(key).read_text())
+        if data.get("key") != key or data.get("format") != FORMAT:
+            return None
+        if time.time() - float(data["measured_at"]) > MAX_AGE_DAYS * 86400:
+            return None
+        info = {k: data[k] for k in ("measured_at", "seconds", "rounds", "plausible") if k in data}
+        return CostCurve({int(w): c for w, c in data["cost"].items()},
+                         one_token_seconds=data.get("one_token_seconds"), info=info)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(key: str, curve: CostCurve) -> None:
+    record = {"key": key, "format": FORMAT, "measured_at": time.time(), "rounds": ROUNDS,
+              "cost": curve.to_dict(), "one_token_seconds": curve.one_token_seconds, **curve.info}
+    path = _cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "cost": curve.to_dict()}))
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
+    curve.info.setdefault("measured_at", record["measured_at"])
+
+
+def cached_curve(key: str, model, remeasure: bool = False, quiet: bool = False,
+                 desc: str = "measuring forward cost", measure_missing: bool = True) -> CostCurve | None:
+    """The curve for key from this process, the disk cache, or measured now on `model` (cached
+    only when plausible; None instead of measuring when measure_missing is False)."""
+    if not remeasure:
+        if key in _CURVES:
+            return _CURVES[key]
+        got = _read(key)
+        if got is not None:
+            _CURVES[key] = got
+            return got
+    if not measure_missing:
+        return None
+    curve = _CURVES[key] = measure(model, quiet=quiet, desc=desc)
+    if curve.info.get("plausible", True):
+        _write(key, curve)
     return curve
+
+
+def curve_for(lm, remeasure: bool = False, quiet: bool = False) -> CostCurve:
+    """The cost curve of a loaded model (api.load_model), from the cache or measured now."""
+    return cached_curve(_key_of(lm), lm.model, remeasure, quiet,
+                        desc=f"measuring forward cost ({lm.dtype}, {getattr(lm, 'kernels', 'torch')} kernels)")
+
+
+def forget(key: str) -> bool:
+    """Drop the cached curve for key (disk and this process); True if there was one on disk."""
+    _CURVES.pop(key, None)
+    try:
+        _cache_path(key).unlink()
+        return True
+    except OSError:
+        return False
+
+
+def cached_records() -> list[dict]:
+    """Every cached curve record (for `hd costs --all`)."""
+    out = []
+    for p in sorted(_cache_root().glob("*.json")):
+        try:
+            out.append(json.loads(p.read_text()) | {"file": str(p)})
+        except (OSError, ValueError):
+            continue
+    return out

@@ -15,6 +15,12 @@ Invariants
   * The packed weight is the only copy (no doubled memory). Where a plain weight is needed
     (state_dict, deepcopy, int8 drafts) it is recovered exactly by multiplying the identity by it.
   * Only CPU tensors in fp32 or bf16 are packed; anything else stays as it was.
+
+Which kernels: measured, never assumed. Packing won 1.78x on a 2-core AMD EPYC (Zen 5) and lost
+(0.82x) on a 2-core Intel Xeon with AMX, whose MKL path is better. `auto` therefore measures both
+kernel sets' cost curves on the machine at hand (hdcli/costs.py: the same cached measurement that
+caps draft trees) and keeps the faster: by the time of a plain step plus an 8-token verification
+(what a speculative run alternates between), or of a plain step alone when nothing is drafted.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ def available() -> bool:
 
 
 def resolve(kernels: str, device: str, dtype: str) -> str:
-    """`auto`: oneDNN on CPU in fp32/bf16 where available, else torch's own kernels."""
+    """`auto`: "measure" (choose() decides) on CPU in fp32/bf16 where oneDNN packing is
+    available, else torch's own kernels."""
     if kernels not in KERNELS:
         raise HdError(f"--kernels must be one of {', '.join(KERNELS)}, not '{kernels}'")
     usable = device == "cpu" and dtype in ("fp32", "bf16") and available()
@@ -42,8 +49,39 @@ def resolve(kernels: str, device: str, dtype: str) -> str:
         raise HdError("--kernels onednn needs a CPU model in fp32 or bf16 and a torch built with "
                       "oneDNN; use --kernels torch")
     if kernels == "auto":
-        return "onednn" if usable else "torch"
+        return "measure" if usable else "torch"
     return kernels
+
+
+SCORE_WIDTHS = (1, 8)  # a speculative run alternates plain steps and ~8-token verifications
+
+
+def score(curve, drafting: bool = True) -> float:
+    """Seconds that rank kernel sets: t(1) + t(8) for drafting, t(1) for plain decoding."""
+    return sum(curve.seconds(w) for w in (SCORE_WIDTHS if drafting else SCORE_WIDTHS[:1]))
+
+
+def choose(model: torch.nn.Module, source: str, dtype: str, device: str, drafting: bool = True,
+           quiet: bool = False) -> tuple[str, dict]:
+    """Pick torch's or oneDNN's kernels for an unpacked CPU model by their measured cost curves
+    (cached per model/dtype/device/threads/CPU by hdcli.costs; measured here when missing), pack
+    the model if oneDNN wins, and return (choice, {kernels: curve})."""
+    from . import costs
+    keys = {k: costs.curve_key(source, dtype, device, k) for k in ("torch", "onednn")}
+    curves = {k: costs.cached_curve(key, None, measure_missing=False) for k, key in keys.items()}
+    if curves["torch"] is None:  # the model is unpacked now
+        curves["torch"] = costs.cached_curve(keys["torch"], model, quiet=quiet,
+                                             desc=f"measuring torch kernels ({dtype})")
+    if curves["onednn"] is None:
+        pack(model)
+        curves["onednn"] = costs.cached_curve(keys["onednn"], model, quiet=quiet,
+                                              desc=f"measuring oneDNN kernels ({dtype})")
+    best = min(curves, key=lambda k: score(curves[k], drafting))
+    if best == "onednn" and not is_packed(model):
+        pack(model)
+    elif best == "torch" and is_packed(model):
+        unpack(model)
+    return best, curves
 
 
 def padded_rows(m: int) -> int:

@@ -264,9 +264,12 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 
 
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-         kernels: str = "auto") -> LoadedModel:
-    """Load a target model by bundled name, .gguf path, folder or hub id. kernels: "auto" packs
-    the Linear layers for oneDNN on CPU (hdcli/kernels.py), "torch" keeps torch's. Raises HdError."""
+         kernels: str = "auto", drafting: bool = True, quiet: bool = False) -> LoadedModel:
+    """Load a target model by bundled name, .gguf path, folder or hub id. kernels: "auto" keeps
+    whichever of torch's and oneDNN's packed kernels (hdcli/kernels.py) measures faster on this
+    machine for this model (for speculative decoding, or for plain decoding when drafting is
+    False; measured once and cached, with a progress bar unless quiet); "onednn" packs the Linear
+    layers; "torch" keeps torch's. Raises HdError."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from . import kernels as kern
     dev = resolve_device(device)
@@ -289,7 +292,15 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
             ) from None
         raise HdError(f"could not load model from {load_from}: {str(exc).splitlines()[0]}") from None
     model.to(dev).eval()
-    if kn == "onednn":
+    info = {}
+    if kn == "measure":
+        kn, curves = kern.choose(model, source, dt, dev, drafting=drafting, quiet=quiet)
+        info["kernel_choice"] = {"chosen": kn, "by": "t(1) + t(8)" if drafting else "t(1)",
+                                 **{k: {"one_token_ms": 1e3 * c.one_token_seconds, "cost8": c(8),
+                                        "score_ms": 1e3 * kern.score(c, drafting)}
+                                    for k, c in curves.items()}}
+    elif kn == "onednn":
         kern.pack(model)
     return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dt, device=dev,
-                       load_seconds=time.perf_counter() - t0, kernels=kn, from_cache=from_cache)
+                       load_seconds=time.perf_counter() - t0, kernels=kn, from_cache=from_cache,
+                       info=info)

@@ -59,7 +59,7 @@ def test_packed_model_decodes_exactly(make):
     assert kernels.unpack(model) == 15 and not kernels.is_packed(model)
 
 
-def test_loading_packs_by_default_on_cpu_and_torch_opts_out(tiny_model_dir, tiny_lm):
+def test_onednn_packs_and_torch_opts_out(tiny_model_dir, tiny_lm):
     assert tiny_lm.kernels == "onednn" and kernels.is_packed(tiny_lm.model)  # the suite runs packed
     plain = api.load_model(str(tiny_model_dir), dtype="fp32", kernels="torch")
     assert plain.kernels == "torch" and not kernels.is_packed(plain.model)
@@ -68,6 +68,7 @@ def test_loading_packs_by_default_on_cpu_and_torch_opts_out(tiny_model_dir, tiny
     with pytest.raises(HdError, match="CPU model in fp32 or bf16"):
         kernels.resolve("onednn", "cpu", "fp16")
     assert kernels.resolve("auto", "cuda", "bf16") == "torch"
+    assert kernels.resolve("auto", "cpu", "fp32") == "measure"
 
 
 def test_self_drafts_of_a_packed_target(tiny_lm):

@@ -1,0 +1,151 @@
+"""The forward-cost curve and the kernel choice made from it: measured so that load cannot fake
+it, re-measured when implausible or old, and `--kernels auto` keeping what measures faster."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from hdcli import api, costs, kernels, models
+from conftest import tiny_llama
+
+
+class SleepyModel(torch.nn.Module):
+    """A tiny llama whose forward over w tokens takes base + per_token * w seconds, except calls
+    number `burst` (a set) that take `slow` times longer: another process loading the CPU."""
+
+    def __init__(self, base=0.008, per_token=0.002, burst=(), slow=6.0):
+        super().__init__()
+        self.inner = tiny_llama(40)
+        self.config = self.inner.config
+        self.base, self.per_token, self.burst, self.slow = base, per_token, set(burst), slow
+        self.calls = 0
+
+    def forward(self, input_ids, **kw):
+        out = self.inner(input_ids=input_ids, **kw)
+        t = self.base + self.per_token * input_ids.shape[1]
+        if self.calls in self.burst:
+            t *= self.slow
+        self.calls += 1
+        time.sleep(t)
+        return out
+
+
+def true_cost(m: SleepyModel, w: int) -> float:
+    return (m.base + m.per_token * w) / (m.base + m.per_token)
+
+
+WIDTHS = (1, 4, 16, 48)
+
+
+def test_a_load_burst_cannot_fake_a_flat_curve():
+    """Load that hits a whole stretch of the measurement (here: the prefill, the warm-ups and
+    the first two timed rounds, the one-token forwards included) changes nothing: widths are
+    interleaved and each keeps its least time. (Timing each width's repeats in one block and
+    taking the median, as before, turned such a stretch into a flat 1.0 curve.)"""
+    quiet = costs.measure(SleepyModel(), context=8, repeats=6, widths=WIDTHS)
+    m = SleepyModel(burst=range(0, 1 + 4 + 2 * 4))
+    curve = costs.measure(m, context=8, repeats=6, widths=WIDTHS)
+    for w in WIDTHS:
+        assert curve(w) == pytest.approx(quiet(w), rel=0.3), (w, curve.to_dict(), quiet.to_dict())
+    assert curve(48) > 0.5 * true_cost(m, 48) > 5
+
+
+def test_curve_is_monotone_and_starts_at_one():
+    m = SleepyModel(per_token=0.0005)
+    curve = costs.measure(m, context=8, repeats=2, widths=WIDTHS)
+    assert curve(1) == 1.0 and all(a <= b for a, b in zip(curve.costs, curve.costs[1:]))
+    assert curve.one_token_seconds == pytest.approx(m.base + m.per_token, rel=0.5)
+
+
+def test_implausible_flat_curve_is_measured_again_and_never_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "MIN_PARAMS_FOR_SLOPE", 0)  # treat the tiny model as a big one
+    monkeypatch.setattr(costs, "FLAT_LIMIT", 1.5)  # (its own compute adds a little per token)
+    m = SleepyModel(base=0.006, per_token=0.0)  # every width costs the same: impossible on a CPU
+    key = "test-flat"
+    curve = costs.cached_curve(key, m, quiet=True)
+    assert curve.info["plausible"] is False
+    assert m.calls > 1 + 2 * len(costs.WIDTHS) * (costs.ROUNDS + 1)  # two measurements (and prefills)
+    assert costs._read(key) is None and not list((tmp_path / "costs").glob("*.json"))
+    # a sane curve is cached, with its absolute times
+    monkeypatch.setattr(costs, "MIN_PARAMS_FOR_SLOPE", 10 ** 12)
+    costs._CURVES.clear()
+    got = costs.cached_curve("test-sane", SleepyModel(), quiet=True)
+    back = costs._read("test-sane")
+    assert back is not None and back.to_dict() == got.to_dict()
+    assert back.one_token_seconds == got.one_token_seconds
+
+
+def test_old_foreign_or_stale_records_are_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    costs._write("k", costs.CostCurve({1: 1.0, 8: 1.3}, one_token_seconds=0.01))
+    assert costs._read("k") is not None
+    path = costs._cache_path("k")
+    rec = json.loads(path.read_text())
+    for change in ({"measured_at": time.time() - (costs.MAX_AGE_DAYS + 1) * 86400}, {"format": 1},
+                   {"key": "another"}):
+        path.write_text(json.dumps(rec | change))
+        assert costs._read("k") is None, change
+    path.write_text("{not json")
+    assert costs._read("k") is None
+    # the CPU model is part of every key: a curve from another machine is never read
+    assert costs.cpu_name() in costs.curve_key("m", "fp32", "cpu", "torch")
+
+
+@pytest.mark.skipif(not kernels.available(), reason="this torch has no oneDNN packed linear")
+@pytest.mark.parametrize("faster", ["torch", "onednn"])
+def test_auto_keeps_the_kernels_that_measure_faster(tiny_model_dir, tmp_path, monkeypatch, faster):
+    """`--kernels auto` follows the cached measurement of this machine, whichever set won."""
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    costs._CURVES.clear()
+    source = models.resolve(str(tiny_model_dir))[1]
+    slow = costs.CostCurve({1: 1.0, 8: 1.6}, one_token_seconds=0.030)
+    fast = costs.CostCurve({1: 1.0, 8: 1.3}, one_token_seconds=0.020)
+    for k in ("torch", "onednn"):
+        costs._write(costs.curve_key(source, "fp32", "cpu", k), fast if k == faster else slow)
+    lm = api.load_model(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="auto")
+    assert lm.kernels == faster and kernels.is_packed(lm.model) == (faster == "onednn")
+    assert lm.info["kernel_choice"]["chosen"] == faster
+    # plain decoding ranks by the one-token time alone
+    costs._write(costs.curve_key(source, "fp32", "cpu", "torch"),
+                 costs.CostCurve({1: 1.0, 8: 3.0}, one_token_seconds=0.019))
+    costs._write(costs.curve_key(source, "fp32", "cpu", "onednn"),
+                 costs.CostCurve({1: 1.0, 8: 1.1}, one_token_seconds=0.020))
+    costs._CURVES.clear()
+    assert api.load_model(str(tiny_model_dir), dtype="fp32", kernels="auto", drafting=False).kernels == "torch"
+    assert api.load_model(str(tiny_model_dir), dtype="fp32", kernels="auto", drafting=True).kernels == "onednn"
+
+
+@pytest.mark.skipif(not kernels.available(), reason="this torch has no oneDNN packed linear")
+def test_auto_measures_both_when_nothing_is_cached(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    costs._CURVES.clear()
+    lm = api.load_model(str(tiny_model_dir), dtype="fp32", kernels="auto", quiet=True)
+    ch = lm.info["kernel_choice"]
+    assert ch["chosen"] == lm.kernels and set(ch) >= {"torch", "onednn"}
+    assert min(("torch", "onednn"), key=lambda k: ch[k]["score_ms"]) == lm.kernels
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+    greedy = api.generate(lm, "the cat sat on the mat", max_new_tokens=12, drafter=None)
+    ref = api.generate(api.load_model(str(tiny_model_dir), dtype="fp32", kernels="torch"),
+                       "the cat sat on the mat", max_new_tokens=12, drafter=None)
+    assert greedy.tokens == ref.tokens
+
+
+def test_hd_costs_shows_and_remeasures(tiny_model_dir, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+    from hdcli.cli import app
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    costs._CURVES.clear()
+    r = CliRunner().invoke(app, ["costs", "--model", str(tiny_model_dir), "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["cpu"] == costs.cpu_name() and rep["kernels"] in rep["curves"]
+    first = {k: c["measured_at"] for k, c in rep["curves"].items()}
+    r = CliRunner().invoke(app, ["costs", "--model", str(tiny_model_dir), "--remeasure", "--json"])
+    again = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(again["curves"][k]["measured_at"] > first[k] for k in first)
+    r = CliRunner().invoke(app, ["costs", "--model", str(tiny_model_dir)])
+    assert r.exit_code == 0 and "1 token" in r.output
