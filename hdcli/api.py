@@ -12,11 +12,11 @@ from typing import Callable, Sequence
 
 from . import costs, models
 from .decode import Decoder, Generation
-from .drafting import ContextDB, Hierarchy, StatsDB
+from .drafting import ContextDB, Hierarchy, RecycledLayer, RecycledTable, StatsDB
 from .errors import HdError
 from .verify import Sampling
 
-LAYER_NAMES = ("context", "model", "stats")
+LAYER_NAMES = ("context", "recycle", "model", "stats")
 
 
 def load_model(name: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
@@ -92,14 +92,17 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
                  min_n: int | None = None, max_n: int = 4, cheap_verify: bool = False,
                  stats_dbs: Sequence = (), stats_min_prob: float | None = None,
                  stats_min_expected: float | None = None, model_db=None,
-                 policy: str = DEFAULT_POLICY, candidates: int = DEFAULT_CANDIDATES) -> Hierarchy | None:
+                 policy: str = DEFAULT_POLICY, candidates: int = DEFAULT_CANDIDATES,
+                 recycle_table: RecycledTable | None = None) -> Hierarchy | None:
     """The drafting hierarchy, most local layer first. An empty `layers` means plain decoding.
 
     draft_len: most tokens per candidate, one number or {layer: number}; shorter context-DB keys
     draft less (see ContextDB). `stats` stands for every DB in stats_dbs, in the order given;
     `model` for model_db; both draft with the same walk, min_prob and min_expected. cheap_verify
     (see cheap_verification) picks the defaults of min_n, min_prob and min_expected. policy and
-    candidates (C): see drafting.Hierarchy; candidates 1 verifies one chain."""
+    candidates (C): see drafting.Hierarchy; candidates 1 verifies one chain. `recycle` drafts
+    from the target's own predictions in earlier forwards (drafting.RecycledTable): pass one
+    recycle_table to share them across the drafters of a run, or a new one is made."""
     min_n = default_min_n(cheap_verify) if min_n is None else min_n
     min_prob = default_min_prob(cheap_verify) if stats_min_prob is None else stats_min_prob
     min_expected = default_min_expected(cheap_verify) if stats_min_expected is None else stats_min_expected
@@ -120,6 +123,8 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
     for name in layers:
         if name == "context":
             built.append(ContextDB(min_n=min_n, max_n=max_n))
+        elif name == "recycle":
+            built.append(RecycledLayer(recycle_table))
         elif name == "model":
             if model_db is None:
                 raise HdError("layer 'model' needs a model DB: pass --model-db PATH")
@@ -251,6 +256,39 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     text = _cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), stop)
     return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
                   stats=g.stats, prompt_ids=list(prompt_ids))
+
+
+def stock_model(lm: models.LoadedModel) -> models.LoadedModel:
+    """The same model with torch's own kernels, as transformers ships it: lm itself where it
+    already is, else loaded once more (from the converted-weights cache, ~1-2 s)."""
+    if lm.kernels == "torch":
+        return lm
+    return load_model(lm.name, dtype=lm.dtype, device=lm.device, kernels="torch", quiet=True)
+
+
+def hf_generate(lm: models.LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int,
+                sampling: Sampling = Sampling(), seed: int | None = None,
+                prompt_lookup: int | None = None) -> tuple[list[int], float]:
+    """transformers' own generate() on lm (greedy, or sampling with the same settings), with its
+    prompt lookup decoding when prompt_lookup is given: the baselines users have. Returns (new
+    tokens, wall seconds, prefill included)."""
+    import time
+    import torch
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=sorted(lm.eos_ids) or None,
+                  pad_token_id=lm.tokenizer.pad_token_id or (sorted(lm.eos_ids) or [0])[0])
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+    if sampling.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k or None)
+        torch.manual_seed(seed or 0)
+    ids = torch.tensor([list(prompt_ids)], device=next(lm.model.parameters()).device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -2,7 +2,9 @@
 
 Definitions (Spec-Bench's, so figures compare with its published tables):
   tokens/s of a question = its new tokens / its wall time, over all its turns (prefill included);
-  speedup of a method    = mean over questions of its tokens/s / the same mean for `ar`;
+  speedup of a method    = mean over questions of its tokens/s / the same mean for `ar`
+                           (and, beside it, for `hf-ar`: transformers' generate on the stock
+                           model, the baseline a user already has);
   mean accepted tokens   = mean accepted length over all decode steps, pooled over questions
                            (accepted length = drafted tokens kept + the target's own token);
   exactness              = for greedy runs, answers that differ from `ar`'s and where they first do.
@@ -26,6 +28,7 @@ import torch
 
 from . import api, costs, specbench
 from .decode import Decoder
+from .drafting import RecycledTable
 from .errors import HdError
 from .verify import Sampling
 
@@ -33,6 +36,8 @@ from .verify import Sampling
 DB_METHODS = {
     "ar": None,
     "context": (["context"], "first-hit", 1),
+    "recycle": (["recycle"], "first-hit", 1),
+    "context+recycle": (["context", "recycle"], api.DEFAULT_POLICY, api.DEFAULT_CANDIDATES),
     "stats": (["stats"], "first-hit", 1),
     "model": (["model"], "first-hit", 1),
     "hd": ("all", api.DEFAULT_POLICY, api.DEFAULT_CANDIDATES),
@@ -41,12 +46,14 @@ DB_METHODS = {
     "hd-fill": ("all", "fill", api.DEFAULT_CANDIDATES),
     "hd-adaptive": ("all", "adaptive", api.DEFAULT_CANDIDATES),
 }
-PEERS = ("hf-pld",)
+PEERS = ("hf-ar", "hf-pld", "suffix")
 METHODS = tuple(DB_METHODS) + PEERS
-DEFAULT_METHODS = ("ar", "context", "stats", "model", "hd", "hf-pld")
+DEFAULT_METHODS = ("ar", "hf-ar", "context", "stats", "model", "hd", "hf-pld", "suffix")
 METHOD_HELP = {
     "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
     "context": "context DB only (prompt lookup)",
+    "recycle": "the target's own recycled predictions only (Token Recycling with bigram keys)",
+    "context+recycle": "context DB, then recycled predictions, token trees",
     "stats": "statistics DB only (corpus retrieval, REST-like)",
     "model": "model DB only",
     "hd": f"every layer given, {api.DEFAULT_POLICY} policy, token trees of up to "
@@ -55,7 +62,9 @@ METHOD_HELP = {
     "hd-first-hit": "every layer, first-hit policy, token trees",
     "hd-fill": "every layer, fill policy, token trees",
     "hd-adaptive": "every layer, adaptive policy, token trees",
-    "hf-pld": "transformers' generate(prompt_lookup_num_tokens=10), the peer",
+    "hf-ar": "transformers' generate, greedy, on the stock model (torch's kernels): what users run today",
+    "hf-pld": "transformers' generate(prompt_lookup_num_tokens=10) on the stock model",
+    "suffix": "SuffixDecoding (arctic-inference, vLLM's suffix method) drafts, verified by hd",
 }
 
 
@@ -71,11 +80,12 @@ class Turn:
 
 
 class Runner:
-    """One method: answers a prompt (token ids) with new tokens and its timing."""
+    """One method: answers a prompt (token ids) with new tokens and its timing. capped: the
+    drafter's trees are cut to what pays for its forward (hd's cost cap); else sent whole."""
 
-    def __init__(self, name: str, lm, drafter_factory: Callable | None = None):
+    def __init__(self, name: str, lm, drafter_factory: Callable | None = None, capped: bool = True):
         self.name, self.lm, self.factory = name, lm, drafter_factory
-        self.cost = costs.curve_for(lm) if drafter_factory else None
+        self.cost = costs.curve_for(lm) if drafter_factory and capped else None
 
     def answer(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, seed: int | None) -> Turn:
         drafter = self.factory() if self.factory else None
@@ -89,27 +99,18 @@ class Runner:
                     overhead_seconds=s.draft_seconds + s.bookkeeping_seconds)
 
 
-class HfPromptLookup(Runner):
-    """transformers' own prompt lookup decoding on the same model: the peer users would pick."""
+class HfGenerate(Runner):
+    """transformers' own generate() on the stock model (torch's kernels), greedy or with its
+    prompt lookup decoding: what users run today, the baselines that count."""
+
+    def __init__(self, name: str, stock_lm, prompt_lookup: int | None = None):
+        super().__init__(name, stock_lm)
+        self.prompt_lookup = prompt_lookup
 
     def answer(self, prompt_ids, max_new_tokens, sampling, seed):
-        lm = self.lm
-        kwargs = dict(max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=10,
-                      eos_token_id=sorted(lm.eos_ids) or None,
-                      pad_token_id=lm.tokenizer.pad_token_id or (sorted(lm.eos_ids) or [0])[0])
-        if sampling.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=sampling.top_k or None)
-            torch.manual_seed(seed or 0)
-        ids = torch.tensor([prompt_ids], device=next(lm.model.parameters()).device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        wall = time.perf_counter() - t0
-        tokens = out[0, len(prompt_ids):].tolist()
-        return Turn(text=lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
+        tokens, wall = api.hf_generate(self.lm, prompt_ids, max_new_tokens, sampling, seed,
+                                       prompt_lookup=self.prompt_lookup)
+        return Turn(text=self.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
                     wall_time=wall, accept_lengths=[])
 
 
@@ -126,10 +127,16 @@ def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
     check_methods(names)
     all_layers = ["context"] + ["model"] * (model_db is not None) + ["stats"] * bool(stats_dbs)
     cheap = api.cheap_verification(lm)
+    stock = api.stock_model(lm) if any(n.startswith("hf-") for n in names) else None
     runners = {}
     for name in names:
-        if name == "hf-pld":
-            runners[name] = HfPromptLookup(name, lm)
+        if name in ("hf-ar", "hf-pld"):
+            runners[name] = HfGenerate(name, stock, prompt_lookup=10 if name == "hf-pld" else None)
+            continue
+        if name == "suffix":
+            from . import suffix
+            cache = suffix.new_cache()  # one per run: its global tree learns across the questions
+            runners[name] = Runner(name, lm, lambda cache=cache: suffix.SuffixDrafter(cache), capped=False)
             continue
         spec = DB_METHODS[name]
         if spec is None:
@@ -144,9 +151,11 @@ def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
         api.make_drafter(layers, cheap_verify=cheap, stats_dbs=stats_dbs, model_db=model_db,
                          policy=policy, candidates=cands)  # fail now, not mid-run
 
-        def factory(layers=layers, policy=policy, cands=cands):
+        table = RecycledTable()  # one per method and run: the target's predictions carry across questions
+
+        def factory(layers=layers, policy=policy, cands=cands, table=table):
             return api.make_drafter(layers, cheap_verify=cheap, stats_dbs=stats_dbs, model_db=model_db,
-                                    policy=policy, candidates=cands)
+                                    policy=policy, candidates=cands, recycle_table=table)
         runners[name] = Runner(name, lm, factory)
     return runners
 
@@ -200,11 +209,13 @@ def summarize(results: dict, greedy: bool = True) -> dict:
     order = {c: i for i, c in enumerate(specbench.CATEGORIES)}
     cats = sorted({q["category"] for q, _ in base}, key=lambda c: (order.get(c, len(order)), c))
 
+    def tps_of(rows) -> list[float]:
+        return [sum(len(t.tokens) for t in turns) / sum(t.wall_time for t in turns) for _, turns in rows]
+
     def figures(method: str, keep) -> dict:
         rows = [(q, turns) for q, turns in results[method] if keep(q)]
         ref = [(q, turns) for q, turns in base if keep(q)]
-        tps = [sum(len(t.tokens) for t in turns) / sum(t.wall_time for t in turns) for _, turns in rows]
-        ar_tps = [sum(len(t.tokens) for t in turns) / sum(t.wall_time for t in turns) for _, turns in ref]
+        tps, ar_tps = tps_of(rows), tps_of(ref)
         steps = [a for _, turns in rows for t in turns for a in t.accept_lengths]
         layers: dict[str, dict] = {}
         for _, turns in rows:
@@ -228,12 +239,20 @@ def summarize(results: dict, greedy: bool = True) -> dict:
                "new_tokens": sum(len(t.tokens) for _, turns in rows for t in turns),
                "overhead_share": over / (over + fwd) if fwd else None,
                "layers": layers}
+        if hf is not None:
+            hf_rows = [(q, turns) for q, turns in hf if keep(q)]
+            out["speedup_over_hf_ar"] = statistics.mean(tps) / statistics.mean(tps_of(hf_rows))
         if greedy:
             out["differ_from_ar"] = sum(d is not None for d in diffs)
             out["first_differences"] = [d for d in diffs if d is not None]
+            if hf is not None:
+                hf_diffs = [_first_difference(turns, r) for (_, turns), (_, r) in zip(rows, hf_rows)]
+                out["differ_from_hf_ar"] = sum(d is not None for d in hf_diffs)
+                out["first_differences_from_hf_ar"] = [d for d in hf_diffs if d is not None]
         return out
 
     summary = {}
+    hf = results.get("hf-ar")
     for m in results:
         summary[m] = {"overall": figures(m, lambda q: True),
                       "categories": {c: figures(m, lambda q, c=c: q["category"] == c) for c in cats}}
@@ -242,7 +261,8 @@ def summarize(results: dict, greedy: bool = True) -> dict:
 
 def machine() -> dict:
     import transformers
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    return {"platform": platform.platform(), "cpu": costs.cpu_name(),
+            "processor": platform.processor() or platform.machine(),
             "cpu_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
             "torch": torch.__version__, "transformers": transformers.__version__}
 

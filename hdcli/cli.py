@@ -213,11 +213,21 @@ def generate(
     if compare:
         base = api.generate(lm, text, drafter=None, **common)
         runs["plain"] = base.stats
+        stock = api.stock_model(lm)
+        n = len(base.tokens)  # transformers' generate makes as many tokens (stop strings aside)
+        api.hf_generate(stock, res.prompt_ids, 4, sampling, seed)  # its first call is not timed
+        hf_tokens, hf_wall = api.hf_generate(stock, res.prompt_ids, n, sampling, seed)
+        hf_tps = len(hf_tokens) / hf_wall if hf_wall else 0.0
         diff = api.first_difference(res.tokens, base.tokens)
+        hf_diff = api.first_difference(res.tokens, hf_tokens)
         speedup = (res.stats.tokens_per_second / base.stats.tokens_per_second
                    if base.stats.tokens_per_second else 0.0)
         report["compare"] = {"plain": base.to_dict(), "speedup": speedup,
-                             "identical": diff is None, "first_difference": diff}
+                             "identical": diff is None, "first_difference": diff,
+                             "hf_ar": {"tokens": hf_tokens, "tokens_per_second": hf_tps,
+                                       "kernels": stock.kernels},
+                             "speedup_over_hf_ar": res.stats.tokens_per_second / hf_tps if hf_tps else 0.0,
+                             "identical_to_hf_ar": hf_diff is None, "first_difference_from_hf_ar": hf_diff}
     if as_json:
         typer.echo(json.dumps(report))
         return
@@ -236,6 +246,10 @@ def generate(
         same = "identical" if c["identical"] else f"DIFFERENT from token {c['first_difference']}"
         note = "" if sampling.greedy else " (sampling: outputs differ by chance, not by error)"
         out.print(f"speedup over plain decoding: [bold]{c['speedup']:.2f}x[/bold]; output {same}{note}")
+        hf_same = ("identical" if c["identical_to_hf_ar"]
+                   else f"different from token {c['first_difference_from_hf_ar']}")
+        out.print(f"speedup over transformers' generate (stock model, {c['hf_ar']['tokens_per_second']:.1f} "
+                  f"tok/s): [bold]{c['speedup_over_hf_ar']:.2f}x[/bold]; output {hf_same}")
 
 
 @app.command("costs")
@@ -664,51 +678,61 @@ app.add_typer(bench_app, name="bench")
 
 
 def _bench_tables(summary: dict, meta: dict) -> Table:
-    """The overall table, then speedup per category per method."""
+    """The overall table, then speedup per category per method, over ar and over hf-ar."""
     methods = summary["methods"]
+    hf = any("speedup_over_hf_ar" in f["overall"] for f in methods.values())
     t = Table(title=f"Spec-Bench · {meta['model']} · {meta['dtype']} · {meta['device']} · "
                     f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens",
               box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("method", "speedup", "tok/s", "tok/step", "outside", "differ", "accepted by layer"):
+    cols = ["method", "vs ar"] + ["vs hf-ar"] * hf + ["tok/s", "tok/step", "outside", "differ",
+                                                    "accepted by layer"]
+    for col in cols:
         t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right")
     for m, f in methods.items():
         o = f["overall"]
         differ = (f"{o['differ_from_ar']}/{o['questions']}" if "differ_from_ar" in o else "n/a (sampling)")
         share = " ".join(f"{k} {v['share_of_accepted']:.0%}" for k, v in o["layers"].items() if v["accepted"])
-        t.add_row(m, f"{o['speedup']:.2f}x", f"{o['tokens_per_second']:.1f}",
+        t.add_row(m, f"{o['speedup']:.2f}x", *([f"{o['speedup_over_hf_ar']:.2f}x"] if hf else []),
+                  f"{o['tokens_per_second']:.1f}",
                   "-" if o["mean_accepted_tokens"] is None else f"{o['mean_accepted_tokens']:.2f}",
                   "-" if o["overhead_share"] is None else f"{o['overhead_share']:.1%}", differ, share)
     cats = list(next(iter(methods.values()))["categories"])
-    c = Table(title="speedup over ar by category", box=box.SIMPLE_HEAD, pad_edge=False)
-    c.add_column("method")
-    for cat in cats:
-        c.add_column(specbench.SHORT_NAMES.get(cat, cat), justify="right")
-    for m, f in methods.items():
-        c.add_row(m, *[f"{f['categories'][cat]['speedup']:.2f}x" for cat in cats])
     grid = Table.grid()
     grid.add_row(t)
-    grid.add_row(c)
+    for key, base in [("speedup", "ar")] + [("speedup_over_hf_ar", "hf-ar")] * hf:
+        c = Table(title=f"speedup over {base} by category", box=box.SIMPLE_HEAD, pad_edge=False)
+        c.add_column("method")
+        for cat in cats:
+            c.add_column(specbench.SHORT_NAMES.get(cat, cat), justify="right")
+        for m, f in methods.items():
+            c.add_row(m, *[f"{f['categories'][cat][key]:.2f}x" for cat in cats])
+        grid.add_row(c)
     return grid
 
 
 def _bench_chart(summary: dict, meta: dict, path: Path) -> None:
-    """Grouped bars: speedup per category (and overall) per method."""
+    """Grouped bars: speedup per category (and overall) per method, over ar and over hf-ar."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     methods = summary["methods"]
     cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
+    panels = [("speedup", "ar")]
+    if any("speedup_over_hf_ar" in f["overall"] for f in methods.values()):
+        panels.append(("speedup_over_hf_ar", "hf-ar (transformers' generate, stock model)"))
     width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(cats)), 4.5))
-    for i, (m, f) in enumerate(methods.items()):
-        vals = [f["categories"][c]["speedup"] if c != "overall" else f["overall"]["speedup"] for c in cats]
-        ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
-    ax.set_ylabel("speedup over ar (tokens/s ratio)")
-    ax.set_title(f"Spec-Bench, {meta['model']} ({meta['dtype']}, {meta['device']}), "
-                 f"{meta['max_new_tokens']} new tokens")
-    ax.legend(fontsize=8, ncol=min(len(methods), 4))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.4 * len(cats)), 4.2 * len(panels)),
+                             squeeze=False)
+    for ax, (key, base) in zip(axes[:, 0], panels):
+        for i, (m, f) in enumerate(methods.items()):
+            vals = [f["categories"][c][key] if c != "overall" else f["overall"][key] for c in cats]
+            ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
+        ax.set_ylabel(f"speedup over {base.split(' ')[0]}")
+        ax.set_title(f"Spec-Bench, {meta['model']} ({meta['dtype']}, {meta['device']}), "
+                     f"{meta['max_new_tokens']} new tokens: speedup over {base}", fontsize=10)
+        ax.legend(fontsize=8, ncol=min(len(methods), 5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -721,7 +745,7 @@ def bench_spec_bench(
     model: str = typer.Option("smollm2-135m", "--model", "-m"),
     methods: Optional[str] = typer.Option(None, "--methods",
                                 help="Comma-separated, 'ar' included (default: ar, context, stats and "
-                                "model where their DBs are given, hd, hf-pld). Known: " + "; ".join(
+                                "model where their DBs are given, hd, hf-ar, hf-pld, suffix where installed). Known: " + "; ".join(
                                     f"{k}: {v}" for k, v in bench.METHOD_HELP.items())),
     limit: Optional[int] = typer.Option(None, "--limit", help="Questions per category (default: all)."),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated (default: all)."),
@@ -750,8 +774,10 @@ def bench_spec_bench(
     except ValueError as exc:
         raise HdError(f"invalid sampling option: {exc}") from None
     if methods is None:
+        from . import suffix
         names = [m for m in bench.DEFAULT_METHODS
-                 if (m != "stats" or stats_db) and (m != "model" or model_db)]
+                 if (m != "stats" or stats_db) and (m != "model" or model_db)
+                 and (m != "suffix" or suffix.available())]
     else:
         names = [m.strip() for m in methods.split(",") if m.strip()]
     bench.check_methods(names)
@@ -781,7 +807,10 @@ def bench_spec_bench(
             "data": str(path), "questions": len(questions), "max_new_tokens": max_new_tokens,
             "temperature": temperature, "seed": seed, "stats_dbs": [str(p) for p in stats_db],
             "model_db": str(model_db) if model_db else None, "machine": bench.machine(),
-            "methods_run": names}
+            "kernel_choice": lm.info.get("kernel_choice"), "methods_run": names}
+    if "suffix" in names:
+        from . import suffix
+        meta["suffix"] = suffix.SuffixDrafter(None).settings()
     report = {**meta, "methods": summary}
     if out_dir is not None:
         bench.save(out_dir, summary, results, meta, lm.name)

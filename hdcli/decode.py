@@ -92,6 +92,7 @@ class Decoder:
         out: list[int] = []
         out_layers: list[str | None] = []
         stop_reason = "length"
+        recording = drafter is not None and getattr(drafter, "records", False)
         while len(out) < max_new_tokens:
             t0 = time.perf_counter()
             drafts = drafter.propose(history, max_new_tokens - len(out) - 1, stats) if drafter else []
@@ -105,6 +106,8 @@ class Decoder:
             past = len(history) - 1            # cache length before this step
             logits = tree_forward(self.model, tree, history[-1], cache)
             t2 = time.perf_counter()
+            if recording:  # the target's predictions at every node, for layers that recycle them
+                drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, logits)
             if q_rows is not None and not sampling.greedy:
                 n, nxt = accept_chain_q(logits, tree.tokens[1:], q_rows, sampling, gen)
                 path = list(range(1, n + 1))

@@ -178,6 +178,78 @@ class StatsDB:
         return out
 
 
+class RecycledTable:
+    """The target's own predictions, recycled: after every verification forward the target's
+    top-k next tokens at every tree node are free (the forward computed them); this table keeps
+    them, keyed by the node's last two tokens (and its last token alone), so later steps can draft
+    what the target predicted the last time it saw the same tokens (Token Recycling, Luo et al.
+    2024, with a bigram key). It lives as long as the object: one per run shares it across
+    requests.
+
+    Parameters
+      top_k   predictions kept per key (the first is followed by the greedy walk; the others
+              start further candidates).
+    Invariant
+      bigram[(a, b)] and unigram[b] hold the top-k of the most recent forward row whose input
+      token was b (after a); a newer row replaces an older one.
+    """
+
+    def __init__(self, top_k: int = 2):
+        self.top_k = top_k
+        self.bigram: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.unigram: dict[int, tuple[int, ...]] = {}
+
+    def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int], logits) -> None:
+        """tokens/parents: a forward's input nodes (parents[0] = -1: the node follows `before`),
+        logits: its [nodes, V] output rows."""
+        top = logits.topk(self.top_k, dim=-1).indices.tolist()
+        prev0 = before[-1] if before else -1
+        for i, t in enumerate(tokens):
+            a = prev0 if parents[i] < 0 else tokens[parents[i]]
+            self.bigram[(a, t)] = self.unigram[t] = tuple(top[i])
+
+    def next(self, a: int, b: int) -> tuple[int, ...]:
+        return self.bigram.get((a, b)) or self.unigram.get(b, ())
+
+
+class RecycledLayer:
+    """Drafts by walking a RecycledTable from the end of the history: the first token is the
+    target's last prediction after the same two tokens, and so on (a greedy walk, at most max_len
+    tokens, stopping at a token never seen as input). Further candidates start with the table's
+    next-best first tokens."""
+
+    name = "recycle"
+
+    def __init__(self, table: RecycledTable | None = None):
+        self.table = RecycledTable() if table is None else table
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def record(self, before, tokens, parents, logits) -> None:
+        self.table.record(before, tokens, parents, logits)
+
+    def _walk(self, a: int, b: int, max_len: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < max_len:
+            nxt = self.table.next(a, b)
+            if not nxt:
+                break
+            a, b = b, nxt[0]
+            out.append(b)
+        return out
+
+    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+        if not history:
+            return []
+        a, b = (history[-2] if len(history) > 1 else -1), history[-1]
+        firsts = self.table.next(a, b)[:max_candidates]
+        return [[f] + self._walk(b, f, max_len - 1) for f in firsts]
+
+
 # Prior per-token acceptance of a drafted token once the verification reaches it (its parent
 # kept), by layer and by the node's place in the tree: a later sibling (a candidate tried after
 # another at the same position), or a first child at depth 1, 2, 3+. Acceptance rises with depth
@@ -185,7 +257,7 @@ class StatsDB:
 # layer misjudges both. Measured by replaying Spec-Bench outputs (docs/engine.md); the static
 # estimate of `first-hit` and `fill`, and where `adaptive` starts every request.
 PRIOR_RATES = {"context": (0.1, 0.5, 0.65, 0.8), "model": (0.1, 0.4, 0.4, 0.6),
-               "stats": (0.1, 0.3, 0.45, 0.55)}
+               "stats": (0.1, 0.3, 0.45, 0.55), "recycle": (0.1, 0.3, 0.45, 0.55)}
 DEFAULT_PRIOR = (0.1, 0.3, 0.45, 0.55)
 
 
@@ -308,6 +380,16 @@ class Hierarchy:
     def observe(self, tested: dict[str, int], accepted: dict[str, int]) -> None:
         """What the last verification reached and kept, per layer (feeds `adaptive`)."""
         self.tracker.update(tested, accepted)
+
+    def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int], logits) -> None:
+        """A verification forward's rows (see RecycledTable.record), for layers that learn from them."""
+        for layer in self.layers:
+            if hasattr(layer, "record"):
+                layer.record(before, tokens, parents, logits)
+
+    @property
+    def records(self) -> bool:
+        return any(hasattr(layer, "record") for layer in self.layers)
 
     def _ask(self, layer, history, max_len, slots, stats) -> list[Draft]:
         length = min(max_len, self.layer_len(layer.name))

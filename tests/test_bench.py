@@ -39,11 +39,11 @@ def stats_db(tiny_model_dir, tmp_path):
 def test_spec_bench_end_to_end(tiny_model_dir, spec_file, stats_db, tmp_path):
     out = tmp_path / "run"
     r = hd("bench", "spec-bench", "--data", str(spec_file), "--model", str(tiny_model_dir),
-           "--methods", "ar,context,stats,hd,hd-chain,hf-pld", "--stats-db", str(stats_db),
+           "--methods", "ar,hf-ar,context,stats,hd,hd-chain,hf-pld,suffix", "--stats-db", str(stats_db),
            "-n", "16", "--out", str(out), "--json")
     report = json.loads(r.stdout)
-    assert report["questions"] == 6 and set(report["methods"]) == {"ar", "context", "stats", "hd",
-                                                                   "hd-chain", "hf-pld"}
+    assert report["questions"] == 6 and set(report["methods"]) == {"ar", "hf-ar", "context", "stats", "hd",
+                                                                   "hd-chain", "hf-pld", "suffix"}
     assert (out / "speedup.png").stat().st_size > 1000
     summary = json.loads((out / "summary.json").read_text())
     assert summary["methods"] == report["methods"]
@@ -55,22 +55,44 @@ def test_spec_bench_end_to_end(tiny_model_dir, spec_file, stats_db, tmp_path):
             ch = rec["choices"][0]
             n_turns = 2 if rec["category"] == "writing" else 1
             assert len(ch["turns"]) == len(ch["new_tokens"]) == len(ch["wall_time"]) == n_turns
-            if m != "hf-pld":
+            if not m.startswith("hf-"):
                 assert sum(ch["accept_lengths"]) == sum(ch["new_tokens"])
-        # the speedup, recomputed by hand from the answer files
+        # the speedups, recomputed by hand from the answer files
         tps = {}
-        for name in ("ar", m):
+        for name in ("ar", "hf-ar", m):
             tps[name] = statistics.mean(
                 sum(r["choices"][0]["new_tokens"]) / sum(r["choices"][0]["wall_time"])
                 for r in map(json.loads, open(out / "answers" / f"{name}.jsonl")))
         assert report["methods"][m]["overall"]["speedup"] == pytest.approx(tps[m] / tps["ar"], rel=1e-9)
+        assert report["methods"][m]["overall"]["speedup_over_hf_ar"] == pytest.approx(tps[m] / tps["hf-ar"],
+                                                                                      rel=1e-9)
         # greedy fp32: every method answers exactly as plain decoding does
         assert report["methods"][m]["overall"]["differ_from_ar"] == 0
+        assert report["methods"][m]["overall"]["differ_from_hf_ar"] == 0
         assert set(report["methods"][m]["categories"]) == set(specbench.CATEGORIES)
     assert report["methods"]["hd"]["overall"]["layers"]["context"]["accepted"] > 0
     assert "stats" in report["methods"]["stats"]["overall"]["layers"]
-    # the saved run renders again
-    assert "speedup over ar by category" in hd("bench", "report", str(out)).output
+    assert report["methods"]["suffix"]["overall"]["layers"]["suffix"]["accepted"] > 0
+    assert report["methods_run"][1] == "hf-ar" and report["suffix"]["max_tree_depth"] == 24
+    # the saved run renders again, over both baselines
+    shown = hd("bench", "report", str(out)).output
+    assert "speedup over ar by category" in shown and "speedup over hf-ar by category" in shown
+
+
+def test_suffix_without_its_package_is_refused_in_one_line(tiny_model_dir, spec_file, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_arctic(name, *a, **kw):
+        if name.startswith("arctic_inference"):
+            raise ImportError(name)
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_arctic)
+    r = run("bench", "spec-bench", "--data", str(spec_file), "--model", str(tiny_model_dir),
+            "--methods", "ar,suffix", "-n", "4", "--json")
+    assert isinstance(r, HdError)
+    msg = str(r)
+    assert "arctic-inference" in msg and "pip install" in msg and "\n" not in msg
 
 
 def _turn(n, wall, steps):

@@ -155,3 +155,22 @@ def test_sliding_window_model_greedy_equals_plain_past_the_window():
                                          max_candidates=4)).generate(prompt, max_new_tokens=60)
         assert g.tokens == ref
         assert max(g.stats.tree_sizes) > 1
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(vocab_size=50, seed=1, scale=4.0),
+                                  lambda: tiny_gemma3(vocab_size=50, seed=2, scale=4.0)])
+def test_suffix_decoding_drafts_equal_plain_greedy(make):
+    """SuffixDecoding's trees (the real arctic-inference library), verified whole by hd's tree
+    verifier, give plain greedy output; its global tree carries responses across requests."""
+    from hdcli.suffix import SuffixDrafter, new_cache, tree_paths
+    from hdcli.stats import RunStats
+    m = make()
+    cache = new_cache()
+    drafted = 0
+    for p in PROMPTS * 2:  # the second round drafts from the first round's responses too
+        ref = Decoder(m, ()).generate(p, max_new_tokens=40).tokens
+        g = Decoder(m, (), SuffixDrafter(cache)).generate(p, max_new_tokens=40)
+        assert g.tokens == ref
+        drafted += g.stats.layers["suffix"].drafted if "suffix" in g.stats.layers else 0
+    assert drafted > 0
+    assert sorted(tree_paths([5, 6, 7, 8], [-1, 0, -1, 0])) == [[5, 6], [5, 8], [7]]

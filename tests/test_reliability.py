@@ -146,10 +146,19 @@ def test_killed_sampling_resumes_without_losing_samples(tiny_model_dir, tmp_path
     args = HD + ["build-model-db", "-o", str(out), "--model", str(tiny_model_dir), "--prompts", str(prompts),
                  "--num-prompts", str(N), "-n", "48", "--batch-size", "2", "--json"]
     seen = 0
-    for delay in (3.0, 3.5, 4.0):
+
+    def complete_lines() -> int:
+        if not samples.exists():
+            return 0
+        return sum(1 for x in samples.read_text().splitlines() if x.endswith("}"))
+
+    for _ in range(3):
         p = subprocess.Popen(args + (["--resume"] if samples.exists() else []),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(delay)
+        # kill once this run has written something new: mid-sampling whatever this machine's speed
+        deadline = time.monotonic() + 300
+        while complete_lines() <= seen and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         p.send_signal(signal.SIGKILL)
         p.wait()
         assert not out.exists() or stores.Store(out).header["prompts"] == N
