@@ -53,10 +53,10 @@ METHOD_HELP = {
     "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
     "context": "context DB only (prompt lookup)",
     "recycle": "the target's own recycled predictions only (Token Recycling with bigram keys)",
-    "context+recycle": "context DB, then recycled predictions, token trees",
+    "context+recycle": "context DB, then recycled predictions, token trees (hd generate's default without DBs)",
     "stats": "statistics DB only (corpus retrieval, REST-like)",
     "model": "model DB only",
-    "hd": f"every layer given, {api.DEFAULT_POLICY} policy, token trees of up to "
+    "hd": f"context DB, recycled predictions and every DB given, {api.DEFAULT_POLICY} policy, token trees of up to "
           f"{api.DEFAULT_CANDIDATES} candidates",
     "hd-chain": "every layer, default policy, one candidate (single-chain verification)",
     "hd-first-hit": "every layer, first-hit policy, token trees",
@@ -125,7 +125,7 @@ def check_methods(names) -> None:
 
 def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
     check_methods(names)
-    all_layers = ["context"] + ["model"] * (model_db is not None) + ["stats"] * bool(stats_dbs)
+    all_layers = api.default_layers(stats_dbs, model_db)
     cheap = api.cheap_verification(lm)
     stock = api.stock_model(lm) if any(n.startswith("hf-") for n in names) else None
     runners = {}

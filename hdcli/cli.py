@@ -26,7 +26,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="hd: lossless speculative decoding from a hierarchy of drafting sources.")
 
 # Colour of accepted drafted tokens, by the layer that drafted them.
-LAYER_STYLES = {"context": "green", "model": "cyan", "stats": "magenta"}
+LAYER_STYLES = {"context": "green", "recycle": "yellow", "model": "cyan", "stats": "magenta"}
 
 
 def _version(value: bool):
@@ -94,8 +94,9 @@ def generate(
     system: Optional[str] = typer.Option(None, help="System message for the chat template."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     layers: Optional[str] = typer.Option(None, help="Drafting layers, most local first, comma-separated "
-                                         "(context, model, stats); 'none' for plain decoding. Default: "
-                                         "context, then model and stats when their DBs are given."),
+                                         "(context, recycle, model, stats); 'none' for plain decoding. "
+                                         "Default: context, recycle (the target's own earlier "
+                                         "predictions), then model and stats when their DBs are given."),
     policy: str = typer.Option(api.DEFAULT_POLICY, help="How layers share a step: first-hit (first "
                                "layer that matches), fill (slots in layer order), adaptive (by "
                                "each layer's acceptance in this request)."),
@@ -146,7 +147,7 @@ def generate(
     if learn and model_db is None:
         raise HdError("--learn adds to a model DB: pass --model-db PATH")
     if layers is None:
-        layers = ",".join(["context"] + ["model"] * (model_db is not None) + ["stats"] * bool(stats_db))
+        layers = ",".join(api.default_layers(stats_db, model_db))
     layer_list = [] if layers.strip() == "none" else [x.strip() for x in layers.split(",") if x.strip()]
     dbs = api.open_stats_dbs([str(p) for p in stats_db])  # fail before loading the model
     mdb = api.open_stats_dbs([str(model_db)], writable=learn)[0] if model_db else None

@@ -174,3 +174,24 @@ def test_suffix_decoding_drafts_equal_plain_greedy(make):
         drafted += g.stats.layers["suffix"].drafted if "suffix" in g.stats.layers else 0
     assert drafted > 0
     assert sorted(tree_paths([5, 6, 7, 8], [-1, 0, -1, 0])) == [[5, 6], [5, 8], [7]]
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(vocab_size=50, seed=1, scale=4.0),
+                                  lambda: tiny_gemma3(vocab_size=50, seed=2, scale=4.0)])
+def test_recycled_predictions_equal_plain_greedy(make):
+    """The recycle layer drafts the target's own earlier predictions (one table shared across
+    requests, as a benchmark run shares it); trees of them with the context DB stay exact."""
+    from hdcli.drafting import RecycledLayer, RecycledTable
+    m = make()
+    table = RecycledTable()
+    drafted = accepted = 0
+    for p in PROMPTS * 2:
+        ref = Decoder(m, ()).generate(p, max_new_tokens=40).tokens
+        for layers in ([RecycledLayer(table)], [ContextDB(1, 3), RecycledLayer(table)]):
+            g = Decoder(m, (), Hierarchy(layers, policy="fill", max_candidates=4)).generate(p, max_new_tokens=40)
+            assert g.tokens == ref
+            st = g.stats.layers.get("recycle")
+            drafted += st.drafted if st else 0
+            accepted += st.accepted if st else 0
+    assert drafted > 0 and accepted > 0
+    assert table.bigram and table.unigram
