@@ -27,6 +27,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 # Colour of accepted drafted tokens, by the layer that drafted them.
 LAYER_STYLES = {"context": "green", "recycle": "yellow", "model": "cyan", "stats": "magenta"}
+LAYER_SHORT = {"context": "ctx", "recycle": "rec", "model": "mdl", "stats": "st", "suffix": "sfx"}  # 80-column tables
 
 
 def _version(value: bool):
@@ -684,15 +685,19 @@ def _bench_tables(summary: dict, meta: dict) -> Table:
     hf = any("speedup_over_hf_ar" in f["overall"] for f in methods.values())
     t = Table(title=f"Spec-Bench · {meta['model']} · {meta['dtype']} · {meta['device']} · "
                     f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens",
+              caption="acc: mean accepted tokens per step · out: share of step time outside the "
+                      "target's forward · differ: answers unlike ar's",
               box=box.SIMPLE_HEAD, pad_edge=False)
-    cols = ["method", "vs ar"] + ["vs hf-ar"] * hf + ["tok/s", "tok/step", "outside", "differ",
-                                                    "accepted by layer"]
+    # acc: mean accepted tokens per step; out: share of step time outside the target's forward
+    cols = ["method", "vs ar"] + ["vs hf-ar"] * hf + ["tok/s", "acc", "out", "differ", "accepted by layer"]
     for col in cols:
-        t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right")
+        t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right",
+                     no_wrap=col == "method")
     for m, f in methods.items():
         o = f["overall"]
         differ = (f"{o['differ_from_ar']}/{o['questions']}" if "differ_from_ar" in o else "n/a (sampling)")
-        share = " ".join(f"{k} {v['share_of_accepted']:.0%}" for k, v in o["layers"].items() if v["accepted"])
+        share = " ".join(f"{LAYER_SHORT.get(k, k)}:{v['share_of_accepted']:.0%}"
+                         for k, v in o["layers"].items() if v["accepted"])
         t.add_row(m, f"{o['speedup']:.2f}x", *([f"{o['speedup_over_hf_ar']:.2f}x"] if hf else []),
                   f"{o['tokens_per_second']:.1f}",
                   "-" if o["mean_accepted_tokens"] is None else f"{o['mean_accepted_tokens']:.2f}",
@@ -764,7 +769,6 @@ def bench_spec_bench(
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
 ):
     """Run Spec-Bench with several methods on one model, interleaved, and report speedups."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from . import specbench
     if max_new_tokens < 1:
         raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
@@ -794,13 +798,13 @@ def bench_spec_bench(
     for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
     runners = bench.make_runners(lm, names, dbs, mdb)
-    total = len(questions) * len(runners)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, disable=as_json) as prog:
-        task = prog.add_task("warming up", total=total)
-
+    from tqdm import tqdm
+    # tqdm, not a rich live display: progress must show when stderr is a file or a pipe too
+    with tqdm(total=len(questions) * len(runners), desc="warming up", unit=" answers", file=sys.stderr,
+              disable=as_json, mininterval=1.0) as bar:
         def progress(method, q):
-            prog.update(task, advance=1, description=f"{q['category']} · {method}")
+            bar.set_description(f"{q['category']} · {method}")
+            bar.update()
         results = bench.run(lm, questions, runners, max_new_tokens, sampling, seed, progress)
     summary = bench.summarize(results, greedy=sampling.greedy)
     meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
