@@ -33,7 +33,8 @@ def test_build_info_query_generate(tiny_model_dir, corpus, tmp_path):
     assert q["keys"][0]["found"] and q["draft"].startswith("the mat")
     g = json.loads(hd("generate", "--model", m, "-p", "the cat sat on the", "-n", "20",
                       "--stats-db", str(out), "--json", "--compare").stdout)
-    assert g["compare"]["identical"] and set(g["stats"]["layers"]) <= {"context", "stats"}
+    assert g["compare"]["identical"] and set(g["stats"]["layers"]) <= {"context", "recycle", "stats"}
+    assert g["compare"]["identical_to_hf_ar"] and g["compare"]["speedup_over_hf_ar"] > 0
     assert "stats" in g["stats"]["layers"]
     assert "stats" in hd("generate", "--model", m, "-p", "the cat", "-n", "10", "--stats-db", str(out),
                          "--no-color").output
