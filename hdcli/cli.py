@@ -129,8 +129,8 @@ def generate(
     plan: Optional[Path] = typer.Option(None, "--plan", help="Use the hierarchy chosen by `hd plan`."),
     dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
-    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto prepacks Linear layers for oneDNN "
-                                "on CPU (faster; docs/dtype.md), torch keeps torch's kernels."),
+    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
+                                "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
     compare: bool = typer.Option(False, help="Also run plain decoding and report speedup and identity."),
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object to stdout, nothing else."),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour drafted tokens by layer."),
@@ -430,8 +430,8 @@ def build_model_db(
     dtype: str = typer.Option("bf16", help="Sampling needs no bit-exactness, so the fast dtype "
                               "is the default here (fp16/fp32/auto also work)."),
     device: str = typer.Option("auto"),
-    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto prepacks Linear layers for oneDNN "
-                                "on CPU (faster; docs/dtype.md), torch keeps torch's kernels."),
+    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
+                                "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
     overwrite: bool = typer.Option(False),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -580,8 +580,8 @@ def plan_cmd(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per measured run."),
     dtype: str = typer.Option("auto"),
     device: str = typer.Option("auto"),
-    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto prepacks Linear layers for oneDNN "
-                                "on CPU (faster; docs/dtype.md), torch keeps torch's kernels."),
+    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
+                                "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
     out_path: Optional[Path] = typer.Option(None, "--out", help="Save the chosen plan (for hd generate --plan)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -762,8 +762,8 @@ def bench_spec_bench(
     model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB."),
     dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
-    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto prepacks Linear layers for oneDNN "
-                                "on CPU (faster; docs/dtype.md), torch keeps torch's kernels."),
+    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
+                                "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json, answers/<method>.jsonl "
                                            "(Spec-Bench's answer schema) and speedup.png here."),
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
