@@ -67,6 +67,15 @@ def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
     return dbs
 
 
+SEED_RANGE = (0, 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def check_seed(seed: int | None) -> None:
+    """A seed torch can take, or a one-line error naming --seed."""
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise HdError(f"--seed must be between 0 and 2**64 - 1, not {seed}")
+
+
 def default_layers(stats_dbs: Sequence = (), model_db=None) -> list[str]:
     """The hierarchy run when no --layers is given, most local first: the context DB, the
     target's recycled predictions (free, +5-7% measured on Spec-Bench, docs/benchmarks.md), then
@@ -113,9 +122,11 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
     min_n = default_min_n(cheap_verify) if min_n is None else min_n
     min_prob = default_min_prob(cheap_verify) if stats_min_prob is None else stats_min_prob
     min_expected = default_min_expected(cheap_verify) if stats_min_expected is None else stats_min_expected
-    lens = draft_len.values() if isinstance(draft_len, dict) else [draft_len]
-    if any(n < 1 for n in lens):
-        raise HdError(f"--draft-len must be >= 1, not {draft_len}")
+    lens = draft_len.items() if isinstance(draft_len, dict) else [(None, draft_len)]
+    for name, n in lens:
+        if n < 1:
+            raise HdError(f"--draft-len must be >= 1" + (f" for every layer, not {name}={n}" if name
+                                                         else f", not {n}"))
     if isinstance(draft_len, dict):
         unknown = [k for k in draft_len if k.split(":")[0] not in LAYER_NAMES]
         if unknown:
@@ -246,6 +257,7 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     greedy decoding token for token whatever the drafts."""
     if max_new_tokens < 1:
         raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
+    check_seed(seed)
     if prompt_ids is None:
         prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=chat, system=system)
     room = lm.max_context - len(prompt_ids)

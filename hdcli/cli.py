@@ -145,6 +145,7 @@ def generate(
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     except ValueError as exc:
         raise HdError(f"invalid sampling option: {exc}") from None
+    api.check_seed(seed)
     if learn and model_db is None:
         raise HdError("--learn adds to a model DB: pass --model-db PATH")
     if layers is None:
@@ -438,8 +439,11 @@ def build_model_db(
     """Sample the target model on a prompt set and index what it wrote into a model DB."""
     from tqdm import tqdm
     from . import models, modeldb
+    api.check_seed(seed)
     if out.exists() and not overwrite:
         raise HdError(f"{out} already exists: pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        raise HdError(f"the output folder {out.parent} does not exist: create it or choose another -o path")
     result = {"path": str(out)}
     params = dict(min_n=min_n, max_n=max_n, top_k=top_k, min_count=min_count)
     if from_samples is not None:
@@ -541,7 +545,7 @@ def _calibration_prompts(lm, prompts: Optional[Path], count: int) -> list[list[i
     texts = []
     if prompts is not None:
         try:
-            raw = prompts.read_text(encoding="utf-8")
+            raw = prompts.read_text(encoding="utf-8-sig")  # -sig: a BOM is not data
         except (OSError, UnicodeDecodeError) as exc:
             raise HdError(f"cannot read --prompts {prompts}: {exc}") from None
         if prompts.suffix == ".jsonl":
@@ -592,6 +596,8 @@ def plan_cmd(
     say = (lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]"))
     if t_max < 1 or count < 1 or tokens < 2:
         raise HdError("--t-max and --count must be >= 1, --tokens >= 2")
+    if not [n for n in draft_models.split(",") if n.strip()]:
+        raise HdError("--draft-models is empty: name at least one draft model (e.g. self:layers=8)")
     dbs = api.open_stats_dbs([str(p) for p in stats_db])
     mdb = api.open_stats_dbs([str(model_db)])[0] if model_db else None
     say(f"loading {model} ...")
@@ -778,6 +784,7 @@ def bench_spec_bench(
         sampling = Sampling(temperature=temperature)
     except ValueError as exc:
         raise HdError(f"invalid sampling option: {exc}") from None
+    api.check_seed(seed)
     if methods is None:
         from . import suffix
         names = [m for m in bench.DEFAULT_METHODS

@@ -33,7 +33,7 @@ def load_prompts(path: str | Path | None = None, num_prompts: int | None = None)
         raise HdError(f"prompt file {path} does not exist" + ("" if path != DEFAULT_PROMPTS else
                       " (the default prompt set ships in sample_corpora/; pass --prompts FILE)"))
     prompts = []
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a BOM is not data
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -46,7 +46,7 @@ def load(path: str | Path) -> list[dict]:
     """Questions in file order, each {question_id, category (mapped), subcategory, turns}."""
     out = []
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # -sig: a BOM is not data
     except (OSError, UnicodeDecodeError) as exc:
         raise HdError(f"cannot read Spec-Bench file {path}: {exc}") from None
     for n, line in enumerate(lines, 1):

@@ -13,6 +13,8 @@ output has exactly the target's distribution, candidate by candidate.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +28,8 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # nan fails >= too
+            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
         if not 0.0 < self.top_p <= 1.0:

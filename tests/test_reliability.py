@@ -241,3 +241,37 @@ def test_dbs_on_a_read_only_file_system_open_for_drafting(tiny_model_dir, tiny_l
     assert p.returncode == 0, p.stderr[-2000:]
     g = json.loads(p.stdout)
     assert g["compare"]["identical"] and {"stats", "model"} <= set(g["stats"]["layers"])
+
+
+# --- issue 13: one line instead of a traceback --------------------------------------------------
+
+def test_bad_numbers_and_empty_lists_are_one_line_errors(tiny_model_dir, tmp_path):
+    from test_cli import run
+    from hdcli.errors import HdError
+    m = str(tiny_model_dir)
+    cases = [
+        (["generate", "--model", m, "-p", "the cat", "--temperature", "nan"], "temperature must be a finite"),
+        (["generate", "--model", m, "-p", "the cat", "--temperature", "inf"], "temperature must be a finite"),
+        (["generate", "--model", m, "-p", "the cat", "--temperature", "0.7", "--seed", str(2 ** 70)],
+         "--seed must be between 0 and 2**64 - 1"),
+        (["generate", "--model", m, "-p", "the cat", "--draft-len", "stats=0"],
+         "--draft-len must be >= 1 for every layer, not stats=0"),
+        (["plan", "--model", m, "--draft-models", " , "], "--draft-models is empty"),
+        (["build-model-db", "--model", m, "-o", str(tmp_path / "missing" / "m.lmdb")],
+         "output folder"),
+    ]
+    for args, want in cases:
+        r = run(*args)
+        assert isinstance(r, HdError), (args, getattr(r, "output", r))
+        assert want in str(r) and "\n" not in str(r), (args, str(r))
+
+
+def test_a_utf8_bom_is_not_data(tiny_model_dir, tmp_path):
+    """Files saved by editors that write a BOM read like any other JSON lines."""
+    from hdcli import modeldb, specbench
+    q = tmp_path / "question.jsonl"
+    q.write_text('\ufeff{"question_id": 1, "category": "qa", "turns": ["the cat"]}\n', encoding="utf-8")
+    assert specbench.load(q)[0]["turns"] == ["the cat"]
+    p = tmp_path / "prompts.jsonl"
+    p.write_text('\ufeff{"prompt": "the cat sat"}\n', encoding="utf-8")
+    assert modeldb.load_prompts(p)[0] == ["the cat sat"]
