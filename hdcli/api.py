@@ -16,14 +16,9 @@ from .drafting import ContextDB, Hierarchy, RecycledLayer, RecycledTable, StatsD
 from .errors import HdError
 from .verify import Sampling
 
+load_model = models.load
+
 LAYER_NAMES = ("context", "recycle", "model", "stats")
-
-
-def load_model(name: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-               kernels: str = "auto", drafting: bool = True, quiet: bool = False) -> models.LoadedModel:
-    """models.load: a target model, with `kernels="auto"` choosing the faster kernel set on this
-    machine by measurement (for speculative decoding, or plain decoding when drafting is False)."""
-    return models.load(name, dtype=dtype, device=device, kernels=kernels, drafting=drafting, quiet=quiet)
 
 
 def cheap_verification(lm: models.LoadedModel) -> bool:
@@ -125,8 +120,8 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
     lens = draft_len.items() if isinstance(draft_len, dict) else [(None, draft_len)]
     for name, n in lens:
         if n < 1:
-            raise HdError(f"--draft-len must be >= 1" + (f" for every layer, not {name}={n}" if name
-                                                         else f", not {n}"))
+            where = f" for every layer, not {name}={n}" if name else f", not {n}"
+            raise HdError("--draft-len must be >= 1" + where)
     if isinstance(draft_len, dict):
         unknown = [k for k in draft_len if k.split(":")[0] not in LAYER_NAMES]
         if unknown:
@@ -366,6 +361,15 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
 DEFAULT_LEVEL_TOKENS = 4
 
 
+def draft_model_names(draft_models: str | Sequence[str]) -> list[str]:
+    """'a, b' or ['a', 'b'] -> ['a', 'b'], refusing an empty list (before any model loads)."""
+    parts = draft_models.split(",") if isinstance(draft_models, str) else draft_models
+    names = [n.strip() for n in parts if n.strip()]
+    if not names:
+        raise HdError("--draft-models is empty: name at least one draft model (e.g. self:layers=8)")
+    return names
+
+
 def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens: Sequence[int] = (),
                base: Hierarchy | None = None, sampling: Sampling = Sampling(), seed: int = 0,
                loaded: dict | None = None):
@@ -375,9 +379,7 @@ def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens
     cache, so repeated stacks share their draft models."""
     from . import draftmodels
     from .stack import ModelStack
-    names = [n.strip() for n in draft_models if n.strip()]
-    if not names:
-        raise HdError("--draft-models is empty: name at least one draft model")
+    names = draft_model_names(draft_models)
     Ts = list(level_tokens) or [DEFAULT_LEVEL_TOKENS] * len(names)
     if len(Ts) != len(names):
         raise HdError(f"--level-tokens gives {len(Ts)} sizes for {len(names)} draft models")

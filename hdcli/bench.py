@@ -209,6 +209,8 @@ def summarize(results: dict, greedy: bool = True) -> dict:
     order = {c: i for i, c in enumerate(specbench.CATEGORIES)}
     cats = sorted({q["category"] for q, _ in base}, key=lambda c: (order.get(c, len(order)), c))
 
+    hf = results.get("hf-ar")  # transformers' generate on the stock model, when it ran
+
     def tps_of(rows) -> list[float]:
         return [sum(len(t.tokens) for t in turns) / sum(t.wall_time for t in turns) for _, turns in rows]
 
@@ -252,7 +254,6 @@ def summarize(results: dict, greedy: bool = True) -> dict:
         return out
 
     summary = {}
-    hf = results.get("hf-ar")
     for m in results:
         summary[m] = {"overall": figures(m, lambda q: True),
                       "categories": {c: figures(m, lambda q, c=c: q["category"] == c) for c in cats}}

@@ -290,7 +290,7 @@ def costs_cmd(
     when = [c["measured_at"] for c in rep["curves"].values() if c.get("measured_at")]
     if when:
         age = (time.time() - min(when)) / 86400
-        con.print(f"measured {age:.1f} days ago; cached under {api.costs._cache_root()} "
+        con.print(f"measured {age:.1f} days ago; cached under {api.costs.cache_root()} "
                   f"(re-measured after {api.costs.MAX_AGE_DAYS} days, or with --remeasure)")
 
 
@@ -596,8 +596,7 @@ def plan_cmd(
     say = (lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]"))
     if t_max < 1 or count < 1 or tokens < 2:
         raise HdError("--t-max and --count must be >= 1, --tokens >= 2")
-    if not [n for n in draft_models.split(",") if n.strip()]:
-        raise HdError("--draft-models is empty: name at least one draft model (e.g. self:layers=8)")
+    names = api.draft_model_names(draft_models)
     dbs = api.open_stats_dbs([str(p) for p in stats_db])
     mdb = api.open_stats_dbs([str(model_db)])[0] if model_db else None
     say(f"loading {model} ...")
@@ -610,7 +609,6 @@ def plan_cmd(
     def db_factory():
         return api.make_drafter(layers, cheap_verify=cheap, stats_dbs=dbs, model_db=mdb, candidates=1)
     ids = _calibration_prompts(lm, prompts, count)
-    names = [n.strip() for n in draft_models.split(",") if n.strip()]
     loaded = {}
     for n in names:
         say(f"loading draft {n} ...")
@@ -694,7 +692,6 @@ def _bench_tables(summary: dict, meta: dict) -> Table:
               caption="acc: mean accepted tokens per step · out: share of step time outside the "
                       "target's forward · differ: answers unlike ar's",
               box=box.SIMPLE_HEAD, pad_edge=False)
-    # acc: mean accepted tokens per step; out: share of step time outside the target's forward
     cols = ["method", "vs ar"] + ["vs hf-ar"] * hf + ["tok/s", "acc", "out", "differ", "accepted by layer"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right",

@@ -25,6 +25,7 @@ Measurement, made so that a loaded machine cannot fake the curve
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -90,8 +91,10 @@ def flat(cost: float = 1.0) -> CostCurve:
     return CostCurve({1: 1.0, 64: cost})
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_name() -> str:
-    """The CPU model (lscpu's 'Model name'), part of every cache key: curves do not travel."""
+    """The CPU model (lscpu's 'Model name'), part of every cache key: curves do not travel.
+    Read once per process: every curve lookup (each api.generate) builds a key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -182,19 +185,21 @@ def measure(model, context: int = 256, repeats: int = ROUNDS, widths=WIDTHS, qui
     """The cost curve of `model`: least times over interleaved rounds, relative to w = 1, checked
     for plausibility and measured once more (twice the rounds) when it fails."""
     curve = curve_from_seconds(measure_seconds(model, context, repeats, widths, desc, quiet))
-    if not plausible(curve, model):
+    ok = plausible(curve, model)
+    if not ok:
         curve = curve_from_seconds(measure_seconds(model, context, 2 * repeats, widths,
                                                    desc + " (again: the first looked loaded)", quiet))
-    curve.info["plausible"] = plausible(curve, model)
+        ok = plausible(curve, model)
+    curve.info["plausible"] = ok
     return curve
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     return Path(os.environ.get("HD_CACHE_DIR") or Path.home() / ".cache" / "hdcli") / "costs"
 
 
 def _cache_path(key: str) -> Path:
-    return _cache_root() / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return cache_root() / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def curve_key(source: str, dtype: str, device: str, kernels: str) -> str:
@@ -271,14 +276,3 @@ def forget(key: str) -> bool:
         return True
     except OSError:
         return False
-
-
-def cached_records() -> list[dict]:
-    """Every cached curve record (for `hd costs --all`)."""
-    out = []
-    for p in sorted(_cache_root().glob("*.json")):
-        try:
-            out.append(json.loads(p.read_text()) | {"file": str(p)})
-        except (OSError, ValueError):
-            continue
-    return out

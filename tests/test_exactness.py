@@ -52,6 +52,10 @@ class RandomLayer:
         return [[self.rng.randrange(self.vocab) for _ in range(max_len)]]
 
 
+# a tiny llama and a tiny Gemma 3 (sliding-window layers), for the drafting paths added later
+TINY_MODELS = [lambda: tiny_llama(vocab_size=50, seed=1, scale=4.0),
+               lambda: tiny_gemma3(vocab_size=50, seed=2, scale=4.0)]
+
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11, 10, 11, 10, 11, 10], [1] + list(range(5, 40)), [1, 7]]
 
 
@@ -157,13 +161,11 @@ def test_sliding_window_model_greedy_equals_plain_past_the_window():
         assert max(g.stats.tree_sizes) > 1
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_llama(vocab_size=50, seed=1, scale=4.0),
-                                  lambda: tiny_gemma3(vocab_size=50, seed=2, scale=4.0)])
+@pytest.mark.parametrize("make", TINY_MODELS, ids=["llama", "gemma3"])
 def test_suffix_decoding_drafts_equal_plain_greedy(make):
     """SuffixDecoding's trees (the real arctic-inference library), verified whole by hd's tree
     verifier, give plain greedy output; its global tree carries responses across requests."""
     from hdcli.suffix import SuffixDrafter, new_cache, tree_paths
-    from hdcli.stats import RunStats
     m = make()
     cache = new_cache()
     drafted = 0
@@ -176,8 +178,7 @@ def test_suffix_decoding_drafts_equal_plain_greedy(make):
     assert sorted(tree_paths([5, 6, 7, 8], [-1, 0, -1, 0])) == [[5, 6], [5, 8], [7]]
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_llama(vocab_size=50, seed=1, scale=4.0),
-                                  lambda: tiny_gemma3(vocab_size=50, seed=2, scale=4.0)])
+@pytest.mark.parametrize("make", TINY_MODELS, ids=["llama", "gemma3"])
 def test_recycled_predictions_equal_plain_greedy(make):
     """The recycle layer drafts the target's own earlier predictions (one table shared across
     requests, as a benchmark run shares it); trees of them with the context DB stay exact."""
