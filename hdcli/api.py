@@ -394,18 +394,44 @@ def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens
     return ModelStack(levels, base, sampling, seed)
 
 
-def read_plan(path, lm: models.LoadedModel | None = None) -> dict:
-    """The chain saved by `hd plan` ({"bottom": "none"|"db", "levels": [{"model", "T"}]})."""
+def read_plan_file(path) -> dict:
+    """The whole document saved by `hd plan --out`, checked to hold a chain."""
     import json
     from pathlib import Path
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
         chain = data["chain"]
         chain["bottom"], [(lv["model"], int(lv["T"])) for lv in chain["levels"]]
     except FileNotFoundError:
         raise HdError(f"plan {path} not found: make one with `hd plan --out {path}`") from None
     except (OSError, ValueError, KeyError, TypeError):
         raise HdError(f"{path} is not a plan written by `hd plan`") from None
+    return data
+
+
+def plan_dbs(plan_path, data: dict, stats_dbs: list, model_db) -> tuple[list, object]:
+    """The DBs a run with this plan drafts from: the plan's own when none are given; the given
+    ones only when they are the plan's (a plan measured with a statistics DB and run without it
+    would draft less than it predicted)."""
+    import os
+    from pathlib import Path
+    planned_stats = [Path(p) for p in data.get("stats_dbs", [])]
+    planned_model = Path(data["model_db"]) if data.get("model_db") else None
+    if not stats_dbs and model_db is None:
+        return planned_stats, planned_model
+    same = lambda a, b: (a is None) == (b is None) and (a is None or os.path.realpath(a) == os.path.realpath(b))
+    if (len(stats_dbs) != len(planned_stats) or not all(map(same, stats_dbs, planned_stats))
+            or not same(model_db, planned_model)):
+        planned = [str(p) for p in planned_stats] + ([f"model DB {planned_model}"] if planned_model else [])
+        raise HdError(f"plan {plan_path} was measured with {', '.join(planned) or 'no DB'}: pass the same "
+                      "--stats-db/--model-db (or none, to use the plan's), or run `hd plan` again")
+    return list(stats_dbs), model_db
+
+
+def read_plan(path, lm: models.LoadedModel | None = None) -> dict:
+    """The chain saved by `hd plan` ({"bottom": "none"|"db", "levels": [{"model", "T"}]})."""
+    data = read_plan_file(path)
+    chain = data["chain"]
     if lm is not None and (data.get("target") != lm.name or data.get("dtype") != lm.dtype):
         raise HdError(f"plan {path} was made for {data.get('target')} in {data.get('dtype')}, not "
                       f"{lm.name} in {lm.dtype}: costs and acceptance differ, run `hd plan` again")

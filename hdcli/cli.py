@@ -146,6 +146,11 @@ def generate(
     except ValueError as exc:
         raise HdError(f"invalid sampling option: {exc}") from None
     api.check_seed(seed)
+    plan_data = api.read_plan_file(plan) if plan is not None else None
+    if plan_data is not None:  # the plan's DBs and layers: what its figures were measured with
+        stats_db, model_db = api.plan_dbs(plan, plan_data, stats_db, model_db)
+        if layers is None and plan_data.get("db_layers"):
+            layers = ",".join(plan_data["db_layers"])
     if learn and model_db is None:
         raise HdError("--learn adds to a model DB: pass --model-db PATH")
     if layers is None:
@@ -167,6 +172,10 @@ def generate(
                   f"{lm.load_seconds:.1f}s{' from cache' if lm.from_cache else ''}[/dim]")
     for db in dbs + ([mdb] if mdb else []):
         db.check_tokenizer(lm.tokenizer, lm.name)
+        planned = (plan_data or {}).get("db_digests", {}).get(str(db.path.resolve()))
+        if planned and planned != db.header.get("content_digest") and not as_json:
+            err.print(f"[yellow]warning:[/yellow] {db.path} changed since plan {plan} was measured "
+                      "(learned or rebuilt): its predictions may be off; run `hd plan` again")
     cheap = api.cheap_verification(lm)
     drafter = api.make_drafter(layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, cheap_verify=cheap,
                                stats_dbs=dbs, stats_min_prob=stats_min_prob,
@@ -208,6 +217,7 @@ def generate(
               "load_seconds": lm.load_seconds, "layers": layer_list, "draft_len": draft_lens,
               "policy": policy, "candidates": candidates,
               "stats_dbs": [str(p) for p in stats_db], "model_db": str(model_db) if model_db else None,
+              "plan": str(plan) if plan else None,
               "sampling": vars(sampling) | {"seed": seed}, **res.to_dict()}
     if stack is not None:
         report["levels"] = stack.level_stats()
@@ -313,6 +323,14 @@ def _parse_shard(shard: Optional[str]) -> tuple[int, int]:
     return i, n
 
 
+def _check_output(out: Path, overwrite: bool) -> None:
+    """Refuse a DB output path before any work (the writer checks again, atomically, at the end)."""
+    from .stores import check_output_path
+    check_output_path(out)
+    if out.exists() and not overwrite:
+        raise HdError(f"{out} already exists: pass --overwrite to replace it")
+
+
 def _print_header(header: dict, extra: Optional[dict] = None) -> None:
     t = Table(show_header=False)
     for k, v in {**header, **(extra or {})}.items():
@@ -346,8 +364,7 @@ def build_stats(
     """Count n-gram continuations of a corpus into a statistics DB (LMDB)."""
     from tqdm import tqdm
     from . import corpus as corpus_mod, models, statsdb
-    if out.exists() and not overwrite:
-        raise HdError(f"{out} already exists: pass --overwrite to replace it")
+    _check_output(out, overwrite)
     texts, report = corpus_mod.read_corpus(corpus, field=field, with_prompt=with_prompt, limit=limit,
                                            shard=_parse_shard(shard), strict=strict)
     tok = models.load_tokenizer(model)
@@ -370,20 +387,23 @@ def build_stats(
     except HdError as exc:
         if "no documents" in str(exc):  # name what was read and what was skipped
             names = ", ".join(Path(f["path"]).name for f in report.files) or ", ".join(corpus)
+            first = f" (first: {report.first_malformed})" if report.first_malformed else ""
             raise HdError(f"no documents in {names} (field '{field}'): {report.skipped_empty} empty "
-                          f"records, {report.skipped_malformed} malformed lines; check the files "
-                          "and --field") from None
+                          f"records, {report.skipped_malformed} malformed lines or records{first}; "
+                          "check the files and --field") from None
         raise
     finally:
         bar.close()
     read = {"skipped_malformed": report.skipped_malformed, "skipped_empty": report.skipped_empty,
-            "replaced_non_utf8": report.replaced_non_utf8}
+            "replaced_non_utf8": report.replaced_non_utf8, "first_malformed": report.first_malformed}
     if as_json:
         typer.echo(json.dumps({"path": str(out), "header": header, "read": read}))
         return
     for what, n in read.items():
-        if n:
-            Console(stderr=True).print(f"[yellow]warning:[/yellow] {n} records {what.replace('_', ' ')}")
+        if n and what != "first_malformed":
+            first = f" (first: {report.first_malformed})" if what == "skipped_malformed" else ""
+            Console(stderr=True, highlight=False, soft_wrap=True).print(
+                Text.assemble(("warning: ", "yellow"), f"{n} records {what.replace('_', ' ')}{first}"))
     _print_header(header, {"file_bytes": out.stat().st_size})
 
 
@@ -396,8 +416,11 @@ def merge_stats(
     overwrite: bool = typer.Option(False),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Sum the counts of several statistics DBs and prune again."""
+    """Sum the counts of several statistics DBs and prune again. Each input's content digest is
+    checked as it is read; the same DB twice, DBs of different kinds, and pruned DBs mixed with
+    unpruned shards are refused (their sum would be wrong counts)."""
     from . import statsdb
+    _check_output(out, overwrite)
     header = statsdb.merge([str(p) for p in inputs], out, top_k=top_k, min_count=min_count,
                            overwrite=overwrite)
     if as_json:
@@ -440,10 +463,7 @@ def build_model_db(
     from tqdm import tqdm
     from . import models, modeldb
     api.check_seed(seed)
-    if out.exists() and not overwrite:
-        raise HdError(f"{out} already exists: pass --overwrite to replace it")
-    if not out.parent.is_dir():
-        raise HdError(f"the output folder {out.parent} does not exist: create it or choose another -o path")
+    _check_output(out, overwrite)
     result = {"path": str(out)}
     params = dict(min_n=min_n, max_n=max_n, top_k=top_k, min_count=min_count)
     if from_samples is not None:
@@ -487,15 +507,52 @@ app.add_typer(db_app, name="db")
 
 
 @db_app.command("info")
-def db_info(path: Path, as_json: bool = typer.Option(False, "--json")):
-    """Print a DB's header and size figures."""
+def db_info(path: Path, as_json: bool = typer.Option(False, "--json"),
+            verify: bool = typer.Option(False, "--verify", help="Also read every record and check "
+                                        "the content digest (as `hd db verify`).")):
+    """Print a DB's header and size figures (content_digest identifies its counts)."""
     from .stores import Store
     db = Store(path)
     info = {"header": db.header, "size": db.size_info()}
+    if verify:
+        info["verify"] = db.verify()
     if as_json:
         typer.echo(json.dumps(info))
     else:
         _print_header(db.header, db.size_info())
+        if verify:
+            _print_verify(info["verify"])
+        else:
+            Console(stderr=True, highlight=False).print(
+                f"[dim]records not read: `hd db verify {path}` checks them against content_digest[/dim]")
+    if verify and not info["verify"]["ok"]:
+        raise typer.Exit(1)
+
+
+def _print_verify(report: dict) -> None:
+    con = Console(highlight=False, soft_wrap=True)
+    if report["ok"]:
+        stored = "matches the header" if report["header_digest"] else "(no digest in the header: built by an older hd; shapes and count checked)"
+        con.print(f"{report['path']}: [green]OK[/green], {report['records']} records, content digest "
+                  f"{report['content_digest']} {stored}")
+    else:
+        con.print(f"{report['path']}: [red]DAMAGED[/red]: " + "; ".join(report["problems"]))
+
+
+@db_app.command("verify")
+def db_verify(paths: List[Path] = typer.Argument(..., help="DB files to check."),
+              as_json: bool = typer.Option(False, "--json")):
+    """Read every record of each DB: shapes, key count and content digest against the header.
+    Exit code 1 when any is damaged (2 when one cannot be opened at all)."""
+    from .stores import Store
+    reports = [Store(p).verify() for p in paths]
+    if as_json:
+        typer.echo(json.dumps({"ok": all(r["ok"] for r in reports), "dbs": reports}))
+    else:
+        for r in reports:
+            _print_verify(r)
+    if not all(r["ok"] for r in reports):
+        raise typer.Exit(1)
 
 
 @db_app.command("query")
@@ -651,7 +708,11 @@ def plan_cmd(
     result = {"kind": "hd-plan", "target": lm.name, "dtype": lm.dtype, "device": lm.device,
               "kernels": lm.kernels,
               "draft_models": names, "db_layers": [] if no_db else layers,
-              "stats_dbs": [str(p) for p in stats_db], "model_db": str(model_db) if model_db else None,
+              # absolute: `hd generate --plan` opens these DBs from wherever it runs
+              "stats_dbs": [str(p.resolve()) for p in stats_db],
+              "model_db": str(model_db.resolve()) if model_db else None,
+              "db_digests": {str(db.path.resolve()): db.header.get("content_digest")
+                             for db in dbs + ([mdb] if mdb else [])},
               "chain": best.to_dict(), "hierarchy": best.describe(), "predicted_tokens_per_second": best_v,
               "plain_tokens_per_second_predicted": plain_tps, "t_max": t_max,
               "calibration": {"prompts": len(ids), **info,
@@ -872,19 +933,38 @@ def _disk_error(exc: BaseException) -> Optional[str]:
     return None
 
 
+def _fail(message: str, code: int = 2) -> None:
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        Text.assemble(("error: ", "red"), " ".join(message.split())))  # one line, always
+    sys.exit(code)
+
+
 def main() -> None:
+    # click's exceptions, wherever this typer takes click from (recent ones vendor it)
+    cx = sys.modules[typer.BadParameter.__module__]
+    no_args = getattr(cx, "NoArgsIsHelpError", ())
     try:
-        app()
+        # standalone_mode=False: click hands usage errors to us instead of printing its boxed
+        # multi-line form, so they are one line like every other error
+        code = app(standalone_mode=False)
+    except no_args as exc:  # bare `hd` or `hd db`: the help (rich has printed it already)
+        exc.show()
+        sys.exit(exc.exit_code)
+    except cx.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx else "hd"
+        _fail(f"{exc.format_message()} (see `{where} --help`)", exc.exit_code)
+    except cx.ClickException as exc:
+        _fail(exc.format_message(), exc.exit_code)
+    except typer.Abort:
+        _fail("interrupted", 130)
     except HdError as exc:
-        Console(stderr=True, highlight=False, soft_wrap=True).print(
-            Text.assemble(("error: ", "red"), str(exc)))
-        sys.exit(2)
+        _fail(str(exc))
     except Exception as exc:  # noqa: BLE001 - only disk refusals are turned into one line
         msg = _disk_error(exc)
         if msg is None:
             raise
-        Console(stderr=True, highlight=False, soft_wrap=True).print(Text.assemble(("error: ", "red"), msg))
-        sys.exit(2)
+        _fail(msg)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

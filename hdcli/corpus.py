@@ -46,7 +46,8 @@ _GLOB_CHARS = re.compile(r"[*?[]")
 class ReadReport:
     files: list[dict] = dc_field(default_factory=list)  # {"path", "bytes", "sha256"} per input
     documents: int = 0          # documents yielded
-    skipped_malformed: int = 0  # malformed JSON lines (or array items) skipped
+    skipped_malformed: int = 0  # malformed JSON lines, array items or records (text not a string) skipped
+    first_malformed: str | None = None  # where and why, for the warning
     skipped_empty: int = 0      # records whose text was empty, whitespace or null
     replaced_non_utf8: int = 0  # json lines / txt documents / json array files with bytes replaced
     # The skipped_* and replaced_* counts cover every record read, also those another shard yields,
@@ -209,23 +210,27 @@ def _names(keys) -> str:
     return ", ".join(keys[:20]) + (", ..." if len(keys) > 20 else "") if keys else "none"
 
 
-def _text(rec: dict, where: str, field: str, with_prompt: bool, report: ReadReport) -> str | None:
-    """The document of one record, or None when its text is empty (counted)."""
+def _text(rec: dict, where: str, field: str, with_prompt: bool, report: ReadReport,
+          strict: bool = False) -> str | None:
+    """The document of one record, or None when its text is empty or not a string (both counted;
+    a record of the wrong type is malformed like a broken line: skipped, or an error if strict).
+    A missing field is an error: it means the wrong --field far more often than a bad record."""
     if field not in rec:
         raise HdError(f"{where}: no field {field!r} (fields: {_names(rec)}); pass --field NAME")
     text = rec[field]
     if text is None:  # JSON null, or an empty cell of a table: no text, like ""
         text = ""
     if not isinstance(text, str):
-        raise HdError(f"{where}: field {field!r} is {_kind(text)}, not a string; "
-                      f"pass --field NAME of a text field")
+        _malformed(where, f"field {field!r} is {_kind(text)}, not a string", strict, report, "record")
+        return None
     if not text.strip():
         report.skipped_empty += 1
         return None
     if with_prompt:
         prompt = rec.get("prompt")
         if prompt is not None and not isinstance(prompt, str):
-            raise HdError(f"{where}: field 'prompt' is {_kind(prompt)}, not a string")
+            _malformed(where, f"field 'prompt' is {_kind(prompt)}, not a string", strict, report, "record")
+            return None
         if prompt and prompt.strip():
             text = prompt + "\n\n" + text
     return text
@@ -233,8 +238,10 @@ def _text(rec: dict, where: str, field: str, with_prompt: bool, report: ReadRepo
 
 def _malformed(where: str, detail: str, strict: bool, report: ReadReport, what="line") -> None:
     if strict:
-        raise HdError(f"{where}: malformed JSON {what} ({detail})")
+        raise HdError(f"{where}: malformed {'' if what == 'record' else 'JSON '}{what} ({detail})")
     report.skipped_malformed += 1
+    if report.first_malformed is None:
+        report.first_malformed = f"{where}: {detail}"
 
 
 def _first_byte(path: Path) -> bytes:
@@ -385,12 +392,12 @@ def _open_table(path: Path, field: str, with_prompt: bool):
             if not ds:
                 return None
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        return ds.select_columns(wanted(ds.column_names))  # don't decode columns never used
+        return _text_columns(path, ds.select_columns(wanted(ds.column_names)))  # only what is used
     # glob.escape: data_files is a pattern to datasets, and file names may contain [ or *.
     data_files = glob.escape(str(path))
     if path.suffix.lower() == ".parquet":
         ds = datasets.load_dataset("parquet", data_files=data_files, split="train", streaming=True)
-        return ds.select_columns(wanted(list(ds.column_names or [])))
+        return _text_columns(path, ds.select_columns(wanted(list(ds.column_names or []))))
     # CSV: only the needed columns, all read as strings. Otherwise pandas guesses types per chunk (a
     # column of years becomes int, then fails at the first chunk with words) and turns cells such as
     # "NA" or "null" into missing values. Its column names are not known before reading: read the
@@ -399,6 +406,18 @@ def _open_table(path: Path, field: str, with_prompt: bool):
     features = datasets.Features({c: datasets.Value("string") for c in columns})
     return datasets.load_dataset("csv", data_files=data_files, split="train", streaming=True,
                                  features=features, usecols=columns, na_filter=False)
+
+
+def _text_columns(path: Path, ds):
+    """A table's column has one type: a column that is not text fails the file, not each row
+    (a JSON record of the wrong type, by contrast, is one malformed record)."""
+    import datasets
+    for name, feature in (ds.features or {}).items():
+        if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+            what = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
+            raise HdError(f"{path}: column {name!r} holds {what}, not text; pass --field NAME of a "
+                          "text column")
+    return ds
 
 
 class _quiet_datasets:
@@ -437,7 +456,7 @@ def _documents_of(path: Path, field: str, with_prompt: bool, strict: bool,
         else:
             raise HdError(f"corpus file {path} has an unsupported type ({SUPPORTED_TEXT})")
     for where, rec in records:
-        if (text := _text(rec, where, field, with_prompt, report)) is not None:
+        if (text := _text(rec, where, field, with_prompt, report, strict)) is not None:
             yield text
 
 

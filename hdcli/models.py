@@ -252,15 +252,28 @@ def _local_folder(name: str) -> tuple[str, str, str, bool]:
     return kind, source, str(folder), False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json",
+                   "spiece.model", "vocab.txt")
+
+
+def _check_folder(kind: str, folder: str) -> None:
+    """A local folder must hold a tokenizer: without one transformers fails deep inside (asking
+    for sentencepiece or tiktoken) with a multi-line message."""
+    if kind == "dir" and not any((Path(folder) / f).is_file() for f in TOKENIZER_FILES):
+        raise HdError(f"model folder {folder} has no tokenizer ({', '.join(TOKENIZER_FILES[:3])}): "
+                      "copy the model's tokenizer files beside its config.json")
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL):
     """The tokenizer of a model, without loading its weights (for building DBs)."""
     from transformers import AutoTokenizer
     kind, _, folder, _ = _local_folder(name)
+    _check_folder(kind, folder)
     offline = _offline_kwargs(kind)
     try:
         return AutoTokenizer.from_pretrained(folder, **offline)
-    except OSError as exc:
-        raise HdError(f"could not load the tokenizer of '{name}': {str(exc).splitlines()[0]}") from None
+    except (OSError, ValueError) as exc:
+        raise HdError(f"could not load the tokenizer of '{name}': {str(exc).strip().splitlines()[0]}") from None
 
 
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
@@ -277,6 +290,7 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     kn = kern.resolve(kernels, dev, dt)
     t0 = time.perf_counter()
     kind, source, load_from, from_cache = _local_folder(name)
+    _check_folder(kind, load_from)
     offline = _offline_kwargs(kind)
     try:
         tok = AutoTokenizer.from_pretrained(load_from, **offline)
@@ -290,7 +304,9 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                 f"{hub} does not have it; "
                 "pass a local path or download the model first"
             ) from None
-        raise HdError(f"could not load model from {load_from}: {str(exc).splitlines()[0]}") from None
+        raise HdError(f"could not load model from {load_from}: {str(exc).strip().splitlines()[0]}") from None
+    except ValueError as exc:  # e.g. a config transformers cannot build a tokenizer or model from
+        raise HdError(f"could not load model from {load_from}: {str(exc).strip().splitlines()[0]}") from None
     model.to(dev).eval()
     info = {}
     if kn == "measure":

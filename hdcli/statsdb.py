@@ -267,10 +267,7 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
     t0 = time.time()
     dbs = [stores.Store(p) for p in inputs]
     h0 = dbs[0].header
-    for db in dbs[1:]:
-        for field in ("tokenizer_fingerprint", "n_range", "draft_len"):
-            if db.header.get(field) != h0.get(field):
-                raise HdError(f"cannot merge {db.path} with {dbs[0].path}: their {field} differ")
+    meaning = _check_mergeable(dbs)
     shard_k = [db.header["top_k"] for db in dbs if db.header.get("pruned")]
     top_k = top_k if top_k is not None else (min(shard_k) if shard_k else DEFAULTS["top_k"])
     min_count = (min_count if min_count is not None else
@@ -279,7 +276,9 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
     draft_len = int(h0["draft_len"])
     pairs = 0
     with stores.writing(out, overwrite=overwrite) as writer:
-        merged = heapq.merge(*(db.items() for db in dbs), key=lambda kv: kv[0])
+        # check=True: each input's digest is recomputed as it is read; a damaged input raises
+        # before commit, so nothing reaches `out`
+        merged = heapq.merge(*(db.items(check=True) for db in dbs), key=lambda kv: kv[0])
         current, total, counts = None, 0, {}
 
         def flush():
@@ -301,13 +300,50 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
         header = {**h0, "top_k": top_k, "min_count": min_count, "pruned": True, "shard": [0, 1],
                   "documents": sum(db.header.get("documents", 0) for db in dbs),
                   "tokens": sum(db.header.get("tokens", 0) for db in dbs),
-                  "continuations": pairs, "merged_from": [str(p) for p in inputs],
+                  "continuations": pairs, "merged_from": [str(p) for p in inputs], "counts": meaning,
                   "sources": [s for db in dbs for s in db.header.get("sources", [])],
                   "build_seconds": round(time.time() - t0, 2), "tool_version": __version__}
         header = writer.commit(header)
     for db in dbs:
         db.close()
     return header
+
+
+def _check_mergeable(dbs: list) -> str:
+    """Refuse inputs whose sum would be wrong counts; return what the merged counts mean."""
+    h0, first = dbs[0].header, dbs[0].path
+    seen: dict = {}
+    for db in dbs:
+        h = db.header
+        for field in ("tokenizer_fingerprint", "n_range", "draft_len"):
+            if h.get(field) != h0.get(field):
+                raise HdError(f"cannot merge {db.path} with {first}: their {field} differ")
+        if h.get("kind", "stats") != h0.get("kind", "stats"):
+            raise HdError(f"cannot merge {db.path} (a {h.get('kind', 'stats')} DB) with {first} (a "
+                          f"{h0.get('kind', 'stats')} DB): merge DBs of one kind")
+        same = [os.path.realpath(db.path), h.get("content_digest")]
+        for ident in same:
+            if ident is not None and ident in seen:
+                raise HdError(f"{db.path} and {seen[ident]} are the same DB: merging it twice would "
+                              "double its counts; pass each input once")
+        for ident in same:
+            if ident is not None:
+                seen[ident] = db.path
+    shards = [db for db in dbs if not db.header.get("pruned", True)]
+    pruned = [db for db in dbs if db.header.get("pruned", True)]
+    if shards and pruned:
+        raise HdError(f"cannot merge {pruned[0].path} (pruned to top-K) with {shards[0].path} (an "
+                      "unpruned shard): the sum would miss what the pruned DB dropped. Merge the "
+                      "shards on their own, then merge that result with other pruned DBs")
+    if not shards:
+        return "approximate: sums of pruned DBs (continuations a DB dropped are not counted)"
+    ns = {tuple(db.header.get("shard", (0, 1)))[1] for db in shards}
+    got = sorted(tuple(db.header.get("shard", (0, 1)))[0] for db in shards)
+    if len(ns) == 1 and got == list(range(next(iter(ns)))):
+        return f"exact: all {len(got)} shards of one build (equals the single build)"
+    n = max(ns)
+    return (f"exact sums of {len(got)} shards ({', '.join(str(i) for i in got)} of {n}): "
+            "not every shard of one build is here")
 
 
 def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int = 0) -> int:
@@ -330,16 +366,28 @@ def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int 
                 per[cont] = per.get(cont, 0) + 1
 
     def write(txn):
+        header = stores.read_header(txn)
+        digest = int(header.get("content_digest", "0"), 16)  # additive: swap each key's share
+        new_keys = 0
         for key, conts in counts.items():
             kb = stores.encode_key(key)
             old = txn.get(kb)
-            total, entries = stores.decode_value(old, draft_len) if old is not None else (0, [])
+            if old is None:
+                total, entries = 0, []
+                new_keys += 1
+            else:
+                total, entries = stores.decode_value(old, draft_len)
+                digest -= stores.record_hash(kb, old)
             merged = {tuple(c): k for c, k in entries}
             for c, k in conts.items():
                 merged[c] = merged.get(c, 0) + k
-            txn.put(kb, stores.encode_value(total + sum(conts.values()),
-                                            _prune(merged, top_k, 1, draft_len), draft_len))
-        header = stores.read_header(txn)
+            value = stores.encode_value(total + sum(conts.values()),
+                                        _prune(merged, top_k, 1, draft_len), draft_len)
+            txn.put(kb, value)
+            digest += stores.record_hash(kb, value)
+        if "content_digest" in header:  # DBs built before digests existed get none
+            header["content_digest"] = stores.digest_hex(digest)
+        header["keys"] = header.get("keys", 0) + new_keys
         header["learned_tokens"] = header.get("learned_tokens", 0) + learned
         header["learned_updates"] = header.get("learned_updates", 0) + 1
         stores.write_header(txn, header)

@@ -14,10 +14,22 @@ Invariants
     that were pruned (so count/total is the continuation's empirical probability);
   * the file at the output path is always complete: builds write `PATH.tmp-*` and rename it into
     place only after the last commit (os.replace is atomic on one filesystem);
+  * a build never replaces a file it did not expect: without overwrite the rename is a hard link
+    that fails if the output appeared during the build (another build racing to the same path);
+    an output path that is a folder is refused;
   * a built file is packed: builds insert keys in hash order, which leaves B-tree pages about half
     full, so commit() copies the store in key order with MDB_APPEND into full pages (the DB built
-    from ../shared/corpora shrank from 184 MB to 57 MB; the copy took 0.9 s).
+    from ../shared/corpora shrank from 184 MB to 57 MB; the copy took 0.9 s);
+  * the header's `content_digest` is the sum mod 2**128 of blake2b-128(len(key), key, value) over
+    all records (header excluded): independent of page layout and build time, so two builds of the
+    same counts have the same digest, and additive, so `--learn` keeps it current key by key.
+    `verify()` recomputes it (with the file size, record shapes and key count); `merge` checks
+    every input's digest before its output is renamed into place;
+  * a file shorter than LMDB's last page (a truncated copy) is refused on open, before any page is
+    touched: reading past the end of a memory map is SIGBUS, not an exception;
+  * files are created with the mode the umask gives (0666 & ~umask), like any other output.
 Reads go through LMDB's memory map with `buffers=True`: a lookup parses the mapped bytes in place.
+A damaged page found while reading raises HdError (one line naming the file and `hd db verify`).
 """
 from __future__ import annotations
 
@@ -39,6 +51,42 @@ FORMAT_VERSION = 1
 HEADER_KEY = b"__hd_header__"   # 13 bytes: never a multiple of 4
 PAD = 0xFFFFFFFF
 INITIAL_MAP_SIZE = 1 << 28     # 256 MiB; doubled whenever LMDB reports the map full
+DIGEST_MOD = 1 << 128
+
+
+def record_hash(key, value) -> int:
+    """One record's share of the content digest (the key length first: keys have 1..max_n tokens)."""
+    key = bytes(key)
+    return int.from_bytes(hashlib.blake2b(bytes([len(key)]) + key + bytes(value), digest_size=16).digest(),
+                          "little")
+
+
+def digest_hex(total: int) -> str:
+    return f"{total % DIGEST_MOD:032x}"
+
+
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def damaged(path, exc: Exception) -> HdError:
+    return HdError(f"{path} is damaged ({str(exc).splitlines()[0]}): run `hd db verify {path}`, "
+                   "then rebuild it or restore a good copy")
+
+
+def check_output_path(path: Path) -> None:
+    """One-line errors for an output path that cannot be a DB file."""
+    if path.is_dir():
+        raise HdError(f"{path} is a folder: -o takes a file path for the DB (e.g. {path / 'stats.lmdb'})")
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise HdError(f"{parent} is a file, not a folder: choose an -o path inside a folder")
+    if not parent.is_dir():
+        raise HdError(f"the output folder {parent} does not exist: create it or choose another -o path")
+    if not os.access(parent, os.W_OK):
+        raise HdError(f"output folder {parent} is not writable")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -109,12 +157,10 @@ class StoreWriter:
     def __init__(self, path: str | Path, overwrite: bool = False, batch: int = 20000):
         lmdb = _lmdb()
         self.path = Path(path)
+        check_output_path(self.path)
         if self.path.exists() and not overwrite:
             raise HdError(f"{self.path} already exists: pass --overwrite to replace it")
-        if not self.path.parent.is_dir():
-            raise HdError(f"output folder {self.path.parent} does not exist")
-        if not os.access(self.path.parent, os.W_OK):
-            raise HdError(f"output folder {self.path.parent} is not writable")
+        self.overwrite = overwrite
         sweep_stale(self.path.parent, self.path.name + ".tmp-")
         if not self.path.exists():  # the lock file of a DB deleted since is an orphan
             Path(str(self.path) + "-lock").unlink(missing_ok=True)
@@ -150,37 +196,63 @@ class StoreWriter:
     def commit(self, header: dict) -> dict:
         """Write the header last, sync, and move the complete file into place. Returns the
         header as stored."""
-        header = {**header, "format_version": FORMAT_VERSION, "keys": self.keys + len(self.pending),
-                  "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        self.put(HEADER_KEY, json.dumps(header).encode())
         self.flush()
-        self.keys -= 1  # the header is not an n-gram key
-        packed = self._packed_copy()
+        header = {**header, "format_version": FORMAT_VERSION, "keys": self.keys,
+                  "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        packed = self._packed_copy(header)
         self.env.close()
         self.tmp.unlink()
         self.tmp = packed
-        os.replace(self.tmp, self.path)
+        os.chmod(self.tmp, _umask_mode())  # mkstemp made it 0600
+        self._move_into_place()
         self.done = True
         return header
+
+    def _move_into_place(self) -> None:
+        if self.overwrite:
+            if self.path.is_dir():
+                raise HdError(f"{self.path} became a folder during the build: nothing was written")
+            os.replace(self.tmp, self.path)
+            return
+        try:  # a hard link never replaces: atomic "create if absent" for a whole file
+            os.link(self.tmp, self.path)
+        except FileExistsError:
+            raise HdError(f"{self.path} appeared during the build (another build to the same path?): "
+                          "it was left as it is and this build discarded; pass --overwrite to "
+                          "replace it") from None
+        except OSError:  # a filesystem without hard links: check, then rename
+            if self.path.exists():
+                raise HdError(f"{self.path} appeared during the build: it was left as it is; pass "
+                              "--overwrite to replace it") from None
+            os.replace(self.tmp, self.path)
+            return
+        self.tmp.unlink()
 
     def _write_error(self, exc: Exception) -> HdError:
         # LMDB reports a full disk or a file-size limit as an I/O error on commit
         return HdError(f"cannot write {self.path} ({exc}): the disk may be full. Nothing was "
                        "replaced: free space or choose another output path")
 
-    def _packed_copy(self) -> Path:
-        """Copy the store in key order into full pages (MDB_APPEND) beside it; synced and closed.
-        Both files carry the temporary prefix, so a kill here leaves only what sweep_stale removes."""
+    def _packed_copy(self, header: dict) -> Path:
+        """Copy the store in key order into full pages (MDB_APPEND) beside it, computing the
+        content digest on the way, then add the header (synced and closed; `header` gains the
+        digest). Both files carry the temporary prefix, so a kill here leaves only what
+        sweep_stale removes."""
         lmdb = _lmdb()
         fd, name = tempfile.mkstemp(prefix=f"{self.path.name}.tmp-{os.getpid()}-", dir=self.path.parent)
         os.close(fd)
-        used = (self.env.info()["last_pgno"] + 2) * self.env.stat()["psize"]  # the copy needs no more
+        psize = self.env.stat()["psize"]
+        used = (self.env.info()["last_pgno"] + 8) * psize  # the copy needs no more, header aside
         dst = lmdb.open(name, subdir=False, map_size=max(used, 1 << 20), lock=False, sync=False,
                         metasync=False, max_dbs=0)
         try:
+            total = 0
             with self.env.begin(buffers=True) as src, dst.begin(write=True) as txn:
                 for k, v in src.cursor():
                     txn.put(k, v, append=True)
+                    total += record_hash(k, v)
+                header["content_digest"] = digest_hex(total)
+                write_header(txn, header)
             dst.sync(True)
         except lmdb.Error as exc:
             Path(name).unlink(missing_ok=True)
@@ -243,6 +315,14 @@ def _open_env(path: Path, writable: bool):
         if not had_lock:
             Path(real + "-lock").unlink(missing_ok=True)
         raise HdError(f"{path} is not an hd DB ({str(exc).splitlines()[0]})") from None
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]  # both read from the meta page
+    size = os.stat(real).st_size
+    if size < need:
+        env.close()
+        if not had_lock:
+            Path(real + "-lock").unlink(missing_ok=True)
+        raise HdError(f"{path} is truncated: {size} bytes, but its pages reach {need} (an interrupted "
+                      "copy or a full disk?): rebuild it or restore a good copy")
     _ENVS[real] = (key, env, writable)
     return env
 
@@ -261,6 +341,8 @@ class Store:
 
     def __init__(self, path: str | Path, writable: bool = False):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise HdError(f"{self.path} is a folder, not a DB file: pass the .lmdb file itself")
         if not self.path.is_file():
             raise HdError(f"DB {self.path} does not exist (build one with `hd build-stats` or "
                           "`hd build-model-db`)")
@@ -268,10 +350,13 @@ class Store:
             raise HdError(f"{self.path} is not writable: --learn needs to write to it")
         self.env = _open_env(self.path, writable)
         self.txn = self.env.begin(buffers=True)
+        lmdb = _lmdb()
         try:
             self.header = read_header(self.txn)
         except ValueError:
             raise HdError(f"{self.path}: the header record is not valid JSON") from None
+        except lmdb.Error as exc:
+            raise damaged(self.path, exc) from None
         if self.header is None:
             raise HdError(f"{self.path} is an LMDB file but not an hd DB (no header record)")
         version = self.header.get("format_version")
@@ -312,16 +397,67 @@ class Store:
         return result
 
     def get(self, key_tokens) -> tuple[int, list[tuple[list[int], int]]] | None:
-        buf = self.txn.get(encode_key(key_tokens))
+        try:
+            buf = self.txn.get(encode_key(key_tokens))
+        except _lmdb().Error as exc:
+            raise damaged(self.path, exc) from None
         return None if buf is None else decode_value(buf, self.draft_len)
 
-    def items(self) -> Iterator[tuple[bytes, tuple[int, list]]]:
-        """All (key bytes, (total, entries)) in key order, header excluded."""
-        with self.env.begin(buffers=True) as txn:
-            for k, v in txn.cursor():
-                k = bytes(k)
-                if k != HEADER_KEY:
+    def items(self, check: bool = False) -> Iterator[tuple[bytes, tuple[int, list]]]:
+        """All (key bytes, (total, entries)) in key order, header excluded. check: recompute the
+        content digest and key count on the way and raise HdError at the end if either differs
+        from the header (a consumer must not commit anything before the iterator is exhausted)."""
+        lmdb = _lmdb()
+        total = keys = 0
+        try:
+            with self.env.begin(buffers=True) as txn:
+                for k, v in txn.cursor():
+                    k = bytes(k)
+                    if k == HEADER_KEY:
+                        continue
+                    if check:
+                        total += record_hash(k, v)
+                        keys += 1
                     yield k, decode_value(v, self.draft_len)
+        except lmdb.Error as exc:
+            raise damaged(self.path, exc) from None
+        if check:
+            problem = self._content_problem(keys, digest_hex(total))
+            if problem:
+                raise HdError(f"{self.path} is damaged ({problem}): rebuild it or restore a good copy")
+
+    def _content_problem(self, keys: int, digest: str) -> str | None:
+        if self.header.get("keys") is not None and keys != self.header["keys"]:
+            return f"{keys} records read, the header says {self.header['keys']}"
+        stored = self.header.get("content_digest")
+        if stored is not None and stored != digest:
+            return f"content digest {digest} differs from the header's {stored}"
+        return None
+
+    def verify(self) -> dict:
+        """Read every record: its shape, the key count and the content digest against the header."""
+        lmdb = _lmdb()
+        problems, keys, total = [], 0, 0
+        width = self.draft_len + 2
+        try:
+            with self.env.begin(buffers=True) as txn:
+                for k, v in txn.cursor():
+                    if bytes(k) == HEADER_KEY:
+                        continue
+                    keys += 1
+                    total += record_hash(k, v)
+                    words = len(v) // 4
+                    if (len(k) % 4 or not self.min_n <= len(k) // 4 <= self.max_n or len(v) % 4
+                            or words < 1 or (words - 1) % width) and len(problems) < 5:
+                        problems.append(f"record {keys} has a malformed key or value")
+        except lmdb.Error as exc:
+            problems.append(f"reading stopped after {keys} records: {str(exc).splitlines()[0]}")
+        digest = digest_hex(total)
+        problem = self._content_problem(keys, digest)
+        if problem:
+            problems.append(problem)
+        return {"path": str(self.path), "ok": not problems, "records": keys, "content_digest": digest,
+                "header_digest": self.header.get("content_digest"), "problems": problems}
 
     def size_info(self) -> dict:
         st = self.env.stat()

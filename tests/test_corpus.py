@@ -63,9 +63,15 @@ def test_missing_or_non_string_field_names_file_line_and_fields(tmp_path):
         docs([p])
     assert str(err.value) == (f"{p}:3: no field 'text' (fields: id, prompt, answer); "
                               f"pass --field NAME")
-    p = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "x"}, {"text": ["y"]}])
-    with pytest.raises(HdError, match=r"corpus.jsonl:2: field 'text' is a list, not a string"):
-        docs([p])
+    # a text field that is not a string is a malformed record: counted and skipped like a broken
+    # line (the behaviour docs/stats-db.md promises), an error naming file and line with strict
+    p = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "x"}, {"text": ["y"]}, {"text": 7},
+                                                {"text": {"a": 1}}, {"text": "z"}])
+    out, report = docs([p])
+    assert out == ["x", "z"] and report.skipped_malformed == 3
+    assert report.first_malformed == f"{p}:2: field 'text' is a list, not a string"
+    with pytest.raises(HdError, match=r"corpus.jsonl:2: malformed record \(field 'text' is a list, not a string"):
+        docs([p], strict=True)
 
 
 def test_non_utf8_bytes_replaced_and_counted(tmp_path):
@@ -142,7 +148,7 @@ def test_parquet_and_csv_via_datasets(tmp_path, table):
         assert report.skipped_empty == 1
         with pytest.raises(HdError, match=rf"{name}: no column 'body' \(columns: text, prompt, n"):
             docs([tmp_path / name], field="body")
-    with pytest.raises(HdError, match=r"t.parquet: row 1: field 'n' is a number"):
+    with pytest.raises(HdError, match=r"t.parquet: column 'n' holds int64, not text"):
         docs([tmp_path / "t.parquet"], field="n")
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(HdError, match=r"cannot read corpus parquet file .*broken.parquet"):
