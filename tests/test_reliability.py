@@ -275,3 +275,196 @@ def test_a_utf8_bom_is_not_data(tiny_model_dir, tmp_path):
     p = tmp_path / "prompts.jsonl"
     p.write_text('\ufeff{"prompt": "the cat sat"}\n', encoding="utf-8")
     assert modeldb.load_prompts(p)[0] == ["the cat sat"]
+
+
+# --- issue 13: damaged DBs ---------------------------------------------------------------------
+
+def _stats_db(tiny_model_dir, tmp_path, name="s.lmdb", extra=()):
+    corpus = tmp_path / f"{name}.jsonl"
+    from conftest import WORDS
+    rng = random.Random(len(name))
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(12))}) + "\n"
+                              for _ in range(600)))
+    out = tmp_path / name
+    p = hd_proc("build-stats", corpus, "-o", out, "--model", tiny_model_dir, "--min-count", "1", *extra)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+def test_truncated_db_is_one_line_everywhere_and_leaves_no_lock(tiny_model_dir, tmp_path):
+    """Half a DB (an interrupted copy) used to kill every reader with SIGBUS (exit 135): LMDB maps
+    the file and reads past its end. Now the file size is checked against LMDB's last page first."""
+    good = _stats_db(tiny_model_dir, tmp_path)
+    half = tmp_path / "half.lmdb"
+    half.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    m = str(tiny_model_dir)
+    for args in (["db", "info", half], ["db", "verify", half], ["db", "query", half, "--text", "the", "-m", m],
+                 ["generate", "-m", m, "-p", "the cat", "-n", "4", "--stats-db", half],
+                 ["merge-stats", half, good, "-o", tmp_path / "m.lmdb"]):
+        err = one_line_error(hd_proc(*args))
+        assert "half.lmdb is truncated" in err, (args, err)
+    assert not (tmp_path / "half.lmdb-lock").exists() and not (tmp_path / "m.lmdb").exists()
+
+
+@pytest.mark.parametrize("where", ["structure", "content"])
+def test_damaged_db_is_found_by_verify_and_refused_by_merge(tiny_model_dir, tmp_path, where):
+    """Flipped bytes: `hd db verify` says DAMAGED (exit 1), merge-stats refuses in one line and
+    writes nothing; a good DB verifies OK with the digest of its header."""
+    good = _stats_db(tiny_model_dir, tmp_path)
+    ok = hd_proc("db", "verify", good, "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"], ok.stdout
+    data = bytearray(good.read_bytes())
+    psize = 4096
+    if where == "structure":  # 64 bytes of the middle page: headers, pointers and data
+        mid = (len(data) // psize // 2) * psize
+        for i in range(mid, mid + 64):
+            data[i] ^= 0xFF
+    else:  # one byte of record data: LMDB fills a leaf page from its end
+        data[3 * psize - 3] ^= 0x01
+    bad = tmp_path / "bad.lmdb"
+    bad.write_bytes(bytes(data))
+    p = hd_proc("db", "verify", bad, "--json")
+    report = json.loads(p.stdout)
+    assert p.returncode == 1 and not report["ok"] and report["dbs"][0]["problems"], p.stdout
+    other = _stats_db(tiny_model_dir, tmp_path, "other.lmdb")
+    err = one_line_error(hd_proc("merge-stats", other, bad, "-o", tmp_path / "m.lmdb"))
+    assert "bad.lmdb" in err and "damaged" in err
+    assert not (tmp_path / "m.lmdb").exists()
+    assert not [x for x in tmp_path.iterdir() if ".tmp-" in x.name]
+
+
+def test_content_digest_ignores_layout_and_follows_learning(tiny_model_dir, tiny_lm, tmp_path):
+    """Shards merged = the single build, digest for digest; --learn keeps the digest current."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 40)
+    m = str(tiny_model_dir)
+    for i in range(2):
+        assert hd_proc("build-stats", corpus, "-o", tmp_path / f"s{i}.lmdb", "-m", m, "--shard", f"{i}/2").returncode == 0
+    assert hd_proc("build-stats", corpus, "-o", tmp_path / "single.lmdb", "-m", m).returncode == 0
+    merged = json.loads(hd_proc("merge-stats", tmp_path / "s0.lmdb", tmp_path / "s1.lmdb",
+                                "-o", tmp_path / "merged.lmdb", "--json").stdout)["header"]
+    single = stores.Store(tmp_path / "single.lmdb").header
+    assert merged["content_digest"] == single["content_digest"] and merged["counts"].startswith("exact: all 2")
+    db = stores.Store(tmp_path / "single.lmdb", writable=True)
+    statsdb.add_counts(db, [tiny_lm.tokenizer("the cat sat on the mat", add_special_tokens=False)["input_ids"]])
+    report = db.verify()
+    assert report["ok"] and report["content_digest"] != single["content_digest"], report
+
+
+def test_merge_refuses_what_would_give_wrong_counts(tiny_model_dir, tiny_lm, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 40)
+    m = str(tiny_model_dir)
+    for i in range(2):
+        assert hd_proc("build-stats", corpus, "-o", tmp_path / f"s{i}.lmdb", "-m", m, "--shard", f"{i}/2").returncode == 0
+    copy = tmp_path / "copy.lmdb"
+    copy.write_bytes((tmp_path / "s0.lmdb").read_bytes())
+    pruned = tmp_path / "pruned.lmdb"
+    assert hd_proc("build-stats", corpus, "-o", pruned, "-m", m).returncode == 0
+    model_db = tmp_path / "model.lmdb"
+    statsdb.build(TEXTS, model_db, tiny_lm.tokenizer, m, min_count=1, kind="model")
+    out = tmp_path / "m.lmdb"
+    for inputs, want in (([tmp_path / "s0.lmdb", copy], "are the same DB"),
+                         ([tmp_path / "s0.lmdb", tmp_path / "s0.lmdb"], "are the same DB"),
+                         ([pruned, model_db], "merge DBs of one kind"),
+                         ([pruned, tmp_path / "s0.lmdb"], "unpruned shard")):
+        assert want in one_line_error(hd_proc("merge-stats", *inputs, "-o", out))
+        assert not out.exists()
+    partial = json.loads(hd_proc("merge-stats", tmp_path / "s1.lmdb", "-o", out, "--json").stdout)
+    assert partial["header"]["counts"].startswith("exact sums of 1 shards (1 of 2): not every shard")
+
+
+# --- issue 13: races, paths, modes -------------------------------------------------------------
+
+def test_a_build_never_replaces_an_output_that_appeared_meanwhile(tmp_path):
+    out = tmp_path / "s.lmdb"
+    first, second = stores.StoreWriter(out), stores.StoreWriter(out)  # both saw no output
+    first.put(stores.encode_key([1]), stores.encode_value(1, [([2], 1)], 1))
+    first.commit({"kind": "stats", "draft_len": 1, "n_range": [1, 1]})
+    digest = stores.Store(out).header["content_digest"]
+    with pytest.raises(HdError, match="appeared during the build"):
+        second.commit({"kind": "stats", "draft_len": 1, "n_range": [1, 1]})
+    second.abort()
+    assert stores.Store(out).header["content_digest"] == digest
+    assert [x.name for x in tmp_path.iterdir() if not x.name.endswith("-lock")] == ["s.lmdb"]
+
+
+def test_two_builds_racing_to_one_path_one_wins(tiny_model_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 200)
+    out = tmp_path / "s.lmdb"
+    cmd = HD + ["build-stats", str(corpus), "-o", str(out), "--model", str(tiny_model_dir)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(), p.stderr.read()) for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    err = [e for rc, e in results if rc == 2][0]
+    assert "already exists" in err or "appeared during the build" in err, err
+    assert stores.Store(out).verify()["ok"]
+
+
+def test_output_paths_that_cannot_be_a_db_file(tiny_model_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 8)
+    folder = tmp_path / "folder.lmdb"
+    folder.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    m = str(tiny_model_dir)
+    assert "is a folder: -o takes a file path" in one_line_error(
+        hd_proc("build-stats", corpus, "-o", folder, "--overwrite", "-m", m))
+    assert "a_file is a file, not a folder" in one_line_error(
+        hd_proc("build-stats", corpus, "-o", a_file / "x.lmdb", "-m", m))
+    assert "is a folder, not a DB file" in one_line_error(hd_proc("db", "info", folder))
+    assert "is a folder: -o takes a file path" in one_line_error(
+        hd_proc("build-model-db", "-o", folder, "--overwrite", "-m", m))
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_outputs_follow_the_umask(tiny_model_dir, tmp_path, umask, mode):
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 8)
+    out = tmp_path / "s.lmdb"
+    for extra in ([], ["--overwrite"]):
+        p = subprocess.run(HD + ["build-stats", str(corpus), "-o", str(out), "-m", str(tiny_model_dir),
+                                 *extra], capture_output=True, text=True,
+                           preexec_fn=lambda: os.umask(umask))
+        assert p.returncode == 0, p.stderr[-1000:]
+        assert out.stat().st_mode & 0o777 == mode, (extra, oct(out.stat().st_mode))
+
+
+def test_model_folder_without_a_tokenizer(tiny_model_dir, tmp_path):
+    only = tmp_path / "only-config"
+    only.mkdir()
+    (only / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    for args in (["generate", "-m", only, "-p", "hi"],
+                 ["build-stats", tmp_path / "c.jsonl", "-o", tmp_path / "s.lmdb", "-m", only]):
+        write_corpus(tmp_path / "c.jsonl", 2)
+        assert "has no tokenizer" in one_line_error(hd_proc(*args))
+
+
+@pytest.mark.parametrize("args", [["generate", "--bogus"], ["generate", "-n", "abc", "--json"],
+                                  ["db", "info"], ["build-stats", "--json"], ["plan", "--count", "x"]])
+def test_usage_errors_are_one_line(args):
+    p = hd_proc(*args)
+    line = one_line_error(p)
+    assert "--help" in line and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# --- issue 13: a plan carries its DBs ----------------------------------------------------------
+
+def test_generate_with_a_plan_drafts_from_the_plans_dbs(tiny_model_dir, tiny_lm, tmp_path):
+    db = _stats_db(tiny_model_dir, tmp_path)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({
+        "kind": "hd-plan", "target": tiny_lm.name, "dtype": "fp32", "chain": {"bottom": "db", "levels": []},
+        "db_layers": ["context", "stats"], "stats_dbs": [str(db.resolve())], "model_db": None,
+        "db_digests": {str(db.resolve()): stores.Store(db).header["content_digest"]}}))
+    m = str(tiny_model_dir)
+    p = hd_proc("generate", "-m", m, "-p", "the cat sat", "-n", "8", "--plan", plan, "--json",
+                "--kernels", "torch")
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(p.stdout)
+    assert report["stats_dbs"] == [str(db.resolve())] and report["layers"] == ["context", "stats"]
+    other = _stats_db(tiny_model_dir, tmp_path, "other.lmdb")
+    err = one_line_error(hd_proc("generate", "-m", m, "-p", "x", "--plan", plan, "--stats-db", other))
+    assert "was measured with" in err and "s.lmdb" in err
