@@ -436,3 +436,33 @@ def read_plan(path, lm: models.LoadedModel | None = None) -> dict:
         raise HdError(f"plan {path} was made for {data.get('target')} in {data.get('dtype')}, not "
                       f"{lm.name} in {lm.dtype}: costs and acceptance differ, run `hd plan` again")
     return chain
+
+
+def build_stats(corpus: Sequence[str], out, model: str = models.DEFAULT_MODEL, *, field: str = "text",
+                with_prompt: bool = False, limit: int | None = None, shard: tuple[int, int] = (0, 1),
+                strict: bool = False, num_proc: int = 1, chunk_tokens: int = 4_000_000,
+                overwrite: bool = False, progress=None, **params) -> tuple[dict, dict]:
+    """Count a corpus into a statistics DB at `out` in this process (what `hd build-stats` and
+    each task of a cluster build run). params: min_n, max_n, draft_len, top_k, min_count.
+    Returns (header, read report: skipped and replaced counts, the first malformed record)."""
+    from . import corpus as corpus_mod, statsdb
+    texts, report = corpus_mod.read_corpus(list(corpus), field=field, with_prompt=with_prompt,
+                                           limit=limit, shard=shard, strict=strict)
+    tok = models.load_tokenizer(model)
+    try:
+        header = statsdb.build(texts, out, tok, model, shard=shard, chunk_tokens=chunk_tokens,
+                               num_proc=num_proc, overwrite=overwrite, progress=progress,
+                               extra_header={"sources": report.files, "field": field,
+                                             "with_prompt": with_prompt}, **params)
+    except HdError as exc:
+        if "no documents" in str(exc):  # name what was read and what was skipped
+            from pathlib import Path
+            names = ", ".join(Path(f["path"]).name for f in report.files) or ", ".join(corpus)
+            first = f" (first: {report.first_malformed})" if report.first_malformed else ""
+            raise HdError(f"no documents in {names} (field '{field}'): {report.skipped_empty} empty "
+                          f"records, {report.skipped_malformed} malformed lines or records{first}; "
+                          "check the files and --field") from None
+        raise
+    read = {"skipped_malformed": report.skipped_malformed, "skipped_empty": report.skipped_empty,
+            "replaced_non_utf8": report.replaced_non_utf8, "first_malformed": report.first_malformed}
+    return header, read

@@ -359,49 +359,46 @@ def build_stats(
     chunk_tokens: int = typer.Option(4_000_000, "--chunk-tokens", help="Tokens counted in memory "
                                      "before spilling to disk (bounds memory)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Run the build as tasks of a Dask "
+                                          "cluster: a scheduler address (tcp://host:8786) or local:N "
+                                          "(N worker processes here); docs/stats-db.md."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="With --cluster: shard tasks (default: "
+                                        "2 per worker)."),
     as_json: bool = typer.Option(False, "--json", help="Write the header and read report as JSON."),
 ):
     """Count n-gram continuations of a corpus into a statistics DB (LMDB)."""
     from tqdm import tqdm
-    from . import corpus as corpus_mod, models, statsdb
     _check_output(out, overwrite)
-    texts, report = corpus_mod.read_corpus(corpus, field=field, with_prompt=with_prompt, limit=limit,
-                                           shard=_parse_shard(shard), strict=strict)
-    tok = models.load_tokenizer(model)
-    bar = tqdm(unit=" tok", unit_scale=True, desc="counting", disable=as_json, mininterval=0.5)
-    docs = 0
+    params = dict(min_n=min_n, max_n=max_n, draft_len=draft_len, top_k=top_k, min_count=min_count)
+    read_opts = dict(field=field, with_prompt=with_prompt, strict=strict)
+    if cluster is not None:
+        from . import cluster as cluster_mod
+        if shard is not None or limit is not None:
+            raise HdError("--cluster splits the corpus itself: drop --shard and --limit")
+        header, read = cluster_mod.build_stats(corpus, out, model, address=cluster, tasks=tasks,
+                                               overwrite=overwrite, quiet=as_json, **read_opts, **params)
+    else:
+        bar = tqdm(unit=" tok", unit_scale=True, desc="counting", disable=as_json, mininterval=0.5)
+        docs = 0
 
-    def progress(n_docs: int, n_tokens: int) -> None:
-        nonlocal docs
-        docs += n_docs
-        bar.update(n_tokens)
-        bar.set_postfix(docs=docs, refresh=False)
+        def progress(n_docs: int, n_tokens: int) -> None:
+            nonlocal docs
+            docs += n_docs
+            bar.update(n_tokens)
+            bar.set_postfix(docs=docs, refresh=False)
 
-    try:
-        header = statsdb.build(texts, out, tok, model, min_n=min_n, max_n=max_n, draft_len=draft_len,
-                               top_k=top_k, min_count=min_count, shard=_parse_shard(shard),
-                               chunk_tokens=chunk_tokens, num_proc=num_proc, overwrite=overwrite,
-                               extra_header={"sources": report.files, "field": field,
-                                             "with_prompt": with_prompt},
-                               progress=progress)
-    except HdError as exc:
-        if "no documents" in str(exc):  # name what was read and what was skipped
-            names = ", ".join(Path(f["path"]).name for f in report.files) or ", ".join(corpus)
-            first = f" (first: {report.first_malformed})" if report.first_malformed else ""
-            raise HdError(f"no documents in {names} (field '{field}'): {report.skipped_empty} empty "
-                          f"records, {report.skipped_malformed} malformed lines or records{first}; "
-                          "check the files and --field") from None
-        raise
-    finally:
-        bar.close()
-    read = {"skipped_malformed": report.skipped_malformed, "skipped_empty": report.skipped_empty,
-            "replaced_non_utf8": report.replaced_non_utf8, "first_malformed": report.first_malformed}
+        try:
+            header, read = api.build_stats(corpus, out, model, limit=limit, shard=_parse_shard(shard),
+                                           num_proc=num_proc, chunk_tokens=chunk_tokens,
+                                           overwrite=overwrite, progress=progress, **read_opts, **params)
+        finally:
+            bar.close()
     if as_json:
         typer.echo(json.dumps({"path": str(out), "header": header, "read": read}))
         return
     for what, n in read.items():
         if n and what != "first_malformed":
-            first = f" (first: {report.first_malformed})" if what == "skipped_malformed" else ""
+            first = f" (first: {read['first_malformed']})" if what == "skipped_malformed" else ""
             Console(stderr=True, highlight=False, soft_wrap=True).print(
                 Text.assemble(("warning: ", "yellow"), f"{n} records {what.replace('_', ' ')}{first}"))
     _print_header(header, {"file_bytes": out.stat().st_size})

@@ -21,6 +21,7 @@ once: the result equals a single build.
 from __future__ import annotations
 
 import heapq
+import json
 import os
 import shutil
 import tempfile
@@ -259,7 +260,7 @@ def _prune(counts: dict, top_k: int, min_count: int, draft_len: int) -> list[tup
 
 
 def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None,
-          min_count: int | None = None, overwrite: bool = False) -> dict:
+          min_count: int | None = None, overwrite: bool = False, extra_header: dict | None = None) -> dict:
     """Sum the counts of several stores key by key and prune again. Merging the shards of one
     build (unpruned) gives exactly the single build; merging pruned DBs sums what they kept."""
     if len(inputs) < 1:
@@ -301,8 +302,11 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
                   "documents": sum(db.header.get("documents", 0) for db in dbs),
                   "tokens": sum(db.header.get("tokens", 0) for db in dbs),
                   "continuations": pairs, "merged_from": [str(p) for p in inputs], "counts": meaning,
-                  "sources": [s for db in dbs for s in db.header.get("sources", [])],
-                  "build_seconds": round(time.time() - t0, 2), "tool_version": __version__}
+                  # shards of one build each list every input: keep one entry per file
+                  "sources": list({json.dumps(s, sort_keys=True): s for db in dbs
+                                   for s in db.header.get("sources", [])}.values()),
+                  "build_seconds": round(time.time() - t0, 2), "tool_version": __version__,
+                  **(extra_header or {})}
         header = writer.commit(header)
     for db in dbs:
         db.close()
