@@ -1,20 +1,23 @@
 """Statistics DBs built as tasks of a Dask cluster (`hd build-stats ... --cluster ADDRESS`).
 
-The job is the hand-run map-reduce of `--shard i/N` + `merge-stats`, run by an existing engine:
-  map     task i of N (on any worker) reads the corpus where the worker is, keeps documents whose
-          index % N == i, counts them unpruned into a shard DB in the worker's temp folder and
-          returns its bytes (no shared disk needed); the scheduler retries a task whose worker died;
-  reduce  the client writes each shard to a temporary folder beside OUT as it arrives, then
-          `statsdb.merge` streams a k-way merge of the sorted shard files into OUT, pruning once.
+A map-reduce over the engine's workers, with the counting code of a local build (hdcli/statsdb.py):
+  map     task i of N reads the corpus where the worker is (paths, globs, fsspec URLs), keeps the
+          documents whose index % N == i, tokenises and counts them, and splits the summed partial
+          counts by key hash into P partitions (the same split as a local build's spill files);
+  reduce  task p of P sums partition p of every map task and prunes it to top-K, exactly as a
+          local build does, and returns that partition's finished records;
+  write   the client puts each partition's records into OUT's temporary LMDB as it arrives; the
+          commit copies it in key order into packed pages and computes the content digest.
 
 Invariants
-  * the result equals the single-process build of the same corpus record for record (same
-    content digest): counts are sums, and merging all shards of one build is exact (tested);
-  * the merge holds one key's continuations at a time, never the corpus's keys: its memory is the
-    LMDB pages the OS maps in, whatever the corpus size; peak client memory is one shard's bytes
-    while it is written out;
-  * OUT appears only complete (StoreWriter renames it into place); a cluster that goes away, a task
-    that fails for good or Ctrl-C leaves no OUT and no shard files, and says so in one line;
+  * the DB equals the single-process build of the same corpus record for record (same content
+    digest, tested), whatever N and P: counts are sums, and every key's rows meet in one reducer;
+  * no process holds the corpus's keys: a map task holds its shard's partial counts, a reducer one
+    partition (1/P of the keys), the client one partition's records at a time;
+  * a task whose worker dies is run again by the scheduler (RETRIES); the result is the same;
+  * OUT appears only complete (StoreWriter renames it into place); a user error on a worker (a
+    missing file, a malformed record with --strict) comes back as one line; a cluster that goes away
+    or Ctrl-C leaves no OUT and says so in one line;
   * without --cluster none of this is imported.
 
 ADDRESS is `local:N` (a LocalCluster of N single-threaded worker processes on this machine) or a
@@ -24,8 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -35,24 +36,44 @@ from .errors import HdError
 RETRIES = 2  # a task whose worker died is run again this many times (dask reschedules it)
 
 
-def _shard_task(corpus: Sequence[str], model: str, shard: tuple[int, int], opts: dict) -> dict:
-    """Run on a worker: one unpruned shard DB, returned as bytes with its read report. A user's
-    error (a missing file, a bad record) comes back as a value, not an exception: running it again
-    would fail the same way, and the worker would log a traceback for it."""
+def _peak_rss_mb() -> float:
     import resource
-    from . import api
-    folder = Path(tempfile.mkdtemp(prefix="hd-shard-"))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _map_task(corpus: Sequence[str], model: str, shard: tuple[int, int], partitions: int,
+              read_opts: dict, count_opts: dict) -> dict:
+    """Run on a worker: shard i/N counted and split into partitions. A user's error comes back as
+    a value, not an exception: running it again would fail the same way, and the worker would log
+    a traceback for it."""
+    from . import corpus as corpus_mod, models, statsdb
     try:
-        out = folder / f"s{shard[0]}.lmdb"
-        try:
-            header, read = api.build_stats(corpus, out, model, shard=shard, **opts)
-        except HdError as exc:
-            return {"shard": shard, "error": str(exc)}
-        return {"shard": shard, "header": header, "read": read, "bytes": out.read_bytes(),
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "worker_pid": os.getpid()}
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        texts, report = corpus_mod.read_corpus(list(corpus), shard=shard, **read_opts)
+        tok = models.load_tokenizer(model)
+        docs = (ids for chunk in statsdb._token_chunks(texts, tok, 1 << 20) for ids in chunk)
+        parts, n_docs, n_tokens = statsdb.count_partitions(docs, partitions, **count_opts)
+    except HdError as exc:
+        return {"error": str(exc)}
+    read = {"skipped_malformed": report.skipped_malformed, "skipped_empty": report.skipped_empty,
+            "replaced_non_utf8": report.replaced_non_utf8, "first_malformed": report.first_malformed}
+    return {"parts": parts, "documents": n_docs, "tokens": n_tokens, "read": read,
+            "sources": report.files, "peak_rss_mb": _peak_rss_mb()}
+
+
+def _summary(result: dict) -> dict:
+    """A map result without its counts (what the client needs to know)."""
+    return {k: v for k, v in result.items() if k != "parts"}
+
+
+def _piece(result: dict, q: int):
+    """Partition q of a map result (runs where the map result is: no needless transfer)."""
+    return result["parts"][q] if "parts" in result else None
+
+
+def _reduce_task(q: int, pieces: list, count_opts: dict, prune: dict) -> dict:
+    from . import statsdb
+    records = statsdb.select_partition(pieces, draft_len=count_opts["draft_len"], **prune)
+    return {"partition": q, "records": records, "peak_rss_mb": _peak_rss_mb()}
 
 
 def connect(address: str):
@@ -82,69 +103,91 @@ def connect(address: str):
 
 
 def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: int | None = None,
-                overwrite: bool = False, quiet: bool = False, field: str = "text",
-                with_prompt: bool = False, strict: bool = False, **params) -> tuple[dict, dict]:
+                partitions: int | None = None, overwrite: bool = False, quiet: bool = False,
+                field: str = "text", with_prompt: bool = False, strict: bool = False, min_n: int = 1,
+                max_n: int = 4, draft_len: int = 1, top_k: int = 4, min_count: int = 2) -> tuple[dict, dict]:
     """The statistics DB of `corpus` at `out`, counted by the tasks of a Dask cluster. Returns
-    (header, read report) like api.build_stats; the header adds `cluster` (tasks, workers, time
-    and peak memory per phase)."""
+    (header, read report) like api.build_stats; the header adds `cluster` (tasks, partitions,
+    workers, seconds and peak memory per phase)."""
     from tqdm import tqdm
-    from . import stores, statsdb
-    out = Path(out)
-    stores.check_output_path(out)
-    if out.exists() and not overwrite:
-        raise HdError(f"{out} already exists: pass --overwrite to replace it")
+    from . import models, stores, statsdb
+    if not 1 <= min_n <= max_n:
+        raise HdError(f"n range needs 1 <= --min-n <= --max-n, got {min_n}..{max_n}")
+    if draft_len < 1 or top_k < 0 or min_count < 1:
+        raise HdError("--draft-len and --min-count must be >= 1 and --top-k >= 0 (0: keep all)")
+    tok = models.load_tokenizer(model)  # here too: the header's fingerprint, and a bad name fails fast
     t0 = time.time()
     client, cluster = connect(address)
-    stores.sweep_stale(out.parent, ".hd-cluster-")
-    folder = Path(tempfile.mkdtemp(prefix=f".hd-cluster-{os.getpid()}-", dir=out.parent))
     try:
         workers = len(client.scheduler_info().get("workers", {})) or 1
         n = tasks or 2 * workers
-        if n < 1:
+        p = partitions or n
+        if n < 1 or p < 1:
             raise HdError(f"--tasks must be >= 1, not {n}")
-        opts = dict(field=field, with_prompt=with_prompt, strict=strict, **params)
-        bar = tqdm(total=n + 1, unit=" task", desc=f"counting on {workers} workers", disable=quiet,
-                   mininterval=0.5)
-        futures = [client.submit(_shard_task, list(corpus), model, (i, n), opts, retries=RETRIES,
-                                 pure=False, key=f"hd-shard-{i}-of-{n}-{os.getpid()}-{t0}")
-                   for i in range(n)]
+        read_opts = dict(field=field, with_prompt=with_prompt, strict=strict)
+        count_opts = dict(min_n=min_n, max_n=max_n, draft_len=draft_len)
+        prune = dict(top_k=top_k, min_count=min_count)
+        tag = f"{os.getpid()}-{t0}"
+        maps = [client.submit(_map_task, list(corpus), model, (i, n), p, read_opts, count_opts,
+                              retries=RETRIES, pure=False, key=f"hd-map-{i}-of-{n}-{tag}") for i in range(n)]
+        summaries = [client.submit(_summary, m, key=f"hd-summary-{i}-{tag}") for i, m in enumerate(maps)]
+        reduces = [client.submit(_reduce_task, q,
+                                 [client.submit(_piece, m, q, key=f"hd-piece-{i}-{q}-{tag}")
+                                  for i, m in enumerate(maps)],
+                                 count_opts, prune, retries=RETRIES, key=f"hd-reduce-{q}-of-{p}-{tag}")
+                   for q in range(p)]
+        bar = tqdm(total=n + p, unit=" task", desc=f"map {n} + reduce {p} on {workers} workers",
+                   disable=quiet, mininterval=0.5)
         from dask.distributed import as_completed
-        paths, results = [], []
-        try:
-            for fut in as_completed(futures):
-                r = fut.result()
-                if "error" in r:
-                    raise HdError(r["error"])
-                path = folder / f"s{r['shard'][0]}.lmdb"
-                path.write_bytes(r.pop("bytes"))
-                paths.append(path)
-                results.append(r)
-                fut.release()
-                bar.update(1)
-                bar.set_postfix(tokens=sum(x["header"]["tokens"] for x in results), refresh=False)
-        except HdError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - scheduler gone, workers lost for good, ...
-            raise HdError(f"the cluster at {address} failed mid-build ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}): nothing was "
-                          f"written to {out}") from None
-        counted = time.time() - t0
-        bar.set_description("merging shards")
-        paths.sort(key=lambda p: int(p.stem[1:]))
-        header = statsdb.merge(paths, out, top_k=params.get("top_k", statsdb.DEFAULTS["top_k"]),
-                               min_count=params.get("min_count", statsdb.DEFAULTS["min_count"]),
-                               overwrite=overwrite, extra_header={
-                                   "field": field, "with_prompt": with_prompt,
-                                   "merged_from": f"{n} shard tasks on {address}",
-                                   "cluster": {"address": address, "workers": workers, "tasks": n,
-                                               "count_seconds": round(counted, 2),
-                                               "task_peak_rss_mb": round(max(r["peak_rss_mb"] for r in results), 1)}})
-        bar.update(1)
-        bar.close()
-        header["cluster"]["merge_seconds"] = round(time.time() - t0 - counted, 2)  # not in the file
-        return header, results[0]["read"]  # every task read every file, so each counted the same
+        done, pairs, peak_map, peak_reduce = [], 0, 0.0, 0.0
+        counted = None
+        with stores.writing(out, overwrite=overwrite) as writer:
+            try:
+                for fut in as_completed(summaries + reduces):
+                    r = fut.result()
+                    fut.release()
+                    if "error" in r:
+                        raise HdError(r["error"])
+                    if "records" in r:
+                        for k, v in r["records"]:
+                            writer.put(k, v)
+                        pairs += sum((len(v) // 4 - 1) // (draft_len + 2) for _, v in r["records"])
+                        peak_reduce = max(peak_reduce, r["peak_rss_mb"])
+                    else:
+                        done.append(r)
+                        peak_map = max(peak_map, r["peak_rss_mb"])
+                        if len(done) == n:
+                            counted = time.time() - t0
+                            bar.set_description(f"reduce {p} on {workers} workers")
+                    bar.update(1)
+                    bar.set_postfix(tokens=sum(x["tokens"] for x in done), refresh=False)
+            except HdError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - scheduler gone, workers lost for good, ...
+                detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+                raise HdError(f"the cluster at {address} failed mid-build ({type(exc).__name__}: "
+                              f"{detail}): nothing was written to {out}") from None
+            finally:
+                bar.close()
+            documents = sum(x["documents"] for x in done)
+            read = done[0]["read"]  # every map task read every file, so each counted the same
+            if documents == 0:
+                first = f" (first: {read['first_malformed']})" if read["first_malformed"] else ""
+                names = ", ".join(Path(f["path"]).name for f in done[0]["sources"]) or ", ".join(corpus)
+                raise HdError(f"no documents in {names} (field '{field}'): {read['skipped_empty']} empty "
+                              f"records, {read['skipped_malformed']} malformed lines or records{first}; "
+                              "check the files and --field")
+            cluster_info = {"address": address, "workers": workers, "tasks": n, "partitions": p,
+                            "count_seconds": round(counted or 0.0, 2),
+                            "map_peak_rss_mb": round(peak_map, 1), "reduce_peak_rss_mb": round(peak_reduce, 1)}
+            header = writer.commit(statsdb.header_for(
+                kind="stats", model_name=model, tokenizer=tok, shard=(0, 1), documents=documents,
+                tokens=sum(x["tokens"] for x in done), continuations=pairs, seconds=time.time() - t0,
+                extra={"sources": done[0]["sources"], "field": field, "with_prompt": with_prompt,
+                       "cluster": cluster_info}, **count_opts, **prune))
+        header["cluster"]["client_peak_rss_mb"] = round(_peak_rss_mb(), 1)  # reported, not stored
+        return header, read
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
         client.close()
         if cluster is not None:
             cluster.close()

@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
@@ -113,10 +115,50 @@ def _expand_glob(pattern: str) -> list[Path]:
     return found
 
 
+_REMOTE: dict[Path, str] = {}  # local copy -> the URL it was fetched from (for messages, headers)
+
+
+def _fetch_remote(url: str) -> list[Path]:
+    """Local copies of the files an fsspec URL names (s3://, gs://, https://, hf://, file://, ...;
+    globs allowed), fetched once per process by fsspec's simplecache under their own names."""
+    import atexit
+    import fsspec
+    protocol = url.split("://", 1)[0]
+    folder = Path(tempfile.mkdtemp(prefix="hd-corpus-"))
+    atexit.register(shutil.rmtree, folder, True)
+    try:
+        local = fsspec.open_local(f"simplecache::{url}",
+                                  simplecache={"cache_storage": str(folder), "same_names": True})
+    except ImportError as e:
+        raise HdError(f"{url}: reading {protocol}:// needs its fsspec filesystem package "
+                      f"({_reason(e)}); install it where the build runs") from None
+    except (FileNotFoundError, IndexError):
+        raise HdError(f"corpus file {url} does not exist") from None
+    except ValueError as e:
+        raise HdError(f"{url}: {_reason(e)}") from None
+    except OSError as e:
+        raise HdError(f"cannot read corpus {url}: {_reason(e)}") from None
+    paths = [Path(p) for p in (local if isinstance(local, list) else [local])]
+    if not paths:
+        raise HdError(f"corpus pattern {url} matches no files")
+    remote = {Path(f.path).name: f"{protocol}://{f.path.lstrip('/')}" if protocol != "file" else
+              f"file://{f.path}" for f in fsspec.open_files(url)} if _GLOB_CHARS.search(url) else {}
+    for p in paths:
+        _REMOTE[p] = remote.get(p.name, url)
+    kept = [p for p in paths if _supported_file(p)]
+    if not kept:
+        raise HdError(f"corpus {url} has no corpus files ({SUPPORTED_TEXT})")
+    return kept
+
+
 def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Files, glob patterns and folders -> the corpus inputs they name, sorted and deduplicated."""
+    """Files, glob patterns, folders and fsspec URLs -> the corpus inputs they name, sorted and
+    deduplicated."""
     found: list[Path] = []
     for raw in inputs:
+        if "://" in raw:
+            found += _fetch_remote(raw)
+            continue
         path = Path(raw)
         if path.is_dir():
             if _is_datasets_folder(path):
@@ -177,7 +219,7 @@ def _file_info(path: Path) -> dict:
             size = _hash_file(path, h)
     except OSError as e:
         raise HdError(f"cannot read corpus file {path}: {_reason(e)}") from e
-    return {"path": str(path), "bytes": size, "sha256": h.hexdigest()}
+    return {"path": _REMOTE.get(path, str(path)), "bytes": size, "sha256": h.hexdigest()}
 
 
 def _hash_file(path: Path, h) -> int:

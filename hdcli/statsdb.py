@@ -240,15 +240,80 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
                 _write_rows(writer, hkey, n, key, cont, count, totals, idx, draft_len)
         finally:
             spill.remove()
-        header = {"kind": kind, "model": model_name,
-                  "tokenizer_fingerprint": stores.tokenizer_fingerprint(tokenizer),
-                  "n_range": [min_n, max_n], "draft_len": draft_len, "top_k": top_k,
-                  "min_count": min_count, "pruned": not sharded, "shard": list(shard),
-                  "documents": docs, "tokens": tokens, "continuations": pairs,
-                  "build_seconds": round(time.time() - t0, 2), "tool_version": __version__,
-                  **(extra_header or {})}
-        header = writer.commit(header)
+        header = writer.commit(header_for(
+            kind=kind, model_name=model_name, tokenizer=tokenizer, min_n=min_n, max_n=max_n,
+            draft_len=draft_len, top_k=top_k, min_count=min_count, shard=shard, documents=docs,
+            tokens=tokens, continuations=pairs, seconds=time.time() - t0, extra=extra_header))
     return header
+
+
+def count_partitions(token_docs: Iterable[list[int]], partitions: int, *, min_n: int, max_n: int,
+                     draft_len: int) -> tuple[list[tuple], int, int]:
+    """The map step of a distributed build: partial counts of already tokenised documents, summed
+    and split by key hash into `partitions` (the same split as the spill files of build(), so
+    every key's rows land in one partition). Returns (arrays per partition, documents, tokens)."""
+    parts: list[list[tuple]] = [[] for _ in range(partitions)]
+    docs = tokens = 0
+    chunk, size = [], 0
+
+    def flush():
+        arrays = count_chunk(chunk, min_n, max_n, draft_len)
+        part = (arrays[0] % np.uint64(partitions)).astype(np.int64)
+        for q in range(partitions):
+            sel = part == q
+            parts[q].append(tuple(a[sel] for a in arrays))
+    for d in token_docs:
+        chunk.append(d)
+        size += len(d)
+        docs += 1
+        tokens += len(d)
+        if size >= 4_000_000:
+            flush()
+            chunk, size = [], 0
+    if chunk:
+        flush()
+    out = []
+    for q in range(partitions):
+        if parts[q]:
+            out.append(_reduce(*(np.concatenate([c[i] for c in parts[q]]) for i in range(6))))
+        else:
+            out.append(None)
+    return out, docs, tokens
+
+
+class _Records:
+    """A writer stand-in that keeps (key, value) records in memory (one partition's)."""
+
+    def __init__(self):
+        self.records: list[tuple[bytes, bytes]] = []
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.records.append((key, value))
+
+
+def select_partition(pieces: list, *, top_k: int, min_count: int, draft_len: int) -> list[tuple[bytes, bytes]]:
+    """The reduce step: one partition's partial counts from every map task, summed and pruned
+    exactly as build() does. Returns the partition's records (key bytes, value bytes)."""
+    pieces = [p for p in pieces if p is not None and len(p[0])]
+    if not pieces:
+        return []
+    hkey, hcont, count, n, key, cont = _reduce(*(np.concatenate([p[i] for p in pieces]) for i in range(6)))
+    idx, totals = _select(hkey, count, cont, top_k, min_count)
+    out = _Records()
+    _write_rows(out, hkey, n, key, cont, count, totals, idx, draft_len)
+    return out.records
+
+
+def header_for(*, kind: str, model_name: str, tokenizer, min_n: int, max_n: int, draft_len: int,
+               top_k: int, min_count: int, shard: tuple[int, int], documents: int, tokens: int,
+               continuations: int, seconds: float, extra: dict | None = None) -> dict:
+    """The header of a statistics or model DB (what build() and a cluster build store)."""
+    return {"kind": kind, "model": model_name,
+            "tokenizer_fingerprint": stores.tokenizer_fingerprint(tokenizer),
+            "n_range": [min_n, max_n], "draft_len": draft_len, "top_k": top_k,
+            "min_count": min_count, "pruned": shard[1] == 1, "shard": list(shard),
+            "documents": documents, "tokens": tokens, "continuations": continuations,
+            "build_seconds": round(seconds, 2), "tool_version": __version__, **(extra or {})}
 
 
 def _prune(counts: dict, top_k: int, min_count: int, draft_len: int) -> list[tuple[list[int], int]]:
