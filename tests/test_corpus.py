@@ -262,3 +262,19 @@ def test_read_corpus_report_and_sha256(tmp_path):
     assert list(it) == ["x", "y\ufffd"]
     assert (report.documents, report.skipped_malformed, report.skipped_empty,
             report.replaced_non_utf8) == (2, 1, 1, 1)
+
+
+def test_fsspec_urls_are_read_like_local_files(tmp_path):
+    """Remote storage goes through fsspec (file:// here; s3://, gs://, https:// where their
+    packages are installed): fetched once, read by the same code, recorded under the URL."""
+    from hdcli.corpus import read_corpus
+    (tmp_path / "d").mkdir()
+    for i in range(2):
+        write_jsonl(tmp_path / "d" / f"part{i}.jsonl", [{"text": f"doc {i} a"}, {"text": f"doc {i} b"}])
+    texts, report = read_corpus([f"file://{tmp_path}/d/*.jsonl"])
+    assert list(texts) == ["doc 0 a", "doc 0 b", "doc 1 a", "doc 1 b"]
+    assert [f["path"] for f in report.files] == [f"file://{tmp_path}/d/part{i}.jsonl" for i in range(2)]
+    with pytest.raises(HdError, match="does not exist"):
+        read_corpus([f"file://{tmp_path}/nothing.jsonl"])
+    with pytest.raises(HdError, match="needs its fsspec filesystem package|unknown protocol|not known"):
+        read_corpus(["nosuchproto://bucket/x.jsonl"])
