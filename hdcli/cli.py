@@ -510,7 +510,9 @@ def db_info(path: Path, as_json: bool = typer.Option(False, "--json"),
     """Print a DB's header and size figures (content_digest identifies its counts)."""
     from .stores import Store
     db = Store(path)
-    info = {"header": db.header, "size": db.size_info()}
+    # content_digest identifies the counts whatever the page layout or build time (a cluster
+    # build and a local build of one corpus have the same one)
+    info = {"header": db.header, "size": db.size_info(), "content_digest": db.header.get("content_digest")}
     if verify:
         info["verify"] = db.verify()
     if as_json:
