@@ -456,13 +456,6 @@ def build_stats(corpus: Sequence[str], out, model: str = models.DEFAULT_MODEL, *
                                              "with_prompt": with_prompt}, **params)
     except HdError as exc:
         if "no documents" in str(exc):  # name what was read and what was skipped
-            from pathlib import Path
-            names = ", ".join(Path(f["path"]).name for f in report.files) or ", ".join(corpus)
-            first = f" (first: {report.first_malformed})" if report.first_malformed else ""
-            raise HdError(f"no documents in {names} (field '{field}'): {report.skipped_empty} empty "
-                          f"records, {report.skipped_malformed} malformed lines or records{first}; "
-                          "check the files and --field") from None
+            raise corpus_mod.no_documents(report.files, corpus, field, report.counts()) from None
         raise
-    read = {"skipped_malformed": report.skipped_malformed, "skipped_empty": report.skipped_empty,
-            "replaced_non_utf8": report.replaced_non_utf8, "first_malformed": report.first_malformed}
-    return header, read
+    return header, report.counts()

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from . import __version__, api, bench, specbench
 from .errors import HdError
+from .stores import check_output_path
 from .verify import Sampling
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -323,14 +324,6 @@ def _parse_shard(shard: Optional[str]) -> tuple[int, int]:
     return i, n
 
 
-def _check_output(out: Path, overwrite: bool) -> None:
-    """Refuse a DB output path before any work (the writer checks again, atomically, at the end)."""
-    from .stores import check_output_path
-    check_output_path(out)
-    if out.exists() and not overwrite:
-        raise HdError(f"{out} already exists: pass --overwrite to replace it")
-
-
 def _print_header(header: dict, extra: Optional[dict] = None) -> None:
     t = Table(show_header=False)
     for k, v in {**header, **(extra or {})}.items():
@@ -368,7 +361,7 @@ def build_stats(
 ):
     """Count n-gram continuations of a corpus into a statistics DB (LMDB)."""
     from tqdm import tqdm
-    _check_output(out, overwrite)
+    check_output_path(out, overwrite)
     params = dict(min_n=min_n, max_n=max_n, draft_len=draft_len, top_k=top_k, min_count=min_count)
     read_opts = dict(field=field, with_prompt=with_prompt, strict=strict)
     if cluster is not None:
@@ -417,7 +410,7 @@ def merge_stats(
     checked as it is read; the same DB twice, DBs of different kinds, and pruned DBs mixed with
     unpruned shards are refused (their sum would be wrong counts)."""
     from . import statsdb
-    _check_output(out, overwrite)
+    check_output_path(out, overwrite)
     header = statsdb.merge([str(p) for p in inputs], out, top_k=top_k, min_count=min_count,
                            overwrite=overwrite)
     if as_json:
@@ -460,7 +453,7 @@ def build_model_db(
     from tqdm import tqdm
     from . import models, modeldb
     api.check_seed(seed)
-    _check_output(out, overwrite)
+    check_output_path(out, overwrite)
     result = {"path": str(out)}
     params = dict(min_n=min_n, max_n=max_n, top_k=top_k, min_count=min_count)
     if from_samples is not None:

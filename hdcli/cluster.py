@@ -51,13 +51,11 @@ def _map_task(corpus: Sequence[str], model: str, shard: tuple[int, int], partiti
     try:
         texts, report = corpus_mod.read_corpus(list(corpus), shard=shard, **read_opts)
         tok = models.load_tokenizer(model)
-        docs = (ids for chunk in statsdb._token_chunks(texts, tok, 1 << 20) for ids in chunk)
-        parts, n_docs, n_tokens = statsdb.count_partitions(docs, partitions, **count_opts)
+        chunks = statsdb._token_chunks(texts, tok, statsdb.CHUNK_TOKENS)
+        parts, n_docs, n_tokens = statsdb.count_partitions(chunks, partitions, **count_opts)
     except HdError as exc:
         return {"error": str(exc)}
-    read = {"skipped_malformed": report.skipped_malformed, "skipped_empty": report.skipped_empty,
-            "replaced_non_utf8": report.replaced_non_utf8, "first_malformed": report.first_malformed}
-    return {"parts": parts, "documents": n_docs, "tokens": n_tokens, "read": read,
+    return {"parts": parts, "documents": n_docs, "tokens": n_tokens, "read": report.counts(),
             "sources": report.files, "peak_rss_mb": _peak_rss_mb()}
 
 
@@ -113,11 +111,9 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
     (header, read report) like api.build_stats; the header adds `cluster` (tasks, partitions,
     workers, seconds and peak memory per phase)."""
     from tqdm import tqdm
-    from . import models, stores, statsdb
-    if not 1 <= min_n <= max_n:
-        raise HdError(f"n range needs 1 <= --min-n <= --max-n, got {min_n}..{max_n}")
-    if draft_len < 1 or top_k < 0 or min_count < 1:
-        raise HdError("--draft-len and --min-count must be >= 1 and --top-k >= 0 (0: keep all)")
+    from . import corpus as corpus_mod, models, stores, statsdb
+    stores.check_output_path(Path(out), overwrite)
+    statsdb.check_params(min_n, max_n, draft_len, top_k, min_count)
     tok = models.load_tokenizer(model)  # here too: the header's fingerprint, and a bad name fails fast
     t0 = time.time()
     client, cluster = connect(address)
@@ -176,11 +172,7 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
             documents = sum(x["documents"] for x in done)
             read = done[0]["read"]  # every map task read every file, so each counted the same
             if documents == 0:
-                first = f" (first: {read['first_malformed']})" if read["first_malformed"] else ""
-                names = ", ".join(Path(f["path"]).name for f in done[0]["sources"]) or ", ".join(corpus)
-                raise HdError(f"no documents in {names} (field '{field}'): {read['skipped_empty']} empty "
-                              f"records, {read['skipped_malformed']} malformed lines or records{first}; "
-                              "check the files and --field")
+                raise corpus_mod.no_documents(done[0]["sources"], corpus, field, read)
             cluster_info = {"address": address, "workers": workers, "tasks": n, "partitions": p,
                             "count_seconds": round(counted or 0.0, 2),
                             "map_peak_rss_mb": round(peak_map, 1), "reduce_peak_rss_mb": round(peak_reduce, 1)}

@@ -52,6 +52,11 @@ class ReadReport:
     first_malformed: str | None = None  # where and why, for the warning
     skipped_empty: int = 0      # records whose text was empty, whitespace or null
     replaced_non_utf8: int = 0  # json lines / txt documents / json array files with bytes replaced
+    def counts(self) -> dict:
+        """What was skipped or repaired, as reported by build-stats (--json "read")."""
+        return {"skipped_malformed": self.skipped_malformed, "skipped_empty": self.skipped_empty,
+                "replaced_non_utf8": self.replaced_non_utf8, "first_malformed": self.first_malformed}
+
     # The skipped_* and replaced_* counts cover every record read, also those another shard yields,
     # so each shard of a sharded run reports the same counts for the files it read in full.
 
@@ -276,6 +281,15 @@ def _text(rec: dict, where: str, field: str, with_prompt: bool, report: ReadRepo
         if prompt and prompt.strip():
             text = prompt + "\n\n" + text
     return text
+
+
+def no_documents(sources: list[dict], inputs, field: str, read: dict) -> HdError:
+    """The error for a corpus that gave no documents: what was read and what was skipped."""
+    names = ", ".join(Path(f["path"]).name for f in sources) or ", ".join(map(str, inputs))
+    first = f" (first: {read['first_malformed']})" if read["first_malformed"] else ""
+    return HdError(f"no documents in {names} (field '{field}'): {read['skipped_empty']} empty "
+                   f"records, {read['skipped_malformed']} malformed lines or records{first}; "
+                   "check the files and --field")
 
 
 def _malformed(where: str, detail: str, strict: bool, report: ReadReport, what="line") -> None:

@@ -35,6 +35,7 @@ from . import __version__, stores
 from .errors import HdError
 
 DEFAULTS = dict(min_n=1, max_n=4, draft_len=1, top_k=4, min_count=2)
+CHUNK_TOKENS = 4_000_000  # tokens counted in memory at once (a chunk's arrays bound peak memory)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -141,18 +142,36 @@ class _Spill:
         self.partitions, self.chunks = partitions, 0
 
     def add(self, arrays) -> None:
-        part = (arrays[0] % np.uint64(self.partitions)).astype(np.int64)
-        for p in range(self.partitions):
-            sel = part == p
-            np.savez(self.dir / f"p{p}-c{self.chunks}.npz", *(a[sel] for a in arrays))
+        for p, piece in enumerate(_split(arrays, self.partitions)):
+            np.savez(self.dir / f"p{p}-c{self.chunks}.npz", *piece)
         self.chunks += 1
 
     def load(self, p: int):
         files = [np.load(self.dir / f"p{p}-c{c}.npz") for c in range(self.chunks)]
-        return tuple(np.concatenate([f[f"arr_{i}"] for f in files]) for i in range(6))
+        return _concat([tuple(f[f"arr_{i}"] for i in range(6)) for f in files])
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _split(arrays, partitions: int) -> list[tuple]:
+    """Rows of partial counts split by key hash: every key's rows land in one partition (the spill
+    files of build() and the map tasks of a cluster build split alike)."""
+    part = (arrays[0] % np.uint64(partitions)).astype(np.int64)
+    return [tuple(a[part == q] for a in arrays) for q in range(partitions)]
+
+
+def _concat(pieces: list[tuple]) -> tuple:
+    return tuple(np.concatenate([p[i] for p in pieces]) for i in range(6))
+
+
+def _write_partition(writer, rows: tuple, top_k: int, min_count: int, draft_len: int) -> int:
+    """Sum one partition's partial counts, prune them and write one value per key. Returns the
+    continuations kept."""
+    hkey, hcont, count, n, key, cont = _reduce(*rows)
+    idx, totals = _select(hkey, count, cont, top_k, min_count)
+    _write_rows(writer, hkey, n, key, cont, count, totals, idx, draft_len)
+    return len(idx)
 
 
 def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int = 256,
@@ -203,19 +222,23 @@ class _Encoder:
         return self.tok(texts, add_special_tokens=False)["input_ids"]
 
 
+def check_params(min_n: int, max_n: int, draft_len: int, top_k: int, min_count: int) -> None:
+    if not 1 <= min_n <= max_n:
+        raise HdError(f"n range needs 1 <= --min-n <= --max-n, got {min_n}..{max_n}")
+    if draft_len < 1 or top_k < 0 or min_count < 1:
+        raise HdError("--draft-len and --min-count must be >= 1 and --top-k >= 0 (0: keep all)")
+
+
 def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
           min_n: int = 1, max_n: int = 4, draft_len: int = 1, top_k: int = 4, min_count: int = 2,
-          shard: tuple[int, int] = (0, 1), chunk_tokens: int = 4_000_000, partitions: int = 8,
+          shard: tuple[int, int] = (0, 1), chunk_tokens: int = CHUNK_TOKENS, partitions: int = 8,
           num_proc: int = 1, overwrite: bool = False, extra_header: dict | None = None,
           progress: Callable[[int, int], None] | None = None, tokenized: bool = False,
           kind: str = "stats") -> dict:
     """Count n-gram continuations of `texts` into a new store at `out`; returns its header.
     tokenized: `texts` are token-id lists already (the model DB's samples).
     progress(documents, tokens) is called after every tokenised batch."""
-    if not 1 <= min_n <= max_n:
-        raise HdError(f"n range needs 1 <= --min-n <= --max-n, got {min_n}..{max_n}")
-    if draft_len < 1 or top_k < 0 or min_count < 1:
-        raise HdError("--draft-len and --min-count must be >= 1 and --top-k >= 0 (0: keep all)")
+    check_params(min_n, max_n, draft_len, top_k, min_count)
     sharded = shard[1] > 1
     if sharded:  # shards keep exact counts; merge prunes once
         top_k, min_count = 0, 1
@@ -232,12 +255,8 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
                 spill.add(count_chunk(chunk, min_n, max_n, draft_len))
             if docs == 0:
                 raise HdError("the corpus has no documents (empty files, or every record empty)")
-            pairs = 0
-            for p in range(partitions):
-                hkey, hcont, count, n, key, cont = _reduce(*spill.load(p))
-                idx, totals = _select(hkey, count, cont, top_k, min_count)
-                pairs += len(idx)
-                _write_rows(writer, hkey, n, key, cont, count, totals, idx, draft_len)
+            pairs = sum(_write_partition(writer, spill.load(p), top_k, min_count, draft_len)
+                        for p in range(partitions))
         finally:
             spill.remove()
         header = writer.commit(header_for(
@@ -247,38 +266,19 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
     return header
 
 
-def count_partitions(token_docs: Iterable[list[int]], partitions: int, *, min_n: int, max_n: int,
-                     draft_len: int) -> tuple[list[tuple], int, int]:
-    """The map step of a distributed build: partial counts of already tokenised documents, summed
-    and split by key hash into `partitions` (the same split as the spill files of build(), so
-    every key's rows land in one partition). Returns (arrays per partition, documents, tokens)."""
+def count_partitions(chunks: Iterable[list[list[int]]], partitions: int, *, min_n: int, max_n: int,
+                     draft_len: int) -> tuple[list[tuple | None], int, int]:
+    """The map step of a distributed build: partial counts of chunks of tokenised documents,
+    split by key hash into `partitions` as build() splits its spill files, and summed per
+    partition. Returns (arrays per partition, None where empty; documents; tokens)."""
     parts: list[list[tuple]] = [[] for _ in range(partitions)]
     docs = tokens = 0
-    chunk, size = [], 0
-
-    def flush():
-        arrays = count_chunk(chunk, min_n, max_n, draft_len)
-        part = (arrays[0] % np.uint64(partitions)).astype(np.int64)
-        for q in range(partitions):
-            sel = part == q
-            parts[q].append(tuple(a[sel] for a in arrays))
-    for d in token_docs:
-        chunk.append(d)
-        size += len(d)
-        docs += 1
-        tokens += len(d)
-        if size >= 4_000_000:
-            flush()
-            chunk, size = [], 0
-    if chunk:
-        flush()
-    out = []
-    for q in range(partitions):
-        if parts[q]:
-            out.append(_reduce(*(np.concatenate([c[i] for c in parts[q]]) for i in range(6))))
-        else:
-            out.append(None)
-    return out, docs, tokens
+    for chunk in chunks:
+        docs += len(chunk)
+        tokens += sum(map(len, chunk))
+        for q, piece in enumerate(_split(count_chunk(chunk, min_n, max_n, draft_len), partitions)):
+            parts[q].append(piece)
+    return [_reduce(*_concat(ps)) if ps else None for ps in parts], docs, tokens
 
 
 class _Records:
@@ -295,12 +295,9 @@ def select_partition(pieces: list, *, top_k: int, min_count: int, draft_len: int
     """The reduce step: one partition's partial counts from every map task, summed and pruned
     exactly as build() does. Returns the partition's records (key bytes, value bytes)."""
     pieces = [p for p in pieces if p is not None and len(p[0])]
-    if not pieces:
-        return []
-    hkey, hcont, count, n, key, cont = _reduce(*(np.concatenate([p[i] for p in pieces]) for i in range(6)))
-    idx, totals = _select(hkey, count, cont, top_k, min_count)
     out = _Records()
-    _write_rows(out, hkey, n, key, cont, count, totals, idx, draft_len)
+    if pieces:
+        _write_partition(out, _concat(pieces), top_k, min_count, draft_len)
     return out.records
 
 

@@ -76,8 +76,9 @@ def damaged(path, exc: Exception) -> HdError:
                    "then rebuild it or restore a good copy")
 
 
-def check_output_path(path: Path) -> None:
-    """One-line errors for an output path that cannot be a DB file."""
+def check_output_path(path: Path, overwrite: bool) -> None:
+    """One-line errors for an output path that cannot be a new DB file (checked before any work;
+    the commit checks again, atomically, that nothing appeared meanwhile)."""
     if path.is_dir():
         raise HdError(f"{path} is a folder: -o takes a file path for the DB (e.g. {path / 'stats.lmdb'})")
     parent = path.parent
@@ -87,6 +88,8 @@ def check_output_path(path: Path) -> None:
         raise HdError(f"the output folder {parent} does not exist: create it or choose another -o path")
     if not os.access(parent, os.W_OK):
         raise HdError(f"output folder {parent} is not writable")
+    if path.exists() and not overwrite:
+        raise HdError(f"{path} already exists: pass --overwrite to replace it")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -157,9 +160,7 @@ class StoreWriter:
     def __init__(self, path: str | Path, overwrite: bool = False, batch: int = 20000):
         lmdb = _lmdb()
         self.path = Path(path)
-        check_output_path(self.path)
-        if self.path.exists() and not overwrite:
-            raise HdError(f"{self.path} already exists: pass --overwrite to replace it")
+        check_output_path(self.path, overwrite)
         self.overwrite = overwrite
         sweep_stale(self.path.parent, self.path.name + ".tmp-")
         if not self.path.exists():  # the lock file of a DB deleted since is an orphan
@@ -302,6 +303,10 @@ def _open_env(path: Path, writable: bool):
     if cached:
         _ENVS.pop(real)[1].close()
     had_lock = os.path.exists(real + "-lock")
+
+    def drop_new_lock():  # a file refused here must not leave a lock file we created
+        if not had_lock:
+            Path(real + "-lock").unlink(missing_ok=True)
     try:
         if writable:
             env = lmdb.open(real, subdir=False, map_size=max(INITIAL_MAP_SIZE, 2 * st.st_size),
@@ -312,15 +317,13 @@ def _open_env(path: Path, writable: bool):
             except lmdb.Error:
                 env = lmdb.open(real, subdir=False, readonly=True, lock=False, readahead=False)
     except lmdb.Error as exc:
-        if not had_lock:
-            Path(real + "-lock").unlink(missing_ok=True)
+        drop_new_lock()
         raise HdError(f"{path} is not an hd DB ({str(exc).splitlines()[0]})") from None
     need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]  # both read from the meta page
     size = os.stat(real).st_size
     if size < need:
         env.close()
-        if not had_lock:
-            Path(real + "-lock").unlink(missing_ok=True)
+        drop_new_lock()
         raise HdError(f"{path} is truncated: {size} bytes, but its pages reach {need} (an interrupted "
                       "copy or a full disk?): rebuild it or restore a good copy")
     _ENVS[real] = (key, env, writable)

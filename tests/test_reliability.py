@@ -333,13 +333,19 @@ def test_damaged_db_is_found_by_verify_and_refused_by_merge(tiny_model_dir, tmp_
     assert not [x for x in tmp_path.iterdir() if ".tmp-" in x.name]
 
 
-def test_content_digest_ignores_layout_and_follows_learning(tiny_model_dir, tiny_lm, tmp_path):
-    """Shards merged = the single build, digest for digest; --learn keeps the digest current."""
+def _two_shards(tiny_model_dir, tmp_path):
+    """Shards 0/2 and 1/2 of a small corpus at s0.lmdb and s1.lmdb; returns (corpus, model)."""
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 40)
     m = str(tiny_model_dir)
     for i in range(2):
         assert hd_proc("build-stats", corpus, "-o", tmp_path / f"s{i}.lmdb", "-m", m, "--shard", f"{i}/2").returncode == 0
+    return corpus, m
+
+
+def test_content_digest_ignores_layout_and_follows_learning(tiny_model_dir, tiny_lm, tmp_path):
+    """Shards merged = the single build, digest for digest; --learn keeps the digest current."""
+    corpus, m = _two_shards(tiny_model_dir, tmp_path)
     assert hd_proc("build-stats", corpus, "-o", tmp_path / "single.lmdb", "-m", m).returncode == 0
     merged = json.loads(hd_proc("merge-stats", tmp_path / "s0.lmdb", tmp_path / "s1.lmdb",
                                 "-o", tmp_path / "merged.lmdb", "--json").stdout)["header"]
@@ -352,11 +358,7 @@ def test_content_digest_ignores_layout_and_follows_learning(tiny_model_dir, tiny
 
 
 def test_merge_refuses_what_would_give_wrong_counts(tiny_model_dir, tiny_lm, tmp_path):
-    corpus = tmp_path / "c.jsonl"
-    write_corpus(corpus, 40)
-    m = str(tiny_model_dir)
-    for i in range(2):
-        assert hd_proc("build-stats", corpus, "-o", tmp_path / f"s{i}.lmdb", "-m", m, "--shard", f"{i}/2").returncode == 0
+    corpus, m = _two_shards(tiny_model_dir, tmp_path)
     copy = tmp_path / "copy.lmdb"
     copy.write_bytes((tmp_path / "s0.lmdb").read_bytes())
     pruned = tmp_path / "pruned.lmdb"
