@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +21,8 @@ from pathlib import Path
 import torch
 
 from hdcli import api
+
+from common import interleaved, machine, speedups
 
 HERE = Path(__file__).parent
 
@@ -54,32 +55,34 @@ def main():
     api.warm_up(lm)
     cheap = api.cheap_verification(lm)  # picks the drafting defaults (docs/dtype.md)
     results = {"model": args.model, "dtype": lm.dtype, "device": lm.device,
-               "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-               "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
+               "machine": machine(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
                "draft_len": args.draft_len,
                "ngram": [args.min_n or api.default_min_n(cheap), args.max_n], "prompts": {}}
+
+    def ours(make_drafter):  # prompt ids -> (tokens, tokens/s, mean accepted)
+        def one(ids):
+            r = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens,
+                             drafter=make_drafter() if make_drafter else None)
+            return r.tokens, r.stats.tokens_per_second, r.stats.mean_accepted
+        return one
+
+    def hf(**kw):
+        return lambda ids: (*hf_generate(lm, ids, args.max_new_tokens, **kw), None)
+    methods = {"plain": ours(None),
+               "hd": ours(lambda: api.make_drafter(["context"], args.draft_len, args.min_n, args.max_n,
+                                                   cheap_verify=cheap)),
+               "hf": hf(),
+               "hf-pld": hf(prompt_lookup_num_tokens=10)}
     for path in args.prompts:
         ids = api.encode_prompt(lm.tokenizer, Path(path).read_text())
-        runs = {m: [] for m in ("plain", "hd", "hf", "hf-pld")}
-        toks, accepted = {}, []
-        for _ in range(args.repeats):
-            r = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=None)
-            runs["plain"].append(r.stats.tokens_per_second)
-            toks["plain"] = r.tokens
-            d = api.make_drafter(["context"], args.draft_len, args.min_n, args.max_n, cheap_verify=cheap)
-            r = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d)
-            runs["hd"].append(r.stats.tokens_per_second)
-            toks["hd"], accepted = r.tokens, r.stats.mean_accepted
-            toks["hf"], tps = hf_generate(lm, ids, args.max_new_tokens)
-            runs["hf"].append(tps)
-            toks["hf-pld"], tps = hf_generate(lm, ids, args.max_new_tokens, prompt_lookup_num_tokens=10)
-            runs["hf-pld"].append(tps)
-        base = statistics.median(runs["plain"])
+        runs = interleaved([ids] * args.repeats, methods)
+        tps = speedups({m: [r[1] for r in rs] for m, rs in runs.items()}, average=statistics.median)
+        toks = {m: rs[-1][0] for m, rs in runs.items()}
+        accepted = runs["hd"][-1][2]
         row = {}
-        for m, tps in runs.items():
+        for m in runs:
             ref = toks["hf"] if m == "hf-pld" else toks["plain"]
-            row[m] = {"tokens_per_second": statistics.median(tps), "speedup": statistics.median(tps) / base,
-                      "new_tokens": len(toks[m]),
+            row[m] = {**tps[m], "new_tokens": len(toks[m]),
                       "identical_to": "hf" if m == "hf-pld" else "plain",
                       "first_difference": api.first_difference(toks[m], ref)}
         row["hd"]["mean_accepted_tokens"] = accepted

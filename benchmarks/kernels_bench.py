@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
-from hdcli import api, costs, specbench
+from hdcli import api
+from hdcli.engine import costs
+from hdcli.bench import specbench
+
+from common import interleaved, load_questions, machine, speedups
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
 
@@ -28,37 +31,38 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out")
     args = ap.parse_args()
-    questions = specbench.select(specbench.load(specbench.find(None)), 1)
+    questions = specbench.select(load_questions(), 1)
     lms = {k: api.load_model(dtype=args.dtype, kernels=k) for k in ("torch", "onednn")}
-    result = {"dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "cost": {}, "questions": []}
+    result = {"dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "machine": machine(), "cost": {},
+              "questions": []}
     for k, lm in lms.items():
         c = costs.measure(lm.model, widths=WIDTHS)
         result["cost"][k] = {"one_token_ms": c.one_token_seconds * 1e3, "relative": c.to_dict()}
         print(k, f"one token {c.one_token_seconds * 1e3:.1f} ms", {w: round(c(w), 2) for w in WIDTHS[1:]})
         api.warm_up(lm)
-    for q in questions:
-        row = {"category": q["category"]}
-        outs = {}
-        for k, lm in lms.items():
-            ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
-            r = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=None)
-            outs[k] = r.tokens
-            row[f"{k}_tps"] = r.stats.tokens_per_second
-        lm = lms["onednn"]
-        spec = api.generate(lm, prompt_ids=api.encode_prompt(lm.tokenizer, q["turns"][0]),
-                            max_new_tokens=args.max_new_tokens)
-        row["onednn_vs_torch_first_difference"] = api.first_difference(outs["onednn"], outs["torch"])
-        row["hd_vs_plain_first_difference"] = api.first_difference(spec.tokens, outs["onednn"])
-        row["hd_tps"] = spec.stats.tokens_per_second
-        result["questions"].append(row)
-        print(json.dumps(row))
+
+    def run(lm, **kw):  # no drafter given: hd's default one
+        return lambda q: api.generate(lm, prompt_ids=api.encode_prompt(lm.tokenizer, q["turns"][0]),
+                                      max_new_tokens=args.max_new_tokens, **kw)
+
+    def row(n, q, got):
+        r = {"category": q["category"], "torch_tps": got["torch"].stats.tokens_per_second,
+             "onednn_tps": got["onednn"].stats.tokens_per_second,
+             "onednn_vs_torch_first_difference": api.first_difference(got["onednn"].tokens, got["torch"].tokens),
+             "hd_vs_plain_first_difference": api.first_difference(got["hd"].tokens, got["onednn"].tokens),
+             "hd_tps": got["hd"].stats.tokens_per_second}
+        result["questions"].append(r)
+        print(json.dumps(r))
+    # plain decoding with each kernel set, then hd on the oneDNN model, interleaved per question
+    runs = interleaved(questions, {"torch": run(lms["torch"], drafter=None), "onednn": run(lms["onednn"], drafter=None),
+                                   "hd": run(lms["onednn"])}, on_item=row)
+    tps = speedups({k: [r.stats.tokens_per_second for r in rs] for k, rs in runs.items()}, base="torch")
     qs = result["questions"]
     result["summary"] = {
-        "plain_speedup_onednn_over_torch": statistics.mean(r["onednn_tps"] for r in qs)
-        / statistics.mean(r["torch_tps"] for r in qs),
-        "plain_torch_tps": statistics.mean(r["torch_tps"] for r in qs),
-        "plain_onednn_tps": statistics.mean(r["onednn_tps"] for r in qs),
-        "hd_onednn_tps": statistics.mean(r["hd_tps"] for r in qs),
+        "plain_speedup_onednn_over_torch": tps["onednn"]["speedup"],
+        "plain_torch_tps": tps["torch"]["tokens_per_second"],
+        "plain_onednn_tps": tps["onednn"]["tokens_per_second"],
+        "hd_onednn_tps": tps["hd"]["tokens_per_second"],
         "onednn_plain_differs_from_torch_plain": sum(r["onednn_vs_torch_first_difference"] is not None for r in qs),
         "hd_differs_from_plain_same_kernels": sum(r["hd_vs_plain_first_difference"] is not None for r in qs),
         "questions": len(qs),

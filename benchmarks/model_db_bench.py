@@ -15,9 +15,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from hdcli import api, modeldb
+from hdcli import api
+from hdcli.db import modeldb
 
-from stats_bench import questions, summarize
+from common import interleaved, load_questions, machine, round_robin, summarize
 
 
 def throughput(args) -> dict:
@@ -31,7 +32,8 @@ def throughput(args) -> dict:
         rows[bs] = {"tokens_per_second": r["tokens_per_second"], "new_tokens": r["new_tokens"],
                     "seconds": r["seconds"]}
         print(f"batch {bs:3d}: {r['tokens_per_second']:7.1f} tok/s ({r['new_tokens']} tokens in {r['seconds']:.1f}s)")
-    return {"dtype": lm.dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "batch": rows}
+    return {"dtype": lm.dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "machine": machine(), "batch": rows}
 
 
 def decode(args) -> dict:
@@ -43,14 +45,17 @@ def decode(args) -> dict:
     methods = {"plain": None, "context": ["context"], "context+model": ["context", "model"]}
     if sdbs:
         methods["context+model+stats"] = ["context", "model", "stats"]
-    runs = {m: [] for m in methods}
-    for q in questions(args.spec_bench, args.questions):
-        ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
-        for m, layers in methods.items():
+
+    def run(layers):
+        def one(ids):
             d = api.make_drafter(layers, cheap_verify=cheap, model_db=mdb, stats_dbs=sdbs) if layers else None
-            runs[m].append(api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d))
+            return api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d)
+        return one
+    qs = round_robin(load_questions(args.spec_bench), args.questions, key="subcategory")
+    runs = interleaved([api.encode_prompt(lm.tokenizer, q["turns"][0]) for q in qs],
+                       {m: run(layers) for m, layers in methods.items()})
     return {"dtype": lm.dtype, "questions": args.questions, "max_new_tokens": args.max_new_tokens,
-            "methods": summarize(runs)}
+            "machine": machine(), "methods": summarize(runs)}
 
 
 def main():

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from hdcli import api, draftmodels, specbench
-from hdcli.decode import Decoder
+from hdcli import api
+from hdcli.hsd import draft_models as draftmodels
+from hdcli.bench import specbench
+from hdcli.engine.decode import Decoder
+
+from common import interleaved, load_questions, machine, round_robin, summarize
 
 
 def main():
@@ -65,39 +68,28 @@ def main():
         return api.make_stack(lm, [lv["model"] for lv in chain["levels"]], [lv["T"] for lv in chain["levels"]],
                               base, loaded=loaded)
 
-    qs = specbench.select(specbench.load(specbench.find(None)), None)
+    qs = specbench.select(load_questions(), None)
     calib = {q["question_id"] for q in specbench.select(qs, 1)}
-    by_cat: dict[str, list] = {}
-    for q in qs:
-        if q["question_id"] not in calib:
-            by_cat.setdefault(q["category"], []).append(q)
-    picked, i = [], 0
-    while len(picked) < args.questions:
-        for c in specbench.CATEGORIES:
-            if i < len(by_cat.get(c, [])) and len(picked) < args.questions:
-                picked.append(by_cat[c][i])
-        i += 1
-    tps = {r["hierarchy"]: [] for r in chosen}
-    outputs = {r["hierarchy"]: [] for r in chosen}
-    for q in picked:
-        ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
-        for r in chosen:
-            g = Decoder(lm.model, lm.eos_ids, drafter(r["chain"])).generate(ids, args.max_new_tokens)
-            tps[r["hierarchy"]].append(g.stats.tokens_per_second)
-            outputs[r["hierarchy"]].append(g.tokens)
-        print(f"{len(tps[chosen[0]['hierarchy']])}/{len(picked)}", flush=True)
-    base = statistics.mean(tps[plain[0]["hierarchy"]])
+    picked = round_robin([q for q in qs if q["question_id"] not in calib], args.questions,
+                         order=specbench.CATEGORIES)
+
+    def run(chain):
+        return lambda ids: Decoder(lm.model, lm.eos_ids, drafter(chain)).generate(ids, args.max_new_tokens)
+    runs = interleaved([api.encode_prompt(lm.tokenizer, q["turns"][0]) for q in picked],
+                       {r["hierarchy"]: run(r["chain"]) for r in chosen},
+                       on_item=lambda n, *_: print(f"{n}/{len(picked)}", flush=True))
+    measured = summarize(runs, base=plain[0]["hierarchy"], echo=False)
     result = []
     for r in chosen:
         h = r["hierarchy"]
-        m = statistics.mean(tps[h])
+        m = measured[h]
         result.append({"hierarchy": h, "chain": r["chain"], "predicted_tokens_per_second": r["predicted_tokens_per_second"],
-                       "measured_tokens_per_second": m, "measured_speedup": m / base,
-                       "differ_from_plain": sum(a != b for a, b in zip(outputs[h], outputs[plain[0]["hierarchy"]]))})
-        print(f"{h:60s} predicted {r['predicted_tokens_per_second']:6.1f}  measured {m:6.1f} tok/s  "
-              f"{m / base:.2f}x  differ {result[-1]['differ_from_plain']}/{len(picked)}")
+                       "measured_tokens_per_second": m["tokens_per_second"], "measured_speedup": m["speedup"],
+                       "differ_from_plain": m["differ_from_plain"]})
+        print(f"{h:60s} predicted {r['predicted_tokens_per_second']:6.1f}  measured {m['tokens_per_second']:6.1f} tok/s  "
+              f"{m['speedup']:.2f}x  differ {m['differ_from_plain']}/{len(picked)}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"dtype": args.dtype, "questions": len(picked),
+        Path(args.out).write_text(json.dumps({"dtype": args.dtype, "questions": len(picked), "machine": machine(),
                                               "max_new_tokens": args.max_new_tokens, "plan": plan,
                                               "results": result}, indent=1))
 

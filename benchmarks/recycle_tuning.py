@@ -10,8 +10,10 @@ deterministic for greedy decoding, so small differences are real) and the measur
 """
 import argparse
 
-from hdcli import api, costs, drafting, specbench
-from hdcli.decode import Decoder
+from hdcli import api, drafting
+from hdcli.engine import costs
+from hdcli.bench import specbench
+from hdcli.engine.decode import Decoder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--stats-db", required=True)

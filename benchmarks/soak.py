@@ -17,7 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from hdcli import api, specbench
+from hdcli import api
+from hdcli.bench import specbench
+
+from common import load_questions, machine
 
 
 def rss_mb(kind: str = "VmRSS") -> float:
@@ -50,7 +53,7 @@ def main():
     cheap = api.cheap_verification(lm)  # picks the drafting defaults (docs/dtype.md)
     sdb = api.open_stats_dbs([args.stats_db], lm)
     mdb = api.open_stats_dbs([str(mdb_path)], lm, writable=True)[0]
-    qs = specbench.select(specbench.load(specbench.find(None)), None)
+    qs = specbench.select(load_questions(), None)
     rss = {"start": memory()}
     differ, t0, samples = 0, time.time(), []
     for i in range(args.generations):
@@ -68,7 +71,7 @@ def main():
     rss["end"] = memory()
     result = {"generations": args.generations, "max_new_tokens": args.max_new_tokens, "differ_from_plain": differ,
               "rss_mb": rss, "rss_by_generation": samples, "seconds": time.time() - t0,
-              "model_db_learned_updates": mdb.header.get("learned_updates")}
+              "model_db_learned_updates": mdb.header.get("learned_updates"), "machine": machine()}
     print(json.dumps(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -15,14 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from hdcli import api, stores
+from hdcli import api
+from hdcli.db import stores
+
+from common import interleaved, load_questions, machine, round_robin, summarize
 
 
 def build(corpora: str, out: Path) -> dict:
@@ -67,48 +69,6 @@ def lookups(db: stores.Store, n: int = 100_000) -> dict:
             "p99_us": times[int(len(times) * 0.99)] / 1000}
 
 
-def questions(path: str, count: int) -> list[dict]:
-    by_cat = {}
-    for line in open(path):
-        q = json.loads(line)
-        by_cat.setdefault(q["category"], []).append(q)
-    out, i = [], 0
-    while len(out) < count:
-        for cat in sorted(by_cat):
-            if i < len(by_cat[cat]) and len(out) < count:
-                out.append(by_cat[cat][i])
-        i += 1
-    return out
-
-
-def summarize(runs: dict) -> dict:
-    """runs: method -> list of api.Result, one per question, "plain" among them. Prints a line per
-    method and returns Spec-Bench's figures: speedup = mean tokens/s / mean plain tokens/s, mean
-    accepted tokens pooled over all steps, per-layer totals, and outputs differing from plain."""
-    plain_tps = statistics.mean(r.stats.tokens_per_second for r in runs["plain"])
-    out = {}
-    for m, rs in runs.items():
-        layers = {}
-        for r in rs:
-            for name, ls in r.stats.layers.items():
-                agg = layers.setdefault(name, {"queries": 0, "hits": 0, "drafted": 0, "accepted": 0})
-                for f in agg:
-                    agg[f] += getattr(ls, f)
-        for v in layers.values():
-            v["hit_rate"] = v["hits"] / max(1, v["queries"])
-            v["acceptance_rate"] = v["accepted"] / max(1, v["drafted"])
-        steps = [a for r in rs for a in r.stats.accept_lengths]
-        tps = statistics.mean(r.stats.tokens_per_second for r in rs)
-        out[m] = {"tokens_per_second": tps, "speedup": tps / plain_tps,
-                  "mean_accepted_tokens": sum(steps) / len(steps),
-                  "differ_from_plain": sum(r.tokens != p.tokens for r, p in zip(rs, runs["plain"])),
-                  "layers": layers}
-        print(f"{m:20s} {tps:6.1f} tok/s  {tps / plain_tps:5.2f}x  mean accepted {out[m]['mean_accepted_tokens']:.2f}"
-              f"  differ {out[m]['differ_from_plain']}/{len(rs)}  " +
-              "  ".join(f"{k}: hit {v['hit_rate']:.0%} acc {v['acceptance_rate']:.0%}" for k, v in layers.items()))
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--corpora", default="../shared/corpora")
@@ -119,7 +79,7 @@ def main():
     ap.add_argument("--db", help="use this DB instead of building one")
     ap.add_argument("--out")
     args = ap.parse_args()
-    result = {"dtype": args.dtype, "max_new_tokens": args.max_new_tokens}
+    result = {"dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "machine": machine()}
     tmp = Path(tempfile.mkdtemp())
     db_path = Path(args.db) if args.db else tmp / "stats.lmdb"
     if not args.db:
@@ -136,11 +96,12 @@ def main():
     methods = {"plain": lambda: None,
                "context": lambda: api.make_drafter(["context"], cheap_verify=cheap),
                "context+stats": lambda: api.make_drafter(["context", "stats"], cheap_verify=cheap, stats_dbs=dbs)}
-    runs = {m: [] for m in methods}
-    for q in questions(args.spec_bench, args.questions):
-        ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
-        for m, make in methods.items():
-            runs[m].append(api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=make()))
+
+    def run(make):
+        return lambda ids: api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=make())
+    qs = round_robin(load_questions(args.spec_bench), args.questions, key="subcategory")
+    runs = interleaved([api.encode_prompt(lm.tokenizer, q["turns"][0]) for q in qs],
+                       {m: run(make) for m, make in methods.items()})
     result["methods"] = summarize(runs)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -2,7 +2,7 @@
 
 Builds (or takes) two DBs from the same corpus, one storing 8-token continuations per key
 (--draft-len 8) and one storing next-token counts (--draft-len 1, drafted by a greedy walk), then
-replays context+stats against recorded plain outputs of Spec-Bench questions (replay.py) for
+replays context+stats against recorded plain outputs of Spec-Bench questions (common.py: replay) for
 several min_prob thresholds, with the forward-cost profile of each dtype measured here.
 
     python benchmarks/stats_tuning.py --corpora ../shared/corpora --out benchmarks/results/stats_tuning.json
@@ -16,10 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hdcli import api, stores
+from hdcli import api
+from hdcli.db import stores
 from hdcli.drafting import ContextDB, Hierarchy, StatsDB
 
-from replay import forward_costs, record, replay, spec_bench_texts
+from common import first_per_subcategory, forward_costs, load_questions, record, replay
 
 
 def main():
@@ -38,21 +39,21 @@ def main():
                         "-o", str(path), "--draft-len", str(length), "--json"], check=True,
                        stdout=subprocess.DEVNULL)
         dbs[length] = stores.Store(path)
-    texts = [t for _, t in spec_bench_texts(args.spec_bench, args.per_category)]
+    texts = [q["turns"][0] for q in first_per_subcategory(load_questions(args.spec_bench), args.per_category)]
     refs = record(texts, args.max_new_tokens)
     rows = []
     for dtype in ("fp32", "bf16"):
         lm = api.load_model(dtype=dtype)
         cost = forward_costs(lm, refs[0][0] * 4)
         min_n = api.default_min_n(dtype != "fp32")  # replay of torch-kernel runs: bf16 cheap, fp32 not
-        base = replay(refs, lambda: Hierarchy([ContextDB(min_n, 4)], draft_len=16), cost)
+        base = replay(refs, lambda: Hierarchy([ContextDB(min_n, 4)], draft_len=16), cost, cap=False)
         rows.append({"dtype": dtype, "layers": "context", **base})
         print(dtype, "context only", round(base["predicted_speedup"], 3), round(base["mean_accepted"], 2))
         for length, walk in ((8, False), (8, True), (1, True)):
             for min_prob in (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5):
                 r = replay(refs, lambda: Hierarchy([ContextDB(min_n, 4),
                                                     StatsDB(dbs[length], min_prob=min_prob, walk=walk)],
-                                                   draft_len=16), cost)
+                                                   draft_len=16), cost, cap=False)
                 rows.append({"dtype": dtype, "layers": "context+stats", "stored_len": length, "walk": walk,
                              "min_prob": min_prob, **r})
                 print(dtype, f"stored {length} walk {walk} min_prob {min_prob}:",

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from hdcli import api
-from hdcli.tree import Tree, tree_forward
+from hdcli.engine.tree import Tree, tree_forward
+
+from common import machine, median_forward_seconds
 
 
 def main():
@@ -34,20 +34,10 @@ def main():
     with torch.inference_mode():
         cache = DynamicCache(config=lm.model.config)
         lm.model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True)
-        base = cache.get_seq_length()
-
-        def timed(fn):
-            ts = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-                cache.crop(-(cache.get_seq_length() - base))
-            return statistics.median(ts)
-
         for w in widths:
             ids = [7 + i for i in range(w)]
-            chain = timed(lambda: lm.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True))
+            chain = median_forward_seconds(
+                lambda: lm.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True), cache, args.repeats)
             # a bushy tree of the same width: the root and w - 1 drafted nodes, depth <= 4
             tree = Tree()
             j = 0
@@ -56,7 +46,7 @@ def main():
                 j += 1
             tree = tree.subtree(range(w))
             nodes = tree.size() + 1
-            tr = timed(lambda: tree_forward(lm.model, tree, 9, cache))
+            tr = median_forward_seconds(lambda: tree_forward(lm.model, tree, 9, cache), cache, args.repeats)
             rows[w] = {"chain_seconds": chain, "tree_seconds": tr, "tree_nodes": nodes}
     one = rows[1]["chain_seconds"]
     print(f"{'width':>5} {'chain':>7} {'tree':>7}  (cost relative to a 1-token forward, {args.dtype})")
@@ -66,6 +56,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"dtype": args.dtype, "context": args.context, "threads": torch.get_num_threads(),
+                       "machine": machine(),
                        "one_token_seconds": one, "widths": rows}, f, indent=1)
 
 

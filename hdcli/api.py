@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from . import costs, models
-from .decode import Decoder, Generation
+from .engine import costs, models
+from .engine.decode import Decoder, Generation
 from .drafting import ContextDB, Hierarchy, RecycledLayer, RecycledTable, StatsDB
 from .errors import HdError
-from .verify import Sampling
+from .engine.prompts import TextStream, cut_at_stop, encode_messages, encode_prompt, stop_checker
+from .engine.verify import Sampling
 
 load_model = models.load
 
@@ -52,7 +53,7 @@ def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
                    writable: bool = False) -> list:
     """Open statistics or model DBs, refusing those built for another tokenizer. writable: for
     --learn (model DB)."""
-    from .stores import Store
+    from .db.stores import Store
     dbs = []
     for p in paths:
         db = Store(p, writable=writable)
@@ -156,33 +157,12 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
 def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int]) -> int:
     """Add the n-grams of a generation to the model DB (keys may start in the prompt's last
     tokens, continuations are generated tokens only). Returns keys touched."""
-    from .statsdb import add_counts
+    from .db.statsdb import add_counts
     max_n = int(model_db.header["n_range"][1])
     context = list(prompt_ids[-max_n:]) if prompt_ids else []
     doc = context + list(tokens)
     # counting starts where a continuation is generated: drop keys that end before the output
     return add_counts(model_db, [doc], first_end=len(context) - 1)
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:
-    """Token ids of the prompt, through the model's chat template unless chat is False."""
-    if not prompt or not prompt.strip():
-        raise HdError("the prompt is empty: pass --prompt TEXT or --prompt-file FILE")
-    messages = ([{"role": "system", "content": system}] if system else [])
-    return encode_messages(tokenizer, messages + [{"role": "user", "content": prompt}], chat=chat)
-
-
-def encode_messages(tokenizer, messages: list[dict], chat: bool = True) -> list[int]:
-    """Token ids of a conversation ending with a user turn, ready for the assistant's answer:
-    the chat template when the tokenizer has one (and chat), else the contents of the user and
-    assistant turns joined by blank lines (a lone prompt is itself; a system message is dropped)."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    text = "\n\n".join(m["content"] for m in messages if m["role"] != "system")
-    return [int(t) for t in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
 @dataclass
@@ -197,47 +177,6 @@ class Result:
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "stop_reason": self.stop_reason,
                 "stats": self.stats.to_dict()}
-
-
-class TextStream:
-    """Turns accepted tokens into text pieces, holding back incomplete UTF-8 sequences."""
-
-    def __init__(self, tokenizer, on_text: Callable[[str, str | None], None]):
-        self.tok, self.on_text = tokenizer, on_text
-        self.tokens: list[int] = []
-        self.emitted = ""
-
-    def __call__(self, tokens: list[int], layers: list[str | None]) -> None:
-        for t, layer in zip(tokens, layers):
-            self.tokens.append(t)
-            text = self.tok.decode(self.tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                continue
-            if text.startswith(self.emitted):
-                piece = text[len(self.emitted):]
-                if piece:
-                    self.on_text(piece, layer)
-            self.emitted = text
-
-
-def _stop_checker(tokenizer, stop: Sequence[str]):
-    if not stop:
-        return None
-
-    def check(tokens: list[int]) -> int | None:
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        if not any(s in text for s in stop):
-            return None
-        for n in range(1, len(tokens) + 1):  # the shortest output that contains a stop string
-            if any(s in tokenizer.decode(tokens[:n], skip_special_tokens=True) for s in stop):
-                return n
-        return None
-    return check
-
-
-def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    cuts = [text.index(s) for s in stop if s in text]
-    return text[:min(cuts)] if cuts else text
 
 
 def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
@@ -266,8 +205,8 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)
     stream = TextStream(lm.tokenizer, on_text) if on_text else None
     g: Generation = decoder.generate(prompt_ids, min(max_new_tokens, room), sampling, seed,
-                                     stop_check=_stop_checker(lm.tokenizer, stop), on_tokens=stream)
-    text = _cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), stop)
+                                     stop_check=stop_checker(lm.tokenizer, stop), on_tokens=stream)
+    text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), stop)
     return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
                   stats=g.stats, prompt_ids=list(prompt_ids))
 
@@ -330,7 +269,7 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
     model on this machine (cached, or measured now; all measured again with remeasure) and which
     set `auto` keeps."""
     import torch
-    from . import kernels as kern
+    from .engine import kernels as kern
     dev = models.resolve_device(device)
     dt = models.resolve_dtype(dtype, dev)
     kn = kern.resolve(kernels, dev, dt)
@@ -377,8 +316,8 @@ def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens
     the smallest model drafts alone). level_tokens: T_i per model level, the tokens a level holds
     before it returns its batch (default DEFAULT_LEVEL_TOKENS each). loaded: name -> DraftModel
     cache, so repeated stacks share their draft models."""
-    from . import draftmodels
-    from .stack import ModelStack
+    from .hsd import draft_models as draftmodels
+    from .hsd.stack import ModelStack
     names = draft_model_names(draft_models)
     Ts = list(level_tokens) or [DEFAULT_LEVEL_TOKENS] * len(names)
     if len(Ts) != len(names):
@@ -445,7 +384,7 @@ def build_stats(corpus: Sequence[str], out, model: str = models.DEFAULT_MODEL, *
     """Count a corpus into a statistics DB at `out` in this process (what `hd build-stats` and
     each task of a cluster build run). params: min_n, max_n, draft_len, top_k, min_count.
     Returns (header, read report: skipped and replaced counts, the first malformed record)."""
-    from . import corpus as corpus_mod, statsdb
+    from .db import corpus as corpus_mod, statsdb
     texts, report = corpus_mod.read_corpus(list(corpus), field=field, with_prompt=with_prompt,
                                            limit=limit, shard=shard, strict=strict)
     tok = models.load_tokenizer(model)

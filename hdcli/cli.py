@@ -18,10 +18,12 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__, api, bench, specbench
+from . import __version__, api, bench
+
+from .bench import specbench
 from .errors import HdError
-from .stores import check_output_path
-from .verify import Sampling
+from .db.stores import check_output_path
+from .engine.verify import Sampling
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="hd: lossless speculative decoding from a hierarchy of drafting sources.")
@@ -365,7 +367,7 @@ def build_stats(
     params = dict(min_n=min_n, max_n=max_n, draft_len=draft_len, top_k=top_k, min_count=min_count)
     read_opts = dict(field=field, with_prompt=with_prompt, strict=strict)
     if cluster is not None:
-        from . import cluster as cluster_mod
+        from .db import cluster as cluster_mod
         if shard is not None or limit is not None:
             raise HdError("--cluster splits the corpus itself: drop --shard and --limit")
         header, read = cluster_mod.build_stats(corpus, out, model, address=cluster, tasks=tasks,
@@ -409,7 +411,7 @@ def merge_stats(
     """Sum the counts of several statistics DBs and prune again. Each input's content digest is
     checked as it is read; the same DB twice, DBs of different kinds, and pruned DBs mixed with
     unpruned shards are refused (their sum would be wrong counts)."""
-    from . import statsdb
+    from .db import statsdb
     check_output_path(out, overwrite)
     header = statsdb.merge([str(p) for p in inputs], out, top_k=top_k, min_count=min_count,
                            overwrite=overwrite)
@@ -451,7 +453,8 @@ def build_model_db(
 ):
     """Sample the target model on a prompt set and index what it wrote into a model DB."""
     from tqdm import tqdm
-    from . import models, modeldb
+    from .engine import models
+    from .db import modeldb
     api.check_seed(seed)
     check_output_path(out, overwrite)
     result = {"path": str(out)}
@@ -501,7 +504,7 @@ def db_info(path: Path, as_json: bool = typer.Option(False, "--json"),
             verify: bool = typer.Option(False, "--verify", help="Also read every record and check "
                                         "the content digest (as `hd db verify`).")):
     """Print a DB's header and size figures (content_digest identifies its counts)."""
-    from .stores import Store
+    from .db.stores import Store
     db = Store(path)
     # content_digest identifies the counts whatever the page layout or build time (a cluster
     # build and a local build of one corpus have the same one)
@@ -536,7 +539,7 @@ def db_verify(paths: List[Path] = typer.Argument(..., help="DB files to check.")
               as_json: bool = typer.Option(False, "--json")):
     """Read every record of each DB: shapes, key count and content digest against the header.
     Exit code 1 when any is damaged (2 when one cannot be opened at all)."""
-    from .stores import Store
+    from .db.stores import Store
     reports = [Store(p).verify() for p in paths]
     if as_json:
         typer.echo(json.dumps({"ok": all(r["ok"] for r in reports), "dbs": reports}))
@@ -557,9 +560,9 @@ def db_query(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Show which key of the text's end matches and what the DB would draft."""
-    from . import models
+    from .engine import models
     from .drafting import StatsDB
-    from .stores import Store
+    from .db.stores import Store
     db = Store(path)
     tok = models.load_tokenizer(model or db.header.get("model", "smollm2-135m"))
     db.check_tokenizer(tok, model or db.header.get("model", ""))
@@ -639,8 +642,8 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure costs and acceptance, predict every hierarchy's speed, choose the fastest (DP)."""
-    from . import draftmodels, plan as plan_mod
-    from .decode import Decoder
+    from .hsd import draft_models as draftmodels, planner as plan_mod
+    from .engine.decode import Decoder
     err = Console(stderr=True, highlight=False)
     say = (lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]"))
     if t_max < 1 or count < 1 or tokens < 2:
@@ -825,7 +828,7 @@ def bench_spec_bench(
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
 ):
     """Run Spec-Bench with several methods on one model, interleaved, and report speedups."""
-    from . import specbench
+    from .bench import specbench
     if max_new_tokens < 1:
         raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
     if limit is not None and limit < 1:
@@ -836,7 +839,7 @@ def bench_spec_bench(
         raise HdError(f"invalid sampling option: {exc}") from None
     api.check_seed(seed)
     if methods is None:
-        from . import suffix
+        from .drafting import suffix
         names = [m for m in bench.DEFAULT_METHODS
                  if (m != "stats" or stats_db) and (m != "model" or model_db)
                  and (m != "suffix" or suffix.available())]
@@ -871,7 +874,7 @@ def bench_spec_bench(
             "model_db": str(model_db) if model_db else None, "machine": bench.machine(),
             "kernel_choice": lm.info.get("kernel_choice"), "methods_run": names}
     if "suffix" in names:
-        from . import suffix
+        from .drafting import suffix
         meta["suffix"] = suffix.SuffixDrafter(None).settings()
     report = {**meta, "methods": summary}
     if out_dir is not None:

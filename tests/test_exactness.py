@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hdcli import api
-from hdcli.decode import Decoder
+from hdcli.engine.decode import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 
 from conftest import tiny_gemma3, tiny_llama
@@ -165,7 +165,7 @@ def test_sliding_window_model_greedy_equals_plain_past_the_window():
 def test_suffix_decoding_drafts_equal_plain_greedy(make):
     """SuffixDecoding's trees (the real arctic-inference library), verified whole by hd's tree
     verifier, give plain greedy output; its global tree carries responses across requests."""
-    from hdcli.suffix import SuffixDrafter, new_cache, tree_paths
+    from hdcli.drafting.suffix import SuffixDrafter, new_cache, tree_paths
     m = make()
     cache = new_cache()
     drafted = 0

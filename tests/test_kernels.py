@@ -6,8 +6,10 @@ import copy
 import pytest
 import torch
 
-from hdcli import api, draftmodels, kernels
-from hdcli.decode import Decoder
+from hdcli import api
+from hdcli.hsd import draft_models as draftmodels
+from hdcli.engine import kernels
+from hdcli.engine.decode import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.errors import HdError
 

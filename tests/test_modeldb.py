@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from hdcli import api, modeldb, statsdb, stores
+from hdcli import api
+from hdcli.db import modeldb, statsdb, stores
 
 from test_cli import hd
 from test_statsdb import FREE_FORWARD, db_dict, expected
@@ -78,7 +79,7 @@ def test_learn_from_two_processes_loses_nothing(tiny_lm, tmp_path):
                   kind="model")
     script = textwrap.dedent(f"""
         import sys
-        from hdcli import stores, statsdb
+        from hdcli.db import stores, statsdb
         me = int(sys.argv[1])
         db = stores.Store({str(out)!r}, writable=True)
         for i in range(60):

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from hdcli.plan import Chain, Params, brute_force, dp, expected_rounds, simulate, tokens_per_second, x_dist
+from hdcli.hsd.planner import Chain, Params, brute_force, dp, expected_rounds, simulate, tokens_per_second, x_dist
 
 
 def linear(base: float, per_token: float):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hdcli import statsdb, stores
+from hdcli.db import statsdb, stores
 from hdcli.errors import HdError
 
 from test_cli import run
@@ -268,7 +268,8 @@ def test_bad_numbers_and_empty_lists_are_one_line_errors(tiny_model_dir, tmp_pat
 
 def test_a_utf8_bom_is_not_data(tiny_model_dir, tmp_path):
     """Files saved by editors that write a BOM read like any other JSON lines."""
-    from hdcli import modeldb, specbench
+    from hdcli.db import modeldb
+    from hdcli.bench import specbench
     q = tmp_path / "question.jsonl"
     q.write_text('\ufeff{"question_id": 1, "category": "qa", "turns": ["the cat"]}\n', encoding="utf-8")
     assert specbench.load(q)[0]["turns"] == ["the cat"]

@@ -13,9 +13,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hdcli.decode import Decoder
+from hdcli.engine.decode import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
-from hdcli.verify import Sampling, sample_point_masses, target_probs
+from hdcli.engine.verify import Sampling, sample_point_masses, target_probs
 
 from conftest import tiny_llama
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hdcli import api, draftmodels
-from hdcli.decode import Decoder
+from hdcli import api
+from hdcli.hsd import draft_models as draftmodels
+from hdcli.engine.decode import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.errors import HdError
-from hdcli.stack import ModelStack
-from hdcli.verify import Sampling
+from hdcli.hsd.stack import ModelStack
+from hdcli.engine.verify import Sampling
 
 from conftest import tiny_llama
 from test_sampling import chi2_pvalue, exact_two_token_distribution

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from hdcli import api, costs, statsdb, stores
+from hdcli import api
+from hdcli.engine import costs
+from hdcli.db import statsdb, stores
 from hdcli.drafting import StatsDB
 from hdcli.errors import HdError
 
@@ -235,7 +237,7 @@ def test_greedy_with_context_and_stats_equals_plain(tiny_lm, tmp_path):
 @pytest.mark.bundled
 def test_bundled_model_with_stats_equals_plain(bundled_lm, tmp_path):
     from pathlib import Path
-    from hdcli import corpus
+    from hdcli.db import corpus
     texts, _ = corpus.read_corpus([str(Path(__file__).parents[1] / "sample_corpora" / "assistant_answers.jsonl")])
     out = tmp_path / "s.lmdb"
     statsdb.build(texts, out, bundled_lm.tokenizer, "smollm2-135m", min_count=1)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hdcli import costs
-from hdcli.decode import Decoder
+from hdcli.engine import costs
+from hdcli.engine.decode import Decoder
 from hdcli.drafting import AcceptanceTracker, ContextDB, Hierarchy
-from hdcli.tree import Tree, cap_by_cost, keep_path, new_cache, node_estimates, tree_forward
-from hdcli.verify import Sampling
+from hdcli.engine.tree import Tree, cap_by_cost, keep_path, new_cache, node_estimates, tree_forward
+from hdcli.engine.verify import Sampling
 
 from conftest import tiny_gemma3, tiny_llama
 from test_exactness import ScriptedLayer
@@ -142,7 +142,7 @@ def test_a_kept_rejected_branch_breaks_the_greedy_test(model, monkeypatch):
         remove = cache.get_seq_length() - (past + 1 + len(path))
         if remove:
             cache.crop(-remove)
-    monkeypatch.setattr("hdcli.decode.keep_path", broken)
+    monkeypatch.setattr("hdcli.engine.decode.keep_path", broken)
     assert run() != ref
 
 

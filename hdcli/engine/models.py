@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import HdError
+from ..errors import HdError
 
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .draft import bucket
+
 
 class Tree:
     def __init__(self):
@@ -129,7 +131,6 @@ def build_tree(drafts, rate: Rate, cost: Callable[[int], float] | None,
 def reached(tree: Tree, path: Sequence[int]) -> tuple[dict, dict]:
     """Drafted nodes the verification reached (parent kept) and nodes it kept, counted by
     (layer, bucket) where bucket is drafting.bucket(depth, first child?)."""
-    from .drafting import bucket
     on_path = set(path)
     tested: dict[tuple, int] = {}
     accepted: dict[tuple, int] = {}

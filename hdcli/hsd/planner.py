@@ -27,9 +27,14 @@ against a Monte-Carlo run of the same process).
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
+
+from ..errors import HdError
 
 Cost = Callable[[int], float]  # seconds of one forward over w tokens
 
@@ -227,9 +232,9 @@ def measure(lm, drafts, db_factory, prompts: Sequence[list[int]], tokens: int = 
 
     import torch
 
-    from . import costs
-    from .decode import Decoder
-    from .verify import Sampling, target_probs
+    from ..engine import costs
+    from ..engine.decode import Decoder
+    from ..engine.verify import Sampling, target_probs
     s = sampling or Sampling()
     names = [d.name for d in drafts]
     model_of = {d.name: d.model for d in drafts}
@@ -296,3 +301,82 @@ def measure(lm, drafts, db_factory, prompts: Sequence[list[int]], tokens: int = 
             "one_token_seconds": {k: cost[k](1) for k in cost}, "accept": {f"{a}->{b}": v for (a, b), v in accept.items()},
             "db_lengths": db_lengths, "db_seconds": db_seconds}
     return Params(models=names, cost=cost, accept=accept, db_lengths=db_lengths, db_seconds=db_seconds), info
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking and measuring for `hd plan` (hdcli.api.plan runs them)
+
+def ranked_rows(p: Params, t_max: int, best_v: float) -> list[dict]:
+    """Every chain with its predicted speed, fastest first, as the rows `hd plan` reports."""
+    table = ranked(p, t_max)
+    assert abs(best_v - table[0][1]) < 1e-9 * max(1.0, best_v), "DP and enumeration disagree"
+    return [{"hierarchy": c.describe(), "chain": c.to_dict(), "predicted_tokens_per_second": v,
+             "predicted_speedup": v * p.cost["target"](1)} for c, v in table]
+
+
+def rows_to_measure(rows: list[dict], top: int) -> list[dict]:
+    """The best `top` rows, plus the references: the best single drafting level and plain
+    decoding (marks the single level's row with single_level)."""
+    single = [r for r in rows if len(r["chain"]["levels"]) + (r["chain"]["bottom"] == "db") == 1]
+    plain = [r for r in rows if not r["chain"]["levels"] and r["chain"]["bottom"] == "none"]
+    for r in rows:
+        r["single_level"] = r in single[:1]
+    out = []
+    for r in rows[:top] + single[:1] + plain:
+        if r not in out:
+            out.append(r)
+    return out
+
+
+def measured_speed(lm, drafter, prompts: Sequence[list[int]], max_new_tokens: int) -> float:
+    """Tokens per second of the target with this drafter over the prompts (greedy)."""
+    from ..engine.decode import Decoder
+    toks = secs = 0.0
+    for p in prompts:
+        g = Decoder(lm.model, lm.eos_ids, drafter).generate(p, max_new_tokens)
+        toks += g.stats.new_tokens
+        secs += g.stats.wall_seconds
+    return toks / secs
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan files (`hd plan --out`, read by `hd generate --plan` and DecodingConfig.with_plan)
+
+def read_plan_file(path) -> dict:
+    """The whole document saved by `hd plan --out`, checked to hold a chain."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+        chain = data["chain"]
+        chain["bottom"], [(lv["model"], int(lv["T"])) for lv in chain["levels"]]
+    except FileNotFoundError:
+        raise HdError(f"plan {path} not found: make one with `hd plan --out {path}`") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise HdError(f"{path} is not a plan written by `hd plan`") from None
+    return data
+
+
+def plan_dbs(plan_path, data: dict, stats_dbs: list, model_db) -> tuple[list, object]:
+    """The DBs a run with this plan drafts from: the plan's own when none are given; the given
+    ones only when they are the plan's (a plan measured with a statistics DB and run without it
+    would draft less than it predicted)."""
+    planned_stats = [Path(p) for p in data.get("stats_dbs", [])]
+    planned_model = Path(data["model_db"]) if data.get("model_db") else None
+    if not stats_dbs and model_db is None:
+        return planned_stats, planned_model
+    same = lambda a, b: (a is None) == (b is None) and (a is None or os.path.realpath(a) == os.path.realpath(b))
+    if (len(stats_dbs) != len(planned_stats) or not all(map(same, stats_dbs, planned_stats))
+            or not same(model_db, planned_model)):
+        planned = [str(p) for p in planned_stats] + ([f"model DB {planned_model}"] if planned_model else [])
+        raise HdError(f"plan {plan_path} was measured with {', '.join(planned) or 'no DB'}: pass the same "
+                      "--stats-db/--model-db (or none, to use the plan's), or run `hd plan` again")
+    return list(stats_dbs), model_db
+
+
+def read_plan(path, lm=None) -> dict:
+    """The chain saved by `hd plan` ({"bottom": "none"|"db", "levels": [{"model", "T"}]})."""
+    data = read_plan_file(path)
+    chain = data["chain"]
+    if lm is not None and (data.get("target") != lm.name or data.get("dtype") != lm.dtype):
+        raise HdError(f"plan {path} was made for {data.get('target')} in {data.get('dtype')}, not "
+                      f"{lm.name} in {lm.dtype}: costs and acceptance differ, run `hd plan` again")
+    return chain

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels, models
-from .errors import HdError
+from ..engine import kernels, models
+from ..errors import HdError
 
 
 @dataclass
@@ -75,7 +75,7 @@ def int8(model):
 
 
 def same_tokenizer(a, b) -> bool:
-    from .stores import tokenizer_fingerprint
+    from ..db.stores import tokenizer_fingerprint
     return tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
 
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .errors import HdError
+from ..errors import HdError
 
 RETRIES = 2  # a task whose worker died is run again this many times (dask reschedules it)
 
@@ -47,7 +47,8 @@ def _map_task(corpus: Sequence[str], model: str, shard: tuple[int, int], partiti
     """Run on a worker: shard i/N counted and split into partitions. A user's error comes back as
     a value, not an exception: running it again would fail the same way, and the worker would log
     a traceback for it."""
-    from . import corpus as corpus_mod, models, statsdb
+    from . import corpus as corpus_mod, statsdb
+    from ..engine import models
     try:
         texts, report = corpus_mod.read_corpus(list(corpus), shard=shard, **read_opts)
         tok = models.load_tokenizer(model)
@@ -111,7 +112,8 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
     (header, read report) like api.build_stats; the header adds `cluster` (tasks, partitions,
     workers, seconds and peak memory per phase)."""
     from tqdm import tqdm
-    from . import corpus as corpus_mod, models, stores, statsdb
+    from . import corpus as corpus_mod, stores, statsdb
+    from ..engine import models
     stores.check_output_path(Path(out), overwrite)
     statsdb.check_params(min_n, max_n, draft_len, top_k, min_count)
     tok = models.load_tokenizer(model)  # here too: the header's fingerprint, and a bad name fails fast

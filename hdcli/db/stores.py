@@ -45,7 +45,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import HdError
+from ..errors import HdError
 
 FORMAT_VERSION = 1
 HEADER_KEY = b"__hd_header__"   # 13 bytes: never a multiple of 4

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .drafting import Hierarchy
+from .draft import Drafter
 from .stats import RunStats
 from .costs import CostCurve
 from .tree import Tree, build_tree, keep_path, new_cache, reached, supports_trees, tree_forward
@@ -46,7 +46,7 @@ class Decoder:
     cost: the target's forward-cost curve (hdcli.costs) that caps each step's draft tree; None
     sends every drafted node (up to max_nodes)."""
 
-    def __init__(self, model, eos_ids: Sequence[int] = (), drafter: Hierarchy | None = None,
+    def __init__(self, model, eos_ids: Sequence[int] = (), drafter: Drafter | None = None,
                  cost: CostCurve | None = None, max_nodes: int = 63):
         self.model = model
         self.eos_ids = set(int(e) for e in eos_ids)

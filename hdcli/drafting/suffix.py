@@ -22,8 +22,8 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from .drafting import Draft
-from .errors import HdError
+from ..engine.draft import Draft
+from ..errors import HdError
 
 INSTALL = ("pip install nanobind==2.9.2 ninja cmake grpcio-tools protobuf wheel && "
            "pip install --no-build-isolation --no-deps arctic-inference==0.3.0 (`make setup` does this)")

@@ -31,8 +31,10 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from . import __version__, stores
-from .errors import HdError
+from .. import __version__
+
+from . import stores
+from ..errors import HdError
 
 DEFAULTS = dict(min_n=1, max_n=4, draft_len=1, top_k=4, min_count=2)
 CHUNK_TOKENS = 4_000_000  # tokens counted in memory at once (a chunk's arrays bound peak memory)

@@ -12,7 +12,7 @@ import json
 from itertools import zip_longest
 from pathlib import Path
 
-from .errors import HdError
+from ..errors import HdError
 
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 SHORT_NAMES = {"mt_bench": "MT", "translation": "Trans.", "summarization": "Sum.", "qa": "QA",

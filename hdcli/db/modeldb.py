@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import statsdb
-from .errors import HdError
+from ..errors import HdError
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "sample_corpora" / "model_db_prompts.jsonl"
 
@@ -83,7 +83,7 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
     """Generate answers to `prompts` in batches and append them to `samples_path`.
     progress(prompts_done, new_tokens) after each batch. stop_after: stop after that many new
     batches (for tests of resume). Returns throughput figures."""
-    from .api import encode_prompt
+    from ..engine.prompts import encode_prompt
     samples_path = Path(samples_path)
     if batch_size < 1 or max_new_tokens < 1:
         raise HdError("--batch-size and --max-new-tokens must be >= 1")

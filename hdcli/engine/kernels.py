@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import HdError
+from ..errors import HdError
 
 PACK_ROWS = 8       # the row count oneDNN tunes the layout for; a decode step verifies ~1-16 rows
 KERNELS = ("auto", "onednn", "torch")

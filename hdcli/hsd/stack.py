@@ -29,9 +29,10 @@ from typing import Sequence
 
 import torch
 
-from .drafting import Draft, Hierarchy
-from .tree import new_cache
-from .verify import Sampling, sample_point_masses, sample_with_draft, target_probs
+from ..drafting import Hierarchy
+from ..engine.draft import Draft
+from ..engine.tree import new_cache
+from ..engine.verify import Sampling, sample_point_masses, sample_with_draft, target_probs
 
 
 @dataclass

@@ -26,11 +26,13 @@ from typing import Callable
 
 import torch
 
-from . import api, costs, specbench
-from .decode import Decoder
-from .drafting import RecycledTable
-from .errors import HdError
-from .verify import Sampling
+from .. import api
+from ..engine import costs
+from . import specbench
+from ..engine.decode import Decoder
+from ..drafting import RecycledTable
+from ..errors import HdError
+from ..engine.verify import Sampling
 
 # method -> (layers, policy, candidates); None layers: plain decoding. `hd*` use every layer given.
 DB_METHODS = {
@@ -134,7 +136,7 @@ def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
             runners[name] = HfGenerate(name, stock, prompt_lookup=10 if name == "hf-pld" else None)
             continue
         if name == "suffix":
-            from . import suffix
+            from ..drafting import suffix
             cache = suffix.new_cache()  # one per run: its global tree learns across the questions
             runners[name] = Runner(name, lm, lambda cache=cache: suffix.SuffixDrafter(cache), capped=False)
             continue

@@ -1,0 +1,50 @@
+"""The baselines users already have, run in the same process as hd: transformers' own
+`generate()` on the stock model (greedy, or with its prompt lookup decoding), and the comparison
+of two outputs token by token."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..engine import models
+from ..engine.verify import Sampling
+
+
+def stock_model(lm: models.LoadedModel) -> models.LoadedModel:
+    """The same model with torch's own kernels, as transformers ships it: lm itself where it
+    already is, else loaded once more (from the converted-weights cache, ~1-2 s)."""
+    if lm.kernels == "torch":
+        return lm
+    return models.load(lm.name, dtype=lm.dtype, device=lm.device, kernels="torch", quiet=True)
+
+
+def hf_generate(lm: models.LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int,
+                sampling: Sampling = Sampling(), seed: int | None = None,
+                prompt_lookup: int | None = None) -> tuple[list[int], float]:
+    """transformers' own generate() on lm (greedy, or sampling with the same settings), with its
+    prompt lookup decoding when prompt_lookup is given: the baselines users have. Returns (new
+    tokens, wall seconds, prefill included)."""
+    import time
+    import torch
+    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=sorted(lm.eos_ids) or None,
+                  pad_token_id=lm.tokenizer.pad_token_id or (sorted(lm.eos_ids) or [0])[0])
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+    if sampling.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k or None)
+        torch.manual_seed(seed or 0)
+    ids = torch.tensor([list(prompt_ids)], device=next(lm.model.parameters()).device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -1,0 +1,167 @@
+"""From a DecodingConfig and a loaded target to the thing that drafts.
+
+`build_drafter` is the one place a run's drafter is put together: the database hierarchy
+(hdcli/drafting), a stack of draft models over it (hdcli/hsd), or nothing (plain decoding).
+`hd generate`, `hd bench`, `hd plan` and the Python API all call it; none composes drafters itself.
+
+Defaults that depend on the machine are chosen here, from the target's measured forward cost
+(engine/costs.py): where a verification forward over a draft costs about one token's forward
+(bf16, packed kernels: "cheap"), shorter keys and likelier-to-fail drafts pay; where it costs
+~1.65 (fp32 with torch's kernels), they do not. `resolved` writes the choices into the
+configuration a run records.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .config import DecodingConfig
+from .drafting import Hierarchy, LayerInputs, RecycledTable, build_layers, default_layers, registry
+from .engine import costs, models
+from .errors import HdError
+
+
+def cheap_verification(lm: models.LoadedModel) -> bool:
+    """Whether verification is nearly free with this model, dtype, kernels and machine
+    (costs.CostCurve.verifies_cheaply on costs.curve_for: measured once, cached)."""
+    return costs.curve_for(lm).verifies_cheaply()
+
+
+def default_min_n(cheap_verify: bool) -> int:
+    """Shortest context-DB key. Where a verification forward costs ~1.65x one token, unigram
+    matches are accepted too rarely to pay for it; where it costs ~1.1x, even unigram drafts pay
+    (benchmarks/context_tuning.py)."""
+    return 1 if cheap_verify else 2
+
+
+def default_min_prob(cheap_verify: bool) -> float:
+    """Where the statistics/model DB walk stops: the estimated probability of the whole draft."""
+    return 0.1 if cheap_verify else 0.2
+
+
+def default_min_expected(cheap_verify: bool) -> float:
+    """Least expected accepted tokens for a DB draft to be worth a verification forward: ~1 where
+    a forward over a draft costs ~1.65 plain steps, 0 where it costs about one. Both defaults come
+    from replaying Spec-Bench outputs (benchmarks/stats_tuning.py, docs/stats-db.md); on packed fp32
+    kernels the cheap defaults raised hd from 1.64x to 1.72x over plain (docs/benchmarks.md)."""
+    return 0.0 if cheap_verify else 1.0
+
+
+@dataclass
+class DBs:
+    """The open DBs of a run (hdcli.db.stores.Store objects)."""
+    stats: list = field(default_factory=list)
+    model: object = None
+
+    def all(self) -> list:
+        return self.stats + ([self.model] if self.model is not None else [])
+
+
+def open_dbs(cfg: DecodingConfig, lm: models.LoadedModel | None = None) -> DBs:
+    """Open the configuration's DBs (the model DB writable with `learn`), refusing those built for
+    another tokenizer when lm is given. Opening before the model loads makes a bad path fail fast."""
+    from .db.stores import Store
+    dbs = DBs([Store(p) for p in cfg.stats_dbs],
+              Store(cfg.model_db, writable=cfg.learn) if cfg.model_db else None)
+    if lm is not None:
+        check_tokenizers(dbs, lm)
+    return dbs
+
+
+def check_tokenizers(dbs: DBs, lm: models.LoadedModel) -> None:
+    for db in dbs.all():
+        db.check_tokenizer(lm.tokenizer, lm.name)
+
+
+def layer_inputs(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool,
+                 recycle_table: RecycledTable | None = None) -> LayerInputs:
+    """The drafting settings with the machine's defaults filled in, and the resources."""
+    return LayerInputs(
+        min_n=default_min_n(cheap_verify) if cfg.min_n is None else cfg.min_n, max_n=cfg.max_n,
+        min_prob=default_min_prob(cheap_verify) if cfg.stats_min_prob is None else cfg.stats_min_prob,
+        min_expected=(default_min_expected(cheap_verify) if cfg.stats_min_expected is None
+                      else cfg.stats_min_expected),
+        stats_dbs=dbs.stats, model_db=dbs.model, recycle_table=recycle_table)
+
+
+def db_hierarchy(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool, candidates: int | None = None,
+                 recycle_table: RecycledTable | None = None) -> Hierarchy | None:
+    """The database hierarchy of the configuration (None when it has no layers). candidates
+    overrides cfg.candidates (a level under draft models verifies one chain). recycle_table: pass
+    one to share the target's recycled predictions across the drafters of a run."""
+    inputs = layer_inputs(cfg, dbs, cheap_verify, recycle_table)
+    names = default_layers(inputs) if cfg.layers is None else cfg.layers
+    built = build_layers(names, inputs)
+    if not built:
+        return None
+    return Hierarchy(built, policy=cfg.policy, draft_len=cfg.draft_len,
+                     max_candidates=cfg.candidates if candidates is None else candidates)
+
+
+def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens: Sequence[int] = (),
+               base: Hierarchy | None = None, sampling=None, seed: int = 0, loaded: dict | None = None):
+    """A hierarchy of draft models (smallest first) over the database hierarchy `base` (None:
+    the smallest model drafts alone). level_tokens: T_i per model level, the tokens a level holds
+    before it returns its batch (default DEFAULT_LEVEL_TOKENS each). loaded: name -> DraftModel
+    cache, so repeated stacks share their draft models."""
+    from .config import DEFAULT_LEVEL_TOKENS
+    from .engine.verify import Sampling
+    from .hsd import draft_models as draftmodels
+    from .hsd.stack import ModelStack
+    names = [n.strip() for n in draft_models if n.strip()]
+    cfg = DecodingConfig(draft_models=names or [""], level_tokens=list(level_tokens))
+    bad = cfg._level_problems()
+    if bad:
+        raise HdError(bad[0])
+    Ts = list(level_tokens) or [DEFAULT_LEVEL_TOKENS] * len(names)
+    loaded = {} if loaded is None else loaded
+    levels = []
+    for name, T in zip(names, Ts):
+        if name not in loaded:
+            loaded[name] = draftmodels.load(name, lm)
+        levels.append((name, loaded[name].model, T))
+    return ModelStack(levels, base, sampling or Sampling(), seed)
+
+
+def build_drafter(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None = None, *,
+                  recycle_table: RecycledTable | None = None, loaded: dict | None = None):
+    """The drafter a configuration describes (with_plan applied): a drafting.Hierarchy, a
+    hsd.stack.ModelStack over one (or alone, no_db), or None for plain decoding. dbs: the open
+    DBs (default: opened here). loaded: draft models already loaded, by name."""
+    cfg.validate()
+    dbs = open_dbs(cfg, lm) if dbs is None else dbs
+    cheap = cheap_verification(lm) if (cfg.layers is None or cfg.layers or cfg.draft_models) else False
+    if not cfg.draft_models:
+        return db_hierarchy(cfg, dbs, cheap, recycle_table=recycle_table)
+    base = None if cfg.no_db else db_hierarchy(cfg, dbs, cheap, candidates=1, recycle_table=recycle_table)
+    return make_stack(lm, cfg.draft_models, cfg.level_tokens, base, cfg.sampling, cfg.seed or 0, loaded)
+
+
+def resolved(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs) -> DecodingConfig:
+    """The configuration as the run used it: the machine's choices (dtype, device, kernels, the
+    drafting defaults, the default layers) written in, so repeating it repeats the run."""
+    drafts = cfg.layers is None or bool(cfg.layers) or bool(cfg.draft_models)
+    cheap = cheap_verification(lm) if drafts else False
+    inputs = layer_inputs(cfg, dbs, cheap)
+    return cfg.replace(dtype=lm.dtype, device=lm.device, kernels=lm.kernels,
+                       layers=default_layers(inputs) if cfg.layers is None else cfg.layers,
+                       min_n=inputs.min_n, stats_min_prob=inputs.min_prob,
+                       stats_min_expected=inputs.min_expected)
+
+
+def warm_up(lm: models.LoadedModel) -> None:
+    """Short runs so the first timed generation pays for no allocations or kernel set-up: plain
+    steps, chain verification and a branching tree (its mask path), and the cost curve."""
+    from .drafting import ContextDB
+    from .engine.decode import Decoder
+    eos = next(iter(lm.eos_ids), 0)
+    Decoder(lm.model, ()).generate([eos, eos], max_new_tokens=4)
+    a, b, c, d = (min(t, lm.model.config.vocab_size - 1) for t in (100, 200, 300, 400))
+    branching = Hierarchy([ContextDB(min_n=1)], policy="fill", max_candidates=4)  # 'a' was followed by b, c, d
+    Decoder(lm.model, (), branching).generate([a, b, a, c, a, d, a], max_new_tokens=12)
+    costs.curve_for(lm)
+
+
+__all__ = ["DBs", "build_drafter", "cheap_verification", "db_hierarchy", "default_min_expected",
+           "default_min_n", "default_min_prob", "layer_inputs", "make_stack", "open_dbs", "registry",
+           "resolved", "warm_up"]

@@ -1,0 +1,97 @@
+"""The statistics DB and model DB layers: continuations looked up in an n-gram store (LMDB)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import HdError
+from .registry import LayerSpec, register
+
+
+class StatsDB:
+    """Corpus statistics: the top continuations of the longest suffix of the history found in an
+    n-gram store built by `hd build-stats` (the same class serves the model DB's store).
+
+    Parameters
+      store       an open hdcli.stores.Store (its header fixes the n range and stored length)
+      min_prob    draft only while the estimated probability of the whole draft (the product of
+                  count / (key total + 1) along it) stays at or above this: a rare continuation
+                  is rarely accepted and costs verification.
+      walk        when a continuation ends before max_len, look up the history extended by it and
+                  continue with the best continuation found (a greedy walk; with draft_len-1
+                  stores, next-token counts, this is the whole drafting).
+      min_expected  draft only when the expected number of accepted tokens (the sum of the
+                  prefix probabilities along the walk) reaches this: a verification forward over
+                  a draft costs more than a plain step (fp32 on CPU: ~0.65 of a step more).
+    The layer keeps no per-request state: it reads the history it is given.
+    """
+
+    def __init__(self, store, name: str = "stats", min_prob: float = 0.0, walk: bool = True,
+                 min_expected: float = 0.0):
+        self.store, self.name, self.min_prob, self.walk = store, name, min_prob, walk
+        self.min_expected = min_expected
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        self.store.refresh()  # a new request sees what was learned since
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def _lookup(self, history: Sequence[int]) -> list[tuple[list[int], float]]:
+        """Continuations of the longest suffix found, with their probabilities, best first."""
+        st = self.store
+        for n in range(min(st.max_n, len(history)), st.min_n - 1, -1):
+            got = st.get(history[-n:])
+            if got is not None:
+                total, entries = got
+                # total + 1: a continuation seen once after a key seen once is a coin flip, not a
+                # certainty; without this discount the walk drafts 16-token runs from single
+                # samples of the model DB (replay: model layer accepted 5% of its tokens in fp32)
+                return [(c, count / (total + 1)) for c, count in entries]
+        return []
+
+    def _walk(self, history: Sequence[int], cand: list[int], prob: float, max_len: int):
+        """Extend a candidate greedily; returns (tokens, expected accepted tokens along it)."""
+        expected = prob * len(cand)
+        while len(cand) < max_len:
+            more = self._lookup(list(history[-self.store.max_n:]) + cand)
+            if not more or prob * more[0][1] < self.min_prob:
+                break
+            prob *= more[0][1]
+            step = more[0][0][:max_len - len(cand)]
+            cand = cand + step
+            expected += prob * len(step)
+        return cand, expected
+
+    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+        found = [(c[:max_len], p) for c, p in self._lookup(history) if p >= self.min_prob]
+        out = []
+        for j, (cand, prob) in enumerate(found[:max_candidates]):
+            if self.walk:
+                cand, expected = self._walk(history, cand, prob, max_len)
+                if j == 0 and expected < self.min_expected:
+                    return []  # even the best continuation is not worth a forward
+            out.append(cand)
+        return out
+
+
+
+def _model_layers(s) -> list:
+    if s.model_db is None:
+        raise HdError("layer 'model' needs a model DB: pass --model-db PATH")
+    return [StatsDB(s.model_db, name="model", min_prob=s.min_prob, min_expected=s.min_expected)]
+
+
+def _stats_layers(s) -> list:
+    if not s.stats_dbs:
+        raise HdError("layer 'stats' needs a statistics DB: pass --stats-db PATH")
+    return [StatsDB(db, name="stats" if len(s.stats_dbs) == 1 else f"stats:{db.path.stem}",
+                    min_prob=s.min_prob, min_expected=s.min_expected) for db in s.stats_dbs]
+
+
+register(LayerSpec(
+    name="model", prior=(0.1, 0.4, 0.4, 0.6), style="cyan", short="mdl", help="model DB only",
+    build=_model_layers, in_default=lambda s: s.model_db is not None, needs="model_db"))
+register(LayerSpec(
+    name="stats", prior=(0.1, 0.3, 0.45, 0.55), style="magenta", short="st",
+    help="statistics DB only (corpus retrieval, REST-like)",
+    build=_stats_layers, in_default=lambda s: bool(s.stats_dbs), needs="stats_dbs"))

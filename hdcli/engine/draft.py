@@ -1,0 +1,52 @@
+"""What the decode loop asks of a drafter, and the draft it gets back.
+
+The engine knows drafters only through this interface; hdcli.drafting (the database hierarchy)
+and hdcli.hsd.stack (draft models stacked over it) implement it.
+
+    class Drafter:
+        def reset(self, tokens) -> None                      # a new request: the prompt tokens
+        def extend(self, tokens) -> None                     # tokens appended to the history
+        def propose(self, history, max_len, stats) -> list[Draft]   # best first
+        def rate(self, layer, depth, first_child) -> float   # per-token acceptance estimate
+        def observe(self, tested, accepted) -> None          # what the last verification kept
+        records: bool                                        # wants every forward's rows ...
+        def record(self, before, tokens, parents, logits)    # ... given here
+
+Invariant: a drafter proposes; only the target's verification decides what is kept, so no
+drafter can change greedy output (tests/test_exactness.py, tests/test_tree.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: tuple[int, ...]
+    layer: str
+    # the distribution each token was drawn from, [len(tokens), V], when a draft model sampled it
+    # (hdcli.stack); None for point masses (database layers, greedy)
+    q: object = field(default=None, compare=False, repr=False)
+
+
+
+def base_name(layer: str | None) -> str:
+    """'stats:wiki' -> 'stats' (several statistics DBs share the stats settings)."""
+    return (layer or "").split(":", 1)[0]
+
+
+
+def bucket(depth: int, first_child: bool) -> int:
+    """0: a later sibling; 1, 2, 3: a first child at depth 1, 2, 3 or more."""
+    return min(depth, 3) if first_child else 0
+
+
+class Drafter(Protocol):
+    """See the module docstring; drafting.Hierarchy and hsd.stack.ModelStack implement it."""
+
+    def reset(self, tokens: Sequence[int]) -> None: ...
+    def extend(self, tokens: Sequence[int]) -> None: ...
+    def propose(self, history: Sequence[int], max_len: int, stats=None) -> list[Draft]: ...
+    def rate(self, layer: str | None, depth: int = 1, first_child: bool = True) -> float: ...
+    def observe(self, tested: dict, accepted: dict) -> None: ...
