@@ -1,52 +1,50 @@
 """The Python API the CLI is a thin layer over.
 
     from hdcli import api
-    lm = api.load_model("smollm2-135m", dtype="fp32")
-    res = api.generate(lm, "Summarise: ...", max_new_tokens=128)
+    cfg = api.DecodingConfig(max_new_tokens=128)      # or DecodingConfig.from_file("run.json")
+    lm = api.load_model_for(cfg)
+    res = api.generate(lm, "Summarise: ...", config=cfg)
     print(res.text, res.stats.mean_accepted)
+
+A run is built from one DecodingConfig (hdcli/config.py); compose.build_drafter turns it and a
+loaded model into the drafter. Each `hd` command is one call here: generate_report, plan,
+bench_spec_bench, build_stats, build_model_db, cost_report.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
+from . import compose
+from .bench.baselines import first_difference, hf_generate, stock_model
+from .compose import (DBs, build_drafter, cheap_verification, check_tokenizers, default_min_expected,
+                      default_min_n, default_min_prob, make_stack, open_dbs, resolved, warm_up)
+from .config import (DEFAULT_CANDIDATES, DEFAULT_LEVEL_TOKENS, DEFAULT_POLICY, DecodingConfig,
+                     parse_draft_len)
+from .drafting import Hierarchy, RecycledTable, registry
 from .engine import costs, models
 from .engine.decode import Decoder, Generation
-from .drafting import ContextDB, Hierarchy, RecycledLayer, RecycledTable, StatsDB
-from .errors import HdError
 from .engine.prompts import TextStream, cut_at_stop, encode_messages, encode_prompt, stop_checker
 from .engine.verify import Sampling
+from .errors import HdError
+from .hsd.planner import plan_dbs, read_plan, read_plan_file
 
 load_model = models.load
-
-LAYER_NAMES = ("context", "recycle", "model", "stats")
-
-
-def cheap_verification(lm: models.LoadedModel) -> bool:
-    """Whether verification is nearly free with this model, dtype, kernels and machine
-    (costs.CostCurve.verifies_cheaply on costs.curve_for: measured once, cached). The drafting
-    defaults below follow this, not the dtype's name."""
-    return costs.curve_for(lm).verifies_cheaply()
+LAYER_NAMES = registry.names()
+from .config import SEED_RANGE  # noqa: E402  (re-exported)
 
 
-def default_min_n(cheap_verify: bool) -> int:
-    """Shortest context-DB key. Where a verification forward costs ~1.65x one token, unigram
-    matches are accepted too rarely to pay for it; where it costs ~1.1x, even unigram drafts pay
-    (benchmarks/context_tuning.py)."""
-    return 1 if cheap_verify else 2
+def load_model_for(cfg: DecodingConfig, quiet: bool = False) -> models.LoadedModel:
+    """The target of a configuration, with its dtype, device and kernels."""
+    return models.load(cfg.model, dtype=cfg.dtype, device=cfg.device, kernels=cfg.kernels,
+                       drafting=cfg.drafting, quiet=quiet)
 
 
-def default_min_prob(cheap_verify: bool) -> float:
-    """Where the statistics/model DB walk stops: the estimated probability of the whole draft."""
-    return 0.1 if cheap_verify else 0.2
-
-
-def default_min_expected(cheap_verify: bool) -> float:
-    """Least expected accepted tokens for a DB draft to be worth a verification forward: ~1 where
-    a forward over a draft costs ~1.65 plain steps, 0 where it costs about one. Both defaults come
-    from replaying Spec-Bench outputs (benchmarks/stats_tuning.py, docs/stats-db.md); on packed fp32
-    kernels the cheap defaults raised hd from 1.64x to 1.72x over plain (docs/benchmarks.md)."""
-    return 0.0 if cheap_verify else 1.0
+def check_seed(seed: int | None) -> None:
+    """A seed torch can take, or a one-line error naming --seed."""
+    DecodingConfig(seed=seed).validate()
 
 
 def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
@@ -54,50 +52,16 @@ def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
     """Open statistics or model DBs, refusing those built for another tokenizer. writable: for
     --learn (model DB)."""
     from .db.stores import Store
-    dbs = []
-    for p in paths:
-        db = Store(p, writable=writable)
-        if lm is not None:
-            db.check_tokenizer(lm.tokenizer, lm.name)
-        dbs.append(db)
+    dbs = [Store(p, writable=writable) for p in paths]
+    if lm is not None:
+        check_tokenizers(DBs(dbs), lm)
     return dbs
 
 
-SEED_RANGE = (0, 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
-
-
-def check_seed(seed: int | None) -> None:
-    """A seed torch can take, or a one-line error naming --seed."""
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise HdError(f"--seed must be between 0 and 2**64 - 1, not {seed}")
-
-
 def default_layers(stats_dbs: Sequence = (), model_db=None) -> list[str]:
-    """The hierarchy run when no --layers is given, most local first: the context DB, the
-    target's recycled predictions (free, +5-7% measured on Spec-Bench, docs/benchmarks.md), then
-    the model DB and statistics DBs where given."""
-    return ["context", "recycle"] + ["model"] * (model_db is not None) + ["stats"] * bool(stats_dbs)
-
-
-DEFAULT_POLICY = "fill"  # measured: docs/benchmarks.md, "Token trees and policies"
-DEFAULT_CANDIDATES = 4
-
-
-def parse_draft_len(spec: str | int) -> int | dict[str, int]:
-    """'16' -> 16; 'context=16,stats=8' -> {'context': 16, 'stats': 8}."""
-    if isinstance(spec, int):
-        return spec
-    try:
-        if "=" not in spec:
-            return int(spec)
-        out = {}
-        for part in spec.split(","):
-            name, _, n = part.partition("=")
-            out[name.strip()] = int(n)
-        return out
-    except ValueError:
-        raise HdError(f"--draft-len takes a number or layer=number pairs (context=16,stats=8), "
-                      f"not {spec!r}") from None
+    """The hierarchy run when no layers are given, most local first (drafting.registry): the
+    context DB, the target's recycled predictions, then the model DB and statistics DBs where given."""
+    return registry.default_layers(registry.LayerInputs(stats_dbs=list(stats_dbs), model_db=model_db))
 
 
 def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str, int] = 16,
@@ -106,52 +70,25 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
                  stats_min_expected: float | None = None, model_db=None,
                  policy: str = DEFAULT_POLICY, candidates: int = DEFAULT_CANDIDATES,
                  recycle_table: RecycledTable | None = None) -> Hierarchy | None:
-    """The drafting hierarchy, most local layer first. An empty `layers` means plain decoding.
+    """The drafting hierarchy from open DBs, most local layer first (an empty `layers` means
+    plain decoding): a shorthand for compose.db_hierarchy with a DecodingConfig. cheap_verify
+    (see cheap_verification) picks the defaults of min_n, min_prob and min_expected."""
+    cfg = DecodingConfig(layers=list(layers), draft_len=draft_len, min_n=min_n, max_n=max_n,
+                         stats_dbs=[str(getattr(db, "path", "db")) for db in stats_dbs],
+                         model_db=None if model_db is None else str(getattr(model_db, "path", "db")),
+                         stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected,
+                         policy=policy, candidates=candidates).validate()
+    return compose.db_hierarchy(cfg, DBs(list(stats_dbs), model_db), cheap_verify, recycle_table=recycle_table)
 
-    draft_len: most tokens per candidate, one number or {layer: number}; shorter context-DB keys
-    draft less (see ContextDB). `stats` stands for every DB in stats_dbs, in the order given;
-    `model` for model_db; both draft with the same walk, min_prob and min_expected. cheap_verify
-    (see cheap_verification) picks the defaults of min_n, min_prob and min_expected. policy and
-    candidates (C): see drafting.Hierarchy; candidates 1 verifies one chain. `recycle` drafts
-    from the target's own predictions in earlier forwards (drafting.RecycledTable): pass one
-    recycle_table to share them across the drafters of a run, or a new one is made."""
-    min_n = default_min_n(cheap_verify) if min_n is None else min_n
-    min_prob = default_min_prob(cheap_verify) if stats_min_prob is None else stats_min_prob
-    min_expected = default_min_expected(cheap_verify) if stats_min_expected is None else stats_min_expected
-    lens = draft_len.items() if isinstance(draft_len, dict) else [(None, draft_len)]
-    for name, n in lens:
-        if n < 1:
-            where = f" for every layer, not {name}={n}" if name else f", not {n}"
-            raise HdError("--draft-len must be >= 1" + where)
-    if isinstance(draft_len, dict):
-        unknown = [k for k in draft_len if k.split(":")[0] not in LAYER_NAMES]
-        if unknown:
-            raise HdError(f"--draft-len names unknown layer '{unknown[0]}'; known layers: {', '.join(LAYER_NAMES)}")
-    if policy not in Hierarchy.POLICIES:
-        raise HdError(f"unknown --policy '{policy}'; known: {', '.join(Hierarchy.POLICIES)}")
-    if candidates < 1:
-        raise HdError(f"--candidates must be >= 1, not {candidates}")
-    if not 1 <= min_n <= max_n:
-        raise HdError(f"n-gram sizes need 1 <= --min-n <= --max-n, got {min_n}..{max_n}")
-    built = []
-    for name in layers:
-        if name == "context":
-            built.append(ContextDB(min_n=min_n, max_n=max_n))
-        elif name == "recycle":
-            built.append(RecycledLayer(recycle_table))
-        elif name == "model":
-            if model_db is None:
-                raise HdError("layer 'model' needs a model DB: pass --model-db PATH")
-            built.append(StatsDB(model_db, name="model", min_prob=min_prob, min_expected=min_expected))
-        elif name == "stats":
-            if not stats_dbs:
-                raise HdError("layer 'stats' needs a statistics DB: pass --stats-db PATH")
-            for db in stats_dbs:
-                label = "stats" if len(stats_dbs) == 1 else f"stats:{db.path.stem}"
-                built.append(StatsDB(db, name=label, min_prob=min_prob, min_expected=min_expected))
-        else:
-            raise HdError(f"unknown drafting layer '{name}'; known layers: {', '.join(LAYER_NAMES)}")
-    return Hierarchy(built, policy=policy, draft_len=draft_len, max_candidates=candidates) if built else None
+
+def draft_model_names(draft_models: str | Sequence[str]) -> list[str]:
+    """'a, b' or ['a', 'b'] -> ['a', 'b'], refusing an empty list (before any model loads)."""
+    cfg = DecodingConfig(draft_models=draft_models if isinstance(draft_models, str) else list(draft_models))
+    cfg = cfg.replace(draft_models=cfg.draft_models or [""])
+    bad = cfg._level_problems()
+    if bad:
+        raise HdError(bad[0])
+    return [n.strip() for n in cfg.draft_models]
 
 
 def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int]) -> int:
@@ -180,16 +117,22 @@ class Result:
 
 
 def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-             max_new_tokens: int = 256, sampling: Sampling = Sampling(), seed: int | None = None,
-             chat: bool = True, system: str | None = None, stop: Sequence[str] = (),
-             drafter: Hierarchy | None | str = "default",
+             config: DecodingConfig | None = None, max_new_tokens: int = 256,
+             sampling: Sampling = Sampling(), seed: int | None = None, chat: bool = True,
+             system: str | None = None, stop: Sequence[str] = (), drafter="default",
              on_text: Callable[[str, str | None], None] | None = None,
              cost: costs.CostCurve | None = None) -> Result:
-    """Generate a completion. drafter: a Hierarchy, None for plain decoding, "default" for the
-    context DB and recycled predictions with default settings. cost: the forward-cost curve that caps draft trees (default:
-    measured once for this model and machine, see costs.curve_for). Greedy output equals plain
-    greedy decoding token for token whatever the drafts."""
-    if max_new_tokens < 1:
+    """Generate a completion. config: take the generation settings (max_new_tokens, sampling,
+    seed, chat, system, stop) and, with drafter "default", the drafter from it. drafter: a
+    Hierarchy or ModelStack, None for plain decoding, "default" for the configuration's (or the
+    default one: context DB and recycled predictions). cost: the forward-cost curve that caps
+    draft trees (default: measured once for this model and machine, see costs.curve_for).
+    Greedy output equals plain greedy decoding token for token whatever the drafts."""
+    if config is not None:
+        config.validate()
+        max_new_tokens, sampling, seed = config.max_new_tokens, config.sampling, config.seed
+        chat, system, stop = config.chat, config.system, config.stop
+    elif max_new_tokens < 1:
         raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
     check_seed(seed)
     if prompt_ids is None:
@@ -198,8 +141,8 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     if room < 1:
         raise HdError(f"the prompt is {len(prompt_ids)} tokens but the model's context is "
                       f"{lm.max_context}: shorten the prompt")
-    if drafter == "default":
-        drafter = make_drafter(default_layers(), cheap_verify=cheap_verification(lm))
+    if isinstance(drafter, str) and drafter == "default":
+        drafter = build_drafter(config or DecodingConfig(), lm)
     if drafter and cost is None:
         cost = costs.curve_for(lm)
     decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)
@@ -211,57 +154,103 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
                   stats=g.stats, prompt_ids=list(prompt_ids))
 
 
-def stock_model(lm: models.LoadedModel) -> models.LoadedModel:
-    """The same model with torch's own kernels, as transformers ships it: lm itself where it
-    already is, else loaded once more (from the converted-weights cache, ~1-2 s)."""
-    if lm.kernels == "torch":
-        return lm
-    return load_model(lm.name, dtype=lm.dtype, device=lm.device, kernels="torch", quiet=True)
+# ---------------------------------------------------------------------------------------------
+# hd generate
+
+Status = Callable[[str], None]  # progress and warnings for a person; ignored under --json
 
 
-def hf_generate(lm: models.LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int,
-                sampling: Sampling = Sampling(), seed: int | None = None,
-                prompt_lookup: int | None = None) -> tuple[list[int], float]:
-    """transformers' own generate() on lm (greedy, or sampling with the same settings), with its
-    prompt lookup decoding when prompt_lookup is given: the baselines users have. Returns (new
-    tokens, wall seconds, prefill included)."""
-    import time
-    import torch
-    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=sorted(lm.eos_ids) or None,
-                  pad_token_id=lm.tokenizer.pad_token_id or (sorted(lm.eos_ids) or [0])[0])
-    if prompt_lookup:
-        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
-    if sampling.greedy:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    else:
-        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                      top_k=sampling.top_k or None)
-        torch.manual_seed(seed or 0)
-    ids = torch.tensor([list(prompt_ids)], device=next(lm.model.parameters()).device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
+@dataclass
+class Prepared:
+    """A configuration made ready to run: plan applied, DBs open, model loaded, drafter built."""
+    config: DecodingConfig
+    lm: models.LoadedModel
+    dbs: DBs
+    drafter: object
+    plan: dict | None = None
 
 
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
+            on_status: Status = lambda m: None) -> Prepared:
+    """Everything before the first token: checked in the order that fails fastest (options, plan
+    and DBs before the model loads)."""
+    cfg.validate()
+    cfg, plan = cfg.with_plan()
+    cfg.validate()
+    dbs = open_dbs(cfg)
+    if lm is None:
+        on_status(f"loading {cfg.model} ...")
+        lm = load_model_for(cfg)
+        on_status(f"loaded {lm.source} ({lm.dtype}, {lm.device}, {lm.kernels} kernels) in "
+                  f"{lm.load_seconds:.1f}s{' from cache' if lm.from_cache else ''}")
+    check_tokenizers(dbs, lm)
+    if plan is not None:
+        read_plan(cfg.plan, lm)  # made for this target and dtype
+        for db in dbs.all():
+            planned = plan.get("db_digests", {}).get(str(db.path.resolve()))
+            if planned and planned != db.header.get("content_digest"):
+                on_status(f"warning: {db.path} changed since plan {cfg.plan} was measured (learned "
+                          "or rebuilt): its predictions may be off; run `hd plan` again")
+    return Prepared(cfg, lm, dbs, build_drafter(cfg, lm, dbs), plan)
 
 
-def warm_up(lm: models.LoadedModel) -> None:
-    """Short runs so the first timed generation pays for no allocations or kernel set-up: plain
-    steps, chain verification and a branching tree (its mask path), and the cost curve."""
-    eos = next(iter(lm.eos_ids), 0)
-    Decoder(lm.model, ()).generate([eos, eos], max_new_tokens=4)
-    a, b, c, d = (min(t, lm.model.config.vocab_size - 1) for t in (100, 200, 300, 400))
-    branching = make_drafter(min_n=1, policy="fill", candidates=4)  # 'a' was followed by b, c, d
-    Decoder(lm.model, (), branching).generate([a, b, a, c, a, d, a], max_new_tokens=12)
-    costs.curve_for(lm)
+@dataclass
+class GenerateReport:
+    """What `hd generate` shows: data (its --json document) and the RunStats per run."""
+    data: dict
+    runs: dict = field(default_factory=dict)
 
+
+def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
+                    lm: models.LoadedModel | None = None, on_text=None,
+                    on_status: Status = lambda m: None) -> GenerateReport:
+    """hd generate: one generation with the configuration's drafter (and, with compare, plain
+    decoding and transformers' generate on the same prompt), as a report."""
+    if not prompt or not prompt.strip():
+        raise HdError("the prompt is empty: pass --prompt TEXT or --prompt-file FILE")
+    run = prepare(cfg, lm, on_status)
+    cfg, lm = run.config, run.lm
+    if compare:
+        warm_up(lm)
+    res = generate(lm, prompt, config=cfg, drafter=run.drafter, on_text=on_text)
+    used = resolved(cfg, lm, run.dbs)
+    data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
+            "kernels": lm.kernels, "load_seconds": lm.load_seconds, "layers": used.layers,
+            "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
+            "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "plan": cfg.plan,
+            "sampling": vars(cfg.sampling) | {"seed": cfg.seed}, "config": used.to_dict(), **res.to_dict()}
+    if hasattr(run.drafter, "level_stats"):
+        data["levels"] = run.drafter.level_stats()
+    if cfg.learn:
+        data["learned_keys"] = learn(run.dbs.model, res.prompt_ids, res.tokens)
+    report = GenerateReport(data, {"hd": res.stats})
+    if compare:
+        plain = generate(lm, prompt, config=cfg, drafter=None)
+        report.runs["plain"] = plain.stats
+        data["compare"] = compare_with_baselines(lm, cfg, res, plain)
+    return report
+
+
+def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Result, plain: Result) -> dict:
+    """hd's result against plain decoding (same model, same process) and against transformers'
+    generate on the stock model: speedups and whether the outputs are identical."""
+    stock = stock_model(lm)
+    n = len(plain.tokens)  # transformers' generate makes as many tokens (stop strings aside)
+    hf_generate(stock, res.prompt_ids, 4, cfg.sampling, cfg.seed)  # its first call is not timed
+    hf_tokens, hf_wall = hf_generate(stock, res.prompt_ids, n, cfg.sampling, cfg.seed)
+    hf_tps = len(hf_tokens) / hf_wall if hf_wall else 0.0
+    diff, hf_diff = first_difference(res.tokens, plain.tokens), first_difference(res.tokens, hf_tokens)
+    tps = res.stats.tokens_per_second
+    return {"plain": plain.to_dict(),
+            "speedup": tps / plain.stats.tokens_per_second if plain.stats.tokens_per_second else 0.0,
+            "identical": diff is None, "first_difference": diff,
+            "hf_ar": {"tokens": hf_tokens, "tokens_per_second": hf_tps, "kernels": stock.kernels},
+            "speedup_over_hf_ar": tps / hf_tps if hf_tps else 0.0,
+            "identical_to_hf_ar": hf_diff is None, "first_difference_from_hf_ar": hf_diff}
+
+
+# ---------------------------------------------------------------------------------------------
+# hd costs
 
 def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                 kernels: str = "auto", remeasure: bool = False, quiet: bool = False) -> dict:
@@ -286,7 +275,8 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
         choice = None
         curves = {lm.kernels: costs.curve_for(lm, quiet=quiet)}
     out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": dev, "cpu": costs.cpu_name(),
-           "threads": torch.get_num_threads(), "kernels": lm.kernels, "choice": choice, "curves": {}}
+           "threads": torch.get_num_threads(), "kernels": lm.kernels, "choice": choice, "curves": {},
+           "cache": str(costs.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}
     for k, c in curves.items():
         if c is None:
             continue
@@ -297,85 +287,140 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
     return out
 
 
-DEFAULT_LEVEL_TOKENS = 4
+# ---------------------------------------------------------------------------------------------
+# hd plan
+
+def calibration_prompts(lm: models.LoadedModel, prompts: Path | None, count: int) -> list[list[int]]:
+    """Token ids of the calibration prompts: a jsonl (field prompt, text or turns) or text file
+    (one prompt per blank-line-separated block), else the first question of Spec-Bench's
+    categories (round-robin) when its file is found."""
+    from .bench import specbench
+    texts = []
+    if prompts is not None:
+        try:
+            raw = Path(prompts).read_text(encoding="utf-8-sig")  # -sig: a BOM is not data
+        except (OSError, UnicodeDecodeError) as exc:
+            raise HdError(f"cannot read --prompts {prompts}: {exc}") from None
+        if Path(prompts).suffix == ".jsonl":
+            for n, line in enumerate(raw.splitlines(), 1):
+                if line.strip():
+                    try:
+                        rec = json.loads(line)
+                        texts.append(rec.get("prompt") or rec.get("text") or rec["turns"][0])
+                    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+                        raise HdError(f"{prompts}:{n}: need a JSON object with 'prompt', 'text' or 'turns'") from None
+        else:
+            texts = [b.strip() for b in raw.split("\n\n") if b.strip()]
+    else:
+        qs = specbench.select(specbench.load(specbench.find(None)), 1)
+        texts = [q["turns"][0] for q in qs]
+    if not texts:
+        raise HdError(f"no prompts in {prompts}")
+    return [encode_prompt(lm.tokenizer, t) for t in texts[:count]]
 
 
-def draft_model_names(draft_models: str | Sequence[str]) -> list[str]:
-    """'a, b' or ['a', 'b'] -> ['a', 'b'], refusing an empty list (before any model loads)."""
-    parts = draft_models.split(",") if isinstance(draft_models, str) else draft_models
-    names = [n.strip() for n in parts if n.strip()]
-    if not names:
-        raise HdError("--draft-models is empty: name at least one draft model (e.g. self:layers=8)")
-    return names
-
-
-def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens: Sequence[int] = (),
-               base: Hierarchy | None = None, sampling: Sampling = Sampling(), seed: int = 0,
-               loaded: dict | None = None):
-    """A hierarchy of draft models (smallest first) over the database hierarchy `base` (None:
-    the smallest model drafts alone). level_tokens: T_i per model level, the tokens a level holds
-    before it returns its batch (default DEFAULT_LEVEL_TOKENS each). loaded: name -> DraftModel
-    cache, so repeated stacks share their draft models."""
-    from .hsd import draft_models as draftmodels
-    from .hsd.stack import ModelStack
+def plan(cfg: DecodingConfig, draft_models: str | Sequence[str], *, prompts: Path | None = None,
+         count: int = 6, tokens: int = 64, t_max: int = 12, no_db: bool = False, measure_top: int = 3,
+         max_new_tokens: int = 128, out_path: Path | None = None,
+         on_status: Status = lambda m: None) -> dict:
+    """hd plan: measure costs and acceptance of the draft models (and of the configuration's DB
+    hierarchy as one chain), predict every hierarchy's speed, choose the fastest (DP), run the
+    best `measure_top` and the references, and save the choice to out_path."""
+    from .hsd import draft_models as draftmodels, planner
+    if t_max < 1 or count < 1 or tokens < 2:
+        raise HdError("--t-max and --count must be >= 1, --tokens >= 2")
     names = draft_model_names(draft_models)
-    Ts = list(level_tokens) or [DEFAULT_LEVEL_TOKENS] * len(names)
-    if len(Ts) != len(names):
-        raise HdError(f"--level-tokens gives {len(Ts)} sizes for {len(names)} draft models")
-    if any(t < 1 for t in Ts):
-        raise HdError(f"--level-tokens must all be >= 1, not {Ts}")
-    loaded = {} if loaded is None else loaded
-    levels = []
-    for name, T in zip(names, Ts):
-        if name not in loaded:
-            loaded[name] = draftmodels.load(name, lm)
-        levels.append((name, loaded[name].model, T))
-    return ModelStack(levels, base, sampling, seed)
+    dbs = open_dbs(cfg)
+    on_status(f"loading {cfg.model} ...")
+    lm = load_model_for(cfg)
+    check_tokenizers(dbs, lm)
+    # the DB level: context, then the DBs given, as one chain
+    db_cfg = cfg.replace(layers=["context"] + ["model"] * (dbs.model is not None) + ["stats"] * bool(dbs.stats),
+                         candidates=1)
+    cheap = cheap_verification(lm)
+    db_factory = None if no_db else (lambda: compose.db_hierarchy(db_cfg, dbs, cheap))
+    ids = calibration_prompts(lm, prompts, count)
+    loaded = {}
+    for n in names:
+        on_status(f"loading draft {n} ...")
+        loaded[n] = draftmodels.load(n, lm)
+    on_status("measuring forward costs and acceptance ...")
+    params, info = planner.measure(lm, [loaded[n] for n in names], db_factory, ids, tokens=tokens,
+                                   t_max=t_max, progress=on_status)
+    best, best_v = planner.dp(params, t_max)
+    rows = planner.ranked_rows(params, t_max, best_v)
+    if measure_top > 0:
+        warm_up(lm)
+        for r in planner.rows_to_measure(rows, measure_top):
+            on_status(f"measuring {r['hierarchy']} ...")
+            chain = r["chain"]
+            run_cfg = db_cfg.replace(draft_models=[lv["model"] for lv in chain["levels"]],
+                                     level_tokens=[lv["T"] for lv in chain["levels"]],
+                                     no_db=chain["bottom"] == "none" and bool(chain["levels"]),
+                                     layers=db_cfg.layers if chain["bottom"] == "db" else [])
+            drafter = build_drafter(run_cfg, lm, dbs, loaded=loaded)
+            r["measured_tokens_per_second"] = planner.measured_speed(lm, drafter, ids, max_new_tokens)
+    result = {"kind": "hd-plan", "target": lm.name, "dtype": lm.dtype, "device": lm.device,
+              "kernels": lm.kernels, "draft_models": names, "db_layers": [] if no_db else db_cfg.layers,
+              # absolute: `hd generate --plan` opens these DBs from wherever it runs
+              "stats_dbs": [str(Path(p).resolve()) for p in cfg.stats_dbs],
+              "model_db": str(Path(cfg.model_db).resolve()) if cfg.model_db else None,
+              "db_digests": {str(db.path.resolve()): db.header.get("content_digest") for db in dbs.all()},
+              "chain": best.to_dict(), "hierarchy": best.describe(), "predicted_tokens_per_second": best_v,
+              "plain_tokens_per_second_predicted": params.cost["target"](1) ** -1, "t_max": t_max,
+              "calibration": {"prompts": len(ids), **info,
+                              "draft_params": {n: loaded[n].params for n in names}},
+              "candidates": rows, "config": resolved(db_cfg, lm, dbs).to_dict()}
+    if out_path is not None:
+        tmp = Path(out_path).with_name(Path(out_path).name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out_path)
+    return result
 
 
-def read_plan_file(path) -> dict:
-    """The whole document saved by `hd plan --out`, checked to hold a chain."""
-    import json
-    from pathlib import Path
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
-        chain = data["chain"]
-        chain["bottom"], [(lv["model"], int(lv["T"])) for lv in chain["levels"]]
-    except FileNotFoundError:
-        raise HdError(f"plan {path} not found: make one with `hd plan --out {path}`") from None
-    except (OSError, ValueError, KeyError, TypeError):
-        raise HdError(f"{path} is not a plan written by `hd plan`") from None
-    return data
+# ---------------------------------------------------------------------------------------------
+# hd bench spec-bench
+
+def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, data: Path | None = None,
+                     limit: int | None = None, categories: Sequence[str] | None = None,
+                     out_dir: Path | None = None, progress=None, on_status: Status = lambda m: None) -> dict:
+    """Spec-Bench with several methods on one model, interleaved (hdcli/bench/runner.py): the
+    summary, with the configuration the methods were built from. progress(method, question,
+    total answers) after each answer; out_dir: summary.json, answers/<method>.jsonl and speedup.png."""
+    from . import bench
+    from .bench import report, specbench
+    cfg.validate()
+    if limit is not None and limit < 1:
+        raise HdError(f"--limit must be >= 1, not {limit}")
+    names = bench.default_methods(cfg) if methods is None else list(methods)
+    bench.check_methods(names)
+    path = specbench.find(data)
+    questions = specbench.select(specbench.load(path), limit, categories)
+    dbs = open_dbs(cfg)
+    on_status(f"loading {cfg.model} ...")
+    lm = load_model_for(cfg.replace(layers=None))
+    check_tokenizers(dbs, lm)
+    runners = bench.make_runners(lm, names, cfg, dbs)
+    results = bench.run(lm, questions, runners, cfg.max_new_tokens, cfg.sampling, cfg.seed,
+                        progress)
+    summary = bench.summarize(results, greedy=cfg.sampling.greedy)
+    meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
+            "kernels": lm.kernels, "data": str(path), "questions": len(questions),
+            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+            "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "machine": bench.machine(),
+            "kernel_choice": lm.info.get("kernel_choice"), "methods_run": names,
+            "config": resolved(cfg, lm, dbs).to_dict()}
+    if "suffix" in names:
+        from .drafting import suffix
+        meta["suffix"] = suffix.SuffixDrafter(None).settings()
+    if out_dir is not None:
+        bench.save(out_dir, summary, results, meta, lm.name)
+        report.chart({**meta, "methods": summary}, out_dir / "speedup.png")
+    return {**meta, "methods": summary}
 
 
-def plan_dbs(plan_path, data: dict, stats_dbs: list, model_db) -> tuple[list, object]:
-    """The DBs a run with this plan drafts from: the plan's own when none are given; the given
-    ones only when they are the plan's (a plan measured with a statistics DB and run without it
-    would draft less than it predicted)."""
-    import os
-    from pathlib import Path
-    planned_stats = [Path(p) for p in data.get("stats_dbs", [])]
-    planned_model = Path(data["model_db"]) if data.get("model_db") else None
-    if not stats_dbs and model_db is None:
-        return planned_stats, planned_model
-    same = lambda a, b: (a is None) == (b is None) and (a is None or os.path.realpath(a) == os.path.realpath(b))
-    if (len(stats_dbs) != len(planned_stats) or not all(map(same, stats_dbs, planned_stats))
-            or not same(model_db, planned_model)):
-        planned = [str(p) for p in planned_stats] + ([f"model DB {planned_model}"] if planned_model else [])
-        raise HdError(f"plan {plan_path} was measured with {', '.join(planned) or 'no DB'}: pass the same "
-                      "--stats-db/--model-db (or none, to use the plan's), or run `hd plan` again")
-    return list(stats_dbs), model_db
-
-
-def read_plan(path, lm: models.LoadedModel | None = None) -> dict:
-    """The chain saved by `hd plan` ({"bottom": "none"|"db", "levels": [{"model", "T"}]})."""
-    data = read_plan_file(path)
-    chain = data["chain"]
-    if lm is not None and (data.get("target") != lm.name or data.get("dtype") != lm.dtype):
-        raise HdError(f"plan {path} was made for {data.get('target')} in {data.get('dtype')}, not "
-                      f"{lm.name} in {lm.dtype}: costs and acceptance differ, run `hd plan` again")
-    return chain
-
+# ---------------------------------------------------------------------------------------------
+# hd build-stats, hd build-model-db
 
 def build_stats(corpus: Sequence[str], out, model: str = models.DEFAULT_MODEL, *, field: str = "text",
                 with_prompt: bool = False, limit: int | None = None, shard: tuple[int, int] = (0, 1),
@@ -398,3 +443,35 @@ def build_stats(corpus: Sequence[str], out, model: str = models.DEFAULT_MODEL, *
             raise corpus_mod.no_documents(report.files, corpus, field, report.counts()) from None
         raise
     return header, report.counts()
+
+
+def build_model_db(out: Path, cfg: DecodingConfig, *, prompts: Path | None = None,
+                   num_prompts: int | None = None, batch_size: int = 16, samples: Path | None = None,
+                   resume: bool = False, from_samples: Path | None = None, overwrite: bool = False,
+                   progress=None, **params) -> dict:
+    """hd build-model-db: sample the target (cfg: model, dtype, kernels, sampling, seed,
+    max_new_tokens) on a prompt set and index what it wrote into a model DB at out (or only
+    index a samples file). params: min_n, max_n, top_k, min_count. progress(done, tokens, total)."""
+    from .db import modeldb
+    from .db.stores import check_output_path
+    cfg.validate()
+    check_output_path(out, overwrite)
+    if from_samples is not None:
+        tok = models.load_tokenizer(cfg.model)
+        return {"path": str(out), "header": modeldb.index(from_samples, out, tok, cfg.model,
+                                                          overwrite=overwrite, **params)}
+    prompt_list, source = modeldb.load_prompts(prompts, num_prompts)
+    samples = samples or out.with_name(out.name + ".samples.jsonl")
+    if overwrite and not resume and samples.exists():
+        samples.unlink()  # --overwrite starts the whole build afresh
+    lm = load_model_for(cfg)
+    run = modeldb.sample(lm, prompt_list, samples, max_new_tokens=cfg.max_new_tokens,
+                         temperature=cfg.temperature, top_p=cfg.top_p, batch_size=batch_size,
+                         seed=cfg.seed or 0, resume=resume,
+                         progress=progress and (lambda done, tokens: progress(done, tokens, len(prompt_list))))
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+                "batch_size": batch_size, "seed": cfg.seed or 0, "dtype": lm.dtype}
+    header = modeldb.index(samples, out, lm.tokenizer, cfg.model, overwrite=overwrite,
+                           header={"sampling": sampling, "prompt_source": source,
+                                   "prompts": len(prompt_list)}, **params)
+    return {"path": str(out), "sampling": run, "header": header}

@@ -19,19 +19,15 @@ from rich.table import Table
 from rich.text import Text
 
 from . import __version__, api, bench
-
-from .bench import specbench
-from .errors import HdError
+from . import config as config_mod
+from .bench import report as bench_report
+from .config import DEFAULT_CANDIDATES, DEFAULT_POLICY, DecodingConfig
 from .db.stores import check_output_path
-from .engine.verify import Sampling
+from .drafting import registry
+from .errors import HdError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="hd: lossless speculative decoding from a hierarchy of drafting sources.")
-
-# Colour of accepted drafted tokens, by the layer that drafted them.
-LAYER_STYLES = {"context": "green", "recycle": "yellow", "model": "cyan", "stats": "magenta"}
-LAYER_SHORT = {"context": "ctx", "recycle": "rec", "model": "mdl", "stats": "st", "suffix": "sfx"}  # 80-column tables
-
 
 def _version(value: bool):
     if value:
@@ -83,10 +79,47 @@ def _stats_table(title: str, runs: dict) -> Table:
     return grid
 
 
+# `hd generate` options that are DecodingConfig fields under another name
+_PARAM_OF_FIELD = {"stats_dbs": "stats_db"}
+
+
+def _config(ctx: typer.Context, config_file: Optional[Path], **fields) -> DecodingConfig:
+    """The run's DecodingConfig from the command line. With --config FILE: the file's, with the
+    options given on the command line taking precedence."""
+    base = DecodingConfig.from_file(config_file) if config_file is not None else None
+    given = {}
+    for name, value in fields.items():
+        source = ctx.get_parameter_source(_PARAM_OF_FIELD.get(name, name))
+        if base is None or getattr(source, "name", "") not in ("DEFAULT", "DEFAULT_MAP"):
+            given[name] = [] if value is None and name in ("draft_models", "level_tokens") else value
+    return DecodingConfig.from_dict({**(base.to_dict() if base else {}), **given}, where="options")
+
+
+def _status(as_json: bool):
+    """Where progress and warnings go: dim lines on stderr, nothing under --json."""
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def say(message: str) -> None:
+        if message.startswith("warning:"):
+            err.print(Text.assemble(("warning:", "yellow"), message[len("warning:"):]))
+        else:
+            err.print(Text(message, style="dim"))
+    return (lambda m: None) if as_json else say
+
+
+_ALWAYS = [n for n, spec in registry.LAYERS.items() if spec.in_default(registry.LayerInputs())]
+_DEFAULT_LAYERS_HELP = (", ".join(_ALWAYS) + ", then " +
+                        " and ".join(n for n in registry.LAYERS if n not in _ALWAYS) + " when their DBs are given")
+
+
 @app.command()
 def generate(
+    ctx: typer.Context,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
+    config: Optional[Path] = typer.Option(None, "--config", help="A run's configuration (JSON): a "
+                                          "bare one, the --json output of a run (its \"config\"), or "
+                                          "a plan from `hd plan --out`. Options given here override it."),
     model: str = typer.Option("smollm2-135m", "--model", "-m",
                               help="Bundled name, .gguf file, model folder or Hugging Face id."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
@@ -97,14 +130,13 @@ def generate(
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the model's chat template or not."),
     system: Optional[str] = typer.Option(None, help="System message for the chat template."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    layers: Optional[str] = typer.Option(None, help="Drafting layers, most local first, comma-separated "
-                                         "(context, recycle, model, stats); 'none' for plain decoding. "
-                                         "Default: context, recycle (the target's own earlier "
-                                         "predictions), then model and stats when their DBs are given."),
-    policy: str = typer.Option(api.DEFAULT_POLICY, help="How layers share a step: first-hit (first "
+    layers: Optional[str] = typer.Option(None, help=f"Drafting layers, most local first, comma-separated "
+                                         f"({', '.join(registry.names())}); 'none' for plain decoding. "
+                                         f"Default: {_DEFAULT_LAYERS_HELP}."),
+    policy: str = typer.Option(DEFAULT_POLICY, help="How layers share a step: first-hit (first "
                                "layer that matches), fill (slots in layer order), adaptive (by "
                                "each layer's acceptance in this request)."),
-    candidates: int = typer.Option(api.DEFAULT_CANDIDATES, "--candidates", "-C", help="Most "
+    candidates: int = typer.Option(DEFAULT_CANDIDATES, "--candidates", "-C", help="Most "
                                    "candidate continuations per step, verified as one token tree "
                                    "(1: a single chain)."),
     model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB from `hd build-model-db`."),
@@ -140,127 +172,47 @@ def generate(
 ):
     """Generate text with lossless speculative decoding and report per-layer statistics."""
     text = _read_prompt(prompt, prompt_file)
-    if not text.strip():
-        raise HdError("the prompt is empty: pass --prompt TEXT or --prompt-file FILE")
-    if max_new_tokens < 1:
-        raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
-    try:
-        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
-    except ValueError as exc:
-        raise HdError(f"invalid sampling option: {exc}") from None
-    api.check_seed(seed)
-    plan_data = api.read_plan_file(plan) if plan is not None else None
-    if plan_data is not None:  # the plan's DBs and layers: what its figures were measured with
-        stats_db, model_db = api.plan_dbs(plan, plan_data, stats_db, model_db)
-        if layers is None and plan_data.get("db_layers"):
-            layers = ",".join(plan_data["db_layers"])
-    if learn and model_db is None:
-        raise HdError("--learn adds to a model DB: pass --model-db PATH")
-    if layers is None:
-        layers = ",".join(api.default_layers(stats_db, model_db))
-    layer_list = [] if layers.strip() == "none" else [x.strip() for x in layers.split(",") if x.strip()]
-    dbs = api.open_stats_dbs([str(p) for p in stats_db])  # fail before loading the model
-    mdb = api.open_stats_dbs([str(model_db)], writable=learn)[0] if model_db else None
-    draft_lens = api.parse_draft_len(draft_len)
-    api.make_drafter(layer_list, draft_len=draft_lens, min_n=min_n or 1, max_n=max_n, stats_dbs=dbs,
-                     model_db=mdb, policy=policy, candidates=candidates)
+    cfg = _config(ctx, config, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
+                  top_p=top_p, top_k=top_k, seed=seed, chat=chat, system=system, stop=stop, layers=layers,
+                  policy=policy, candidates=candidates, model_db=model_db, learn=learn, stats_dbs=stats_db,
+                  stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected,
+                  draft_len=draft_len, min_n=min_n, max_n=max_n, draft_models=draft_models,
+                  level_tokens=level_tokens, no_db=no_db, plan=plan, dtype=dtype, device=device,
+                  kernels=kernels)
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
-    err = Console(stderr=True, highlight=False)
-    if not as_json:
-        err.print(f"[dim]loading {model} ...[/dim]")
-    lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels,
-                        drafting=bool(layer_list or draft_models or plan))
-    if not as_json:
-        err.print(f"[dim]loaded {lm.source} ({lm.dtype}, {lm.device}, {lm.kernels} kernels) in "
-                  f"{lm.load_seconds:.1f}s{' from cache' if lm.from_cache else ''}[/dim]")
-    for db in dbs + ([mdb] if mdb else []):
-        db.check_tokenizer(lm.tokenizer, lm.name)
-        planned = (plan_data or {}).get("db_digests", {}).get(str(db.path.resolve()))
-        if planned and planned != db.header.get("content_digest") and not as_json:
-            err.print(f"[yellow]warning:[/yellow] {db.path} changed since plan {plan} was measured "
-                      "(learned or rebuilt): its predictions may be off; run `hd plan` again")
-    cheap = api.cheap_verification(lm)
-    drafter = api.make_drafter(layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, cheap_verify=cheap,
-                               stats_dbs=dbs, stats_min_prob=stats_min_prob,
-                               stats_min_expected=stats_min_expected, model_db=mdb, policy=policy,
-                               candidates=candidates)
-    stack = None
-    if plan is not None:
-        if draft_models:
-            raise HdError("pass either --plan or --draft-models, not both")
-        chosen = api.read_plan(plan, lm)
-        draft_models = ",".join(lv["model"] for lv in chosen["levels"]) or None
-        level_tokens = ",".join(str(lv["T"]) for lv in chosen["levels"]) or None
-        no_db = chosen["bottom"] == "none"
-        if not draft_models:
-            drafter = None if no_db else api.make_drafter(
-                layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, cheap_verify=cheap,
-                stats_dbs=dbs, model_db=mdb, policy=policy, candidates=1)
-    if draft_models:
-        Ts = _int_list(level_tokens, "--level-tokens") if level_tokens else []
-        base = None if no_db else api.make_drafter(
-            layer_list, draft_len=draft_lens, min_n=min_n, max_n=max_n, cheap_verify=cheap, stats_dbs=dbs,
-            stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected, model_db=mdb,
-            policy=policy, candidates=1)
-        drafter = stack = api.make_stack(lm, draft_models.split(","), Ts, base, sampling, seed or 0)
-    elif (no_db or level_tokens) and plan is None:
-        raise HdError("--no-db and --level-tokens go with --draft-models")
-    if compare:
-        api.warm_up(lm)
 
     def show(piece: str, layer: Optional[str]) -> None:
-        out.print(piece, end="", style=LAYER_STYLES.get(layer or "", None), markup=False)
+        out.print(piece, end="", style=_layer_style(layer), markup=False)
 
-    common = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
-                  system=system, stop=stop)
-    res = api.generate(lm, text, drafter=drafter, on_text=None if as_json else show, **common)
-    runs = {"hd": res.stats}
-    report = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
-              "kernels": lm.kernels,
-              "load_seconds": lm.load_seconds, "layers": layer_list, "draft_len": draft_lens,
-              "policy": policy, "candidates": candidates,
-              "stats_dbs": [str(p) for p in stats_db], "model_db": str(model_db) if model_db else None,
-              "plan": str(plan) if plan else None,
-              "sampling": vars(sampling) | {"seed": seed}, **res.to_dict()}
-    if stack is not None:
-        report["levels"] = stack.level_stats()
-    if learn:
-        report["learned_keys"] = api.learn(mdb, res.prompt_ids, res.tokens)
-    if compare:
-        base = api.generate(lm, text, drafter=None, **common)
-        runs["plain"] = base.stats
-        stock = api.stock_model(lm)
-        n = len(base.tokens)  # transformers' generate makes as many tokens (stop strings aside)
-        api.hf_generate(stock, res.prompt_ids, 4, sampling, seed)  # its first call is not timed
-        hf_tokens, hf_wall = api.hf_generate(stock, res.prompt_ids, n, sampling, seed)
-        hf_tps = len(hf_tokens) / hf_wall if hf_wall else 0.0
-        diff = api.first_difference(res.tokens, base.tokens)
-        hf_diff = api.first_difference(res.tokens, hf_tokens)
-        speedup = (res.stats.tokens_per_second / base.stats.tokens_per_second
-                   if base.stats.tokens_per_second else 0.0)
-        report["compare"] = {"plain": base.to_dict(), "speedup": speedup,
-                             "identical": diff is None, "first_difference": diff,
-                             "hf_ar": {"tokens": hf_tokens, "tokens_per_second": hf_tps,
-                                       "kernels": stock.kernels},
-                             "speedup_over_hf_ar": res.stats.tokens_per_second / hf_tps if hf_tps else 0.0,
-                             "identical_to_hf_ar": hf_diff is None, "first_difference_from_hf_ar": hf_diff}
+    rep = api.generate_report(cfg, text, compare=compare, on_text=None if as_json else show,
+                              on_status=_status(as_json))
     if as_json:
-        typer.echo(json.dumps(report))
-        return
+        typer.echo(json.dumps(rep.data))
+    else:
+        _print_generate(out, rep)
+
+
+def _layer_style(layer: Optional[str]) -> Optional[str]:
+    spec = registry.LAYERS.get((layer or "").split(":")[0])
+    return spec.style or None if spec else None
+
+
+def _print_generate(out: Console, rep) -> None:
+    d = rep.data
     out.print()
-    out.print(_stats_table(f"{lm.name} · {lm.dtype} · {lm.device}", runs))
-    if stack is not None:
+    out.print(_stats_table(f"{d['model']} · {d['dtype']} · {d['device']}", rep.runs))
+    if "levels" in d:
         lt = Table(title="draft hierarchy (bottom first; 'accepted' = kept by the level above)")
         for col in ("level", "calls", "forwards", "proposed", "accepted", "accept rate", "seconds"):
             lt.add_column(col, justify="left" if col == "level" else "right")
-        for lv in report["levels"]:
+        for lv in d["levels"]:
             lt.add_row(lv["name"], str(lv["calls"]), str(lv["forwards"]), str(lv["proposed"]),
                        str(lv["accepted"]), f"{lv['acceptance_rate']:.1%}", f"{lv['seconds']:.2f}")
         out.print(lt)
-    if compare:
-        c = report["compare"]
+    c = d.get("compare")
+    if c:
         same = "identical" if c["identical"] else f"DIFFERENT from token {c['first_difference']}"
-        note = "" if sampling.greedy else " (sampling: outputs differ by chance, not by error)"
+        note = "" if d["config"]["temperature"] == 0 else " (sampling: outputs differ by chance, not by error)"
         out.print(f"speedup over plain decoding: [bold]{c['speedup']:.2f}x[/bold]; output {same}{note}")
         hf_same = ("identical" if c["identical_to_hf_ar"]
                    else f"different from token {c['first_difference_from_hf_ar']}")
@@ -305,13 +257,6 @@ def costs_cmd(
         age = (time.time() - min(when)) / 86400
         con.print(f"measured {age:.1f} days ago; cached under {api.costs.cache_root()} "
                   f"(re-measured after {api.costs.MAX_AGE_DAYS} days, or with --remeasure)")
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise HdError(f"{flag} takes comma-separated numbers, not '{text}'") from None
 
 
 def _parse_shard(shard: Optional[str]) -> tuple[int, int]:
@@ -453,46 +398,25 @@ def build_model_db(
 ):
     """Sample the target model on a prompt set and index what it wrote into a model DB."""
     from tqdm import tqdm
-    from .engine import models
-    from .db import modeldb
-    api.check_seed(seed)
-    check_output_path(out, overwrite)
-    result = {"path": str(out)}
-    params = dict(min_n=min_n, max_n=max_n, top_k=top_k, min_count=min_count)
-    if from_samples is not None:
-        tok = models.load_tokenizer(model)
-        header = modeldb.index(from_samples, out, tok, model, overwrite=overwrite, **params)
-    else:
-        prompt_list, source = modeldb.load_prompts(prompts, num_prompts)
-        samples = samples or out.with_name(out.name + ".samples.jsonl")
-        if overwrite and not resume and samples.exists():
-            samples.unlink()  # --overwrite starts the whole build afresh
-        lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels)
-        bar = tqdm(total=len(prompt_list), unit=" prompts", desc="sampling", disable=as_json)
-        last = {"done": 0}
+    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, seed=seed,
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    bar = tqdm(unit=" prompts", desc="sampling", disable=as_json or from_samples is not None)
 
-        def progress(done: int, tokens: int) -> None:
-            bar.update(done - last["done"])
-            last["done"] = done
-            bar.set_postfix(tokens=tokens, tok_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
-
-        try:
-            run = modeldb.sample(lm, prompt_list, samples, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_p=top_p, batch_size=batch_size,
-                                 seed=seed, resume=resume, progress=progress)
-        finally:
-            bar.close()
-        result["sampling"] = run
-        sampling = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-                    "batch_size": batch_size, "seed": seed, "dtype": lm.dtype}
-        header = modeldb.index(samples, out, lm.tokenizer, model, overwrite=overwrite,
-                               header={"sampling": sampling, "prompt_source": source,
-                                       "prompts": len(prompt_list)}, **params)
-    result["header"] = header
+    def progress(done: int, tokens: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+        bar.set_postfix(tokens=tokens, tok_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+    try:
+        result = api.build_model_db(out, cfg, prompts=prompts, num_prompts=num_prompts, batch_size=batch_size,
+                                    samples=samples, resume=resume, from_samples=from_samples,
+                                    overwrite=overwrite, progress=progress, min_n=min_n, max_n=max_n,
+                                    top_k=top_k, min_count=min_count)
+    finally:
+        bar.close()
     if as_json:
         typer.echo(json.dumps(result))
     else:
-        _print_header(header, {"file_bytes": out.stat().st_size})
+        _print_header(result["header"], {"file_bytes": out.stat().st_size})
 
 
 db_app = typer.Typer(help="Inspect DBs.", no_args_is_help=True)
@@ -590,34 +514,6 @@ def db_query(
     con.print(Text.assemble("draft: ", (repr(result["draft"]), "magenta")))
 
 
-def _calibration_prompts(lm, prompts: Optional[Path], count: int) -> list[list[int]]:
-    """Token ids of the calibration prompts: a jsonl (field prompt, text or turns) or text file
-    (one prompt per blank-line-separated block), else the first question of Spec-Bench's
-    categories (round-robin) when its file is found."""
-    texts = []
-    if prompts is not None:
-        try:
-            raw = prompts.read_text(encoding="utf-8-sig")  # -sig: a BOM is not data
-        except (OSError, UnicodeDecodeError) as exc:
-            raise HdError(f"cannot read --prompts {prompts}: {exc}") from None
-        if prompts.suffix == ".jsonl":
-            for n, line in enumerate(raw.splitlines(), 1):
-                if line.strip():
-                    try:
-                        rec = json.loads(line)
-                        texts.append(rec.get("prompt") or rec.get("text") or rec["turns"][0])
-                    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-                        raise HdError(f"{prompts}:{n}: need a JSON object with 'prompt', 'text' or 'turns'") from None
-        else:
-            texts = [b.strip() for b in raw.split("\n\n") if b.strip()]
-    else:
-        qs = specbench.select(specbench.load(specbench.find(None)), 1)
-        texts = [q["turns"][0] for q in qs]
-    if not texts:
-        raise HdError(f"no prompts in {prompts}")
-    return [api.encode_prompt(lm.tokenizer, t) for t in texts[:count]]
-
-
 @app.command("plan")
 def plan_cmd(
     draft_models: str = typer.Option(..., "--draft-models", help="Candidate draft models, smallest "
@@ -642,165 +538,31 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure costs and acceptance, predict every hierarchy's speed, choose the fastest (DP)."""
-    from .hsd import draft_models as draftmodels, planner as plan_mod
-    from .engine.decode import Decoder
-    err = Console(stderr=True, highlight=False)
-    say = (lambda m: None) if as_json else (lambda m: err.print(f"[dim]{m}[/dim]"))
-    if t_max < 1 or count < 1 or tokens < 2:
-        raise HdError("--t-max and --count must be >= 1, --tokens >= 2")
-    names = api.draft_model_names(draft_models)
-    dbs = api.open_stats_dbs([str(p) for p in stats_db])
-    mdb = api.open_stats_dbs([str(model_db)])[0] if model_db else None
-    say(f"loading {model} ...")
-    lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels)
-    for db in dbs + ([mdb] if mdb else []):
-        db.check_tokenizer(lm.tokenizer, lm.name)
-    layers = ["context"] + ["model"] * (mdb is not None) + ["stats"] * bool(dbs)
-    cheap = api.cheap_verification(lm)
-
-    def db_factory():
-        return api.make_drafter(layers, cheap_verify=cheap, stats_dbs=dbs, model_db=mdb, candidates=1)
-    ids = _calibration_prompts(lm, prompts, count)
-    loaded = {}
-    for n in names:
-        say(f"loading draft {n} ...")
-        loaded[n] = draftmodels.load(n, lm)
-    say("measuring forward costs and acceptance ...")
-    params, info = plan_mod.measure(lm, [loaded[n] for n in names], None if no_db else db_factory, ids,
-                                    tokens=tokens, t_max=t_max, progress=say)
-    best, best_v = plan_mod.dp(params, t_max)
-    table = plan_mod.ranked(params, t_max)
-    plain_tps = params.cost["target"](1) ** -1
-    rows = [{"hierarchy": c.describe(), "chain": c.to_dict(), "predicted_tokens_per_second": v,
-             "predicted_speedup": v * params.cost["target"](1)} for c, v in table]
-    # the best N, plus the references: plain decoding and the best single drafting level
-    single = [r for r in rows if len(r["chain"]["levels"]) + (r["chain"]["bottom"] == "db") == 1]
-    plain_row = [r for r in rows if not r["chain"]["levels"] and r["chain"]["bottom"] == "none"]
-    to_measure = []
-    for r in rows[:measure_top] + single[:1] + plain_row:
-        if r not in to_measure:
-            to_measure.append(r)
-    if measure_top > 0:
-        api.warm_up(lm)
-        for r in rows:
-            r["single_level"] = r in single[:1]
-        for r in to_measure:
-            ch = r["chain"]
-            if ch["levels"]:
-                base = db_factory() if ch["bottom"] == "db" else None
-                drafter = api.make_stack(lm, [lv["model"] for lv in ch["levels"]],
-                                         [lv["T"] for lv in ch["levels"]], base, loaded=loaded)
-            else:
-                drafter = db_factory() if ch["bottom"] == "db" else None
-            say(f"measuring {r['hierarchy']} ...")
-            toks = secs = 0.0
-            for p in ids:
-                g = Decoder(lm.model, lm.eos_ids, drafter).generate(p, max_new_tokens)
-                toks += g.stats.new_tokens
-                secs += g.stats.wall_seconds
-            r["measured_tokens_per_second"] = toks / secs
-    assert abs(best_v - table[0][1]) < 1e-9 * max(1.0, best_v), "DP and enumeration disagree"
-    result = {"kind": "hd-plan", "target": lm.name, "dtype": lm.dtype, "device": lm.device,
-              "kernels": lm.kernels,
-              "draft_models": names, "db_layers": [] if no_db else layers,
-              # absolute: `hd generate --plan` opens these DBs from wherever it runs
-              "stats_dbs": [str(p.resolve()) for p in stats_db],
-              "model_db": str(model_db.resolve()) if model_db else None,
-              "db_digests": {str(db.path.resolve()): db.header.get("content_digest")
-                             for db in dbs + ([mdb] if mdb else [])},
-              "chain": best.to_dict(), "hierarchy": best.describe(), "predicted_tokens_per_second": best_v,
-              "plain_tokens_per_second_predicted": plain_tps, "t_max": t_max,
-              "calibration": {"prompts": len(ids), **info,
-                              "draft_params": {n: loaded[n].params for n in names}},
-              "candidates": rows}
-    if out_path is not None:
-        tmp = out_path.with_name(out_path.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(out_path)
+    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, stats_dbs=stats_db,
+                         model_db=model_db)
+    result = api.plan(cfg, draft_models, prompts=prompts, count=count, tokens=tokens, t_max=t_max,
+                      no_db=no_db, measure_top=measure_top, max_new_tokens=max_new_tokens,
+                      out_path=out_path, on_status=_status(as_json))
     if as_json:
         typer.echo(json.dumps(result))
         return
-    t = Table(title=f"hierarchies for {lm.name} ({lm.dtype}, {lm.device}), best T per chain")
+    t = Table(title=f"hierarchies for {result['target']} ({result['dtype']}, {result['device']}), best T per chain")
     for col in ("hierarchy", "predicted tok/s", "predicted speedup", "measured tok/s"):
         t.add_column(col, justify="left" if col == "hierarchy" else "right")
-    for r in rows:
+    for r in result["candidates"]:
         m = r.get("measured_tokens_per_second")
         t.add_row(r["hierarchy"], f"{r['predicted_tokens_per_second']:.1f}", f"{r['predicted_speedup']:.2f}x",
                   "-" if m is None else f"{m:.1f}")
     con = Console(highlight=False)
     con.print(t)
-    acc = "  ".join(f"{k} {v:.2f}" for k, v in info["accept"].items())
+    acc = "  ".join(f"{k} {v:.2f}" for k, v in result["calibration"]["accept"].items())
     con.print(f"acceptance: {acc}")
-    con.print(f"chosen: [bold]{best.describe()}[/bold]"
+    con.print(f"chosen: [bold]{result['hierarchy']}[/bold]"
               + (f"; saved to {out_path} (hd generate --plan {out_path})" if out_path else ""))
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against plain decoding and peers.")
 app.add_typer(bench_app, name="bench")
-
-
-def _bench_tables(summary: dict, meta: dict) -> Table:
-    """The overall table, then speedup per category per method, over ar and over hf-ar."""
-    methods = summary["methods"]
-    hf = any("speedup_over_hf_ar" in f["overall"] for f in methods.values())
-    t = Table(title=f"Spec-Bench · {meta['model']} · {meta['dtype']} · {meta['device']} · "
-                    f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens",
-              caption="acc: mean accepted tokens per step · out: share of step time outside the "
-                      "target's forward · differ: answers unlike ar's",
-              box=box.SIMPLE_HEAD, pad_edge=False)
-    cols = ["method", "vs ar"] + ["vs hf-ar"] * hf + ["tok/s", "acc", "out", "differ", "accepted by layer"]
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right",
-                     no_wrap=col == "method")
-    for m, f in methods.items():
-        o = f["overall"]
-        differ = (f"{o['differ_from_ar']}/{o['questions']}" if "differ_from_ar" in o else "n/a (sampling)")
-        share = " ".join(f"{LAYER_SHORT.get(k, k)}:{v['share_of_accepted']:.0%}"
-                         for k, v in o["layers"].items() if v["accepted"])
-        t.add_row(m, f"{o['speedup']:.2f}x", *([f"{o['speedup_over_hf_ar']:.2f}x"] if hf else []),
-                  f"{o['tokens_per_second']:.1f}",
-                  "-" if o["mean_accepted_tokens"] is None else f"{o['mean_accepted_tokens']:.2f}",
-                  "-" if o["overhead_share"] is None else f"{o['overhead_share']:.1%}", differ, share)
-    cats = list(next(iter(methods.values()))["categories"])
-    grid = Table.grid()
-    grid.add_row(t)
-    for key, base in [("speedup", "ar")] + [("speedup_over_hf_ar", "hf-ar")] * hf:
-        c = Table(title=f"speedup over {base} by category", box=box.SIMPLE_HEAD, pad_edge=False)
-        c.add_column("method")
-        for cat in cats:
-            c.add_column(specbench.SHORT_NAMES.get(cat, cat), justify="right")
-        for m, f in methods.items():
-            c.add_row(m, *[f"{f['categories'][cat][key]:.2f}x" for cat in cats])
-        grid.add_row(c)
-    return grid
-
-
-def _bench_chart(summary: dict, meta: dict, path: Path) -> None:
-    """Grouped bars: speedup per category (and overall) per method, over ar and over hf-ar."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    methods = summary["methods"]
-    cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
-    panels = [("speedup", "ar")]
-    if any("speedup_over_hf_ar" in f["overall"] for f in methods.values()):
-        panels.append(("speedup_over_hf_ar", "hf-ar (transformers' generate, stock model)"))
-    width = 0.8 / len(methods)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.4 * len(cats)), 4.2 * len(panels)),
-                             squeeze=False)
-    for ax, (key, base) in zip(axes[:, 0], panels):
-        for i, (m, f) in enumerate(methods.items()):
-            vals = [f["categories"][c][key] if c != "overall" else f["overall"][key] for c in cats]
-            ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
-        ax.set_ylabel(f"speedup over {base.split(' ')[0]}")
-        ax.set_title(f"Spec-Bench, {meta['model']} ({meta['dtype']}, {meta['device']}), "
-                     f"{meta['max_new_tokens']} new tokens: speedup over {base}", fontsize=10)
-        ax.legend(fontsize=8, ncol=min(len(methods), 5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 @bench_app.command("spec-bench")
@@ -809,8 +571,8 @@ def bench_spec_bench(
                                         "data/spec_bench/question.jsonl here or under ../shared/)."),
     model: str = typer.Option("smollm2-135m", "--model", "-m"),
     methods: Optional[str] = typer.Option(None, "--methods",
-                                help="Comma-separated, 'ar' included (default: ar, context, stats and "
-                                "model where their DBs are given, hd, hf-ar, hf-pld, suffix where installed). Known: " + "; ".join(
+                                help="Comma-separated, 'ar' included (default: ar, the single layers "
+                                "whose DBs are given, hd, hf-ar, hf-pld, suffix where installed). Known: " + "; ".join(
                                     f"{k}: {v}" for k, v in bench.METHOD_HELP.items())),
     limit: Optional[int] = typer.Option(None, "--limit", help="Questions per category (default: all)."),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated (default: all)."),
@@ -828,86 +590,43 @@ def bench_spec_bench(
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
 ):
     """Run Spec-Bench with several methods on one model, interleaved, and report speedups."""
-    from .bench import specbench
-    if max_new_tokens < 1:
-        raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
-    if limit is not None and limit < 1:
-        raise HdError(f"--limit must be >= 1, not {limit}")
-    try:
-        sampling = Sampling(temperature=temperature)
-    except ValueError as exc:
-        raise HdError(f"invalid sampling option: {exc}") from None
-    api.check_seed(seed)
-    if methods is None:
-        from .drafting import suffix
-        names = [m for m in bench.DEFAULT_METHODS
-                 if (m != "stats" or stats_db) and (m != "model" or model_db)
-                 and (m != "suffix" or suffix.available())]
-    else:
-        names = [m.strip() for m in methods.split(",") if m.strip()]
-    bench.check_methods(names)
-    path = specbench.find(data)
-    cats = [c.strip() for c in categories.split(",")] if categories else None
-    questions = specbench.select(specbench.load(path), limit, cats)
-    dbs = api.open_stats_dbs([str(p) for p in stats_db])
-    mdb = api.open_stats_dbs([str(model_db)])[0] if model_db else None
-    err = Console(stderr=True, highlight=False)
-    if not as_json:
-        err.print(f"[dim]loading {model} ...[/dim]")
-    lm = api.load_model(model, dtype=dtype, device=device, kernels=kernels)
-    for db in dbs + ([mdb] if mdb else []):
-        db.check_tokenizer(lm.tokenizer, lm.name)
-    runners = bench.make_runners(lm, names, dbs, mdb)
     from tqdm import tqdm
+    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, stats_dbs=stats_db,
+                         model_db=model_db, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     # tqdm, not a rich live display: progress must show when stderr is a file or a pipe too
-    with tqdm(total=len(questions) * len(runners), desc="warming up", unit=" answers", file=sys.stderr,
-              disable=as_json, mininterval=1.0) as bar:
-        def progress(method, q):
-            bar.set_description(f"{q['category']} · {method}")
-            bar.update()
-        results = bench.run(lm, questions, runners, max_new_tokens, sampling, seed, progress)
-    summary = bench.summarize(results, greedy=sampling.greedy)
-    meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
-            "kernels": lm.kernels,
-            "data": str(path), "questions": len(questions), "max_new_tokens": max_new_tokens,
-            "temperature": temperature, "seed": seed, "stats_dbs": [str(p) for p in stats_db],
-            "model_db": str(model_db) if model_db else None, "machine": bench.machine(),
-            "kernel_choice": lm.info.get("kernel_choice"), "methods_run": names}
-    if "suffix" in names:
-        from .drafting import suffix
-        meta["suffix"] = suffix.SuffixDrafter(None).settings()
-    report = {**meta, "methods": summary}
-    if out_dir is not None:
-        bench.save(out_dir, summary, results, meta, lm.name)
-        _bench_chart(report, meta, out_dir / "speedup.png")
+    bar = tqdm(desc="warming up", unit=" answers", file=sys.stderr, disable=as_json, mininterval=1.0)
+
+    def progress(method: str, q: dict, total: int) -> None:
+        bar.total = total
+        bar.set_description(f"{q['category']} · {method}")
+        bar.update()
+    try:
+        report = api.bench_spec_bench(cfg, config_mod.split_list(methods) if methods else None, data=data,
+                                      limit=limit, categories=config_mod.split_list(categories) if categories else None,
+                                      out_dir=out_dir, progress=progress, on_status=_status(as_json))
+    finally:
+        bar.close()
     if as_json:
         typer.echo(json.dumps(report))
         return
-    Console(highlight=False).print(_bench_tables(report, meta))
+    Console(highlight=False).print(bench_report.tables(report))
     if out_dir is not None:
-        err.print(f"wrote {out_dir}/summary.json, {out_dir}/answers/*.jsonl, {out_dir}/speedup.png")
+        Console(stderr=True, highlight=False).print(
+            f"wrote {out_dir}/summary.json, {out_dir}/answers/*.jsonl, {out_dir}/speedup.png")
 
 
 @bench_app.command("report")
-def bench_report(
+def bench_report_cmd(
     run_dir: Path = typer.Argument(..., help="A folder written by `hd bench spec-bench --out`."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Re-render a saved Spec-Bench run: the tables, and speedup.png again."""
-    f = run_dir / "summary.json"
-    try:
-        report = json.loads(f.read_text())
-        meta = {k: report[k] for k in ("model", "dtype", "device", "questions", "max_new_tokens")}
-        report["methods"]
-    except FileNotFoundError:
-        raise HdError(f"{f} not found: pass a folder written by `hd bench spec-bench --out DIR`") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise HdError(f"{f} is not an hd bench summary ({exc})") from None
+    report = bench_report.load(run_dir)
     if as_json:
         typer.echo(json.dumps(report))
         return
-    _bench_chart(report, meta, run_dir / "speedup.png")
-    Console(highlight=False).print(_bench_tables(report, meta))
+    bench_report.chart(report, run_dir / "speedup.png")
+    Console(highlight=False).print(bench_report.tables(report))
 
 
 # errno values that mean "the disk/file system refused the write": a user-fixable condition

@@ -109,6 +109,10 @@ class DecodingConfig:
         unknown = [n for n in self.layers or [] if n not in known]
         if unknown:
             out.append(f"unknown drafting layer '{unknown[0]}'; known layers: {', '.join(known)}")
+        for name in self.layers or []:
+            spec = registry.LAYERS.get(name)
+            if spec is not None and spec.needs and not getattr(self, spec.needs[0]):
+                out.append(f"layer '{name}' needs {spec.needs[1]}")
         lens = self.draft_len.items() if isinstance(self.draft_len, dict) else [(None, self.draft_len)]
         bad = [(k, n) for k, n in lens if n < 1]
         if bad:

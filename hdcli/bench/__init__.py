@@ -2,9 +2,11 @@
 
     specbench.py   the question set: find, load, select by category
     runner.py      methods (hd's and the peers'), interleaved runs, the summary and saved answers
+    report.py      the tables and the speedup chart; a saved run read back
+    baselines.py   transformers' own generate() on the stock model: what users run today
 """
-from .runner import (DEFAULT_METHODS, METHOD_HELP, METHODS, HfGenerate, Runner, Turn, check_methods,
-                     machine, make_runners, run, run_question, save, summarize)
+from .runner import (METHOD_HELP, METHODS, HfGenerate, Runner, Turn, check_methods, default_methods,
+                     machine, make_runners, method_config, run, run_question, save, summarize)
 
-__all__ = ["DEFAULT_METHODS", "METHOD_HELP", "METHODS", "HfGenerate", "Runner", "Turn", "check_methods",
-           "machine", "make_runners", "run", "run_question", "save", "summarize"]
+__all__ = ["METHOD_HELP", "METHODS", "HfGenerate", "Runner", "Turn", "check_methods", "default_methods",
+           "machine", "make_runners", "method_config", "run", "run_question", "save", "summarize"]

@@ -26,40 +26,36 @@ from typing import Callable
 
 import torch
 
-from .. import api
+from ..compose import DBs, build_drafter, warm_up
+from ..config import DEFAULT_CANDIDATES, DEFAULT_POLICY, DecodingConfig
+from ..drafting import RecycledTable, registry
 from ..engine import costs
-from . import specbench
 from ..engine.decode import Decoder
-from ..drafting import RecycledTable
-from ..errors import HdError
+from ..engine.prompts import encode_messages, encode_prompt
 from ..engine.verify import Sampling
+from ..errors import HdError
+from . import specbench
+from .baselines import first_difference, hf_generate, stock_model
 
-# method -> (layers, policy, candidates); None layers: plain decoding. `hd*` use every layer given.
-DB_METHODS = {
-    "ar": None,
-    "context": (["context"], "first-hit", 1),
-    "recycle": (["recycle"], "first-hit", 1),
-    "context+recycle": (["context", "recycle"], api.DEFAULT_POLICY, api.DEFAULT_CANDIDATES),
-    "stats": (["stats"], "first-hit", 1),
-    "model": (["model"], "first-hit", 1),
-    "hd": ("all", api.DEFAULT_POLICY, api.DEFAULT_CANDIDATES),
-    "hd-chain": ("all", api.DEFAULT_POLICY, 1),
-    "hd-first-hit": ("all", "first-hit", api.DEFAULT_CANDIDATES),
-    "hd-fill": ("all", "fill", api.DEFAULT_CANDIDATES),
-    "hd-adaptive": ("all", "adaptive", api.DEFAULT_CANDIDATES),
-}
+def _db_methods() -> dict[str, dict]:
+    """hd's methods as changes to the run's DecodingConfig: plain decoding, each registered layer
+    alone (first-hit, one chain), and the whole hierarchy with each policy."""
+    single = {n: {"layers": [n], "policy": "first-hit", "candidates": 1} for n in registry.LAYERS}
+    return {"ar": {"layers": []}, **single,
+            "context+recycle": {"layers": ["context", "recycle"]},
+            "hd": {}, "hd-chain": {"candidates": 1}, "hd-first-hit": {"policy": "first-hit"},
+            "hd-fill": {"policy": "fill"}, "hd-adaptive": {"policy": "adaptive"}}
+
+
+DB_METHODS = _db_methods()
 PEERS = ("hf-ar", "hf-pld", "suffix")
 METHODS = tuple(DB_METHODS) + PEERS
-DEFAULT_METHODS = ("ar", "hf-ar", "context", "stats", "model", "hd", "hf-pld", "suffix")
 METHOD_HELP = {
     "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
-    "context": "context DB only (prompt lookup)",
-    "recycle": "the target's own recycled predictions only (Token Recycling with bigram keys)",
+    **{n: spec.help for n, spec in registry.LAYERS.items()},
     "context+recycle": "context DB, then recycled predictions, token trees (hd generate's default without DBs)",
-    "stats": "statistics DB only (corpus retrieval, REST-like)",
-    "model": "model DB only",
-    "hd": f"context DB, recycled predictions and every DB given, {api.DEFAULT_POLICY} policy, token trees of up to "
-          f"{api.DEFAULT_CANDIDATES} candidates",
+    "hd": f"context DB, recycled predictions and every DB given, {DEFAULT_POLICY} policy, token trees of up to "
+          f"{DEFAULT_CANDIDATES} candidates",
     "hd-chain": "every layer, default policy, one candidate (single-chain verification)",
     "hd-first-hit": "every layer, first-hit policy, token trees",
     "hd-fill": "every layer, fill policy, token trees",
@@ -68,6 +64,14 @@ METHOD_HELP = {
     "hf-pld": "transformers' generate(prompt_lookup_num_tokens=10) on the stock model",
     "suffix": "SuffixDecoding (arctic-inference, vLLM's suffix method) drafts, verified by hd",
 }
+
+
+def default_methods(cfg: DecodingConfig) -> list[str]:
+    """ar and hf-ar, each layer alone whose DB is given, hd, hf-pld, and suffix where installed."""
+    from ..drafting import suffix
+    single = [n for n, spec in registry.LAYERS.items()
+              if spec.bench_default and (spec.needs is None or getattr(cfg, spec.needs[0]))]
+    return ["ar", "hf-ar"] + single + ["hd", "hf-pld"] + ["suffix"] * suffix.available()
 
 
 @dataclass
@@ -110,7 +114,7 @@ class HfGenerate(Runner):
         self.prompt_lookup = prompt_lookup
 
     def answer(self, prompt_ids, max_new_tokens, sampling, seed):
-        tokens, wall = api.hf_generate(self.lm, prompt_ids, max_new_tokens, sampling, seed,
+        tokens, wall = hf_generate(self.lm, prompt_ids, max_new_tokens, sampling, seed,
                                        prompt_lookup=self.prompt_lookup)
         return Turn(text=self.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
                     wall_time=wall, accept_lengths=[])
@@ -125,40 +129,34 @@ def check_methods(names) -> None:
         raise HdError("--methods must include 'ar': every speedup is measured against it")
 
 
-def make_runners(lm, names, stats_dbs=(), model_db=None) -> dict[str, Runner]:
+def method_config(name: str, cfg: DecodingConfig) -> DecodingConfig:
+    """The configuration of one of hd's methods, refusing one whose layer's DB is not given."""
+    method = cfg.replace(**DB_METHODS[name])
+    for layer in method.layers or []:
+        spec = registry.LAYERS[layer]
+        if spec.needs and not getattr(cfg, spec.needs[0]):
+            raise HdError(f"method '{name}' needs {spec.needs[1]}")
+    return method.validate()
+
+
+def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
     check_methods(names)
-    all_layers = api.default_layers(stats_dbs, model_db)
-    cheap = api.cheap_verification(lm)
-    stock = api.stock_model(lm) if any(n.startswith("hf-") for n in names) else None
+    stock = stock_model(lm) if any(n.startswith("hf-") for n in names) else None
     runners = {}
     for name in names:
         if name in ("hf-ar", "hf-pld"):
             runners[name] = HfGenerate(name, stock, prompt_lookup=10 if name == "hf-pld" else None)
-            continue
-        if name == "suffix":
+        elif name == "suffix":
             from ..drafting import suffix
             cache = suffix.new_cache()  # one per run: its global tree learns across the questions
             runners[name] = Runner(name, lm, lambda cache=cache: suffix.SuffixDrafter(cache), capped=False)
-            continue
-        spec = DB_METHODS[name]
-        if spec is None:
+        elif name == "ar":
             runners[name] = Runner(name, lm)
-            continue
-        layers, policy, cands = spec
-        layers = all_layers if layers == "all" else layers
-        if "stats" in layers and not stats_dbs:
-            raise HdError(f"method '{name}' needs a statistics DB: pass --stats-db PATH")
-        if "model" in layers and model_db is None:
-            raise HdError(f"method '{name}' needs a model DB: pass --model-db PATH")
-        api.make_drafter(layers, cheap_verify=cheap, stats_dbs=stats_dbs, model_db=model_db,
-                         policy=policy, candidates=cands)  # fail now, not mid-run
-
-        table = RecycledTable()  # one per method and run: the target's predictions carry across questions
-
-        def factory(layers=layers, policy=policy, cands=cands, table=table):
-            return api.make_drafter(layers, cheap_verify=cheap, stats_dbs=stats_dbs, model_db=model_db,
-                                    policy=policy, candidates=cands, recycle_table=table)
-        runners[name] = Runner(name, lm, factory)
+        else:
+            method = method_config(name, cfg)
+            build_drafter(method, lm, dbs)  # fail now, not mid-run
+            table = RecycledTable()  # one per method and run: the target's predictions carry across questions
+            runners[name] = Runner(name, lm, lambda m=method, t=table: build_drafter(m, lm, dbs, recycle_table=t))
     return runners
 
 
@@ -168,7 +166,7 @@ def run_question(lm, q: dict, runner: Runner, max_new_tokens: int, sampling: Sam
     messages, turns = [], []
     for text in q["turns"]:
         messages.append({"role": "user", "content": text})
-        ids = api.encode_messages(lm.tokenizer, messages)
+        ids = encode_messages(lm.tokenizer, messages)
         room = lm.max_context - len(ids)
         if room < 2:
             raise HdError(f"question {q['question_id']}: prompt of {len(ids)} tokens leaves no room "
@@ -181,16 +179,18 @@ def run_question(lm, q: dict, runner: Runner, max_new_tokens: int, sampling: Sam
 
 def run(lm, questions: list[dict], runners: dict[str, Runner], max_new_tokens: int,
         sampling: Sampling = Sampling(), seed: int | None = 0, progress=None) -> dict:
-    """results[method] = list of (question, turns), questions in order, methods interleaved."""
-    api.warm_up(lm)
+    """results[method] = list of (question, turns), questions in order, methods interleaved;
+    progress(method, question, total answers) after each answer."""
+    warm_up(lm)
     for r in runners.values():  # each method's own first call (kernels, caches) is not timed
-        r.answer([int(t) for t in api.encode_prompt(lm.tokenizer, "Say hello.")], 8, sampling, seed)
+        r.answer([int(t) for t in encode_prompt(lm.tokenizer, "Say hello.")], 8, sampling, seed)
     results: dict[str, list] = {m: [] for m in runners}
+    total = len(questions) * len(runners)
     for q in questions:
         for name, r in runners.items():
             results[name].append((q, run_question(lm, q, r, max_new_tokens, sampling, seed)))
             if progress:
-                progress(name, q)
+                progress(name, q, total)
     return results
 
 
@@ -198,7 +198,7 @@ def _first_difference(a: list[Turn], b: list[Turn]) -> int | None:
     """Token index (counted over all turns) of the first difference, None if identical."""
     offset = 0
     for x, y in zip(a, b):
-        d = api.first_difference(x.tokens, y.tokens)
+        d = first_difference(x.tokens, y.tokens)
         if d is not None:
             return offset + d
         offset += len(x.tokens)

@@ -111,7 +111,6 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
     """The statistics DB of `corpus` at `out`, counted by the tasks of a Dask cluster. Returns
     (header, read report) like api.build_stats; the header adds `cluster` (tasks, partitions,
     workers, seconds and peak memory per phase)."""
-    from tqdm import tqdm
     from . import corpus as corpus_mod, stores, statsdb
     from ..engine import models
     stores.check_output_path(Path(out), overwrite)
@@ -125,62 +124,24 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
         p = partitions or n
         if n < 1 or p < 1:
             raise HdError(f"--tasks must be >= 1, not {n}")
-        read_opts = dict(field=field, with_prompt=with_prompt, strict=strict)
         count_opts = dict(min_n=min_n, max_n=max_n, draft_len=draft_len)
         prune = dict(top_k=top_k, min_count=min_count)
-        tag = f"{os.getpid()}-{t0}"
-        maps = [client.submit(_map_task, list(corpus), model, (i, n), p, read_opts, count_opts,
-                              retries=RETRIES, pure=False, key=f"hd-map-{i}-of-{n}-{tag}") for i in range(n)]
-        summaries = [client.submit(_summary, m, key=f"hd-summary-{i}-{tag}") for i, m in enumerate(maps)]
-        reduces = [client.submit(_reduce_task, q,
-                                 [client.submit(_piece, m, q, key=f"hd-piece-{i}-{q}-{tag}")
-                                  for i, m in enumerate(maps)],
-                                 count_opts, prune, retries=RETRIES, key=f"hd-reduce-{q}-of-{p}-{tag}")
-                   for q in range(p)]
-        bar = tqdm(total=n + p, unit=" task", desc=f"map {n} + reduce {p} on {workers} workers",
-                   disable=quiet, mininterval=0.5)
-        from dask.distributed import as_completed
-        done, pairs, peak_map, peak_reduce = [], 0, 0.0, 0.0
-        counted = None
+        futures = _submit(client, list(corpus), model, n, p, dict(field=field, with_prompt=with_prompt,
+                                                                  strict=strict), count_opts, prune)
         with stores.writing(out, overwrite=overwrite) as writer:
-            try:
-                for fut in as_completed(summaries + reduces):
-                    r = fut.result()
-                    fut.release()
-                    if "error" in r:
-                        raise HdError(r["error"])
-                    if "records" in r:
-                        r["records"] = pickle.loads(r["records"])
-                        for k, v in r["records"]:
-                            writer.put(k, v)
-                        pairs += sum((len(v) // 4 - 1) // (draft_len + 2) for _, v in r["records"])
-                        peak_reduce = max(peak_reduce, r["peak_rss_mb"])
-                    else:
-                        done.append(r)
-                        peak_map = max(peak_map, r["peak_rss_mb"])
-                        if len(done) == n:
-                            counted = time.time() - t0
-                            bar.set_description(f"reduce {p} on {workers} workers")
-                    bar.update(1)
-                    bar.set_postfix(tokens=sum(x["tokens"] for x in done), refresh=False)
-            except HdError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - scheduler gone, workers lost for good, ...
-                detail = str(exc).splitlines()[0] if str(exc) else "no detail"
-                raise HdError(f"the cluster at {address} failed mid-build ({type(exc).__name__}: "
-                              f"{detail}): nothing was written to {out}") from None
-            finally:
-                bar.close()
+            got = _collect(futures, writer, n, p, workers, draft_len, t0, quiet, f"the cluster at {address}", out)
+            done = got["maps"]
             documents = sum(x["documents"] for x in done)
             read = done[0]["read"]  # every map task read every file, so each counted the same
             if documents == 0:
                 raise corpus_mod.no_documents(done[0]["sources"], corpus, field, read)
             cluster_info = {"address": address, "workers": workers, "tasks": n, "partitions": p,
-                            "count_seconds": round(counted or 0.0, 2),
-                            "map_peak_rss_mb": round(peak_map, 1), "reduce_peak_rss_mb": round(peak_reduce, 1)}
+                            "count_seconds": round(got["counted"] or 0.0, 2),
+                            "map_peak_rss_mb": round(got["peak_map"], 1),
+                            "reduce_peak_rss_mb": round(got["peak_reduce"], 1)}
             header = writer.commit(statsdb.header_for(
                 kind="stats", model_name=model, tokenizer=tok, shard=(0, 1), documents=documents,
-                tokens=sum(x["tokens"] for x in done), continuations=pairs, seconds=time.time() - t0,
+                tokens=sum(x["tokens"] for x in done), continuations=got["pairs"], seconds=time.time() - t0,
                 extra={"sources": done[0]["sources"], "field": field, "with_prompt": with_prompt,
                        "cluster": cluster_info}, **count_opts, **prune))
         header["cluster"]["client_peak_rss_mb"] = round(_peak_rss_mb(), 1)  # reported, not stored
@@ -189,3 +150,59 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _submit(client, corpus: list[str], model: str, n: int, p: int, read_opts: dict, count_opts: dict,
+            prune: dict) -> list:
+    """The build's task graph: n map tasks, a summary of each (what it read), and p reduce tasks
+    each fed its partition's piece of every map result. Returns the futures to collect."""
+    tag = f"{os.getpid()}-{time.time()}"
+    maps = [client.submit(_map_task, corpus, model, (i, n), p, read_opts, count_opts,
+                          retries=RETRIES, pure=False, key=f"hd-map-{i}-of-{n}-{tag}") for i in range(n)]
+    summaries = [client.submit(_summary, m, key=f"hd-summary-{i}-{tag}") for i, m in enumerate(maps)]
+    reduces = [client.submit(_reduce_task, q,
+                             [client.submit(_piece, m, q, key=f"hd-piece-{i}-{q}-{tag}")
+                              for i, m in enumerate(maps)],
+                             count_opts, prune, retries=RETRIES, key=f"hd-reduce-{q}-of-{p}-{tag}")
+               for q in range(p)]
+    return summaries + reduces
+
+
+def _collect(futures: list, writer, n: int, p: int, workers: int, draft_len: int, t0: float,
+             quiet: bool, where: str, out) -> dict:
+    """Write each reduce task's records as it finishes (keys are disjoint across partitions) and
+    gather the map summaries; any task's error, or the cluster failing, is one HdError."""
+    from dask.distributed import as_completed
+    from tqdm import tqdm
+    got = {"maps": [], "pairs": 0, "peak_map": 0.0, "peak_reduce": 0.0, "counted": None}
+    bar = tqdm(total=n + p, unit=" task", desc=f"map {n} + reduce {p} on {workers} workers",
+               disable=quiet, mininterval=0.5)
+    try:
+        for fut in as_completed(futures):
+            r = fut.result()
+            fut.release()
+            if "error" in r:
+                raise HdError(r["error"])
+            if "records" in r:
+                records = pickle.loads(r["records"])
+                for k, v in records:
+                    writer.put(k, v)
+                got["pairs"] += sum((len(v) // 4 - 1) // (draft_len + 2) for _, v in records)
+                got["peak_reduce"] = max(got["peak_reduce"], r["peak_rss_mb"])
+            else:
+                got["maps"].append(r)
+                got["peak_map"] = max(got["peak_map"], r["peak_rss_mb"])
+                if len(got["maps"]) == n:
+                    got["counted"] = time.time() - t0
+                    bar.set_description(f"reduce {p} on {workers} workers")
+            bar.update(1)
+            bar.set_postfix(tokens=sum(x["tokens"] for x in got["maps"]), refresh=False)
+    except HdError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - scheduler gone, workers lost for good, ...
+        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+        raise HdError(f"{where} failed mid-build ({type(exc).__name__}: {detail}): nothing was "
+                      f"written to {out}") from None
+    finally:
+        bar.close()
+    return got

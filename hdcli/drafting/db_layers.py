@@ -75,23 +75,27 @@ class StatsDB:
 
 
 
+NEEDS_MODEL_DB = ("model_db", "a model DB: pass --model-db PATH")
+NEEDS_STATS_DB = ("stats_dbs", "a statistics DB: pass --stats-db PATH")
+
+
 def _model_layers(s) -> list:
     if s.model_db is None:
-        raise HdError("layer 'model' needs a model DB: pass --model-db PATH")
+        raise HdError(f"layer 'model' needs {NEEDS_MODEL_DB[1]}")
     return [StatsDB(s.model_db, name="model", min_prob=s.min_prob, min_expected=s.min_expected)]
 
 
 def _stats_layers(s) -> list:
     if not s.stats_dbs:
-        raise HdError("layer 'stats' needs a statistics DB: pass --stats-db PATH")
+        raise HdError(f"layer 'stats' needs {NEEDS_STATS_DB[1]}")
     return [StatsDB(db, name="stats" if len(s.stats_dbs) == 1 else f"stats:{db.path.stem}",
                     min_prob=s.min_prob, min_expected=s.min_expected) for db in s.stats_dbs]
 
 
 register(LayerSpec(
     name="model", prior=(0.1, 0.4, 0.4, 0.6), style="cyan", short="mdl", help="model DB only",
-    build=_model_layers, in_default=lambda s: s.model_db is not None, needs="model_db"))
+    build=_model_layers, in_default=lambda s: s.model_db is not None, needs=NEEDS_MODEL_DB))
 register(LayerSpec(
     name="stats", prior=(0.1, 0.3, 0.45, 0.55), style="magenta", short="st",
     help="statistics DB only (corpus retrieval, REST-like)",
-    build=_stats_layers, in_default=lambda s: bool(s.stats_dbs), needs="stats_dbs"))
+    build=_stats_layers, in_default=lambda s: bool(s.stats_dbs), needs=NEEDS_STATS_DB))

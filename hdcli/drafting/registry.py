@@ -14,7 +14,7 @@ Invariants
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ..errors import HdError
@@ -45,7 +45,8 @@ class LayerSpec:
     # where `adaptive` starts every request.
     prior: tuple[float, float, float, float]
     in_default: Callable[[LayerInputs], bool] = lambda s: False  # in the default hierarchy?
-    needs: str | None = None                # the LayerInputs field it cannot run without
+    # (LayerInputs/DecodingConfig field it cannot run without, what to say when it is missing)
+    needs: tuple[str, str] | None = None
     style: str = ""                         # colour of its accepted tokens in a terminal
     short: str = ""                         # label in 80-column tables
     bench_default: bool = True              # a single-layer method of `hd bench` by default

@@ -1,1 +1,14 @@
-"""TODO"""
+"""The engine: the target model and the loop that verifies drafts with it.
+
+    models.py    load the target (bundled name, GGUF, folder, Hugging Face id), dtype, device
+    kernels.py   CPU Linear kernels (torch's or oneDNN-packed), chosen by measured cost
+    costs.py     the forward cost by width, measured once per model and machine, cached
+    draft.py     the Drafter interface the loop asks, and the Draft it gets back
+    tree.py      candidates merged into a token tree, cut to what pays; the tree forward
+    verify.py    the acceptance rules (greedy and sampling), both lossless
+    decode.py    the decode loop: draft, verify in one forward, accept, keep the path, repeat
+    prompts.py   prompt -> token ids (chat template); tokens -> text pieces; stop strings
+    stats.py     what one generation records: per layer and per step
+
+Nothing here imports from the packages above it (db, drafting, hsd, bench).
+"""

@@ -81,56 +81,28 @@ class Decoder:
         stats = RunStats(prompt_tokens=len(prompt_ids))
         t_start = time.perf_counter()
         cache = new_cache(self.model)
-        trees_ok = supports_trees(cache)
         history = [int(t) for t in prompt_ids]
         if len(history) > 1:
             self._prefill(history[:-1], cache)
         stats.prefill_seconds = time.perf_counter() - t_start
-        drafter = self.drafter
-        if drafter is not None:
-            drafter.reset(history)
+        if self.drafter is not None:
+            self.drafter.reset(history)
+        step = _Step(cache, supports_trees(cache), sampling, gen, stats)
         out: list[int] = []
         out_layers: list[str | None] = []
         stop_reason = "length"
-        recording = drafter is not None and getattr(drafter, "records", False)
         while len(out) < max_new_tokens:
-            t0 = time.perf_counter()
-            drafts = drafter.propose(history, max_new_tokens - len(out) - 1, stats) if drafter else []
-            q_rows = drafts[0].q if drafts else None
-            if q_rows is not None:  # a draft model's sampled chain: verified with its distribution
-                tree = build_tree(drafts[:1], None, None, self.max_nodes)
-            else:
-                tree = build_tree(drafts, drafter.rate if drafter else None, self.cost, self.max_nodes,
-                                  trees_ok)
-            t1 = time.perf_counter()
-            past = len(history) - 1            # cache length before this step
-            logits = tree_forward(self.model, tree, history[-1], cache)
-            t2 = time.perf_counter()
-            if recording:  # the target's predictions at every node, for layers that recycle them
-                drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, logits)
-            if q_rows is not None and not sampling.greedy:
-                n, nxt = accept_chain_q(logits, tree.tokens[1:], q_rows, sampling, gen)
-                path = list(range(1, n + 1))
-            else:
-                path, nxt = accept_tree(logits, tree.children, tree.tokens, sampling, gen)
-            keep_path(cache, past, path)       # the root and the accepted path only
-            new = [tree.tokens[i] for i in path] + [nxt]
-            new_layers = [tree.layers[i] for i in path] + [None]
-            if tree.size():
-                self._record(stats, tree, path)
+            new, new_layers = self._step(step, history, max_new_tokens - len(out) - 1)
             for i, t in enumerate(new):
                 if t in self.eos_ids:
                     new, new_layers, stop_reason = new[:i + 1], new_layers[:i + 1], "eos"
                     break
             stats.accept_lengths.append(len(new))
-            stats.tree_sizes.append(tree.size())
             history.extend(new)
             before = len(out)
             out.extend(new)
             out_layers.extend(new_layers)
-            stats.draft_seconds += t1 - t0
-            stats.forward_seconds += t2 - t1
-            stats.bookkeeping_seconds += time.perf_counter() - t2
+            stats.bookkeeping_seconds += time.perf_counter() - step.forward_end
             if stop_check is not None:
                 cut = stop_check(out)
                 if cut is not None:
@@ -140,11 +112,52 @@ class Decoder:
                 on_tokens(out[before:], out_layers[before:])
             if stop_reason != "length":
                 break
-            if drafter is not None:
-                drafter.extend(new)
+            if self.drafter is not None:
+                self.drafter.extend(new)
         stats.new_tokens = len(out)
         stats.wall_seconds = time.perf_counter() - t_start
         return Generation(tokens=out, layers=out_layers, stop_reason=stop_reason, stats=stats)
+
+    def _step(self, s: "_Step", history: list[int], room: int) -> tuple[list[int], list[str | None]]:
+        """One speculative step: draft at most `room` tokens, verify them all in one forward,
+        keep what the target accepts. Returns the new tokens (the accepted drafted ones, then the
+        target's own) and per token the layer that drafted it (None for the target's).
+
+        Acceptance (engine/verify.py): greedy keeps the longest path from the root whose every
+        token is the target's argmax after its parent, then adds the target's argmax after it.
+        Sampling walks the same way: at each node the children are tried in order, a child x
+        (a point-mass draft) kept with probability p(x), else p(x) := 0 and renormalise; a draft
+        model's chain (x drawn from q) is kept with probability min(1, p(x)/q(x)), else the token
+        is drawn from norm(max(0, p - q)). Either way the output has the target's distribution."""
+        drafter, stats = self.drafter, s.stats
+        t0 = time.perf_counter()
+        drafts = drafter.propose(history, room, stats) if drafter else []
+        q_rows = drafts[0].q if drafts else None
+        if q_rows is not None:  # a draft model's sampled chain: verified with its distribution
+            tree = build_tree(drafts[:1], None, None, self.max_nodes)
+        else:
+            tree = build_tree(drafts, drafter.rate if drafter else None, self.cost, self.max_nodes,
+                              s.trees_ok)
+        t1 = time.perf_counter()
+        past = len(history) - 1            # cache length before this step
+        logits = tree_forward(self.model, tree, history[-1], s.cache)
+        t2 = time.perf_counter()
+        if drafter is not None and getattr(drafter, "records", False):
+            # the target's predictions at every node, for layers that recycle them
+            drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, logits)
+        if q_rows is not None and not s.sampling.greedy:
+            n, nxt = accept_chain_q(logits, tree.tokens[1:], q_rows, s.sampling, s.gen)
+            path = list(range(1, n + 1))
+        else:
+            path, nxt = accept_tree(logits, tree.children, tree.tokens, s.sampling, s.gen)
+        keep_path(s.cache, past, path)     # the root and the accepted path only
+        if tree.size():
+            self._record(stats, tree, path)
+        stats.tree_sizes.append(tree.size())
+        stats.draft_seconds += t1 - t0
+        stats.forward_seconds += t2 - t1
+        s.forward_end = t2  # the caller's bookkeeping after the step counts from here
+        return [tree.tokens[i] for i in path] + [nxt], [tree.layers[i] for i in path] + [None]
 
     def _record(self, stats: RunStats, tree: Tree, path: list[int]) -> None:
         """Per-layer counts of what was sent, kept and which candidate won; feeds `adaptive`."""
@@ -158,3 +171,14 @@ class Decoder:
         self.drafter.observe(tested, accepted)
         if hasattr(self.drafter, "record_target"):
             self.drafter.record_target(tree.size(), len(path))
+
+
+@dataclass
+class _Step:
+    """What every step of one generation shares."""
+    cache: object
+    trees_ok: bool          # the cache can take a tree (else candidates are verified as one chain)
+    sampling: Sampling
+    gen: torch.Generator | None
+    stats: RunStats
+    forward_end: float = 0.0  # when the last step's forward returned

@@ -223,84 +223,93 @@ def measure(lm, drafts, db_factory, prompts: Sequence[list[int]], tokens: int = 
     """Params of the levels on this machine: forward costs by width, acceptance between every
     pair of levels, and the database level's proposal lengths and time.
 
-    drafts: hdcli.draftmodels.DraftModel list (smallest first); db_factory: () -> Hierarchy or
+    drafts: hsd.draft_models.DraftModel list (smallest first); db_factory: () -> Hierarchy or
     None. Acceptance is read on the target's own greedy continuations of the prompts: between
     models, from both models' distributions at the same positions (greedy: the argmaxes agree;
     sampling: sum_x min(p, q), the chance the standard rule keeps a draw); for the database, the
     chance the level keeps its proposed token (greedy: it is the argmax; sampling: p(token))."""
-    import time as _time
-
     import torch
 
     from ..engine import costs
     from ..engine.decode import Decoder
-    from ..engine.verify import Sampling, target_probs
+    from ..engine.verify import Sampling
     s = sampling or Sampling()
     names = [d.name for d in drafts]
     model_of = {d.name: d.model for d in drafts}
     model_of["target"] = lm.model
-    widths = tuple(w for w in costs.WIDTHS if w <= t_max + 1) + (t_max + 1,)
+    widths = tuple(sorted(set(w for w in costs.WIDTHS if w <= t_max + 1) | {t_max + 1}))
     cost = {}
     for name, m in model_of.items():
-        curve = costs.measure(m, widths=tuple(sorted(set(widths))))
+        curve = costs.measure(m, widths=widths)
         cost[name] = (lambda c: (lambda w: c.one_token_seconds * c(w)))(curve)
         if progress:
             progress(f"cost of {name}: {curve.one_token_seconds * 1000:.1f} ms per token")
     refs = [Decoder(lm.model, ()).generate(p, tokens).tokens for p in prompts]
-    # per model, per prompt: rows [len(ref), V] predicting each reference token
-    dists: dict[str, list] = {}
-    with torch.inference_mode():
-        for name, m in model_of.items():
-            rows = []
-            dev = next(m.parameters()).device
-            for p, ref in zip(prompts, refs):
-                ids = torch.tensor([list(p) + ref[:-1]], device=dev)
-                logits = m(input_ids=ids).logits[0, len(p) - 1:].float()
-                rows.append(logits.argmax(-1) if s.greedy else target_probs(logits, s))
-            dists[name] = rows
-    accept: dict[tuple[str, str], float] = {}
+    dists = {name: _predictions(m, prompts, refs, s) for name, m in model_of.items()}
     uppers = names + ["target"]
+    accept: dict[tuple[str, str], float] = {}
     for i, lo in enumerate(names):
         for up in uppers[i + 1:]:
-            vals = []
-            for a, b in zip(dists[lo], dists[up]):
-                vals.append((a == b).float().mean() if s.greedy else torch.minimum(a, b).sum(-1).mean())
+            vals = [(a == b).float().mean() if s.greedy else torch.minimum(a, b).sum(-1).mean()
+                    for a, b in zip(dists[lo], dists[up])]
             accept[(lo, up)] = float(sum(vals) / len(vals))
     db_lengths, db_seconds = [], 0.0
     if db_factory is not None:
-        hier = db_factory()
-        counts: dict[int, int] = {}
-        tested = {u: 0 for u in uppers}
-        kept = {u: 0.0 for u in uppers}
-        calls, spent = 0, 0.0
-        for pi, (p, ref) in enumerate(zip(prompts, refs)):
-            hist = list(p)
-            hier.reset(hist)
-            for t in range(len(ref) - 1):
-                t0 = _time.perf_counter()
-                drafts_ = hier.propose(hist, len(ref) - t - 1)
-                spent += _time.perf_counter() - t0
-                calls += 1
-                d = list(drafts_[0].tokens) if drafts_ else []
-                counts[len(d)] = counts.get(len(d), 0) + 1
-                for k, x in enumerate(d):
-                    if t + k >= len(ref) or (k and d[k - 1] != ref[t + k - 1]):
-                        break  # the models' predictions are known along the reference only
-                    for u in uppers:
-                        row = dists[u][pi][t + k]
-                        tested[u] += 1
-                        kept[u] += float(row == x) if s.greedy else float(row[x])
-                hist.append(ref[t])
-                hier.extend([ref[t]])
-        n = max(counts) + 1 if counts else 1
-        db_lengths = [counts.get(b, 0) / calls for b in range(n)] if calls else [1.0]
-        db_seconds = spent / max(1, calls)
-        for u in uppers:
-            accept[("db", u)] = kept[u] / tested[u] if tested[u] else 0.0
+        db_lengths, db_seconds, db_accept = _db_level(db_factory(), prompts, refs, dists, uppers, s)
+        accept.update({("db", u): v for u, v in db_accept.items()})
     info = {"references": len(refs), "reference_tokens": sum(len(r) for r in refs),
             "one_token_seconds": {k: cost[k](1) for k in cost}, "accept": {f"{a}->{b}": v for (a, b), v in accept.items()},
             "db_lengths": db_lengths, "db_seconds": db_seconds}
     return Params(models=names, cost=cost, accept=accept, db_lengths=db_lengths, db_seconds=db_seconds), info
+
+
+def _predictions(model, prompts, refs, s) -> list:
+    """Per prompt, the model's prediction for each reference token: argmaxes (greedy) or
+    distributions [len(ref), V] (sampling), from one forward over prompt + reference."""
+    import torch
+
+    from ..engine.verify import target_probs
+    rows = []
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        for p, ref in zip(prompts, refs):
+            ids = torch.tensor([list(p) + ref[:-1]], device=dev)
+            logits = model(input_ids=ids).logits[0, len(p) - 1:].float()
+            rows.append(logits.argmax(-1) if s.greedy else target_probs(logits, s))
+    return rows
+
+
+def _db_level(hier, prompts, refs, dists, uppers, s) -> tuple[list[float], float, dict[str, float]]:
+    """The database level along the references: P(it proposes b tokens), its seconds per call,
+    and per upper level the chance a proposed token is kept (read where the models' predictions
+    are known: along the reference)."""
+    import time
+    counts: dict[int, int] = {}
+    tested = {u: 0 for u in uppers}
+    kept = {u: 0.0 for u in uppers}
+    calls, spent = 0, 0.0
+    for pi, (p, ref) in enumerate(zip(prompts, refs)):
+        hist = list(p)
+        hier.reset(hist)
+        for t in range(len(ref) - 1):
+            t0 = time.perf_counter()
+            drafts = hier.propose(hist, len(ref) - t - 1)
+            spent += time.perf_counter() - t0
+            calls += 1
+            d = list(drafts[0].tokens) if drafts else []
+            counts[len(d)] = counts.get(len(d), 0) + 1
+            for k, x in enumerate(d):
+                if t + k >= len(ref) or (k and d[k - 1] != ref[t + k - 1]):
+                    break  # the models' predictions are known along the reference only
+                for u in uppers:
+                    row = dists[u][pi][t + k]
+                    tested[u] += 1
+                    kept[u] += float(row == x) if s.greedy else float(row[x])
+            hist.append(ref[t])
+            hier.extend([ref[t]])
+    n = max(counts) + 1 if counts else 1
+    lengths = [counts.get(b, 0) / calls for b in range(n)] if calls else [1.0]
+    return lengths, spent / max(1, calls), {u: kept[u] / tested[u] if tested[u] else 0.0 for u in uppers}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""How a Spec-Bench run is shown: the tables (80 columns), the speedup chart, a saved run read back."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich import box
+from rich.table import Table
+
+from ..drafting import registry
+from ..errors import HdError
+from . import specbench
+
+
+def short_name(layer: str) -> str:
+    """A layer's label in 80-column tables (peers' and 'stats:NAME' layers as named)."""
+    spec = registry.LAYERS.get(layer)
+    return spec.short if spec and spec.short else {"suffix": "sfx"}.get(layer, layer)
+
+
+def load(run_dir: Path) -> dict:
+    """The summary saved by `hd bench spec-bench --out run_dir`."""
+    f = run_dir / "summary.json"
+    try:
+        report = json.loads(f.read_text())
+        {k: report[k] for k in ("model", "dtype", "device", "questions", "max_new_tokens")}
+        report["methods"]
+    except FileNotFoundError:
+        raise HdError(f"{f} not found: pass a folder written by `hd bench spec-bench --out DIR`") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HdError(f"{f} is not an hd bench summary ({exc})") from None
+    return report
+
+
+def tables(report: dict) -> Table:
+    """The overall table, then speedup per category per method, over ar and over hf-ar."""
+    meta, methods = report, report["methods"]
+    hf = any("speedup_over_hf_ar" in f["overall"] for f in methods.values())
+    t = Table(title=f"Spec-Bench · {meta['model']} · {meta['dtype']} · {meta['device']} · "
+                    f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens",
+              caption="acc: mean accepted tokens per step · out: share of step time outside the "
+                      "target's forward · differ: answers unlike ar's",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    cols = ["method", "vs ar"] + ["vs hf-ar"] * hf + ["tok/s", "acc", "out", "differ", "accepted by layer"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right",
+                     no_wrap=col == "method")
+    for m, f in methods.items():
+        o = f["overall"]
+        differ = (f"{o['differ_from_ar']}/{o['questions']}" if "differ_from_ar" in o else "n/a (sampling)")
+        share = " ".join(f"{short_name(k)}:{v['share_of_accepted']:.0%}"
+                         for k, v in o["layers"].items() if v["accepted"])
+        t.add_row(m, f"{o['speedup']:.2f}x", *([f"{o['speedup_over_hf_ar']:.2f}x"] if hf else []),
+                  f"{o['tokens_per_second']:.1f}",
+                  "-" if o["mean_accepted_tokens"] is None else f"{o['mean_accepted_tokens']:.2f}",
+                  "-" if o["overhead_share"] is None else f"{o['overhead_share']:.1%}", differ, share)
+    cats = list(next(iter(methods.values()))["categories"])
+    grid = Table.grid()
+    grid.add_row(t)
+    for key, base in [("speedup", "ar")] + [("speedup_over_hf_ar", "hf-ar")] * hf:
+        c = Table(title=f"speedup over {base} by category", box=box.SIMPLE_HEAD, pad_edge=False)
+        c.add_column("method")
+        for cat in cats:
+            c.add_column(specbench.SHORT_NAMES.get(cat, cat), justify="right")
+        for m, f in methods.items():
+            c.add_row(m, *[f"{f['categories'][cat][key]:.2f}x" for cat in cats])
+        grid.add_row(c)
+    return grid
+
+
+def chart(report: dict, path: Path) -> None:
+    """Grouped bars: speedup per category (and overall) per method, over ar and over hf-ar."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    meta, methods = report, report["methods"]
+    cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
+    panels = [("speedup", "ar")]
+    if any("speedup_over_hf_ar" in f["overall"] for f in methods.values()):
+        panels.append(("speedup_over_hf_ar", "hf-ar (transformers' generate, stock model)"))
+    width = 0.8 / len(methods)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.4 * len(cats)), 4.2 * len(panels)),
+                             squeeze=False)
+    for ax, (key, base) in zip(axes[:, 0], panels):
+        for i, (m, f) in enumerate(methods.items()):
+            vals = [f["categories"][c][key] if c != "overall" else f["overall"][key] for c in cats]
+            ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
+        ax.set_ylabel(f"speedup over {base.split(' ')[0]}")
+        ax.set_title(f"Spec-Bench, {meta['model']} ({meta['dtype']}, {meta['device']}), "
+                     f"{meta['max_new_tokens']} new tokens: speedup over {base}", fontsize=10)
+        ax.legend(fontsize=8, ncol=min(len(methods), 5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
