@@ -1,4 +1,4 @@
-"""torch's kernels against prepacked oneDNN linear layers (hdcli/kernels.py), in one process.
+"""torch's kernels against prepacked oneDNN linear layers (hdcli/engine/kernels.py), in one process.
 
 For the given dtype, loads the bundled model twice (--kernels torch, --kernels onednn) and reports:
   1. forward cost by width (costs.measure): one-token ms and cost(w) / cost(1);

@@ -31,6 +31,20 @@ from .engine.verify import Sampling
 from .errors import HdError
 from .hsd.planner import plan_dbs, read_plan, read_plan_file
 
+__all__ = [
+    # configuration and composition
+    "DecodingConfig", "DEFAULT_CANDIDATES", "DEFAULT_LEVEL_TOKENS", "DEFAULT_POLICY", "LAYER_NAMES",
+    "parse_draft_len", "build_drafter", "make_drafter", "make_stack", "draft_model_names", "default_layers",
+    "cheap_verification", "default_min_n", "default_min_prob", "default_min_expected", "resolved",
+    "open_dbs", "open_stats_dbs", "check_tokenizers", "check_seed", "DBs",
+    # models, prompts, generation
+    "load_model", "load_model_for", "encode_prompt", "encode_messages", "TextStream", "generate", "Result",
+    "learn", "warm_up", "prepare", "Prepared", "generate_report", "GenerateReport",
+    "compare_with_baselines", "stock_model", "hf_generate", "first_difference",
+    # the other commands
+    "cost_report", "calibration_prompts", "plan", "read_plan", "read_plan_file", "plan_dbs",
+    "bench_spec_bench", "build_stats", "build_model_db", "HdError", "Sampling", "SEED_RANGE"]
+
 load_model = models.load
 LAYER_NAMES = registry.names()
 from .config import SEED_RANGE  # noqa: E402  (re-exported)

@@ -1,4 +1,4 @@
-"""hdcli.corpus: each input format, the error messages users see, sharding, limit, the report."""
+"""hdcli.db.corpus: each input format, the error messages users see, sharding, limit, the report."""
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,4 @@
-"""The expected-latency model of hdcli/plan.py: the classic formula, Monte Carlo, DP vs brute force."""
+"""The expected-latency model of hdcli/hsd/planner.py: the classic formula, Monte Carlo, DP vs brute force."""
 from __future__ import annotations
 
 import random

@@ -1,4 +1,4 @@
-"""Draft-model hierarchies (hdcli/stack.py): greedy exactness of 2- and 3-level stacks, the
+"""Draft-model hierarchies (hdcli/hsd/stack.py): greedy exactness of 2- and 3-level stacks, the
 sampling distribution through a 3-level stack, self-drafts and the tokenizer check."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Statistics DBs built as tasks of a Dask cluster (`hd build-stats ... --cluster ADDRESS`).
 
-A map-reduce over the engine's workers, with the counting code of a local build (hdcli/statsdb.py):
+A map-reduce over the engine's workers, with the counting code of a local build (hdcli/db/statsdb.py):
   map     task i of N reads the corpus where the worker is (paths, globs, fsspec URLs), keeps the
           documents whose index % N == i, tokenises and counts them, and splits the summed partial
           counts by key hash into P partitions (the same split as a local build's spill files);

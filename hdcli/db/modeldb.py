@@ -6,7 +6,7 @@ Built in two separate steps so that each can be re-run alone:
      seeded by batch index, so an interrupted run resumed with `resume=True` produces exactly the
      samples an uninterrupted run would have (a half-written batch is dropped and redone);
   2. index(): count the samples' n-gram continuations into the same LMDB store format as the
-     statistics DB (hdcli/stores.py, built by hdcli/statsdb.py), with kind "model".
+     statistics DB (hdcli/db/stores.py, built by hdcli/db/statsdb.py), with kind "model".
 `hd generate --model-db DB --learn` later adds what the model generated (statsdb.add_counts).
 """
 from __future__ import annotations

@@ -50,7 +50,7 @@ class ContextDB:
                 self.positions.setdefault(tuple(h[i - n + 1:i + 1]), []).append(i)
 
     def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
-        # `history` is the indexed history, or (under a draft-model level, hdcli.stack) the indexed
+        # `history` is the indexed history, or (under a draft-model level, hdcli.hsd.stack) the indexed
         # history followed by tokens not yet accepted: those are looked up, not indexed
         h = self.history
         assert len(history) >= len(h), "context DB is out of step with the decode loop"

@@ -12,7 +12,7 @@ class StatsDB:
     n-gram store built by `hd build-stats` (the same class serves the model DB's store).
 
     Parameters
-      store       an open hdcli.stores.Store (its header fixes the n range and stored length)
+      store       an open hdcli.db.stores.Store (its header fixes the n range and stored length)
       min_prob    draft only while the estimated probability of the whole draft (the product of
                   count / (key total + 1) along it) stays at or above this: a rare continuation
                   is rarely accepted and costs verification.

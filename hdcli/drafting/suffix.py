@@ -5,7 +5,7 @@ a suffix tree over the current request's prompt and output, and a global suffix 
 responses of earlier requests of the same cache. Each step it matches the longest suffix of the
 history (up to max_tree_depth tokens) and proposes a token tree whose size is limited by
 max_spec_factor * match length + max_spec_offset tokens and whose tokens each have an estimated
-probability >= min_token_prob. hd verifies that tree with its own tree verifier (hdcli/tree.py),
+probability >= min_token_prob. hd verifies that tree with its own tree verifier (hdcli/engine/tree.py),
 so the output is exactly plain decoding's, as for every other method.
 
 Settings are the library's recommended ones (the vLLM defaults): max_tree_depth 24,
@@ -101,7 +101,7 @@ class SuffixDrafter:
 
 def tree_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
     """Root-to-leaf token paths of a tree given as parallel lists (parent -1: a child of the
-    root), leaves in node order; merging them by prefix (hdcli.tree.build_tree) gives the tree back."""
+    root), leaves in node order; merging them by prefix (hdcli.engine.tree.build_tree) gives the tree back."""
     has_child = set(p for p in parents if p >= 0)
     out = []
     for i in range(len(tokens)):

@@ -2,8 +2,8 @@
 
 cost(w) is the time of one forward over w new tokens on top of a KV cache, divided by the time
 of a one-token forward (so cost(1) = 1 and plain decoding costs 1 per token). It caps the draft
-tree (hdcli/tree.py), picks the drafting defaults (CostCurve.verifies_cheaply), picks the CPU
-kernels (hdcli/kernels.py, `--kernels auto`) and feeds the planner. The curve depends on the
+tree (hdcli/engine/tree.py), picks the drafting defaults (CostCurve.verifies_cheaply), picks the CPU
+kernels (hdcli/engine/kernels.py, `--kernels auto`) and feeds the planner. The curve depends on the
 model, dtype, kernels, device, thread count, torch version and CPU, so it is measured once per
 such combination (a few seconds) and cached as JSON under HD_CACHE_DIR (default
 ~/.cache/hdcli/costs); `hd costs` shows and re-measures it. Between measured widths it is

@@ -1,8 +1,8 @@
 """The decode loop: draft, verify every drafted token in one target forward, accept, crop, repeat.
 
 Each step the hierarchy proposes candidates; they are merged into a token tree rooted at the
-last history token and capped by cost (hdcli/tree.py); one forward over the tree gives the
-target's prediction after every node; the acceptance rule (hdcli/verify.py) walks the tree.
+last history token and capped by cost (hdcli/engine/tree.py); one forward over the tree gives the
+target's prediction after every node; the acceptance rule (hdcli/engine/verify.py) walks the tree.
 
 KV-cache invariant: at the top of each step the cache holds every history token except the
 last one (`last`, the tree's root), which is fed as the first input of the step together with
@@ -43,7 +43,7 @@ class Generation:
 class Decoder:
     """Speculative decoding of one sequence with a target model and a drafting hierarchy.
 
-    cost: the target's forward-cost curve (hdcli.costs) that caps each step's draft tree; None
+    cost: the target's forward-cost curve (hdcli.engine.costs) that caps each step's draft tree; None
     sends every drafted node (up to max_nodes)."""
 
     def __init__(self, model, eos_ids: Sequence[int] = (), drafter: Drafter | None = None,

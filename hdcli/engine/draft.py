@@ -26,7 +26,7 @@ class Draft:
     tokens: tuple[int, ...]
     layer: str
     # the distribution each token was drawn from, [len(tokens), V], when a draft model sampled it
-    # (hdcli.stack); None for point masses (database layers, greedy)
+    # (hdcli.hsd.stack); None for point masses (database layers, greedy)
     q: object = field(default=None, compare=False, repr=False)
 
 

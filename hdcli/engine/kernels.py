@@ -18,7 +18,7 @@ Invariants
 
 Which kernels: measured, never assumed. Packing won 1.78x on a 2-core AMD EPYC (Zen 5) and lost
 (0.82x) on a 2-core Intel Xeon with AMX, whose MKL path is better. `auto` therefore measures both
-kernel sets' cost curves on the machine at hand (hdcli/costs.py: the same cached measurement that
+kernel sets' cost curves on the machine at hand (hdcli/engine/costs.py: the same cached measurement that
 caps draft trees) and keeps the faster: by the time of a plain step plus an 8-token verification
 (what a speculative run alternates between), or of a plain step alone when nothing is drafted.
 """
@@ -64,7 +64,7 @@ def score(curve, drafting: bool = True) -> float:
 def choose(model: torch.nn.Module, source: str, dtype: str, device: str, drafting: bool = True,
            quiet: bool = False) -> tuple[str, dict]:
     """Pick torch's or oneDNN's kernels for an unpacked CPU model by their measured cost curves
-    (cached per model/dtype/device/threads/CPU by hdcli.costs; measured here when missing), pack
+    (cached per model/dtype/device/threads/CPU by hdcli.engine.costs; measured here when missing), pack
     the model if oneDNN wins, and return (choice, {kernels: curve})."""
     from . import costs
     keys = {k: costs.curve_key(source, dtype, device, k) for k in ("torch", "onednn")}

@@ -70,7 +70,7 @@ class LoadedModel:
     dtype: str               # "fp32" | "bf16" | "fp16"
     device: str              # "cpu" | "cuda"
     load_seconds: float
-    kernels: str = "torch"   # "onednn": Linear layers prepacked (hdcli/kernels.py), else torch's
+    kernels: str = "torch"   # "onednn": Linear layers prepacked (hdcli/engine/kernels.py), else torch's
     from_cache: bool = False  # GGUF served from the converted-weights cache
     info: dict = field(default_factory=dict)
 
@@ -279,7 +279,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
          kernels: str = "auto", drafting: bool = True, quiet: bool = False) -> LoadedModel:
     """Load a target model by bundled name, .gguf path, folder or hub id. kernels: "auto" keeps
-    whichever of torch's and oneDNN's packed kernels (hdcli/kernels.py) measures faster on this
+    whichever of torch's and oneDNN's packed kernels (hdcli/engine/kernels.py) measures faster on this
     machine for this model (for speculative decoding, or for plain decoding when drafting is
     False; measured once and cached, with a progress bar unless quiet); "onednn" packs the Linear
     layers; "torch" keeps torch's. Raises HdError."""

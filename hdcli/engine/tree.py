@@ -16,7 +16,7 @@ take the two masks as a dict keyed by layer type, the form transformers' own mas
 Cost cap. Each node gets an estimate of the probability that the target accepts it: along a
 candidate, the product of its layer's per-token acceptance estimate; for the j-th child of a
 node, times the chance that the children tried before it were rejected. A verification forward
-over w tokens costs cost(w) (measured, hdcli/costs.py, one-token forward = 1). Keeping the k
+over w tokens costs cost(w) (measured, hdcli/engine/costs.py, one-token forward = 1). Keeping the k
 likeliest nodes yields 1 + sum of their estimates tokens per step, so we keep the k that maximises
 (1 + sum) / cost(1 + k). k = 0 is plain decoding: a draft that is not expected to pay for its
 forward is not sent.

@@ -91,7 +91,7 @@ def accept_chain(logits: torch.Tensor, draft, s: Sampling, gen: torch.Generator 
 
 def accept_tree(logits: torch.Tensor, children: list[list[int]], tokens: list[int], s: Sampling,
                 gen: torch.Generator | None) -> tuple[list[int], int]:
-    """Verify a token tree (hdcli.tree.Tree's children/tokens). logits [nodes, V]: row i is the
+    """Verify a token tree (hdcli.engine.tree.Tree's children/tokens). logits [nodes, V]: row i is the
     target's prediction for the token after node i's path. Walk from the root: at each node the
     target draws its token (greedy: argmax; sampling: the point-mass rule over the node's children
     tried in order, then the residual); follow the child that holds it, stop where none does.

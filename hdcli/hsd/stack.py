@@ -2,7 +2,7 @@
 
 Levels, cheapest first: level 0 is the database hierarchy (hdcli.drafting: one chain of point
 masses per call), or nothing (`--no-db`: the smallest model then drafts on its own, one token per
-forward); then the draft models, smallest first; the target verifies last (hdcli.decode).
+forward); then the draft models, smallest first; the target verifies last (hdcli.engine.decode).
 
 A model level, asked for a batch of T tokens after a context, repeats: ask the level below for a
 batch (at most T - held - 1 tokens), verify it in one forward of its own model over its own KV

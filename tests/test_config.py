@@ -1,0 +1,122 @@
+"""DecodingConfig (one object a run is built from), compose.build_drafter, the layer registry."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hdcli import api, compose
+from hdcli.config import DecodingConfig
+from hdcli.drafting import Hierarchy, LayerSpec, registry
+from hdcli.errors import HdError
+from hdcli.hsd.stack import ModelStack
+
+HD = [sys.executable, "-m", "hdcli.cli"]
+
+
+def test_every_form_of_an_option_gives_one_config():
+    a = DecodingConfig(layers="context, stats", draft_len="context=8,stats=4", draft_models="x, y",
+                       level_tokens="2,6", stats_dbs=["s.lmdb"])
+    b = DecodingConfig(layers=["context", "stats"], draft_len={"context": 8, "stats": 4},
+                       draft_models=["x", "y"], level_tokens=[2, 6], stats_dbs=["s.lmdb"])
+    assert a == b
+    assert DecodingConfig(layers="none").layers == []
+    assert DecodingConfig.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+
+
+def test_every_bad_field_is_named_in_one_line():
+    cfg = DecodingConfig(max_new_tokens=0, candidates=0, policy="bogus", layers=["nope", "stats"],
+                         seed=-1, temperature=float("nan"), learn=True)
+    problems = cfg.problems()
+    for needle in ("--max-new-tokens", "--candidates", "--policy 'bogus'", "layer 'nope'",
+                   "layer 'stats' needs a statistics DB", "--seed", "invalid sampling option",
+                   "--learn adds to a model DB"):
+        assert any(needle in p for p in problems), (needle, problems)
+    with pytest.raises(HdError) as err:
+        cfg.validate()
+    assert "\n" not in str(err.value)
+    assert DecodingConfig().problems() == []
+    with pytest.raises(HdError, match="unknown field 'candidate'"):
+        DecodingConfig.from_dict({"candidate": 3})
+    with pytest.raises(HdError, match="go with --draft-models"):
+        DecodingConfig(no_db=True).validate()
+    with pytest.raises(HdError, match="2 sizes for 1 draft models"):
+        DecodingConfig(draft_models=["self:layers=1"], level_tokens=[2, 3]).validate()
+
+
+def test_from_file_reads_a_run_record_a_bare_config_and_refuses_junk(tmp_path):
+    cfg = DecodingConfig(candidates=2, layers=["context"], max_new_tokens=9)
+    (tmp_path / "bare.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp_path / "run.json").write_text(json.dumps({"text": "x", "config": cfg.to_dict()}))
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    assert DecodingConfig.from_file(tmp_path / "bare.json") == cfg
+    assert DecodingConfig.from_file(tmp_path / "run.json") == cfg
+    with pytest.raises(HdError, match="a JSON object is needed"):
+        DecodingConfig.from_file(tmp_path / "junk.json")
+    with pytest.raises(HdError, match="not found"):
+        DecodingConfig.from_file(tmp_path / "missing.json")
+
+
+def test_build_drafter_gives_nothing_a_hierarchy_or_a_stack(tiny_lm):
+    assert compose.build_drafter(DecodingConfig(layers=[]), tiny_lm) is None
+    h = compose.build_drafter(DecodingConfig(candidates=3, policy="adaptive"), tiny_lm)
+    assert isinstance(h, Hierarchy) and [l.name for l in h.layers] == ["context", "recycle"]
+    assert (h.max_candidates, h.policy) == (3, "adaptive")
+    stack = compose.build_drafter(DecodingConfig(draft_models=["self:layers=1"], level_tokens=[3]), tiny_lm)
+    assert isinstance(stack, ModelStack)
+    assert stack.all_levels[0].hier.max_candidates == 1  # a level under models verifies one chain
+
+
+class _RepeatLast:
+    """A toy layer: drafts the last token again (rarely right, so the verifier must reject it)."""
+    name = "repeat"
+
+    def reset(self, tokens):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+    def propose(self, history, max_len, max_candidates=1):
+        return [[history[-1]] * max_len] if history else []
+
+
+@pytest.fixture
+def repeat_layer():
+    registry.register(LayerSpec(name="repeat", build=lambda s: [_RepeatLast()], help="toy",
+                                prior=(0.1, 0.5, 0.5, 0.5)))
+    yield
+    del registry.LAYERS["repeat"], registry.PRIOR_RATES["repeat"]
+
+
+def test_a_registered_layer_runs_without_touching_the_cli_and_stays_exact(tiny_lm, repeat_layer):
+    cfg = DecodingConfig(layers=["context", "repeat"], max_new_tokens=40, chat=False)
+    prompt = "the cat sat on the mat the cat sat on"
+    plain = api.generate(tiny_lm, prompt, config=cfg.replace(layers=[]), drafter=None)
+    res = api.generate(tiny_lm, prompt, config=cfg)
+    assert res.tokens == plain.tokens
+    assert res.stats.layers["repeat"].drafted > 0  # it did draft, and the target judged it
+    assert "repeat" not in api.default_layers()
+
+
+def test_generate_json_records_a_config_that_repeats_the_run(tiny_model_dir, tmp_path):
+    args = ["generate", "--model", str(tiny_model_dir), "-p", "the cat sat on the", "-n", "12",
+            "--raw", "--candidates", "2", "--json"]
+    first = subprocess.run(HD + args, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    run = tmp_path / "run.json"
+    run.write_text(first.stdout)
+    rec = json.loads(first.stdout)
+    assert rec["config"]["candidates"] == 2 and rec["config"]["layers"] == ["context", "recycle"]
+    assert rec["config"]["kernels"] in ("torch", "onednn") and rec["config"]["min_n"] in (1, 2)
+    again = subprocess.run(HD + ["generate", "-p", "the cat sat on the", "--config", str(run), "--json"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    rec2 = json.loads(again.stdout)
+    assert rec2["tokens"] == rec["tokens"] and rec2["config"] == rec["config"]
+    # an option given beside --config wins over the file
+    over = subprocess.run(HD + ["generate", "-p", "the cat sat on the", "--config", str(run), "-n", "3",
+                                "--json"], capture_output=True, text=True, timeout=300)
+    assert json.loads(over.stdout)["config"]["max_new_tokens"] == 3
