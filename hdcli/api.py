@@ -21,8 +21,8 @@ from . import compose
 from .bench.baselines import first_difference, hf_generate, stock_model
 from .compose import (DBs, build_drafter, cheap_verification, check_tokenizers, default_min_expected,
                       default_min_n, default_min_prob, make_stack, open_dbs, resolved, warm_up)
-from .config import (DEFAULT_CANDIDATES, DEFAULT_LEVEL_TOKENS, DEFAULT_POLICY, DecodingConfig,
-                     parse_draft_len)
+from .config import (DEFAULT_CANDIDATES, DEFAULT_LEVEL_TOKENS, DEFAULT_POLICY, SEED_RANGE,
+                     DecodingConfig, level_problems, parse_draft_len, split_list)
 from .drafting import Hierarchy, RecycledTable, registry
 from .engine import costs, models
 from .engine.decode import Decoder, Generation
@@ -47,7 +47,6 @@ __all__ = [
 
 load_model = models.load
 LAYER_NAMES = registry.names()
-from .config import SEED_RANGE  # noqa: E402  (re-exported)
 
 
 def load_model_for(cfg: DecodingConfig, quiet: bool = False) -> models.LoadedModel:
@@ -97,12 +96,11 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
 
 def draft_model_names(draft_models: str | Sequence[str]) -> list[str]:
     """'a, b' or ['a', 'b'] -> ['a', 'b'], refusing an empty list (before any model loads)."""
-    cfg = DecodingConfig(draft_models=draft_models if isinstance(draft_models, str) else list(draft_models))
-    cfg = cfg.replace(draft_models=cfg.draft_models or [""])
-    bad = cfg._level_problems()
+    names = split_list(draft_models) if isinstance(draft_models, str) else [n.strip() for n in draft_models]
+    bad = level_problems(names, ())
     if bad:
         raise HdError(bad[0])
-    return [n.strip() for n in cfg.draft_models]
+    return [n for n in names if n]
 
 
 def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int]) -> int:
@@ -146,9 +144,8 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
         config.validate()
         max_new_tokens, sampling, seed = config.max_new_tokens, config.sampling, config.seed
         chat, system, stop = config.chat, config.system, config.stop
-    elif max_new_tokens < 1:
-        raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
-    check_seed(seed)
+    else:
+        DecodingConfig(max_new_tokens=max_new_tokens, seed=seed).validate()
     if prompt_ids is None:
         prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=chat, system=system)
     room = lm.max_context - len(prompt_ids)

@@ -91,7 +91,7 @@ def _config(ctx: typer.Context, config_file: Optional[Path], **fields) -> Decodi
     for name, value in fields.items():
         source = ctx.get_parameter_source(_PARAM_OF_FIELD.get(name, name))
         if base is None or getattr(source, "name", "") not in ("DEFAULT", "DEFAULT_MAP"):
-            given[name] = [] if value is None and name in ("draft_models", "level_tokens") else value
+            given[name] = value
     return DecodingConfig.from_dict({**(base.to_dict() if base else {}), **given}, where="options")
 
 

@@ -104,15 +104,14 @@ def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens
     the smallest model drafts alone). level_tokens: T_i per model level, the tokens a level holds
     before it returns its batch (default DEFAULT_LEVEL_TOKENS each). loaded: name -> DraftModel
     cache, so repeated stacks share their draft models."""
-    from .config import DEFAULT_LEVEL_TOKENS
+    from .config import DEFAULT_LEVEL_TOKENS, level_problems
     from .engine.verify import Sampling
     from .hsd import draft_models as draftmodels
     from .hsd.stack import ModelStack
-    names = [n.strip() for n in draft_models if n.strip()]
-    cfg = DecodingConfig(draft_models=names or [""], level_tokens=list(level_tokens))
-    bad = cfg._level_problems()
+    bad = level_problems(draft_models, level_tokens)
     if bad:
         raise HdError(bad[0])
+    names = [n.strip() for n in draft_models if n.strip()]
     Ts = list(level_tokens) or [DEFAULT_LEVEL_TOKENS] * len(names)
     loaded = {} if loaded is None else loaded
     levels = []
@@ -123,6 +122,11 @@ def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens
     return ModelStack(levels, base, sampling or Sampling(), seed)
 
 
+def _cheap(cfg: DecodingConfig, lm: models.LoadedModel) -> bool:
+    """cheap_verification where the run drafts (plain decoding measures no cost curve for it)."""
+    return cfg.drafting and cheap_verification(lm)
+
+
 def build_drafter(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None = None, *,
                   recycle_table: RecycledTable | None = None, loaded: dict | None = None):
     """The drafter a configuration describes (with_plan applied): a drafting.Hierarchy, a
@@ -130,7 +134,7 @@ def build_drafter(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None =
     DBs (default: opened here). loaded: draft models already loaded, by name."""
     cfg.validate()
     dbs = open_dbs(cfg, lm) if dbs is None else dbs
-    cheap = cheap_verification(lm) if (cfg.layers is None or cfg.layers or cfg.draft_models) else False
+    cheap = _cheap(cfg, lm)
     if not cfg.draft_models:
         return db_hierarchy(cfg, dbs, cheap, recycle_table=recycle_table)
     base = None if cfg.no_db else db_hierarchy(cfg, dbs, cheap, candidates=1, recycle_table=recycle_table)
@@ -140,9 +144,7 @@ def build_drafter(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None =
 def resolved(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs) -> DecodingConfig:
     """The configuration as the run used it: the machine's choices (dtype, device, kernels, the
     drafting defaults, the default layers) written in, so repeating it repeats the run."""
-    drafts = cfg.layers is None or bool(cfg.layers) or bool(cfg.draft_models)
-    cheap = cheap_verification(lm) if drafts else False
-    inputs = layer_inputs(cfg, dbs, cheap)
+    inputs = layer_inputs(cfg, dbs, _cheap(cfg, lm))
     return cfg.replace(dtype=lm.dtype, device=lm.device, kernels=lm.kernels,
                        layers=default_layers(inputs) if cfg.layers is None else cfg.layers,
                        min_n=inputs.min_n, stats_min_prob=inputs.min_prob,

@@ -22,7 +22,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .engine.models import DEFAULT_MODEL
 from .engine.verify import Sampling
@@ -79,18 +79,20 @@ class DecodingConfig:
         if isinstance(self.draft_len, str):
             self.draft_len = parse_draft_len(self.draft_len)
         if isinstance(self.draft_models, str):
-            self.draft_models = split_list(self.draft_models)
+            # " , " names no model but was given: kept as [""] so validation refuses it
+            self.draft_models = split_list(self.draft_models) or ([""] if self.draft_models else [])
         if isinstance(self.level_tokens, str):
             self.level_tokens = int_list(self.level_tokens, "--level-tokens")
         if isinstance(self.stats_dbs, (str, Path)):
             self.stats_dbs = [self.stats_dbs]
-        self.stats_dbs = [str(p) for p in self.stats_dbs]
+        self.stats_dbs = [str(p) for p in self.stats_dbs or []]
         for name in ("model_db", "plan"):
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
         self.layers = None if self.layers is None else list(self.layers)
-        self.draft_models, self.level_tokens, self.stop = (list(self.draft_models),
-                                                           list(self.level_tokens), list(self.stop))
+        # lists: None (an option not given) is the empty list
+        self.draft_models, self.level_tokens, self.stop = (list(self.draft_models or []),
+                                                           list(self.level_tokens or []), list(self.stop or []))
 
     # -- checking ---------------------------------------------------------------------------
     def problems(self) -> list[str]:
@@ -110,9 +112,9 @@ class DecodingConfig:
         if unknown:
             out.append(f"unknown drafting layer '{unknown[0]}'; known layers: {', '.join(known)}")
         for name in self.layers or []:
-            spec = registry.LAYERS.get(name)
-            if spec is not None and spec.needs and not getattr(self, spec.needs[0]):
-                out.append(f"layer '{name}' needs {spec.needs[1]}")
+            lacks = registry.LAYERS[name].missing(self) if name in known else None
+            if lacks:
+                out.append(f"layer '{name}' needs {lacks}")
         lens = self.draft_len.items() if isinstance(self.draft_len, dict) else [(None, self.draft_len)]
         bad = [(k, n) for k, n in lens if n < 1]
         if bad:
@@ -132,22 +134,11 @@ class DecodingConfig:
             out.append("--learn adds to a model DB: pass --model-db PATH")
         if self.plan is None and (self.no_db or self.level_tokens) and not self.draft_models:
             out.append("--no-db and --level-tokens go with --draft-models")
-        if self.draft_models:
-            out += self._level_problems()
+        if self.draft_models and self.plan is not None and not self.from_plan_file:
+            out.append("pass either --plan or --draft-models, not both")
+        elif self.draft_models:
+            out += level_problems(self.draft_models, self.level_tokens)
         return out
-
-    def _level_problems(self) -> list[str]:
-        if self.plan is not None and not self.from_plan_file:
-            return ["pass either --plan or --draft-models, not both"]
-        names = [n for n in self.draft_models if n.strip()]
-        if not names:
-            return ["--draft-models is empty: name at least one draft model (e.g. self:layers=8)"]
-        Ts = self.level_tokens
-        if Ts and len(Ts) != len(names):
-            return [f"--level-tokens gives {len(Ts)} sizes for {len(names)} draft models"]
-        if any(t < 1 for t in Ts):
-            return [f"--level-tokens must all be >= 1, not {Ts}"]
-        return []
 
     def validate(self) -> "DecodingConfig":
         """Raise one HdError listing every bad field (one line, `;`-separated); return self."""
@@ -231,6 +222,19 @@ class DecodingConfig:
         data = data or planner.read_plan_file(path)
         return cls(model=data.get("target", DEFAULT_MODEL), dtype=data.get("dtype", "auto"),
                    kernels=data.get("kernels", "auto"), plan=str(path))
+
+
+def level_problems(draft_models: Sequence[str], level_tokens: Sequence[int]) -> list[str]:
+    """What is wrong with a list of draft models and their T per level (empty names ignored)."""
+    names = [n for n in draft_models if n.strip()]
+    if not names:
+        return ["--draft-models is empty: name at least one draft model (e.g. self:layers=8)"]
+    Ts = list(level_tokens)
+    if Ts and len(Ts) != len(names):
+        return [f"--level-tokens gives {len(Ts)} sizes for {len(names)} draft models"]
+    if any(t < 1 for t in Ts):
+        return [f"--level-tokens must all be >= 1, not {Ts}"]
+    return []
 
 
 def split_list(text: str) -> list[str]:

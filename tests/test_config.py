@@ -42,6 +42,8 @@ def test_every_bad_field_is_named_in_one_line():
         DecodingConfig.from_dict({"candidate": 3})
     with pytest.raises(HdError, match="go with --draft-models"):
         DecodingConfig(no_db=True).validate()
+    with pytest.raises(HdError, match="--draft-models is empty"):  # given, but naming no model
+        DecodingConfig(draft_models=" , ").validate()
     with pytest.raises(HdError, match="2 sizes for 1 draft models"):
         DecodingConfig(draft_models=["self:layers=1"], level_tokens=[2, 3]).validate()
 

@@ -23,8 +23,8 @@ def load(run_dir: Path) -> dict:
     f = run_dir / "summary.json"
     try:
         report = json.loads(f.read_text())
-        {k: report[k] for k in ("model", "dtype", "device", "questions", "max_new_tokens")}
-        report["methods"]
+        for key in ("model", "dtype", "device", "questions", "max_new_tokens", "methods"):
+            report[key]  # a KeyError: not a summary
     except FileNotFoundError:
         raise HdError(f"{f} not found: pass a folder written by `hd bench spec-bench --out DIR`") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -69,8 +69,7 @@ METHOD_HELP = {
 def default_methods(cfg: DecodingConfig) -> list[str]:
     """ar and hf-ar, each layer alone whose DB is given, hd, hf-pld, and suffix where installed."""
     from ..drafting import suffix
-    single = [n for n, spec in registry.LAYERS.items()
-              if spec.bench_default and (spec.needs is None or getattr(cfg, spec.needs[0]))]
+    single = [n for n, spec in registry.LAYERS.items() if spec.bench_default and not spec.missing(cfg)]
     return ["ar", "hf-ar"] + single + ["hd", "hf-pld"] + ["suffix"] * suffix.available()
 
 
@@ -133,9 +132,9 @@ def method_config(name: str, cfg: DecodingConfig) -> DecodingConfig:
     """The configuration of one of hd's methods, refusing one whose layer's DB is not given."""
     method = cfg.replace(**DB_METHODS[name])
     for layer in method.layers or []:
-        spec = registry.LAYERS[layer]
-        if spec.needs and not getattr(cfg, spec.needs[0]):
-            raise HdError(f"method '{name}' needs {spec.needs[1]}")
+        lacks = registry.LAYERS[layer].missing(cfg)
+        if lacks:
+            raise HdError(f"method '{name}' needs {lacks}")
     return method.validate()
 
 

@@ -51,6 +51,10 @@ class LayerSpec:
     short: str = ""                         # label in 80-column tables
     bench_default: bool = True              # a single-layer method of `hd bench` by default
 
+    def missing(self, source) -> str | None:
+        """What `source` (a DecodingConfig or LayerInputs) lacks for this layer, or None."""
+        return self.needs[1] if self.needs and not getattr(source, self.needs[0]) else None
+
 
 LAYERS: dict[str, LayerSpec] = {}           # in registration order: the default order too
 PRIOR_RATES: dict[str, tuple] = {}          # name -> prior (benchmarks/recycle_tuning.py varies it)
