@@ -155,30 +155,31 @@ def _tree_part(tree: Tree) -> torch.Tensor:
     return allowed
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.to(device)[None, None]
+def _fill(mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """-inf (the dtype's min) where not allowed, in place; [1, 1, rows, cols] view."""
+    mask.masked_fill_(~allowed, torch.finfo(mask.dtype).min)
+    return mask[None, None]
 
 
 def tree_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive 4D mask [1, 1, nodes, past + nodes]: 0 where a node may attend, -inf elsewhere."""
+    """Additive 4D mask [1, 1, nodes, past + nodes]: 0 where a node may attend, -inf elsewhere.
+    Built on the device: only the [nodes, nodes] tree part travels there, not the whole mask."""
     n = len(tree.tokens)
-    allowed = torch.ones((n, past + n), dtype=torch.bool)
-    allowed[:, past:] = _tree_part(tree)
-    return _additive(allowed, dtype, device)
+    mask = torch.zeros((n, past + n), dtype=dtype, device=device)
+    _fill(mask[:, past:], _tree_part(tree).to(device))
+    return mask[None, None]
 
 
 def sliding_tree_mask(tree: Tree, past: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
     """The mask of a sliding-window layer, [1, 1, nodes, c + nodes]: such a layer shows the last
     c = min(past, window - 1) cached keys (positions past - c .. past - 1), and a node at depth d
-    (position past + d) may see key position k only when k > past + d - window."""
+    (position past + d) may see cached key j (position past - c + j) only when j > c + d - window."""
     n, c = len(tree.tokens), min(past, window - 1)
-    allowed = torch.zeros((n, c + n), dtype=torch.bool)
-    allowed[:, c:] = _tree_part(tree)
-    for i, d in enumerate(tree.depths):
-        allowed[i, max(0, c + d - window + 1):c] = True  # key j is at position past - c + j
-    return _additive(allowed, dtype, device)
+    mask = torch.zeros((n, c + n), dtype=dtype, device=device)
+    depths = torch.tensor(tree.depths, device=device)
+    _fill(mask[:, :c], torch.arange(c, device=device)[None, :] >= (c + depths - window + 1)[:, None])
+    _fill(mask[:, c:], _tree_part(tree).to(device))
+    return mask[None, None]
 
 
 def new_cache(model):
@@ -237,9 +238,10 @@ def keep_path(cache, past: int, path: Sequence[int]) -> None:
     want = [0] + list(path)
     nodes = cache.get_seq_length() - past
     if want != list(range(len(want))):
+        rel = torch.tensor(want, dtype=torch.long, device=cache.layers[0].keys.device)  # one copy per step
         for layer in cache.layers:
             base = layer.keys.shape[-2] - nodes
-            idx = torch.tensor([base + i for i in want], dtype=torch.long, device=layer.keys.device)
+            idx = rel + base
             layer.keys[..., base:base + len(want), :] = layer.keys.index_select(-2, idx)
             layer.values[..., base:base + len(want), :] = layer.values.index_select(-2, idx)
     remove = nodes - len(want)

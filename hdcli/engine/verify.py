@@ -76,17 +76,26 @@ def accept_chain(logits: torch.Tensor, draft, s: Sampling, gen: torch.Generator 
     token after draft[:i]. Returns (number of drafted tokens accepted, the target's next token)."""
     k = len(draft)
     if s.greedy:
-        targets = logits.argmax(-1).tolist()
+        targets = logits.argmax(-1).tolist()  # the step's one device->host transfer
         n = 0
         while n < k and draft[n] == targets[n]:
             n += 1
         return n, targets[n]
-    probs = target_probs(logits, s)
-    for i in range(k):
-        tok, won = sample_point_masses(probs[i], (draft[i],), gen)
-        if won is None:
-            return i, tok
-    return k, int(torch.multinomial(probs[k], 1, generator=gen))
+    return accept_chain_q(logits, draft, None, s, gen)
+
+
+def _to_host(*rows: torch.Tensor) -> list[list[float]]:
+    """Small per-node values in one device->host transfer: on a GPU each float(t) would wait for
+    the device, once per node; this waits once per step."""
+    return torch.stack([r.float() for r in rows]).tolist() if rows[0].numel() else [[] for _ in rows]
+
+
+def _uniforms(n: int, gen: torch.Generator | None, device) -> torch.Tensor:
+    return torch.rand(n, generator=gen, device=gen.device if gen is not None else device)
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=gen))  # multinomial normalises p itself
 
 
 def accept_tree(logits: torch.Tensor, children: list[list[int]], tokens: list[int], s: Sampling,
@@ -95,11 +104,16 @@ def accept_tree(logits: torch.Tensor, children: list[list[int]], tokens: list[in
     target's prediction for the token after node i's path. Walk from the root: at each node the
     target draws its token (greedy: argmax; sampling: the point-mass rule over the node's children
     tried in order, then the residual); follow the child that holds it, stop where none does.
-    Returns (accepted nodes, root excluded, in path order; the target's next token)."""
+    Returns (accepted nodes, root excluded, in path order; the target's next token).
+
+    Sampling reads every child's p(token) under its parent and one uniform per child in one
+    transfer. The point-mass rule after rejected siblings of mass R renormalises p to p / (1 - R),
+    so "u < p(x) / (1 - R)" is tested as "u * (1 - R) < p(x)"; only the residual draw at the last
+    node touches the device again."""
     path: list[int] = []
     node = 0
     if s.greedy:
-        targets = logits.argmax(-1).tolist()
+        targets = logits.argmax(-1).tolist()  # the step's one device->host transfer
         while True:
             nxt = next((c for c in children[node] if tokens[c] == targets[node]), None)
             if nxt is None:
@@ -107,12 +121,28 @@ def accept_tree(logits: torch.Tensor, children: list[list[int]], tokens: list[in
             path.append(nxt)
             node = nxt
     probs = target_probs(logits, s)
+    parent = [0] * len(tokens)
+    for p_node, kids in enumerate(children):
+        for c in kids:
+            parent[c] = p_node
+    rows = torch.tensor(parent[1:], dtype=torch.long, device=probs.device)
+    cols = torch.tensor(tokens[1:], dtype=torch.long, device=probs.device)
+    p_child, u = _to_host(probs[rows, cols], _uniforms(len(tokens) - 1, gen, probs.device))
     while True:
-        kids = children[node]
-        tok, won = sample_point_masses(probs[node], [tokens[c] for c in kids], gen)
-        if won is None:
-            return path, tok
-        node = kids[won]
+        rejected, mass = [], 0.0
+        for c in children[node]:
+            px = p_child[c - 1]
+            if px > 0.0 and u[c - 1] * (1.0 - mass) < px:
+                break
+            rejected.append(tokens[c])
+            mass += px
+        else:
+            p = probs[node]
+            if rejected:
+                p = p.clone()
+                p[rejected] = 0.0
+            return path, _draw(p, gen)
+        node = c
         path.append(node)
 
 
@@ -132,18 +162,34 @@ def sample_with_draft(p: torch.Tensor, x: int, q: torch.Tensor, gen: torch.Gener
 
 def accept_chain_q(logits: torch.Tensor, draft, q_rows, s: Sampling, gen: torch.Generator | None) -> tuple[int, int]:
     """Verify a chain drafted by a model level: q_rows[i] is the distribution draft[i] was drawn
-    from (None: a point mass, as from a database). Greedy ignores q. Returns (kept, next token)."""
+    from (None, or q_rows None: a point mass, as from a database). Greedy ignores q. Every
+    position's p(x), q(x) and uniform come to the host in one transfer (see accept_tree).
+    Returns (kept, next token)."""
     if s.greedy:
         return accept_chain(logits, draft, s, gen)
     probs = target_probs(logits, s)
+    k = len(draft)
+    if k == 0:
+        return 0, _draw(probs[0], gen)
+    dev = probs.device
+    xs = torch.tensor(list(draft), dtype=torch.long, device=dev)
+    p_x = probs[torch.arange(k, device=dev), xs]
+    q_given = [q_rows is not None and q_rows[i] is not None for i in range(k)]
+    q_x = torch.stack([q_rows[i][int(x)].to(dev, torch.float32) if q_given[i] else p_x.new_zeros(())
+                       for i, x in enumerate(draft)])
+    p_h, q_h, u = _to_host(p_x, q_x, _uniforms(k, gen, dev))
     for i, x in enumerate(draft):
-        q = q_rows[i] if q_rows is not None else None
-        if q is None:
-            tok, won = sample_point_masses(probs[i], (x,), gen)
-            if won is None:
-                return i, tok
-        else:
-            tok, ok = sample_with_draft(probs[i], x, q, gen)
-            if not ok:
-                return i, tok
-    return len(draft), int(torch.multinomial(probs[len(draft)], 1, generator=gen))
+        if not q_given[i]:  # point mass: keep x with probability p(x), else draw from p without x
+            if p_h[i] > 0.0 and u[i] < p_h[i]:
+                continue
+            p = probs[i].clone()
+            p[int(x)] = 0.0
+            return i, _draw(p, gen)
+        # drawn from q: keep with probability min(1, p/q), else draw from norm(max(0, p - q))
+        if q_h[i] > 0.0 and u[i] < min(1.0, p_h[i] / q_h[i]):
+            continue
+        residual = torch.clamp(probs[i] - q_rows[i].to(dev, torch.float32), min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is right
+            residual = probs[i]
+        return i, _draw(residual, gen)
+    return k, _draw(probs[k], gen)
