@@ -30,8 +30,6 @@ from typing import Callable, Iterable
 
 import torch
 
-from hdcli import api
-from hdcli.bench import specbench
 from hdcli.engine import costs
 from hdcli.engine.tree import build_tree, reached
 
@@ -53,6 +51,9 @@ def machine() -> dict:
 def load_questions(data: str | Path | None = None) -> list[dict]:
     """Every question of the Spec-Bench file (--data path, or found under . or ../shared), in file
     order, as specbench.load gives them: `category` mapped (mt_bench), `subcategory` as in the file."""
+    # imported here, not at the top: gpu_check.py needs only machine() and runs where the DB
+    # stack's packages (lmdb, datasets) are not installed
+    from hdcli.bench import specbench
     return specbench.load(specbench.find(data))
 
 
@@ -181,6 +182,7 @@ def record(texts: list[str], max_new_tokens: int, cache: str | Path | None = Non
         except ValueError:
             pass
         print(f"{cache} holds other outputs: recording again", file=sys.stderr)
+    from hdcli import api
     lm = api.load_model(dtype="fp32")
     refs = []
     for t in texts:
