@@ -1,0 +1,325 @@
+"""The M-invariant forward: every row of a k-token forward is bit-identical to the same token's
+one-token forward (torch.equal on the logits), for chains and token trees on a cached prefix.
+
+Why rows differ otherwise (measured op by op and shape by shape; benchmarks/invariance_probe.py):
+  * Linear. A GEMM picks its kernel and blocking by the number of rows M. On an AMD EPYC, fp32:
+    torch's (MKL) rows agree only for M in {4, 8} or M >= 12; oneDNN-packed rows agree for every
+    M >= 2 but M = 1 (a GEMV) differs at K = 1536. Rows of one kernel configuration never depend
+    on the other rows, so padding every call to at least `min_rows` rows fixes it. min_rows is
+    measured per weight shape, dtype and kernel set on the machine at hand (`calibrate`).
+  * Attention (the first op that differs with packed fp32 Linear layers). SDPA reduces a row's
+    softmax and its weighted sum of values in an order that depends on the number of keys and
+    where they sit: a tree node's ancestors sit at cache slots past + node id, in its one-token
+    forward at past + depth. `attention` below computes each row over its own visible keys in
+    their order (the cache, then its ancestors) in fixed chunks of CHUNK keys counted from its
+    first visible key:
+        scores  one GEMM of the query rows (padded to >= MIN_ROWS) by the keys; a score is one
+                dot product over head_dim, the same in any GEMM of >= MIN_ROWS rows and >= 2 keys;
+        softmax m = max of the row's visible scores (exact in any order); p = exp(s - m), 0
+                where masked;
+        values  per chunk one GEMM of p by [V | 1] (the ones column gives the softmax sum by the
+                same arithmetic), every chunk the same shape; chunks summed in order by cumsum,
+                a sequential scan, so the trailing all-masked chunks of a wider forward add
+                exact zeros.
+    Chunks wholly inside the prefix every row sees are one batched GEMM for all rows; the rest
+    (the row's own ancestors) are gathered per row. Computed in fp32 whatever the model dtype.
+  * RMSNorm, rotary embeddings, activations and the embedding lookup work row by row: found
+    invariant, and checked with the rest by the per-row test (tests/test_invariant.py).
+
+Invariants
+  * With the mode on, a forward's row for a token depends only on that token's own path (its
+    prefix and ancestors), never on the number of rows or the other rows: so speculative greedy
+    output equals plain greedy decoding in the same mode, bit for bit, in any dtype where every
+    Linear shape calibrated (`enable` says which and refuses where one did not).
+  * The mode changes the numerics against the model's stock forward (another summation order, in
+    fp32): plain decoding in the mode is the reference; docs/dtype.md compares it with
+    transformers' generate.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+CHUNK = 32      # keys per value-chunk GEMM
+MIN_ROWS = 4    # fp32 GEMM rows agree for M >= 4 (measured: M = 1 is a GEMV, 2-3 another kernel)
+NAME = "hd_invariant"
+PROBE_ROWS = tuple(range(1, 34)) + (40, 48, 63, 64)
+
+
+# ---------------------------------------------------------------- attention
+
+def _pad_rows(x: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
+    short = rows - x.shape[dim]
+    if short <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = short
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _visible(mask: torch.Tensor | None, m: int, n: int, device) -> torch.Tensor:
+    """[m, n] bool: which keys each query row sees (no mask: causal, the last m keys are the rows)."""
+    if mask is None:
+        return torch.ones(m, n, dtype=torch.bool, device=device).tril(n - m)
+    mask = mask[0, 0] if mask.dim() == 4 else mask
+    if mask.dtype == torch.bool:
+        return mask[:, -n:] if mask.shape[-1] != n else mask
+    return mask[:, -n:] == 0 if mask.shape[-1] != n else mask == 0
+
+
+def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """A transformers attention function (AttentionInterface): query [1, Hq, M, D], key/value
+    [1, Hkv, N, D], attention_mask additive [1, 1, M, N]. Returns ([1, M, Hq, D], None)."""
+    if query.shape[0] != 1:
+        raise ValueError("the invariant attention runs one sequence at a time")
+    dtype = query.dtype
+    _, hq, m, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    g = hq // hkv
+    q = query[0].float().reshape(hkv, g, m, d)                   # q head h = kv head h // g
+    k, v = key[0].float(), value[0].float()
+    if n < 2:  # a one-key GEMM is a GEMV: give it a masked zero key
+        k, v, n = _pad_rows(k, 2, 1), _pad_rows(v, 2, 1), 2
+        attention_mask = None if attention_mask is None else torch.nn.functional.pad(
+            attention_mask, (0, 1), value=torch.finfo(attention_mask.dtype).min)
+    vis = _visible(attention_mask, m, n, q.device)
+    if vis.shape[-1] < n:  # the zero key added above
+        vis = torch.cat([vis, vis.new_zeros(m, n - vis.shape[-1])], -1)
+    v1 = torch.cat([v, v.new_ones(hkv, n, 1)], -1)               # [V | 1]: values and softmax sum
+    shared = int(vis.long().cumprod(-1).sum(-1).min()) // CHUNK * CHUNK  # keys 0..S-1 seen by all
+    ranks = vis.long().cumsum(-1) - 1
+    tail = vis & (ranks >= shared)
+    t_len = int((vis.sum(-1) - shared).max())
+    t_pad = max(CHUNK, -(-t_len // CHUNK) * CHUNK)
+    rows_i, cols = tail.nonzero(as_tuple=True)
+    slots = ranks[rows_i, cols] - shared
+    idx = torch.zeros(m, t_pad, dtype=torch.long, device=q.device)
+    valid = torch.zeros(m, t_pad, dtype=torch.bool, device=q.device)
+    idx[rows_i, slots] = cols
+    valid[rows_i, slots] = True
+
+    # scores: shared keys in one GEMM over all rows; each row's tail over its gathered keys
+    qr = _pad_rows(q.reshape(hkv, g * m, d), MIN_ROWS, 1)        # [hkv, R, d]
+    s_sh = torch.matmul(qr, k[:, :shared].transpose(1, 2)) * scaling if shared else None
+    k_t = k[:, idx]                                              # [hkv, m, T, d]
+    q_t = _pad_rows(q.permute(0, 2, 1, 3), MIN_ROWS, 2)          # [hkv, m, >=4, d]
+    s_t = torch.matmul(q_t, k_t.transpose(-1, -2))[:, :, :g] * scaling   # [hkv, m, g, T]
+    s_t = s_t.masked_fill(~valid[None, :, None, :], float("-inf"))
+    mx = s_t.amax(-1)                                            # [hkv, m, g]
+    if shared:
+        s_sh = s_sh[:, :g * m].reshape(hkv, g, m, shared).permute(0, 2, 1, 3)  # [hkv, m, g, S]
+        mx = torch.maximum(mx, s_sh.amax(-1))
+    p_t = torch.exp(s_t - mx[..., None])                         # masked: exp(-inf) = 0
+
+    # values: per chunk GEMMs of the same shape, then the chunks in order by a sequential scan
+    v_t = v1[:, idx]                                             # [hkv, m, T, d + 1]
+    nt = t_pad // CHUNK
+    pt = _pad_rows(p_t.reshape(hkv, m, g, nt, CHUNK).permute(0, 1, 3, 2, 4), MIN_ROWS, 3)
+    o_t = torch.matmul(pt, v_t.reshape(hkv, m, nt, CHUNK, d + 1))[:, :, :, :g]  # [hkv, m, nt, g, d+1]
+    parts = o_t
+    if shared:
+        p_sh = torch.exp(s_sh - mx[..., None])                   # [hkv, m, g, S]
+        ns = shared // CHUNK
+        p_sh = p_sh.permute(0, 3, 1, 2).reshape(hkv, ns, CHUNK, m * g).transpose(2, 3)  # [hkv, ns, m*g, C]
+        o_sh = torch.matmul(_pad_rows(p_sh, MIN_ROWS, 2), v1[:, :shared].reshape(hkv, ns, CHUNK, d + 1))
+        o_sh = o_sh[:, :, :m * g].reshape(hkv, ns, m, g, d + 1).permute(0, 2, 1, 3, 4)  # [hkv, m, ns, g, d+1]
+        parts = torch.cat([o_sh, o_t], 2)
+    total = torch.cumsum(parts, 2)[:, :, -1]                     # [hkv, m, g, d + 1]
+    out = total[..., :d] / total[..., d:]
+    out = out.permute(1, 0, 2, 3).reshape(1, m, hq, d)           # head h = kv * g + j
+    return out.to(dtype), None
+
+
+def register() -> None:
+    """Make NAME an attention implementation transformers models can be set to; its masks are the
+    eager (always materialised, additive) ones, so every row's visible keys are explicit."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    AttentionInterface.register(NAME, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)
+
+
+# ---------------------------------------------------------------- Linear layers
+
+class RowPadded(torch.nn.Module):
+    """A Linear layer called with at least min_rows rows (zeros below the real ones)."""
+
+    def __init__(self, inner: torch.nn.Module, min_rows: int):
+        super().__init__()
+        self.inner, self.min_rows = inner, min_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        m = rows.shape[0]
+        if m >= self.min_rows:
+            return self.inner(x)
+        y = self.inner(_pad_rows(rows, self.min_rows, 0))
+        return y[:m].reshape(*x.shape[:-1], y.shape[-1])
+
+
+@torch.inference_mode()
+def min_rows_for(layer: torch.nn.Module, in_features: int, dtype: torch.dtype, seed: int = 0,
+                 rows_per_m: int = 256) -> int | None:
+    """The least row count r such that, called with any M >= r rows, every row equals the same
+    row of a 16-row call; None when no r <= 16 holds. bf16 output rounds to 8 bits and hides most
+    differences of summation order (on the EPYC an M = 1 call differed from 16-row calls in 1 row
+    of 15), so each M is tried on `rows_per_m` rows, with inputs shaped like activations (a gated
+    SiLU: heavy-tailed, many near zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = rows_per_m + 64
+    x = torch.nn.functional.silu(3 * torch.randn(n, in_features, generator=gen))
+    x = (x * torch.randn(n, in_features, generator=gen)).to(dtype)
+    ref = torch.cat([layer(x[s:s + 16]) for s in range(0, n, 16)])
+    bad = set()
+    for rows in PROBE_ROWS:
+        step = max(rows, 1)
+        for s in range(0, max(rows_per_m, 4 * step), step):
+            if s + rows > n:
+                break
+            if not torch.equal(layer(x[s:s + rows]), ref[s:s + rows]):
+                bad.add(rows)
+                break
+    for r in range(1, 17):
+        if not any(b >= r for b in bad):
+            return r
+    return None
+
+
+def _linears(model: torch.nn.Module):
+    from .kernels import PackedLinear
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, (torch.nn.Linear, PackedLinear)):
+                yield module, name, child
+
+
+def _shape_key(lin) -> str:
+    dtype = getattr(lin, "dtype", None) or lin.weight.dtype
+    return f"{lin.in_features}x{lin.out_features} {str(dtype).replace('torch.', '')} {type(lin).__name__}"
+
+
+def calibrate(model: torch.nn.Module) -> dict[str, int | None]:
+    """min_rows per Linear shape ('in x out dtype kernel'), measured on this machine."""
+    found: dict = {}
+    for _, _, lin in _linears(model):
+        key = _shape_key(lin)
+        if key not in found:
+            found[key] = min_rows_for(lin, lin.in_features, getattr(lin, "dtype", None) or lin.weight.dtype)
+    return found
+
+
+@torch.inference_mode()
+def self_check(model: torch.nn.Module, seed: int = 0) -> tuple[int, int]:
+    """The mode's proof on this model and machine: after a cached prefix longer than a chunk (and
+    than a small sliding window), a chain and a token tree are verified in one forward each; every
+    row must equal (torch.equal) the one-token forward of its node after its path. Returns (rows
+    equal, rows)."""
+    from .tree import Tree, new_cache, tree_forward
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    device = next(model.parameters()).device
+
+    def rand(k):
+        return torch.randint(3, vocab, (k,), generator=gen).tolist()
+    trees = [Tree(), Tree()]
+    trees[0].add_candidate(rand(5), "x")
+    for _ in range(4):
+        trees[1].add_candidate(rand(1) + rand(int(torch.randint(1, 4, (1,), generator=gen))), "x")
+    trees[1].add_candidate(trees[1].tokens[1:2] + rand(2), "x")
+    equal = total = 0
+    for tree, prefix in zip(trees, (CHUNK + 9, 2 * CHUNK + 3)):
+        prompt = rand(prefix)
+        cache = new_cache(model)
+        model(input_ids=torch.tensor([prompt[:-1]], device=device), past_key_values=cache, use_cache=True)
+        base = cache.get_seq_length()
+        rows = tree_forward(model, tree, prompt[-1], cache)
+        for node in range(len(tree.tokens)):
+            cache.crop(-(cache.get_seq_length() - base))
+            for tok in [prompt[-1]] + [tree.tokens[i] for i in tree.path(node)]:
+                one = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache,
+                            use_cache=True).logits[0, -1]
+            equal += int(torch.equal(one, rows[node]))
+            total += 1
+    return equal, total
+
+
+class NotInvariant(Exception):
+    """The mode does not hold for this model here: a Linear shape no row padding up to 16 makes
+    M-invariant, or the self-check found a row that differs."""
+
+
+def disable(model: torch.nn.Module) -> None:
+    """Back to the stock forward: Linear layers unwrapped, SDPA attention."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, RowPadded):
+                setattr(module, name, child.inner)
+    if is_enabled(model):
+        model.set_attn_implementation("sdpa")
+        model.hd_invariant = None
+
+
+def enable(model: torch.nn.Module, cache_key: str | None = None) -> dict:
+    """Put the model in the M-invariant mode, in place: the invariant attention, and every Linear
+    layer padded to its calibrated min_rows; then the self-check. Calibration and check are cached
+    under HD_CACHE_DIR when cache_key (costs.curve_key of the model) is given. Returns what was
+    measured; raises NotInvariant (the model is left in the stock forward)."""
+    disable(model)
+    cached = _read(cache_key)
+    shapes = cached["linear_min_rows"] if cached else calibrate(model)
+    failed = [k for k, r in shapes.items() if r is None]
+    if failed:
+        _write(cache_key, {"linear_min_rows": shapes, "self_check": None})
+        raise NotInvariant(f"no row padding up to 16 makes these Linear shapes M-invariant: {', '.join(failed)}")
+    for parent, name, lin in _linears(model):
+        if shapes.get(_shape_key(lin), 1) > 1:
+            setattr(parent, name, RowPadded(lin, shapes[_shape_key(lin)]))
+    register()
+    model.set_attn_implementation(NAME)
+    check = cached["self_check"] if cached else list(self_check(model))
+    info = {"attention": NAME, "chunk": CHUNK, "linear_min_rows": shapes, "self_check": check}
+    _write(cache_key, info)
+    if check is None or check[0] != check[1]:
+        disable(model)
+        raise NotInvariant(f"self-check: {check[0]} of {check[1]} verified rows equal their one-token forward"
+                           if check else "self-check failed before")
+    model.hd_invariant = info
+    return info
+
+
+def is_enabled(model) -> bool:
+    return getattr(model, "hd_invariant", None) is not None
+
+
+FORMAT = 1
+
+
+def _path(key: str):
+    from . import costs
+    return costs.cache_root().parent / "invariant" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _read(key: str | None) -> dict | None:
+    if key is None:
+        return None
+    try:
+        data = json.loads(_path(key).read_text())
+        return data if data.get("key") == key and data.get("format") == FORMAT else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write(key: str | None, info: dict) -> None:
+    if key is None:
+        return
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "format": FORMAT, **info}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a calibration next time
