@@ -52,7 +52,7 @@ LAYER_NAMES = registry.names()
 def load_model_for(cfg: DecodingConfig, quiet: bool = False) -> models.LoadedModel:
     """The target of a configuration, with its dtype, device and kernels."""
     return models.load(cfg.model, dtype=cfg.dtype, device=cfg.device, kernels=cfg.kernels,
-                       drafting=cfg.drafting, quiet=quiet)
+                       drafting=cfg.drafting, quiet=quiet, invariant=cfg.invariant)
 
 
 def check_seed(seed: int | None) -> None:
@@ -192,8 +192,12 @@ def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
     if lm is None:
         on_status(f"loading {cfg.model} ...")
         lm = load_model_for(cfg)
-        on_status(f"loaded {lm.source} ({lm.dtype}, {lm.device}, {lm.kernels} kernels) in "
+        mode = ", M-invariant: verified rows bit-equal plain decoding's" if lm.invariant else ""
+        on_status(f"loaded {lm.source} ({lm.dtype}, {lm.device}, {lm.kernels} kernels{mode}) in "
                   f"{lm.load_seconds:.1f}s{' from cache' if lm.from_cache else ''}")
+        why = lm.info.get("invariant", {}).get("off")
+        if why:
+            on_status(f"M-invariant forward off: {why}")
     check_tokenizers(dbs, lm)
     if plan is not None:
         read_plan(cfg.plan, lm)  # made for this target and dtype
@@ -226,7 +230,8 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     res = generate(lm, prompt, config=cfg, drafter=run.drafter, on_text=on_text)
     used = resolved(cfg, lm, run.dbs)
     data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
-            "kernels": lm.kernels, "load_seconds": lm.load_seconds, "layers": used.layers,
+            "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
+            "layers": used.layers,
             "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
             "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "plan": cfg.plan,
             "sampling": vars(cfg.sampling) | {"seed": cfg.seed}, "config": used.to_dict(), **res.to_dict()}
@@ -264,7 +269,8 @@ def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Res
 # hd costs
 
 def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-                kernels: str = "auto", remeasure: bool = False, quiet: bool = False) -> dict:
+                kernels: str = "auto", remeasure: bool = False, quiet: bool = False,
+                invariant: str = "auto") -> dict:
     """What `hd costs` shows: the forward-cost curve of each kernel set `kernels` allows for this
     model on this machine (cached, or measured now; all measured again with remeasure) and which
     set `auto` keeps."""
@@ -276,17 +282,18 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
     if remeasure:
         source = models.resolve(model)[1]
         for k in ("torch", "onednn"):
-            costs.forget(costs.curve_key(source, dt, dev, k))
-    lm = load_model(model, dtype=dt, device=dev, kernels=kernels, quiet=quiet)
+            for on in (False, True):
+                costs.forget(costs.curve_key(source, dt, dev, k, on))
+    lm = load_model(model, dtype=dt, device=dev, kernels=kernels, quiet=quiet, invariant=invariant)
     if kn == "measure":
         choice = lm.info["kernel_choice"]
-        curves = {k: costs.cached_curve(costs.curve_key(lm.source, dt, dev, k), None,
-                                        measure_missing=False) for k in ("torch", "onednn")}
+        curves = lm.info["curves"]
     else:
         choice = None
         curves = {lm.kernels: costs.curve_for(lm, quiet=quiet)}
     out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": dev, "cpu": costs.cpu_name(),
-           "threads": torch.get_num_threads(), "kernels": lm.kernels, "choice": choice, "curves": {},
+           "threads": torch.get_num_threads(), "kernels": lm.kernels, "invariant": lm.invariant,
+           "choice": choice, "curves": {},
            "cache": str(costs.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}
     for k, c in curves.items():
         if c is None:

@@ -81,6 +81,8 @@ def _stats_table(title: str, runs: dict) -> Table:
 
 # `hd generate` options that are DecodingConfig fields under another name
 _PARAM_OF_FIELD = {"stats_dbs": "stats_db"}
+INVARIANT_HELP = ("auto|on|off: the M-invariant forward, in which every verified row is bit-identical "
+                  "to a one-token forward (auto: where it holds on this machine; docs/dtype.md).")
 
 
 def _config(ctx: typer.Context, config_file: Optional[Path], **fields) -> DecodingConfig:
@@ -166,6 +168,7 @@ def generate(
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
     kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
                                 "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
+    invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     compare: bool = typer.Option(False, help="Also run plain decoding and report speedup and identity."),
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object to stdout, nothing else."),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour drafted tokens by layer."),
@@ -178,7 +181,7 @@ def generate(
                   stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected,
                   draft_len=draft_len, min_n=min_n, max_n=max_n, draft_models=draft_models,
                   level_tokens=level_tokens, no_db=no_db, plan=plan, dtype=dtype, device=device,
-                  kernels=kernels)
+                  kernels=kernels, invariant=invariant)
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
 
     def show(piece: str, layer: Optional[str]) -> None:
@@ -226,11 +229,13 @@ def costs_cmd(
     dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
     kernels: str = typer.Option("auto", help="auto shows both CPU kernel sets and which one is kept."),
+    invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     remeasure: bool = typer.Option(False, "--remeasure", help="Drop the cached curves and measure again."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Show the measured forward cost by width (what caps draft trees and picks the kernels)."""
-    rep = api.cost_report(model, dtype=dtype, device=device, kernels=kernels, remeasure=remeasure)
+    rep = api.cost_report(model, dtype=dtype, device=device, kernels=kernels, remeasure=remeasure,
+                          invariant=invariant)
     if as_json:
         typer.echo(json.dumps(rep))
         return
@@ -393,12 +398,13 @@ def build_model_db(
     device: str = typer.Option("auto"),
     kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
                                 "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
+    invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     overwrite: bool = typer.Option(False),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Sample the target model on a prompt set and index what it wrote into a model DB."""
     from tqdm import tqdm
-    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, seed=seed,
+    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, invariant=invariant, seed=seed,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     bar = tqdm(unit=" prompts", desc="sampling", disable=as_json or from_samples is not None)
 
@@ -534,11 +540,12 @@ def plan_cmd(
     device: str = typer.Option("auto"),
     kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
                                 "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
+    invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     out_path: Optional[Path] = typer.Option(None, "--out", help="Save the chosen plan (for hd generate --plan)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure costs and acceptance, predict every hierarchy's speed, choose the fastest (DP)."""
-    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, stats_dbs=stats_db,
+    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, invariant=invariant, stats_dbs=stats_db,
                          model_db=model_db)
     result = api.plan(cfg, draft_models, prompts=prompts, count=count, tokens=tokens, t_max=t_max,
                       no_db=no_db, measure_top=measure_top, max_new_tokens=max_new_tokens,
@@ -585,13 +592,14 @@ def bench_spec_bench(
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
     kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
                                 "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
+    invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json, answers/<method>.jsonl "
                                            "(Spec-Bench's answer schema) and speedup.png here."),
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
 ):
     """Run Spec-Bench with several methods on one model, interleaved, and report speedups."""
     from tqdm import tqdm
-    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, stats_dbs=stats_db,
+    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, invariant=invariant, stats_dbs=stats_db,
                          model_db=model_db, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     # tqdm, not a rich live display: progress must show when stderr is a file or a pipe too
     bar = tqdm(desc="warming up", unit=" answers", file=sys.stderr, disable=as_json, mininterval=1.0)

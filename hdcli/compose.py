@@ -146,6 +146,7 @@ def resolved(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs) -> DecodingC
     drafting defaults, the default layers) written in, so repeating it repeats the run."""
     inputs = layer_inputs(cfg, dbs, _cheap(cfg, lm))
     return cfg.replace(dtype=lm.dtype, device=lm.device, kernels=lm.kernels,
+                       invariant="on" if lm.invariant else "off",
                        layers=default_layers(inputs) if cfg.layers is None else cfg.layers,
                        min_n=inputs.min_n, stats_min_prob=inputs.min_prob,
                        stats_min_expected=inputs.min_expected)

@@ -43,6 +43,7 @@ class DecodingConfig:
     dtype: str = "auto"                 # auto|bf16|fp16|fp32
     device: str = "auto"                # auto|cpu|cuda
     kernels: str = "auto"               # auto|onednn|torch (CPU)
+    invariant: str = "auto"             # auto|on|off: the M-invariant forward (engine/invariant.py)
     # the database hierarchy
     layers: list[str] | None = None     # most local first; [] = plain decoding; None = default
     policy: str = DEFAULT_POLICY        # first-hit|fill|adaptive (drafting.Hierarchy)
@@ -124,6 +125,8 @@ class DecodingConfig:
             unknown = [k for k in self.draft_len if k.split(":")[0] not in known]
             if unknown:
                 out.append(f"--draft-len names unknown layer '{unknown[0]}'; known layers: {', '.join(known)}")
+        if self.invariant not in ("auto", "on", "off"):
+            out.append(f"--invariant must be auto, on or off, not '{self.invariant}'")
         if self.policy not in POLICIES:
             out.append(f"unknown --policy '{self.policy}'; known: {', '.join(POLICIES)}")
         if self.candidates < 1:

@@ -10,11 +10,12 @@ from ..engine.verify import Sampling
 
 
 def stock_model(lm: models.LoadedModel) -> models.LoadedModel:
-    """The same model with torch's own kernels, as transformers ships it: lm itself where it
-    already is, else loaded once more (from the converted-weights cache, ~1-2 s)."""
-    if lm.kernels == "torch":
+    """The same model with torch's own kernels and its stock forward, as transformers ships it: lm
+    itself where it already is, else loaded once more (from the converted-weights cache, ~1-2 s)."""
+    if lm.kernels == "torch" and not lm.invariant:
         return lm
-    return models.load(lm.name, dtype=lm.dtype, device=lm.device, kernels="torch", quiet=True)
+    return models.load(lm.name, dtype=lm.dtype, device=lm.device, kernels="torch", quiet=True,
+                       invariant="off")
 
 
 def hf_generate(lm: models.LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int,

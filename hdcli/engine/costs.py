@@ -202,13 +202,15 @@ def _cache_path(key: str) -> Path:
     return cache_root() / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def curve_key(source: str, dtype: str, device: str, kernels: str) -> str:
-    return (f"{source}|{dtype}|{device}|{kernels}|{torch.get_num_threads()}|{torch.__version__}|"
+def curve_key(source: str, dtype: str, device: str, kernels: str, invariant: bool = False) -> str:
+    """What a curve depends on; the M-invariant forward (engine/invariant.py) is another forward."""
+    mode = "|invariant" if invariant else ""
+    return (f"{source}|{dtype}|{device}|{kernels}{mode}|{torch.get_num_threads()}|{torch.__version__}|"
             f"{cpu_name() if device == 'cpu' else torch.cuda.get_device_name() if torch.cuda.is_available() else device}")
 
 
 def _key_of(lm) -> str:
-    return curve_key(lm.source, lm.dtype, lm.device, getattr(lm, "kernels", "torch"))
+    return curve_key(lm.source, lm.dtype, lm.device, getattr(lm, "kernels", "torch"), getattr(lm, "invariant", False))
 
 
 _CURVES: dict[str, CostCurve] = {}  # per process: api.generate asks for every generation

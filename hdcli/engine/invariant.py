@@ -65,9 +65,55 @@ def _visible(mask: torch.Tensor | None, m: int, n: int, device) -> torch.Tensor:
     if mask is None:
         return torch.ones(m, n, dtype=torch.bool, device=device).tril(n - m)
     mask = mask[0, 0] if mask.dim() == 4 else mask
-    if mask.dtype == torch.bool:
-        return mask[:, -n:] if mask.shape[-1] != n else mask
-    return mask[:, -n:] == 0 if mask.shape[-1] != n else mask == 0
+    mask = mask[:, -n:] if mask.shape[-1] != n else mask
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+class _Layout:
+    """Where each row's keys are, derived once per mask: every layer of a forward that gets the
+    same mask (all full-attention layers, all sliding ones) reuses it."""
+
+    def __init__(self, vis: torch.Tensor, g: int):
+        m, n = vis.shape
+        if n < 2:  # a one-key scores GEMM is a GEMV: add a masked key
+            vis, n = _pad_rows(vis, 2, 1), 2
+        self.n = n
+        seen = vis.sum(-1)
+        prefix = vis.long().cumprod(-1).sum(-1)
+        self.prefix_only = bool((prefix == seen).all())   # plain decoding, chains
+        if self.prefix_only:
+            # scores GEMMs over few keys (< 16 here) order differently: keys padded to chunks
+            self.n_pad = -(-n // CHUNK) * CHUNK
+            bias = torch.zeros(m, self.n_pad, device=vis.device)
+            bias.masked_fill_(~_pad_rows(vis, self.n_pad, 1), float("-inf"))
+            self.bias = bias.repeat(g, 1)                        # rows in (head j, query i) order
+            return
+        self.shared = int(prefix.min()) // CHUNK * CHUNK         # keys 0..S-1: seen by every row
+        ranks = vis.long().cumsum(-1) - 1
+        self.t_pad = max(CHUNK, -(-(int(seen.max()) - self.shared) // CHUNK) * CHUNK)
+        rows_i, cols = (vis & (ranks >= self.shared)).nonzero(as_tuple=True)
+        slots = ranks[rows_i, cols] - self.shared
+        self.idx = torch.zeros(m, self.t_pad, dtype=torch.long, device=vis.device)
+        valid = torch.zeros(m, self.t_pad, dtype=torch.bool, device=vis.device)
+        self.idx[rows_i, slots] = cols
+        valid[rows_i, slots] = True
+        self.tail_bias = torch.zeros(m, self.t_pad, device=vis.device).masked_fill_(~valid, float("-inf"))
+
+
+_LAYOUTS: dict = {}  # id(mask) -> (mask, n, g, layout); the mask is held so that its id stays its own
+
+
+def _layout(mask, m: int, n: int, g: int, device) -> _Layout:
+    key = (id(mask), n, g)
+    got = _LAYOUTS.get(key)
+    if got is not None and got[0] is mask:
+        return got[1]
+    if len(_LAYOUTS) >= 4:
+        _LAYOUTS.clear()
+    lay = _Layout(_visible(mask, m, n, device), g)
+    if mask is not None:
+        _LAYOUTS[key] = (mask, lay)
+    return lay
 
 
 def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -79,58 +125,79 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *
     _, hq, m, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
     g = hq // hkv
+    lay = _layout(attention_mask, m, n, g, query.device)
     q = query[0].float().reshape(hkv, g, m, d)                   # q head h = kv head h // g
     k, v = key[0].float(), value[0].float()
-    if n < 2:  # a one-key GEMM is a GEMV: give it a masked zero key
-        k, v, n = _pad_rows(k, 2, 1), _pad_rows(v, 2, 1), 2
-        attention_mask = None if attention_mask is None else torch.nn.functional.pad(
-            attention_mask, (0, 1), value=torch.finfo(attention_mask.dtype).min)
-    vis = _visible(attention_mask, m, n, q.device)
-    if vis.shape[-1] < n:  # the zero key added above
-        vis = torch.cat([vis, vis.new_zeros(m, n - vis.shape[-1])], -1)
-    v1 = torch.cat([v, v.new_ones(hkv, n, 1)], -1)               # [V | 1]: values and softmax sum
-    shared = int(vis.long().cumprod(-1).sum(-1).min()) // CHUNK * CHUNK  # keys 0..S-1 seen by all
-    ranks = vis.long().cumsum(-1) - 1
-    tail = vis & (ranks >= shared)
-    t_len = int((vis.sum(-1) - shared).max())
-    t_pad = max(CHUNK, -(-t_len // CHUNK) * CHUNK)
-    rows_i, cols = tail.nonzero(as_tuple=True)
-    slots = ranks[rows_i, cols] - shared
-    idx = torch.zeros(m, t_pad, dtype=torch.long, device=q.device)
-    valid = torch.zeros(m, t_pad, dtype=torch.bool, device=q.device)
-    idx[rows_i, slots] = cols
-    valid[rows_i, slots] = True
+    if lay.prefix_only:   # rank of a key = its index: chunks by index, no gather
+        total = _prefix_rows(q, k, v, lay, scaling)
+    else:                 # trees, sliding windows: each row's keys gathered in order
+        total = _gathered_rows(q, k, v, lay, scaling)
+    out = total[..., :d] / total[..., d:]                        # [hkv, m, g, d]
+    return out.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype), None   # head h = kv * g + j
 
-    # scores: shared keys in one GEMM over all rows; each row's tail over its gathered keys
-    qr = _pad_rows(q.reshape(hkv, g * m, d), MIN_ROWS, 1)        # [hkv, R, d]
-    s_sh = torch.matmul(qr, k[:, :shared].transpose(1, 2)) * scaling if shared else None
-    k_t = k[:, idx]                                              # [hkv, m, T, d]
+
+def _values_with_ones(v: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """[hkv, n_pad, d + 1]: the values, a ones column (its weighted sum is the softmax sum, by the
+    same arithmetic), zero rows beyond the keys."""
+    hkv, n, d = v.shape
+    out = v.new_zeros(hkv, n_pad, d + 1)
+    out[:, :n] = torch.cat([v, v.new_ones(hkv, n, 1)], -1)
+    return out
+
+
+def _chunk_parts(p: torch.Tensor, v1: torch.Tensor) -> torch.Tensor:
+    """p [b, rows, nc * C] by v1 [b, nc * C, d + 1]: one GEMM per chunk of C keys, all of one
+    shape (rows padded to MIN_ROWS). [b, nc, rows, d + 1]."""
+    b, rows, width = p.shape
+    nc = width // CHUNK
+    pc = _pad_rows(p.reshape(b, rows, nc, CHUNK).transpose(1, 2), MIN_ROWS, 2)    # [b, nc, R, C]
+    return torch.matmul(pc, v1.reshape(b, nc, CHUNK, v1.shape[-1]))[:, :, :rows]
+
+
+def _in_order(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """The chunks' sum, in order: cumsum is a sequential scan, so all-masked trailing chunks
+    (zeros) leave it bit-equal to the sum over the row's own chunks."""
+    return torch.cumsum(parts, dim).select(dim, -1)
+
+
+def _prefix_rows(q, k, v, lay: _Layout, scaling) -> torch.Tensor:
+    """Every row sees keys 0..n_i - 1. [hkv, m, g, d + 1]."""
+    hkv, g, m, d = q.shape
+    k = _pad_rows(k, lay.n_pad, 1)
+    s = torch.matmul(_pad_rows(q.reshape(hkv, g * m, d), MIN_ROWS, 1), k.transpose(1, 2))[:, :g * m]
+    s = s * scaling + lay.bias
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    total = _in_order(_chunk_parts(p, _values_with_ones(v, lay.n_pad)), 1)   # [hkv, g * m, d + 1]
+    return total.reshape(hkv, g, m, d + 1).transpose(1, 2)
+
+
+def _gathered_rows(q, k, v, lay: _Layout, scaling) -> torch.Tensor:
+    """Keys 0..shared - 1 (a multiple of CHUNK) are seen by every row and chunked by index; each
+    row's other keys are gathered in order into its own tail chunks. [hkv, m, g, d + 1]."""
+    hkv, g, m, d = q.shape
+    shared, t_pad, idx = lay.shared, lay.t_pad, lay.idx
+    if k.shape[1] < lay.n:
+        k, v = _pad_rows(k, lay.n, 1), _pad_rows(v, lay.n, 1)
+    # scores: the shared keys in one GEMM of all rows, each row's tail over its gathered keys
     q_t = _pad_rows(q.permute(0, 2, 1, 3), MIN_ROWS, 2)          # [hkv, m, >=4, d]
-    s_t = torch.matmul(q_t, k_t.transpose(-1, -2))[:, :, :g] * scaling   # [hkv, m, g, T]
-    s_t = s_t.masked_fill(~valid[None, :, None, :], float("-inf"))
+    s_t = torch.matmul(q_t, k[:, idx].transpose(-1, -2))[:, :, :g] * scaling   # [hkv, m, g, T]
+    s_t = s_t + lay.tail_bias[None, :, None, :]
     mx = s_t.amax(-1)                                            # [hkv, m, g]
     if shared:
-        s_sh = s_sh[:, :g * m].reshape(hkv, g, m, shared).permute(0, 2, 1, 3)  # [hkv, m, g, S]
+        qr = _pad_rows(q.reshape(hkv, g * m, d), MIN_ROWS, 1)
+        s_sh = torch.matmul(qr, k[:, :shared].transpose(1, 2))[:, :g * m] * scaling
+        s_sh = s_sh.reshape(hkv, g, m, shared).transpose(1, 2)   # [hkv, m, g, S]
         mx = torch.maximum(mx, s_sh.amax(-1))
+    v_t = _values_with_ones(v, v.shape[1])[:, idx]               # [hkv, m, T, d + 1]
     p_t = torch.exp(s_t - mx[..., None])                         # masked: exp(-inf) = 0
-
-    # values: per chunk GEMMs of the same shape, then the chunks in order by a sequential scan
-    v_t = v1[:, idx]                                             # [hkv, m, T, d + 1]
-    nt = t_pad // CHUNK
-    pt = _pad_rows(p_t.reshape(hkv, m, g, nt, CHUNK).permute(0, 1, 3, 2, 4), MIN_ROWS, 3)
-    o_t = torch.matmul(pt, v_t.reshape(hkv, m, nt, CHUNK, d + 1))[:, :, :, :g]  # [hkv, m, nt, g, d+1]
-    parts = o_t
-    if shared:
-        p_sh = torch.exp(s_sh - mx[..., None])                   # [hkv, m, g, S]
-        ns = shared // CHUNK
-        p_sh = p_sh.permute(0, 3, 1, 2).reshape(hkv, ns, CHUNK, m * g).transpose(2, 3)  # [hkv, ns, m*g, C]
-        o_sh = torch.matmul(_pad_rows(p_sh, MIN_ROWS, 2), v1[:, :shared].reshape(hkv, ns, CHUNK, d + 1))
-        o_sh = o_sh[:, :, :m * g].reshape(hkv, ns, m, g, d + 1).permute(0, 2, 1, 3, 4)  # [hkv, m, ns, g, d+1]
-        parts = torch.cat([o_sh, o_t], 2)
-    total = torch.cumsum(parts, 2)[:, :, -1]                     # [hkv, m, g, d + 1]
-    out = total[..., :d] / total[..., d:]
-    out = out.permute(1, 0, 2, 3).reshape(1, m, hq, d)           # head h = kv * g + j
-    return out.to(dtype), None
+    parts = _chunk_parts(p_t.reshape(hkv * m, g, t_pad), v_t.reshape(hkv * m, t_pad, d + 1))
+    parts = parts.reshape(hkv, m, t_pad // CHUNK, g, d + 1)
+    if shared:  # the shared chunks first, then the row's own: one scan over all, in order
+        p_sh = torch.exp(s_sh - mx[..., None]).transpose(1, 2).reshape(hkv, g * m, shared)
+        head = _chunk_parts(p_sh, _values_with_ones(v[:, :shared], shared))   # [hkv, ns, g * m, d + 1]
+        head = head.reshape(hkv, shared // CHUNK, g, m, d + 1).permute(0, 3, 1, 2, 4)
+        parts = torch.cat([head, parts], 2)
+    return _in_order(parts, 2)                                   # [hkv, m, g, d + 1]
 
 
 def register() -> None:
@@ -144,20 +211,32 @@ def register() -> None:
 
 # ---------------------------------------------------------------- Linear layers
 
-class RowPadded(torch.nn.Module):
-    """A Linear layer called with at least min_rows rows (zeros below the real ones)."""
-
-    def __init__(self, inner: torch.nn.Module, min_rows: int):
-        super().__init__()
-        self.inner, self.min_rows = inner, min_rows
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+def pad_rows(layer: torch.nn.Module, min_rows: int) -> None:
+    """Call `layer` (a Linear) with at least min_rows rows: zeros are added below the real rows
+    and their outputs dropped. Done by hooks, so the module tree, state_dict and deepcopy stay
+    those of the stock model."""
+    def pre(module, args):
+        x = args[0]
         rows = x.reshape(-1, x.shape[-1])
-        m = rows.shape[0]
-        if m >= self.min_rows:
-            return self.inner(x)
-        y = self.inner(_pad_rows(rows, self.min_rows, 0))
-        return y[:m].reshape(*x.shape[:-1], y.shape[-1])
+        if rows.shape[0] >= min_rows:
+            return None
+        module._hd_rows = (rows.shape[0], x.shape[:-1])
+        return (_pad_rows(rows, min_rows, 0),) + tuple(args[1:])
+
+    def post(module, args, out):
+        got = module.__dict__.pop("_hd_rows", None)
+        if got is None:
+            return None
+        m, lead = got
+        return out[:m].reshape(*lead, out.shape[-1])
+    layer._hd_row_pad = (min_rows, layer.register_forward_pre_hook(pre), layer.register_forward_hook(post))
+
+
+def _unpad_rows(layer: torch.nn.Module) -> None:
+    got = layer.__dict__.pop("_hd_row_pad", None)
+    if got is not None:
+        got[1].remove()
+        got[2].remove()
 
 
 @torch.inference_mode()
@@ -253,13 +332,11 @@ class NotInvariant(Exception):
 
 def disable(model: torch.nn.Module) -> None:
     """Back to the stock forward: Linear layers unwrapped, SDPA attention."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, RowPadded):
-                setattr(module, name, child.inner)
-    if is_enabled(model):
-        model.set_attn_implementation("sdpa")
-        model.hd_invariant = None
+    for _, _, lin in _linears(model):
+        _unpad_rows(lin)
+    if model.config._attn_implementation == NAME:
+        model.set_attn_implementation(getattr(model, "_hd_stock_attention", None) or "sdpa")
+    model.hd_invariant = None
 
 
 def enable(model: torch.nn.Module, cache_key: str | None = None) -> dict:
@@ -274,10 +351,11 @@ def enable(model: torch.nn.Module, cache_key: str | None = None) -> dict:
     if failed:
         _write(cache_key, {"linear_min_rows": shapes, "self_check": None})
         raise NotInvariant(f"no row padding up to 16 makes these Linear shapes M-invariant: {', '.join(failed)}")
-    for parent, name, lin in _linears(model):
+    for _, _, lin in _linears(model):
         if shapes.get(_shape_key(lin), 1) > 1:
-            setattr(parent, name, RowPadded(lin, shapes[_shape_key(lin)]))
+            pad_rows(lin, shapes[_shape_key(lin)])
     register()
+    model._hd_stock_attention = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     check = cached["self_check"] if cached else list(self_check(model))
     info = {"attention": NAME, "chunk": CHUNK, "linear_min_rows": shapes, "self_check": check}

@@ -62,26 +62,41 @@ def score(curve, drafting: bool = True) -> float:
 
 
 def choose(model: torch.nn.Module, source: str, dtype: str, device: str, drafting: bool = True,
-           quiet: bool = False) -> tuple[str, dict]:
+           quiet: bool = False, invariant: str = "off") -> tuple[str, dict, dict | None]:
     """Pick torch's or oneDNN's kernels for an unpacked CPU model by their measured cost curves
-    (cached per model/dtype/device/threads/CPU by hdcli.engine.costs; measured here when missing), pack
-    the model if oneDNN wins, and return (choice, {kernels: curve})."""
-    from . import costs
-    keys = {k: costs.curve_key(source, dtype, device, k) for k in ("torch", "onednn")}
-    curves = {k: costs.cached_curve(key, None, measure_missing=False) for k, key in keys.items()}
-    if curves["torch"] is None:  # the model is unpacked now
-        curves["torch"] = costs.cached_curve(keys["torch"], model, quiet=quiet,
-                                             desc=f"measuring torch kernels ({dtype})")
-    if curves["onednn"] is None:
-        pack(model)
-        curves["onednn"] = costs.cached_curve(keys["onednn"], model, quiet=quiet,
-                                              desc=f"measuring oneDNN kernels ({dtype})")
-    best = min(curves, key=lambda k: score(curves[k], drafting))
-    if best == "onednn" and not is_packed(model):
-        pack(model)
-    elif best == "torch" and is_packed(model):
-        unpack(model)
-    return best, curves
+    (cached per model/dtype/device/threads/CPU by hdcli.engine.costs; measured here when missing),
+    and leave the model in the winner. invariant "auto"/"on": each set is measured in the
+    M-invariant forward (engine/invariant.py) where it holds there, and a set where it holds wins
+    over one where it does not. Returns (choice, {kernels: curve}, the winner's invariant info or
+    None)."""
+    from . import costs, invariant as inv
+    curves, infos = {}, {}
+
+    def setup(k: str) -> dict | None:
+        inv.disable(model)
+        if k == "onednn" and not is_packed(model):
+            pack(model)
+        elif k == "torch" and is_packed(model):
+            unpack(model)
+        if invariant == "off":
+            return None
+        try:
+            return inv.enable(model, cache_key=costs.curve_key(source, dtype, device, k))
+        except inv.NotInvariant as exc:
+            return {"off": str(exc)}
+
+    for k in ("torch", "onednn"):
+        infos[k] = setup(k)
+        on = bool(infos[k]) and "off" not in infos[k]
+        curves[k] = costs.cached_curve(costs.curve_key(source, dtype, device, k, on), model, quiet=quiet,
+                                       desc=f"measuring {'M-invariant ' if on else ''}{k} kernels ({dtype})")
+
+    def rank(k):
+        return (invariant != "off" and "off" in (infos[k] or {"off": 1}), score(curves[k], drafting))
+    best = min(curves, key=rank)
+    if best != "onednn":
+        infos[best] = setup(best)
+    return best, curves, infos[best]
 
 
 def padded_rows(m: int) -> int:

@@ -58,6 +58,7 @@ ALIASES = {
 
 DTYPES = {"auto", "bf16", "fp16", "fp32"}
 DEVICES = {"auto", "cpu", "cuda"}
+INVARIANT = ("auto", "on", "off")  # the M-invariant forward (engine/invariant.py)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class LoadedModel:
     device: str              # "cpu" | "cuda"
     load_seconds: float
     kernels: str = "torch"   # "onednn": Linear layers prepacked (hdcli/engine/kernels.py), else torch's
+    invariant: bool = False  # in the M-invariant forward: verified rows bit-equal one-token rows
     from_cache: bool = False  # GGUF served from the converted-weights cache
     info: dict = field(default_factory=dict)
 
@@ -277,16 +279,21 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 
 
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-         kernels: str = "auto", drafting: bool = True, quiet: bool = False) -> LoadedModel:
+         kernels: str = "auto", drafting: bool = True, quiet: bool = False,
+         invariant: str = "auto") -> LoadedModel:
     """Load a target model by bundled name, .gguf path, folder or hub id. kernels: "auto" keeps
     whichever of torch's and oneDNN's packed kernels (hdcli/engine/kernels.py) measures faster on this
     machine for this model (for speculative decoding, or for plain decoding when drafting is
     False; measured once and cached, with a progress bar unless quiet); "onednn" packs the Linear
-    layers; "torch" keeps torch's. Raises HdError."""
+    layers; "torch" keeps torch's. invariant: "auto" runs the M-invariant forward
+    (hdcli/engine/invariant.py) where it holds on this machine, "on" refuses to load where it does
+    not, "off" keeps the stock forward. Raises HdError."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from . import kernels as kern
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if invariant not in INVARIANT:
+        raise HdError(f"--invariant must be one of {', '.join(INVARIANT)}, not '{invariant}'")
     kn = kern.resolve(kernels, dev, dt)
     t0 = time.perf_counter()
     kind, source, load_from, from_cache = _local_folder(name)
@@ -310,13 +317,35 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     model.to(dev).eval()
     info = {}
     if kn == "measure":
-        kn, curves = kern.choose(model, source, dt, dev, drafting=drafting, quiet=quiet)
+        kn, curves, inv_info = kern.choose(model, source, dt, dev, drafting=drafting, quiet=quiet,
+                                           invariant=invariant)
         info["kernel_choice"] = {"chosen": kn, "by": "t(1) + t(8)" if drafting else "t(1)",
                                  **{k: {"one_token_ms": 1e3 * c.one_token_seconds, "cost8": c(8),
                                         "score_ms": 1e3 * kern.score(c, drafting)}
                                     for k, c in curves.items()}}
-    elif kn == "onednn":
-        kern.pack(model)
+        info["curves"] = curves  # CostCurve per kernel set, as measured (hd costs shows them)
+    else:
+        if kn == "onednn":
+            kern.pack(model)
+        inv_info = _invariant(model, invariant, source, dt, dev, kn)
+    if inv_info is not None:
+        info["invariant"] = inv_info
+    on = bool(inv_info) and "off" not in inv_info
+    if invariant == "on" and not on:
+        raise HdError(f"--invariant on: the M-invariant forward does not hold for {name} in {dt} with "
+                      f"{kn} kernels here ({inv_info['off']}); use --invariant off or another --dtype/--kernels")
     return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dt, device=dev,
                        load_seconds=time.perf_counter() - t0, kernels=kn, from_cache=from_cache,
-                       info=info)
+                       info=info, invariant=on)
+
+
+def _invariant(model, mode: str, source: str, dtype: str, device: str, kernels: str) -> dict | None:
+    """The M-invariant forward for a model whose kernels are set: its info, {"off": why} where it
+    does not hold, None when not asked for."""
+    from . import costs, invariant
+    if mode == "off":
+        return None
+    try:
+        return invariant.enable(model, cache_key=costs.curve_key(source, dtype, device, kernels))
+    except invariant.NotInvariant as exc:
+        return {"off": str(exc)}

@@ -173,12 +173,16 @@ def tree_mask(tree: Tree, past: int, dtype: torch.dtype, device) -> torch.Tensor
 def sliding_tree_mask(tree: Tree, past: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
     """The mask of a sliding-window layer, [1, 1, nodes, c + nodes]: such a layer shows the last
     c = min(past, window - 1) cached keys (positions past - c .. past - 1), and a node at depth d
-    (position past + d) may see cached key j (position past - c + j) only when j > c + d - window."""
+    (position past + d) may see cached key j (position past - c + j) only when j > c + d - window,
+    and an ancestor at depth a only when a > d - window."""
     n, c = len(tree.tokens), min(past, window - 1)
     mask = torch.zeros((n, c + n), dtype=dtype, device=device)
     depths = torch.tensor(tree.depths, device=device)
     _fill(mask[:, :c], torch.arange(c, device=device)[None, :] >= (c + depths - window + 1)[:, None])
-    _fill(mask[:, c:], _tree_part(tree).to(device))
+    # the window holds for the tree's own nodes too: a node at depth d >= window no longer sees
+    # its ancestors at depth <= d - window (the root first), as in a chain
+    in_window = (depths[:, None] - depths[None, :]) < window
+    _fill(mask[:, c:], _tree_part(tree).to(device) & in_window)
     return mask[None, None]
 
 

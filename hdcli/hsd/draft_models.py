@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import kernels, models
+from ..engine import invariant, kernels, models
 from ..errors import HdError
 
 
@@ -54,6 +54,8 @@ def truncated(model, k: int):
     if missing or unexpected:
         raise HdError(f"self:layers={k}: cannot slice this architecture (missing {missing[:2]})")
     small = small.to(dtype=model.dtype, device=next(model.parameters()).device).eval()
+    if invariant.is_enabled(model):  # a draft only proposes: the stock (faster) forward will do
+        small.set_attn_implementation("sdpa")
     if kernels.is_packed(model):  # as fast per token as its target
         kernels.pack(small)
     return small
@@ -69,6 +71,7 @@ def int8(model):
     except ImportError:  # pragma: no cover
         raise HdError("self:int8 needs torch.ao.quantization, missing from this torch") from None
     base = copy.deepcopy(model)
+    invariant.disable(base)
     kernels.unpack(base)  # torch.ao quantises nn.Linear layers only
     base = base.float()
     return quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8).eval()
@@ -95,7 +98,7 @@ def load(name: str, target: models.LoadedModel) -> DraftModel:
         else:
             raise HdError(f"unknown self-draft '{name}': use self:layers=K or self:int8")
         return DraftModel(name, m, time.perf_counter() - t0, _count(m))
-    lm = models.load(name, dtype=target.dtype, device=target.device, kernels=target.kernels)
+    lm = models.load(name, dtype=target.dtype, device=target.device, kernels=target.kernels, invariant="off")
     if not same_tokenizer(lm.tokenizer, target.tokenizer):
         raise HdError(f"draft model '{name}' has another tokenizer than the target '{target.name}': "
                       "a draft must tokenize exactly like its target")

@@ -1,0 +1,215 @@
+"""The M-invariant forward (hdcli/engine/invariant.py): every row of a k-token verification
+forward is bit-identical (torch.equal) to the same token's one-token forward, for chains of every
+width hd sends and for token trees, after a cached prefix, in fp32 and bf16, on a tiny llama and a
+tiny Gemma 3 past its sliding window; and greedy output in bf16 equals plain decoding on real
+questions.
+
+That these tests can fail: `test_the_stock_forward_is_not_invariant` runs the same per-row check
+with the mode off and asserts that rows differ there (fp32 with torch's kernels: no row of an
+8-token forward equals its one-token forward on the EPYC this was written on; bf16 differs too)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hdcli.engine import invariant, kernels
+from hdcli.engine.decode import Decoder
+from hdcli.engine.tree import Tree, new_cache, tree_forward
+
+from conftest import tiny_llama
+
+V = 64
+
+
+def tiny_gemma3(dtype, head_dim: int = 16):
+    """Sliding window 8, then a full-attention layer. head_dim 16: with head_dim 8 the score GEMM
+    (K = 8) rounded rows differently by their place in the call on the EPYC, which the self-check
+    caught (NotInvariant); real models have head_dim >= 64."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(1)
+    cfg = Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+                           pad_token_id=0)
+    return Gemma3ForCausalLM(cfg).to(dtype).eval()
+
+
+def build(name: str, dtype, kern: str):
+    model = tiny_llama(V, hidden=64, scale=4.0).to(dtype) if name == "llama" else tiny_gemma3(dtype)
+    if kern == "onednn":
+        if not kernels.available():
+            pytest.skip("torch without oneDNN")
+        kernels.pack(model)
+    return model
+
+
+def chain(tokens) -> Tree:
+    t = Tree()
+    t.add_candidate(tokens, "x")
+    return t
+
+
+def branchy(rng: random.Random, nodes: int) -> Tree:
+    t = Tree()
+    while len(t.tokens) < nodes:
+        parent = rng.randrange(len(t.tokens))
+        t.add(parent, rng.randrange(3, V), "x")
+    return t
+
+
+@torch.inference_mode()
+def rows_vs_one_token(model, tree: Tree, prefix: list[int]) -> list[bool]:
+    """Per node: is the tree forward's row torch.equal to the node's one-token forward, which runs
+    after the node's path token by token on the same prefix cache?"""
+    cache = new_cache(model)
+    model(input_ids=torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
+    base = cache.get_seq_length()
+    rows = tree_forward(model, tree, prefix[-1], cache)
+    out = []
+    for node in range(len(tree.tokens)):
+        cache.crop(-(cache.get_seq_length() - base))
+        for tok in [prefix[-1]] + [tree.tokens[i] for i in tree.path(node)]:
+            one = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        out.append(torch.equal(one, rows[node]))
+    return out
+
+
+CASES = [("llama", torch.float32, "onednn"), ("llama", torch.float32, "torch"),
+         ("llama", torch.bfloat16, "onednn"), ("gemma3", torch.float32, "torch"),
+         ("gemma3", torch.bfloat16, "torch")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}")
+def invariant_model(request, tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("HD_CACHE_DIR", str(tmp_path_factory.mktemp("hdcache")))
+    name, dtype, kern = request.param
+    model = build(name, dtype, kern)
+    info = invariant.enable(model)
+    assert info["self_check"][0] == info["self_check"][1]
+    return model
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8, 16, 32])
+def test_every_chain_row_equals_its_one_token_forward(invariant_model, k):
+    """A chain of k tokens (the root and k - 1 drafts) after prefixes shorter and longer than a
+    chunk and than the sliding window."""
+    rng = random.Random(k)
+    for prefix_len in (5, 40, 75):
+        prefix = [rng.randrange(3, V) for _ in range(prefix_len)]
+        rows = rows_vs_one_token(invariant_model, chain([rng.randrange(3, V) for _ in range(k - 1)]), prefix)
+        assert all(rows), (k, prefix_len, rows)
+
+
+@pytest.mark.parametrize("nodes", [6, 17, 33])
+def test_every_tree_row_equals_its_one_token_forward(invariant_model, nodes):
+    rng = random.Random(nodes)
+    for prefix_len in (9, 70):
+        prefix = [rng.randrange(3, V) for _ in range(prefix_len)]
+        tree = branchy(rng, nodes)
+        assert not tree.is_chain()
+        rows = rows_vs_one_token(invariant_model, tree, prefix)
+        assert all(rows), (nodes, prefix_len, rows)
+
+
+def test_greedy_trees_equal_plain_decoding_bit_for_bit(invariant_model):
+    """Speculative decoding with branchy drafts (a quarter of the tokens corrupted) against plain
+    decoding in the same mode, token for token."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from gpu_check import Oracle
+    rng = random.Random(3)
+    for i in range(3):
+        prompt = [rng.randrange(3, V) for _ in range(30)]
+        ref = Decoder(invariant_model, eos_ids=()).generate(prompt, max_new_tokens=60).tokens
+        oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=i)
+        got = Decoder(invariant_model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=60)
+        assert got.tokens == ref
+        assert max(got.stats.tree_sizes) > 8
+
+
+@pytest.mark.parametrize("dtype,kern", [(torch.float32, "torch"), (torch.bfloat16, "onednn")])
+def test_the_stock_forward_is_not_invariant(dtype, kern):
+    """The same check with the mode off fails: so the tests above can fail."""
+    model = build("llama", dtype, kern)
+    rng = random.Random(0)
+    rows = []
+    for prefix_len in (40, 75):
+        prefix = [rng.randrange(3, V) for _ in range(prefix_len)]
+        rows += rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix)
+        rows += rows_vs_one_token(model, branchy(rng, 17), prefix)
+    assert not all(rows)
+
+
+def test_a_linear_whose_rows_depend_on_m_is_padded():
+    """Calibration finds the row count from which a layer's rows stop depending on M."""
+    lin = torch.nn.Linear(32, 16)
+
+    class RowByRow(torch.nn.Module):  # every row through its own one-row call: invariant
+        in_features, out_features = 32, 16
+
+        def forward(self, x):
+            return torch.cat([lin(r[None]) for r in x])
+
+    class OneRowDiffers(RowByRow):  # as if M = 1 took a GEMV that rounds differently
+        def forward(self, x):
+            return super().forward(x) + (1e-3 if x.shape[0] == 1 else 0.0)
+
+    class SmallCallsDiffer(RowByRow):
+        def forward(self, x):
+            return super().forward(x) * (1.001 if x.shape[0] < 5 else 1.0)
+    with torch.inference_mode():
+        assert invariant.min_rows_for(RowByRow(), 32, torch.float32, rows_per_m=32) == 1
+        assert invariant.min_rows_for(OneRowDiffers(), 32, torch.float32, rows_per_m=32) == 2
+        assert invariant.min_rows_for(SmallCallsDiffer(), 32, torch.float32, rows_per_m=32) == 5
+
+
+def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_model_dir):
+    """A broken attention (the stock SDPA under the invariant name) fails the self-check: the mode
+    is refused and the model is left in its stock forward; `--invariant on` is a one-line error."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from hdcli.engine import models
+    from hdcli.errors import HdError
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(invariant, "attention", sdpa_attention_forward)
+    model = build("llama", torch.float32, "torch")
+    with pytest.raises(invariant.NotInvariant, match="self-check"):
+        invariant.enable(model)
+    assert not invariant.is_enabled(model) and model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(models, "_invariant", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
+    with pytest.raises(HdError, match="--invariant on"):
+        models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="torch", invariant="on", quiet=True)
+    AttentionInterface.register(invariant.NAME, invariant.attention)
+
+
+@pytest.mark.bundled
+def test_bf16_greedy_output_equals_plain_on_spec_bench_questions(bundled_lm):
+    """The bundled model in bf16, M-invariant: hd's default drafting equals plain decoding token
+    for token on real questions (without the mode 30 of 39 such answers differed)."""
+    import json
+    from pathlib import Path
+    from hdcli import api
+    from hdcli.config import DecodingConfig
+    kern = "onednn" if kernels.available() else "torch"  # one kernel set: the test needs no choice
+    lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels=kern, quiet=True)
+    assert lm.invariant, lm.info.get("invariant")
+    path = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
+    if not path.exists():
+        pytest.skip("../shared/data/spec_bench/question.jsonl not found")
+    questions = [json.loads(line) for line in path.read_text().splitlines()[:60:20]]
+    cfg = DecodingConfig(max_new_tokens=64)
+    for q in questions:
+        ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
+        spec = api.generate(lm, prompt_ids=ids, config=cfg)
+        plain = api.generate(lm, prompt_ids=ids, config=cfg, drafter=None)
+        assert spec.tokens == plain.tokens
