@@ -1,7 +1,7 @@
 """The M-invariant forward: every row of a k-token forward is bit-identical to the same token's
 one-token forward (torch.equal on the logits), for chains and token trees on a cached prefix.
 
-Why rows differ otherwise (measured op by op and shape by shape; benchmarks/invariance_probe.py):
+Why rows differ otherwise (measured op by op and shape by shape; benchmarks/invariance.py):
   * Linear. A GEMM picks its kernel and blocking by the number of rows M. On an AMD EPYC, fp32:
     torch's (MKL) rows agree only for M in {4, 8} or M >= 12; oneDNN-packed rows agree for every
     M >= 2 but M = 1 (a GEMV) differs at K = 1536. Rows of one kernel configuration never depend
@@ -119,8 +119,10 @@ def _layout(mask, m: int, n: int, g: int, device) -> _Layout:
 def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """A transformers attention function (AttentionInterface): query [1, Hq, M, D], key/value
     [1, Hkv, N, D], attention_mask additive [1, 1, M, N]. Returns ([1, M, Hq, D], None)."""
-    if query.shape[0] != 1:
-        raise ValueError("the invariant attention runs one sequence at a time")
+    if query.shape[0] != 1:  # batches (model DB sampling) verify nothing: the stock kernel
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
     dtype = query.dtype
     _, hq, m, d = query.shape
     hkv, n = key.shape[1], key.shape[2]
