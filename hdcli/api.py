@@ -198,6 +198,9 @@ def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
         why = lm.info.get("invariant", {}).get("off")
         if why:
             on_status(f"M-invariant forward off: {why}")
+        choice = lm.info.get("dtype_choice")
+        if choice:
+            on_status("--dtype auto: " + dtype_choice_line(choice))
     check_tokenizers(dbs, lm)
     if plan is not None:
         read_plan(cfg.plan, lm)  # made for this target and dtype
@@ -230,7 +233,8 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     res = generate(lm, prompt, config=cfg, drafter=run.drafter, on_text=on_text)
     used = resolved(cfg, lm, run.dbs)
     data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
-            "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
+            "kernels": lm.kernels, "invariant": lm.info.get("invariant"),
+            "dtype_choice": lm.info.get("dtype_choice"), "load_seconds": lm.load_seconds,
             "layers": used.layers,
             "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
             "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "plan": cfg.plan,
@@ -267,6 +271,14 @@ def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Res
 
 # ---------------------------------------------------------------------------------------------
 # hd costs
+
+def dtype_choice_line(choice: dict) -> str:
+    """One line saying which dtype `--dtype auto` took on this machine, and why."""
+    c = choice["candidates"]
+    exact = " (exact: M-invariant)" if c[choice["dtype"]]["invariant"] else " (the M-invariant forward holds in neither)"
+    return (f"{choice['dtype']}{exact}; {choice['by']}: " +
+            ", ".join(f"{dt} {v['score_ms']:.1f} ms{'' if v['invariant'] else ' (not invariant)'}" for dt, v in c.items()))
+
 
 def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                 kernels: str = "auto", remeasure: bool = False, quiet: bool = False,

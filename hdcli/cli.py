@@ -81,6 +81,9 @@ def _stats_table(title: str, runs: dict) -> Table:
 
 # `hd generate` options that are DecodingConfig fields under another name
 _PARAM_OF_FIELD = {"stats_dbs": "stats_db"}
+DTYPE_HELP = ("auto|bf16|fp16|fp32. auto: on a CPU with native bf16, the faster of bf16 and fp32 "
+              "among those where the M-invariant forward holds (measured once, cached); else fp32 on "
+              "CPU, bf16 on CUDA.")
 INVARIANT_HELP = ("auto|on|off: the M-invariant forward, in which every verified row is bit-identical "
                   "to a one-token forward (auto: where it holds on this machine; docs/dtype.md).")
 
@@ -164,7 +167,7 @@ def generate(
     no_db: bool = typer.Option(False, "--no-db", help="With --draft-models: no DB level; the smallest "
                                "model drafts alone."),
     plan: Optional[Path] = typer.Option(None, "--plan", help="Use the hierarchy chosen by `hd plan`."),
-    dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
     kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
                                 "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
@@ -226,7 +229,7 @@ def _print_generate(out: Console, rep) -> None:
 @app.command("costs")
 def costs_cmd(
     model: str = typer.Option("smollm2-135m", "--model", "-m"),
-    dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
     kernels: str = typer.Option("auto", help="auto shows both CPU kernel sets and which one is kept."),
     invariant: str = typer.Option("auto", help=INVARIANT_HELP),
@@ -588,7 +591,7 @@ def bench_spec_bench(
     seed: int = typer.Option(0, help="Seed for sampling."),
     stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB (repeatable)."),
     model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB."),
-    dtype: str = typer.Option("auto", help="auto|bf16|fp16|fp32 (auto: fp32 on CPU, bf16 on CUDA)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
     kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
                                 "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),

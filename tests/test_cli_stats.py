@@ -31,7 +31,9 @@ def test_build_info_query_generate(tiny_model_dir, corpus, tmp_path):
     assert info["header"]["model"] == m and info["size"]["entries"] > 0
     q = json.loads(hd("db", "query", str(out), "--text", "the cat sat on", "--json").stdout)
     assert q["keys"][0]["found"] and q["draft"].startswith("the mat")
-    g = json.loads(hd("generate", "--model", m, "-p", "the cat sat on the", "-n", "20",
+    # fp32: transformers' generate on the stock model is compared token for token (in bf16 its
+    # rounding differs from the invariant forward's: docs/dtype.md)
+    g = json.loads(hd("generate", "--model", m, "-p", "the cat sat on the", "-n", "20", "--dtype", "fp32",
                       "--stats-db", str(out), "--json", "--compare").stdout)
     assert g["compare"]["identical"] and set(g["stats"]["layers"]) <= {"context", "recycle", "stats"}
     assert g["compare"]["identical_to_hf_ar"] and g["compare"]["speedup_over_hf_ar"] > 0

@@ -107,11 +107,70 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype a model loads in without measuring: auto is bf16 on CUDA and fp32 on a CPU (where
+    `load` measures instead when the CPU has native bf16: _fastest_exact)."""
     if dtype not in DTYPES:
         raise HdError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, not '{dtype}'")
     if dtype == "auto":
         return "bf16" if device == "cuda" else "fp32"
     return dtype
+
+
+def native_bf16() -> bool:
+    """Whether the CPU computes in bf16 natively (AVX-512 BF16 or AMX): else bf16 is emulated and
+    never the faster dtype."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+DTYPE_CHOICE_MAX_AGE_DAYS = 30  # as the cost curves it is made from
+
+
+def _fastest_exact(name: str, kernels: str, drafting: bool, quiet: bool, invariant: str) -> LoadedModel:
+    """`--dtype auto` on a CPU with native bf16: of bf16 and fp32, the faster one (t(1) + t(8) of
+    its chosen kernels in the M-invariant forward, the score the kernel choice uses) among those
+    where the M-invariant forward holds, so that the default is both exact and fast. Measured
+    once per model and machine (loading the model in both dtypes) and cached beside the curves."""
+    import json
+    from . import costs, kernels as kern
+    key = costs.curve_key(f"{resolve(name)[1]}|drafting={drafting}", "auto", "cpu", kernels, invariant != "off")
+    path = costs.cache_root().parent / "dtype" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    try:
+        known = json.loads(path.read_text())
+        if known.get("key") == key and time.time() - known["measured_at"] < DTYPE_CHOICE_MAX_AGE_DAYS * 86400:
+            lm = load(name, dtype=known["dtype"], device="cpu", kernels=kernels, drafting=drafting,
+                      quiet=quiet, invariant=invariant)
+            if lm.invariant or not known["candidates"][known["dtype"]]["invariant"]:
+                lm.info["dtype_choice"] = known
+                return lm
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    candidates, loaded = {}, {}
+    for dt in ("bf16", "fp32"):
+        lm = load(name, dtype=dt, device="cpu", kernels=kernels, drafting=drafting, quiet=quiet,
+                  invariant=invariant)
+        curve = costs.curve_for(lm, quiet=quiet)
+        candidates[dt] = {"invariant": lm.invariant, "kernels": lm.kernels,
+                          "score_ms": 1e3 * kern.score(curve, drafting),
+                          "one_token_ms": 1e3 * curve.one_token_seconds}
+        loaded[dt] = lm
+    exact = [dt for dt in candidates if candidates[dt]["invariant"]] or ["fp32"]
+    best = min(exact, key=lambda dt: candidates[dt]["score_ms"])
+    choice = {"key": key, "measured_at": time.time(), "dtype": best, "by": "t(1) + t(8)" if drafting else "t(1)",
+              "candidates": candidates}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(choice))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    lm = loaded[best]
+    lm.info["dtype_choice"] = choice
+    return lm
 
 
 def torch_dtype(name: str):
@@ -291,9 +350,11 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from . import kernels as kern
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
     if invariant not in INVARIANT:
         raise HdError(f"--invariant must be one of {', '.join(INVARIANT)}, not '{invariant}'")
+    if dtype == "auto" and dev == "cpu" and invariant != "off" and native_bf16():
+        return _fastest_exact(name, kernels, drafting, quiet, invariant)
+    dt = resolve_dtype(dtype, dev)
     kn = kern.resolve(kernels, dev, dt)
     t0 = time.perf_counter()
     kind, source, load_from, from_cache = _local_folder(name)
