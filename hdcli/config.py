@@ -165,7 +165,7 @@ class DecodingConfig:
 
     def with_plan(self) -> tuple["DecodingConfig", dict | None]:
         """The configuration with its plan applied: the plan's draft models, T per level and
-        bottom, and its DBs and layers where none are given (a plan measured with a statistics DB
+        bottom, its dtype where the configuration says auto, and its DBs and layers where none are given (a plan measured with a statistics DB
         and run without it would draft less than it predicted). Returns (config, plan document)."""
         if self.plan is None:
             return self, None
@@ -182,6 +182,8 @@ class DecodingConfig:
                            layers=layers, draft_models=[lv["model"] for lv in chain["levels"]],
                            level_tokens=[int(lv["T"]) for lv in chain["levels"]],
                            no_db=chain["bottom"] == "none", from_plan_file=True)
+        if cfg.dtype == "auto" and data.get("dtype"):  # the plan's costs were measured in its dtype
+            cfg = cfg.replace(dtype=data["dtype"])
         if not chain["levels"]:  # the plan chose the DB hierarchy alone (one chain) or plain decoding
             cfg = cfg.replace(layers=[] if cfg.no_db else cfg.layers, candidates=1, no_db=False)
         return cfg, data

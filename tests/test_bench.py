@@ -41,7 +41,7 @@ def test_spec_bench_end_to_end(tiny_model_dir, spec_file, stats_db, tmp_path):
     out = tmp_path / "run"
     r = hd("bench", "spec-bench", "--data", str(spec_file), "--model", str(tiny_model_dir),
            "--methods", "ar,hf-ar,context,stats,hd,hd-chain,hf-pld,suffix", "--stats-db", str(stats_db),
-           "-n", "16", "--out", str(out), "--json")
+           "-n", "16", "--dtype", "fp32", "--out", str(out), "--json")
     report = json.loads(r.stdout)
     assert report["questions"] == 6 and set(report["methods"]) == {"ar", "hf-ar", "context", "stats", "hd",
                                                                    "hd-chain", "hf-pld", "suffix"}

@@ -139,7 +139,7 @@ def test_plan_and_generate_with_draft_models_through_the_cli(tiny_model_dir, tmp
     assert g["compare"]["identical"] and [lv["name"] for lv in g["levels"]] == ["db", "self:layers=1"]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**result, "dtype": "bf16"}))
-    r = run("generate", "--model", m, "-p", "x", "--plan", str(bad))
+    r = run("generate", "--model", m, "-p", "x", "--plan", str(bad), "--dtype", "fp32")
     assert isinstance(r, HdError) and "run `hd plan` again" in str(r)
     r = run("generate", "--model", m, "-p", "x", "--no-db")
     assert isinstance(r, HdError) and "--draft-models" in str(r)

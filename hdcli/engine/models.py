@@ -12,10 +12,9 @@ GGUF files are dequantized by transformers, which takes ~10 s for a 135M model. 
 cache the result as safetensors under `cache_dir()` (env `HD_CACHE_DIR`, default
 `~/.cache/hdcli`), keyed by the GGUF's path, size and mtime; later starts load in ~2 s.
 
-Dtype: `auto` means bf16 on CUDA and fp32 on CPU. On this 2-core CPU bf16 decodes ~1.6x faster,
-but a k-token verification forward rounds differently from k one-token forwards in bf16, so
-speculative output can drift from plain greedy output (docs/dtype.md has the measurement). fp32
-keeps the guarantee exact, so it is the CPU default; pass `--dtype bf16` for speed.
+Dtype: `auto` on a CPU with native bf16 is the faster of bf16 and fp32 among the dtypes where the
+M-invariant forward holds (engine/invariant.py: speculative output bit-equal to plain decoding in
+either), measured once and cached (`_fastest_exact`); fp32 on other CPUs, bf16 on CUDA.
 """
 from __future__ import annotations
 
