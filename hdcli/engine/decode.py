@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import invariant
 from .draft import Drafter
 from .stats import RunStats
 from .costs import CostCurve
@@ -52,6 +53,8 @@ class Decoder:
         self.eos_ids = set(int(e) for e in eos_ids)
         self.drafter = drafter
         self.cost, self.max_nodes = cost, max_nodes
+        if invariant.is_enabled(model) and max_nodes + 1 > invariant.MAX_ROWS:
+            raise ValueError(f"the M-invariant forward verifies at most {invariant.MAX_ROWS - 1} nodes a step")
         self.device = next(model.parameters()).device
 
     def _prefill(self, ids: Sequence[int], cache) -> None:

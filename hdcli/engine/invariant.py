@@ -45,6 +45,7 @@ import torch
 
 CHUNK = 32      # keys per value-chunk GEMM
 MIN_ROWS = 4    # fp32 GEMM rows agree for M >= 4 (measured: M = 1 is a GEMV, 2-3 another kernel)
+MAX_ROWS = 64   # the widest verification forward (decode.Decoder's max_nodes + the root)
 NAME = "hd_invariant"
 PROBE_ROWS = tuple(range(1, 34)) + (40, 48, 63, 64)
 
@@ -119,7 +120,9 @@ def _layout(mask, m: int, n: int, g: int, device) -> _Layout:
 def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """A transformers attention function (AttentionInterface): query [1, Hq, M, D], key/value
     [1, Hkv, N, D], attention_mask additive [1, 1, M, N]. Returns ([1, M, Hq, D], None)."""
-    if query.shape[0] != 1:  # batches (model DB sampling) verify nothing: the stock kernel
+    if query.shape[0] != 1 or query.shape[2] > MAX_ROWS:
+        # batches (model DB sampling) and prefills (wider than any verification) verify nothing:
+        # the stock kernel. A prefill's keys are the same in plain and speculative decoding.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
