@@ -231,17 +231,22 @@ def _read(key: str) -> CostCurve | None:
         return None
 
 
-def _write(key: str, curve: CostCurve) -> None:
-    record = {"key": key, "format": FORMAT, "measured_at": time.time(), "rounds": ROUNDS,
-              "cost": curve.to_dict(), "one_token_seconds": curve.one_token_seconds, **curve.info}
-    path = _cache_path(key)
+def write_json(path: Path, record: dict) -> None:
+    """A cache record, written whole or not at all (a temporary file, then a rename). A read-only
+    home is no error: it only costs a measurement next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
     except OSError:
-        pass  # a read-only home only costs a re-measurement next time
+        pass
+
+
+def _write(key: str, curve: CostCurve) -> None:
+    record = {"key": key, "format": FORMAT, "measured_at": time.time(), "rounds": ROUNDS,
+              "cost": curve.to_dict(), "one_token_seconds": curve.one_token_seconds, **curve.info}
+    write_json(_cache_path(key), record)
     curve.info.setdefault("measured_at", record["measured_at"])
 
 

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 
 import torch
+
+from . import costs
 
 CHUNK = 32      # keys per value-chunk GEMM
 MIN_ROWS = 4    # fp32 GEMM rows agree for M >= 4 (measured: M = 1 is a GEMV, 2-3 another kernel)
@@ -381,7 +382,6 @@ FORMAT = 1
 
 
 def _path(key: str):
-    from . import costs
     return costs.cache_root().parent / "invariant" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -396,13 +396,5 @@ def _read(key: str | None) -> dict | None:
 
 
 def _write(key: str | None, info: dict) -> None:
-    if key is None:
-        return
-    path = _path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "format": FORMAT, **info}))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home only costs a calibration next time
+    if key is not None:
+        costs.write_json(_path(key), {"key": key, "format": FORMAT, **info})

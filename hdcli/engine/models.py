@@ -160,13 +160,7 @@ def _fastest_exact(name: str, kernels: str, drafting: bool, quiet: bool, invaria
     best = min(exact, key=lambda dt: candidates[dt]["score_ms"])
     choice = {"key": key, "measured_at": time.time(), "dtype": best, "by": "t(1) + t(8)" if drafting else "t(1)",
               "candidates": candidates}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(choice))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    costs.write_json(path, choice)
     lm = loaded[best]
     lm.info["dtype_choice"] = choice
     return lm
