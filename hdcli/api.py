@@ -289,14 +289,17 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
     import torch
     from .engine import kernels as kern
     dev = models.resolve_device(device)
-    dt = models.resolve_dtype(dtype, dev)
-    kn = kern.resolve(kernels, dev, dt)
+    measured_dtype = dtype == "auto" and dev == "cpu" and models.native_bf16()
     if remeasure:
         source = models.resolve(model)[1]
-        for k in ("torch", "onednn"):
-            for on in (False, True):
-                costs.forget(costs.curve_key(source, dt, dev, k, on))
-    lm = load_model(model, dtype=dt, device=dev, kernels=kernels, quiet=quiet, invariant=invariant)
+        for dt in ("bf16", "fp32") if measured_dtype else (models.resolve_dtype(dtype, dev),):
+            for k in ("torch", "onednn"):
+                for on in (False, True):
+                    costs.forget(costs.curve_key(source, dt, dev, k, on))
+        models.dtype_choice_file(model, kernels, True, invariant)[1].unlink(missing_ok=True)
+    lm = load_model(model, dtype=dtype, device=dev, kernels=kernels, quiet=quiet, invariant=invariant)
+    dt = lm.dtype
+    kn = kern.resolve(kernels, dev, dt)
     if kn == "measure":
         choice = lm.info["kernel_choice"]
         curves = lm.info["curves"]
@@ -305,6 +308,7 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
         curves = {lm.kernels: costs.curve_for(lm, quiet=quiet)}
     out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": dev, "cpu": costs.cpu_name(),
            "threads": torch.get_num_threads(), "kernels": lm.kernels, "invariant": lm.invariant,
+           "dtype_choice": lm.info.get("dtype_choice"),
            "choice": choice, "curves": {},
            "cache": str(costs.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}
     for k, c in curves.items():

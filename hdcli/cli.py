@@ -260,6 +260,9 @@ def costs_cmd(
     if ch:
         con.print(f"kept: [bold]{ch['chosen']}[/bold] (* above), lower {ch['by']}: " +
                   ", ".join(f"{k} {ch[k]['score_ms']:.1f} ms" for k in ("torch", "onednn")))
+    if rep.get("dtype_choice"):
+        con.print("--dtype auto: " + api.dtype_choice_line(rep["dtype_choice"]))
+    con.print("M-invariant forward: " + ("on (verified rows bit-equal one-token rows)" if rep["invariant"] else "off"))
     when = [c["measured_at"] for c in rep["curves"].values() if c.get("measured_at")]
     if when:
         age = (time.time() - min(when)) / 86400

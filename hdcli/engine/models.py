@@ -128,6 +128,13 @@ def native_bf16() -> bool:
 DTYPE_CHOICE_MAX_AGE_DAYS = 30  # as the cost curves it is made from
 
 
+def dtype_choice_file(name: str, kernels: str = "auto", drafting: bool = True, invariant: str = "auto"):
+    """(key, path) of the cached `--dtype auto` choice for a model on this machine."""
+    from . import costs
+    key = costs.curve_key(f"{resolve(name)[1]}|drafting={drafting}", "auto", "cpu", kernels, invariant != "off")
+    return key, costs.cache_root().parent / "dtype" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+
+
 def _fastest_exact(name: str, kernels: str, drafting: bool, quiet: bool, invariant: str) -> LoadedModel:
     """`--dtype auto` on a CPU with native bf16: of bf16 and fp32, the faster one (t(1) + t(8) of
     its chosen kernels in the M-invariant forward, the score the kernel choice uses) among those
@@ -135,8 +142,7 @@ def _fastest_exact(name: str, kernels: str, drafting: bool, quiet: bool, invaria
     once per model and machine (loading the model in both dtypes) and cached beside the curves."""
     import json
     from . import costs, kernels as kern
-    key = costs.curve_key(f"{resolve(name)[1]}|drafting={drafting}", "auto", "cpu", kernels, invariant != "off")
-    path = costs.cache_root().parent / "dtype" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    key, path = dtype_choice_file(name, kernels, drafting, invariant)
     try:
         known = json.loads(path.read_text())
         if known.get("key") == key and time.time() - known["measured_at"] < DTYPE_CHOICE_MAX_AGE_DAYS * 86400:
