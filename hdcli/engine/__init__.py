@@ -2,6 +2,7 @@
 
     models.py    load the target (bundled name, GGUF, folder, Hugging Face id), dtype, device
     kernels.py   CPU Linear kernels (torch's or oneDNN-packed), chosen by measured cost
+    invariant.py the M-invariant forward: every verified row bit-equal to its one-token forward
     costs.py     the forward cost by width, measured once per model and machine, cached
     draft.py     the Drafter interface the loop asks, and the Draft it gets back
     tree.py      candidates merged into a token tree, cut to what pays; the tree forward
