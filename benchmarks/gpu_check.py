@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from hdcli.engine.decode import Decoder
+from hdcli.engine.decode import Decoder, first_difference
 from hdcli.engine.draft import Draft
 from hdcli.engine.tree import Tree, new_cache, tree_forward
 
@@ -131,13 +131,6 @@ class Oracle:
 
     def observe(self, tested, accepted) -> None:
         pass
-
-
-def first_difference(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 # ---------------------------------------------------------------- 1. exactness

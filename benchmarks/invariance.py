@@ -25,33 +25,20 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from hdcli import api
 from hdcli.bench.baselines import first_difference, hf_generate, stock_model
 from hdcli.engine import costs, invariant
-from hdcli.engine.tree import Tree, new_cache, tree_forward
+from hdcli.engine.tree import Tree
 
 from common import first_per_subcategory, load_questions, machine
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
-@torch.inference_mode()
 def rows_equal(model, tree: Tree, prefix: list[int]) -> tuple[int, int, float]:
     """(rows equal to their one-token forward, rows, max |difference|)."""
-    cache = new_cache(model)
-    model(input_ids=torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
-    base = cache.get_seq_length()
-    rows = tree_forward(model, tree, prefix[-1], cache)
-    equal, worst = 0, 0.0
-    for node in range(len(tree.tokens)):
-        cache.crop(-(cache.get_seq_length() - base))
-        for tok in [prefix[-1]] + [tree.tokens[i] for i in tree.path(node)]:
-            one = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
-        equal += int(torch.equal(one, rows[node]))
-        worst = max(worst, float((one.float() - rows[node].float()).abs().max()))
-    return equal, len(tree.tokens), worst
+    rows = invariant.compare_rows(model, tree, prefix)
+    return sum(eq for eq, _ in rows), len(rows), max(diff for _, diff in rows)
 
 
 def shapes(vocab: int, rng: random.Random) -> dict[str, Tree]:

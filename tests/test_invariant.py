@@ -16,7 +16,7 @@ import torch
 
 from hdcli.engine import invariant, kernels
 from hdcli.engine.decode import Decoder
-from hdcli.engine.tree import Tree, new_cache, tree_forward
+from hdcli.engine.tree import Tree
 
 from conftest import tiny_llama
 
@@ -59,21 +59,10 @@ def branchy(rng: random.Random, nodes: int) -> Tree:
     return t
 
 
-@torch.inference_mode()
 def rows_vs_one_token(model, tree: Tree, prefix: list[int]) -> list[bool]:
     """Per node: is the tree forward's row torch.equal to the node's one-token forward, which runs
     after the node's path token by token on the same prefix cache?"""
-    cache = new_cache(model)
-    model(input_ids=torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
-    base = cache.get_seq_length()
-    rows = tree_forward(model, tree, prefix[-1], cache)
-    out = []
-    for node in range(len(tree.tokens)):
-        cache.crop(-(cache.get_seq_length() - base))
-        for tok in [prefix[-1]] + [tree.tokens[i] for i in tree.path(node)]:
-            one = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
-        out.append(torch.equal(one, rows[node]))
-    return out
+    return [equal for equal, _ in invariant.compare_rows(model, tree, prefix)]
 
 
 CASES = [("llama", torch.float32, "onednn"), ("llama", torch.float32, "torch"),
@@ -186,7 +175,7 @@ def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_m
     with pytest.raises(invariant.NotInvariant, match="self-check"):
         invariant.enable(model)
     assert not invariant.is_enabled(model) and model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(models, "_invariant", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
+    monkeypatch.setattr(invariant, "try_enable", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
     with pytest.raises(HdError, match="--invariant on"):
         models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="torch", invariant="on", quiet=True)
     AttentionInterface.register(invariant.NAME, invariant.attention)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..engine import models
+from ..engine.decode import first_difference  # noqa: F401 (re-exported: api, runner)
 from ..engine.verify import Sampling
 
 
@@ -41,11 +42,3 @@ def hf_generate(lm: models.LoadedModel, prompt_ids: Sequence[int], max_new_token
     with torch.inference_mode():
         out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))

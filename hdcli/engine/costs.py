@@ -198,8 +198,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("HD_CACHE_DIR") or Path.home() / ".cache" / "hdcli") / "costs"
 
 
+def cache_file(kind: str, key: str) -> Path:
+    """Where a cache record of one kind (costs, invariant, dtype) for `key` lives: beside the cost
+    curves, named by the key's hash (the key itself is stored inside and checked on reading)."""
+    return cache_root().parent / kind / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def read_json(path: Path, key: str) -> dict | None:
+    """A cache record written for `key` (write_json), or None: missing, unreadable or another key."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("key") == key else None
+
+
 def _cache_path(key: str) -> Path:
-    return cache_root() / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return cache_file("costs", key)
 
 
 def curve_key(source: str, dtype: str, device: str, kernels: str, invariant: bool = False) -> str:
@@ -219,8 +234,8 @@ _CURVES: dict[str, CostCurve] = {}  # per process: api.generate asks for every g
 def _read(key: str) -> CostCurve | None:
     """The cached curve for key, or None when missing, unreadable, of another format or old."""
     try:
-        data = json.loads(_cache_path(key).read_text())
-        if data.get("key") != key or data.get("format") != FORMAT:
+        data = read_json(_cache_path(key), key)
+        if data is None or data.get("format") != FORMAT:
             return None
         if time.time() - float(data["measured_at"]) > MAX_AGE_DAYS * 86400:
             return None

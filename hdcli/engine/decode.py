@@ -152,7 +152,7 @@ class Decoder:
             n, nxt = accept_chain_q(logits, tree.tokens[1:], q_rows, s.sampling, s.gen)
             path = list(range(1, n + 1))
         else:
-            path, nxt = accept_tree(logits, tree.children, tree.tokens, s.sampling, s.gen)
+            path, nxt = accept_tree(logits, tree, s.sampling, s.gen)
         keep_path(s.cache, past, path)     # the root and the accepted path only
         if tree.size():
             self._record(stats, tree, path)
@@ -174,6 +174,14 @@ class Decoder:
         self.drafter.observe(tested, accepted)
         if hasattr(self.drafter, "record_target"):
             self.drafter.record_target(tree.size(), len(path))
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @dataclass

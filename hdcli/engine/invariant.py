@@ -37,9 +37,6 @@ Invariants
 """
 from __future__ import annotations
 
-import hashlib
-import json
-
 import torch
 
 from . import costs
@@ -102,7 +99,7 @@ class _Layout:
         self.tail_bias = torch.zeros(m, self.t_pad, device=vis.device).masked_fill_(~valid, float("-inf"))
 
 
-_LAYOUTS: dict = {}  # id(mask) -> (mask, n, g, layout); the mask is held so that its id stays its own
+_LAYOUTS: dict = {}  # (id(mask), n, g) -> (mask, layout); the mask is held so that its id stays its own
 
 
 def _layout(mask, m: int, n: int, g: int, device) -> _Layout:
@@ -217,7 +214,7 @@ def register() -> None:
 
 # ---------------------------------------------------------------- Linear layers
 
-def pad_rows(layer: torch.nn.Module, min_rows: int) -> None:
+def pad_linear(layer: torch.nn.Module, min_rows: int) -> None:
     """Call `layer` (a Linear) with at least min_rows rows: zeros are added below the real rows
     and their outputs dropped. Done by hooks, so the module tree, state_dict and deepcopy stay
     those of the stock model."""
@@ -260,8 +257,7 @@ def min_rows_for(layer: torch.nn.Module, in_features: int, dtype: torch.dtype, s
     ref = torch.cat([layer(x[s:s + 16]) for s in range(0, n, 16)])
     bad = set()
     for rows in PROBE_ROWS:
-        step = max(rows, 1)
-        for s in range(0, max(rows_per_m, 4 * step), step):
+        for s in range(0, max(rows_per_m, 4 * rows), rows):
             if s + rows > n:
                 break
             if not torch.equal(layer(x[s:s + rows]), ref[s:s + rows]):
@@ -273,39 +269,58 @@ def min_rows_for(layer: torch.nn.Module, in_features: int, dtype: torch.dtype, s
     return None
 
 
-def _linears(model: torch.nn.Module):
+def _linears(model: torch.nn.Module) -> list:
     from .kernels import PackedLinear
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, (torch.nn.Linear, PackedLinear)):
-                yield module, name, child
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+
+
+def _dtype(lin) -> torch.dtype:
+    return getattr(lin, "dtype", None) or lin.weight.dtype  # PackedLinear keeps no plain weight
 
 
 def _shape_key(lin) -> str:
-    dtype = getattr(lin, "dtype", None) or lin.weight.dtype
-    return f"{lin.in_features}x{lin.out_features} {str(dtype).replace('torch.', '')} {type(lin).__name__}"
+    return f"{lin.in_features}x{lin.out_features} {str(_dtype(lin)).replace('torch.', '')} {type(lin).__name__}"
 
 
 def calibrate(model: torch.nn.Module) -> dict[str, int | None]:
     """min_rows per Linear shape ('in x out dtype kernel'), measured on this machine."""
     found: dict = {}
-    for _, _, lin in _linears(model):
+    for lin in _linears(model):
         key = _shape_key(lin)
         if key not in found:
-            found[key] = min_rows_for(lin, lin.in_features, getattr(lin, "dtype", None) or lin.weight.dtype)
+            found[key] = min_rows_for(lin, lin.in_features, _dtype(lin))
     return found
 
 
 @torch.inference_mode()
+def compare_rows(model: torch.nn.Module, tree, prompt: list[int]) -> list[tuple[bool, float]]:
+    """Verify `tree` (root prompt[-1]) in one forward after prompt[:-1] is cached, then run each
+    node's path token by token on the same cache. Per node: (its row torch.equal to the one-token
+    forward of the node, the largest |difference|)."""
+    from .tree import new_cache, tree_forward
+    device = next(model.parameters()).device
+    cache = new_cache(model)
+    model(input_ids=torch.tensor([prompt[:-1]], device=device), past_key_values=cache, use_cache=True)
+    base = cache.get_seq_length()
+    rows = tree_forward(model, tree, prompt[-1], cache)
+    out = []
+    for node in range(len(tree.tokens)):
+        cache.crop(-(cache.get_seq_length() - base))
+        for tok in [prompt[-1]] + [tree.tokens[i] for i in tree.path(node)]:
+            one = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache,
+                        use_cache=True).logits[0, -1]
+        out.append((torch.equal(one, rows[node]), float((one.float() - rows[node].float()).abs().max())))
+    return out
+
+
 def self_check(model: torch.nn.Module, seed: int = 0) -> tuple[int, int]:
     """The mode's proof on this model and machine: after a cached prefix longer than a chunk (and
     than a small sliding window), a chain and a token tree are verified in one forward each; every
     row must equal (torch.equal) the one-token forward of its node after its path. Returns (rows
     equal, rows)."""
-    from .tree import Tree, new_cache, tree_forward
+    from .tree import Tree
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    device = next(model.parameters()).device
 
     def rand(k):
         return torch.randint(3, vocab, (k,), generator=gen).tolist()
@@ -314,21 +329,9 @@ def self_check(model: torch.nn.Module, seed: int = 0) -> tuple[int, int]:
     for _ in range(4):
         trees[1].add_candidate(rand(1) + rand(int(torch.randint(1, 4, (1,), generator=gen))), "x")
     trees[1].add_candidate(trees[1].tokens[1:2] + rand(2), "x")
-    equal = total = 0
-    for tree, prefix in zip(trees, (CHUNK + 9, 2 * CHUNK + 3)):
-        prompt = rand(prefix)
-        cache = new_cache(model)
-        model(input_ids=torch.tensor([prompt[:-1]], device=device), past_key_values=cache, use_cache=True)
-        base = cache.get_seq_length()
-        rows = tree_forward(model, tree, prompt[-1], cache)
-        for node in range(len(tree.tokens)):
-            cache.crop(-(cache.get_seq_length() - base))
-            for tok in [prompt[-1]] + [tree.tokens[i] for i in tree.path(node)]:
-                one = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache,
-                            use_cache=True).logits[0, -1]
-            equal += int(torch.equal(one, rows[node]))
-            total += 1
-    return equal, total
+    rows = [eq for tree, prefix in zip(trees, (CHUNK + 9, 2 * CHUNK + 3))
+            for eq, _ in compare_rows(model, tree, rand(prefix))]
+    return sum(rows), len(rows)
 
 
 class NotInvariant(Exception):
@@ -337,41 +340,82 @@ class NotInvariant(Exception):
 
 
 def disable(model: torch.nn.Module) -> None:
-    """Back to the stock forward: Linear layers unwrapped, SDPA attention."""
-    for _, _, lin in _linears(model):
+    """Back to the stock forward: Linear layers unpadded, the attention the model had."""
+    for lin in _linears(model):
         _unpad_rows(lin)
     if model.config._attn_implementation == NAME:
         model.set_attn_implementation(getattr(model, "_hd_stock_attention", None) or "sdpa")
     model.hd_invariant = None
 
 
+def _why_not(record: dict) -> str | None:
+    """Why a calibration record says the mode does not hold (None: it holds, as far as measured)."""
+    failed = [k for k, r in record["linear_min_rows"].items() if r is None]
+    if failed:
+        return f"no row padding up to 16 makes these Linear shapes M-invariant: {', '.join(failed)}"
+    check = record.get("self_check")
+    if check is not None and check[0] != check[1]:
+        return f"self-check: {check[0]} of {check[1]} verified rows equal their one-token forward"
+    return None
+
+
 def enable(model: torch.nn.Module, cache_key: str | None = None) -> dict:
     """Put the model in the M-invariant mode, in place: the invariant attention, and every Linear
     layer padded to its calibrated min_rows; then the self-check. Calibration and check are cached
-    under HD_CACHE_DIR when cache_key (costs.curve_key of the model) is given. Returns what was
-    measured; raises NotInvariant (the model is left in the stock forward)."""
+    under HD_CACHE_DIR when cache_key (costs.curve_key of the model) is given, and written only
+    when measured. Returns what was measured; raises NotInvariant (the model is left in the stock
+    forward)."""
     disable(model)
-    cached = _read(cache_key)
-    shapes = cached["linear_min_rows"] if cached else calibrate(model)
-    failed = [k for k, r in shapes.items() if r is None]
-    if failed:
-        _write(cache_key, {"linear_min_rows": shapes, "self_check": None})
-        raise NotInvariant(f"no row padding up to 16 makes these Linear shapes M-invariant: {', '.join(failed)}")
-    for _, _, lin in _linears(model):
-        if shapes.get(_shape_key(lin), 1) > 1:
-            pad_rows(lin, shapes[_shape_key(lin)])
-    register()
-    model._hd_stock_attention = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
-    check = cached["self_check"] if cached else list(self_check(model))
-    info = {"attention": NAME, "chunk": CHUNK, "linear_min_rows": shapes, "self_check": check}
-    _write(cache_key, info)
-    if check is None or check[0] != check[1]:
+    record = _read(cache_key)
+    measured = record is None
+    if measured:
+        record = {"linear_min_rows": calibrate(model), "self_check": None}
+    why = _why_not(record)
+    if why is None:
+        shapes = record["linear_min_rows"]
+        for lin in _linears(model):
+            if shapes.get(_shape_key(lin), 1) > 1:
+                pad_linear(lin, shapes[_shape_key(lin)])
+        register()
+        model._hd_stock_attention = model.config._attn_implementation
+        model.set_attn_implementation(NAME)
+        if record["self_check"] is None:
+            record["self_check"], measured = list(self_check(model)), True
+        why = _why_not(record)
+    if measured:
+        _write(cache_key, record)
+    if why is not None:
         disable(model)
-        raise NotInvariant(f"self-check: {check[0]} of {check[1]} verified rows equal their one-token forward"
-                           if check else "self-check failed before")
-    model.hd_invariant = info
-    return info
+        raise NotInvariant(why)
+    model.hd_invariant = {"attention": NAME, "chunk": CHUNK, **record}
+    return model.hd_invariant
+
+
+def try_enable(model: torch.nn.Module, mode: str, cache_key: str | None) -> dict | None:
+    """enable() for a mode of --invariant: its info, {"off": why} where the mode does not hold,
+    None for "off" (the stock forward, nothing asked)."""
+    if mode == "off":
+        return None
+    try:
+        return enable(model, cache_key)
+    except NotInvariant as exc:
+        return {"off": str(exc)}
+
+
+def cached_info(cache_key: str) -> dict | None:
+    """What try_enable would return, from the cache alone (None when something is not measured yet)."""
+    record = _read(cache_key)
+    if record is None:
+        return None
+    why = _why_not(record)
+    if why is None and record.get("self_check") is None:
+        return None
+    return {"off": why} if why else {"attention": NAME, "chunk": CHUNK, **record}
+
+
+def holds(info: dict | None) -> bool:
+    """Whether try_enable's answer put the model in the mode."""
+    return bool(info) and "off" not in info
 
 
 def is_enabled(model) -> bool:
@@ -382,17 +426,15 @@ FORMAT = 1
 
 
 def _path(key: str):
-    return costs.cache_root().parent / "invariant" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return costs.cache_file("invariant", key)
 
 
 def _read(key: str | None) -> dict | None:
-    if key is None:
+    """The cached calibration record ({"linear_min_rows", "self_check"}), or None."""
+    data = None if key is None else costs.read_json(_path(key), key)
+    if data is None or data.get("format") != FORMAT or "linear_min_rows" not in data:
         return None
-    try:
-        data = json.loads(_path(key).read_text())
-        return data if data.get("key") == key and data.get("format") == FORMAT else None
-    except (OSError, ValueError):
-        return None
+    return {"linear_min_rows": data["linear_min_rows"], "self_check": data.get("self_check")}
 
 
 def _write(key: str | None, info: dict) -> None:

@@ -67,10 +67,11 @@ def choose(model: torch.nn.Module, source: str, dtype: str, device: str, draftin
     (cached per model/dtype/device/threads/CPU by hdcli.engine.costs; measured here when missing),
     and leave the model in the winner. invariant "auto"/"on": each set is measured in the
     M-invariant forward (engine/invariant.py) where it holds there, and a set where it holds wins
-    over one where it does not. Returns (choice, {kernels: curve}, the winner's invariant info or
-    None)."""
+    over one where it does not. Where everything is cached the model is set up once, for the
+    winner. Returns (choice, {kernels: curve}, the winner's invariant info or None)."""
     from . import costs, invariant as inv
-    curves, infos = {}, {}
+    keys = {k: costs.curve_key(source, dtype, device, k) for k in ("torch", "onednn")}
+    state = {"kernels": "torch"}  # what the model is in now
 
     def setup(k: str) -> dict | None:
         inv.disable(model)
@@ -78,23 +79,26 @@ def choose(model: torch.nn.Module, source: str, dtype: str, device: str, draftin
             pack(model)
         elif k == "torch" and is_packed(model):
             unpack(model)
-        if invariant == "off":
-            return None
-        try:
-            return inv.enable(model, cache_key=costs.curve_key(source, dtype, device, k))
-        except inv.NotInvariant as exc:
-            return {"off": str(exc)}
+        state["kernels"] = k
+        return inv.try_enable(model, invariant, keys[k])
 
-    for k in ("torch", "onednn"):
-        infos[k] = setup(k)
-        on = bool(infos[k]) and "off" not in infos[k]
-        curves[k] = costs.cached_curve(costs.curve_key(source, dtype, device, k, on), model, quiet=quiet,
+    curves, infos = {}, {}
+    for k in keys:
+        info = None if invariant == "off" else inv.cached_info(keys[k])
+        known = invariant == "off" or info is not None
+        curve = costs.cached_curve(costs.curve_key(source, dtype, device, k, inv.holds(info)), None,
+                                   measure_missing=False) if known else None
+        if curve is None:  # measure it, the model set up in this kernel set
+            info = setup(k)
+            on = inv.holds(info)
+            curve = costs.cached_curve(costs.curve_key(source, dtype, device, k, on), model, quiet=quiet,
                                        desc=f"measuring {'M-invariant ' if on else ''}{k} kernels ({dtype})")
+        curves[k], infos[k] = curve, info
 
     def rank(k):
-        return (invariant != "off" and "off" in (infos[k] or {"off": 1}), score(curves[k], drafting))
+        return (invariant != "off" and not inv.holds(infos[k]), score(curves[k], drafting))
     best = min(curves, key=rank)
-    if best != "onednn":
+    if state["kernels"] != best or not inv.is_enabled(model) and inv.holds(infos[best]):
         infos[best] = setup(best)
     return best, curves, infos[best]
 

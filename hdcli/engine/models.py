@@ -132,7 +132,7 @@ def dtype_choice_file(name: str, kernels: str = "auto", drafting: bool = True, i
     """(key, path) of the cached `--dtype auto` choice for a model on this machine."""
     from . import costs
     key = costs.curve_key(f"{resolve(name)[1]}|drafting={drafting}", "auto", "cpu", kernels, invariant != "off")
-    return key, costs.cache_root().parent / "dtype" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    return key, costs.cache_file("dtype", key)
 
 
 def _fastest_exact(name: str, kernels: str, drafting: bool, quiet: bool, invariant: str) -> LoadedModel:
@@ -140,18 +140,17 @@ def _fastest_exact(name: str, kernels: str, drafting: bool, quiet: bool, invaria
     its chosen kernels in the M-invariant forward, the score the kernel choice uses) among those
     where the M-invariant forward holds, so that the default is both exact and fast. Measured
     once per model and machine (loading the model in both dtypes) and cached beside the curves."""
-    import json
     from . import costs, kernels as kern
     key, path = dtype_choice_file(name, kernels, drafting, invariant)
+    known = costs.read_json(path, key)
     try:
-        known = json.loads(path.read_text())
-        if known.get("key") == key and time.time() - known["measured_at"] < DTYPE_CHOICE_MAX_AGE_DAYS * 86400:
+        if known and time.time() - known["measured_at"] < DTYPE_CHOICE_MAX_AGE_DAYS * 86400:
             lm = load(name, dtype=known["dtype"], device="cpu", kernels=kernels, drafting=drafting,
                       quiet=quiet, invariant=invariant)
             if lm.invariant or not known["candidates"][known["dtype"]]["invariant"]:
                 lm.info["dtype_choice"] = known
                 return lm
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):  # a record of another shape: measure again
         pass
     candidates, loaded = {}, {}
     for dt in ("bf16", "fp32"):
@@ -347,7 +346,7 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     (hdcli/engine/invariant.py) where it holds on this machine, "on" refuses to load where it does
     not, "off" keeps the stock forward. Raises HdError."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from . import kernels as kern
+    from . import costs, invariant as inv, kernels as kern
     dev = resolve_device(device)
     if invariant not in INVARIANT:
         raise HdError(f"--invariant must be one of {', '.join(INVARIANT)}, not '{invariant}'")
@@ -387,10 +386,10 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     else:
         if kn == "onednn":
             kern.pack(model)
-        inv_info = _invariant(model, invariant, source, dt, dev, kn)
+        inv_info = inv.try_enable(model, invariant, costs.curve_key(source, dt, dev, kn))
     if inv_info is not None:
         info["invariant"] = inv_info
-    on = bool(inv_info) and "off" not in inv_info
+    on = inv.holds(inv_info)
     if invariant == "on" and not on:
         raise HdError(f"--invariant on: the M-invariant forward does not hold for {name} in {dt} with "
                       f"{kn} kernels here ({inv_info['off']}); use --invariant off or another --dtype/--kernels")
@@ -398,14 +397,3 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                        load_seconds=time.perf_counter() - t0, kernels=kn, from_cache=from_cache,
                        info=info, invariant=on)
 
-
-def _invariant(model, mode: str, source: str, dtype: str, device: str, kernels: str) -> dict | None:
-    """The M-invariant forward for a model whose kernels are set: its info, {"off": why} where it
-    does not hold, None when not asked for."""
-    from . import costs, invariant
-    if mode == "off":
-        return None
-    try:
-        return invariant.enable(model, cache_key=costs.curve_key(source, dtype, device, kernels))
-    except invariant.NotInvariant as exc:
-        return {"off": str(exc)}

@@ -10,7 +10,7 @@ The forward over a tree feeds every node at once, at position (cache length + de
 attention mask that lets a node see the whole cache, its ancestors and itself, nothing else. Each
 node's logits are then the logits of its path run alone (tests/test_tree.py checks this).
 Sliding-window layers (Gemma 2/3, Mistral) get their own mask: a node at position p sees only the
-cached keys at positions > p - window, as it would in a chain; models mixing both kinds of layers
+keys at positions > p - window, cached ones and its own ancestors alike, as it would in a chain; models mixing both kinds of layers
 take the two masks as a dict keyed by layer type, the form transformers' own mask mapping has.
 
 Cost cap. Each node gets an estimate of the probability that the target accepts it: along a

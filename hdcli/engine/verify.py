@@ -87,7 +87,7 @@ def accept_chain(logits: torch.Tensor, draft, s: Sampling, gen: torch.Generator 
 def _to_host(*rows: torch.Tensor) -> list[list[float]]:
     """Small per-node values in one device->host transfer: on a GPU each float(t) would wait for
     the device, once per node; this waits once per step."""
-    return torch.stack([r.float() for r in rows]).tolist() if rows[0].numel() else [[] for _ in rows]
+    return torch.stack([r.float() for r in rows]).tolist()
 
 
 def _uniforms(n: int, gen: torch.Generator | None, device) -> torch.Tensor:
@@ -98,9 +98,8 @@ def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=gen))  # multinomial normalises p itself
 
 
-def accept_tree(logits: torch.Tensor, children: list[list[int]], tokens: list[int], s: Sampling,
-                gen: torch.Generator | None) -> tuple[list[int], int]:
-    """Verify a token tree (hdcli.engine.tree.Tree's children/tokens). logits [nodes, V]: row i is the
+def accept_tree(logits: torch.Tensor, tree, s: Sampling, gen: torch.Generator | None) -> tuple[list[int], int]:
+    """Verify a token tree (hdcli.engine.tree.Tree). logits [nodes, V]: row i is the
     target's prediction for the token after node i's path. Walk from the root: at each node the
     target draws its token (greedy: argmax; sampling: the point-mass rule over the node's children
     tried in order, then the residual); follow the child that holds it, stop where none does.
@@ -110,6 +109,7 @@ def accept_tree(logits: torch.Tensor, children: list[list[int]], tokens: list[in
     transfer. The point-mass rule after rejected siblings of mass R renormalises p to p / (1 - R),
     so "u < p(x) / (1 - R)" is tested as "u * (1 - R) < p(x)"; only the residual draw at the last
     node touches the device again."""
+    children, tokens = tree.children, tree.tokens
     path: list[int] = []
     node = 0
     if s.greedy:
@@ -121,11 +121,7 @@ def accept_tree(logits: torch.Tensor, children: list[list[int]], tokens: list[in
             path.append(nxt)
             node = nxt
     probs = target_probs(logits, s)
-    parent = [0] * len(tokens)
-    for p_node, kids in enumerate(children):
-        for c in kids:
-            parent[c] = p_node
-    rows = torch.tensor(parent[1:], dtype=torch.long, device=probs.device)
+    rows = torch.tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
     cols = torch.tensor(tokens[1:], dtype=torch.long, device=probs.device)
     p_child, u = _to_host(probs[rows, cols], _uniforms(len(tokens) - 1, gen, probs.device))
     while True:
