@@ -4,6 +4,7 @@
     runner.py      methods (hd's and the peers'), interleaved runs, the summary and saved answers
     report.py      the tables and the speedup chart; a saved run read back
     baselines.py   transformers' own generate() on the stock model: what users run today
+    llamacpp.py    llama.cpp on the same GGUF (llama-cpp-python, optional): the CPU yardstick
 """
 from .runner import (METHOD_HELP, METHODS, HfGenerate, Runner, Turn, check_methods, default_methods,
                      machine, make_runners, method_config, run, run_question, save, summarize)

@@ -11,6 +11,13 @@ from ..drafting import registry
 from ..errors import HdError
 from . import specbench
 
+# speedup keys of the summary beside `speedup` (over ar), where their baseline ran: (key, label)
+BASES = (("speedup_over_hf_ar", "hf-ar"), ("speedup_over_llama_cpp", "llama-cpp"))
+
+
+def _bases(methods: dict) -> list[tuple[str, str]]:
+    return [(k, b) for k, b in BASES if any(k in f["overall"] for f in methods.values())]
+
 
 def short_name(layer: str) -> str:
     """A layer's label in 80-column tables (peers' and 'stats:NAME' layers as named)."""
@@ -33,15 +40,16 @@ def load(run_dir: Path) -> dict:
 
 
 def tables(report: dict) -> Table:
-    """The overall table, then speedup per category per method, over ar and over hf-ar."""
+    """The overall table, then speedup per category per method, over ar and the baselines that ran."""
     meta, methods = report, report["methods"]
-    hf = any("speedup_over_hf_ar" in f["overall"] for f in methods.values())
+    bases = _bases(methods)
     t = Table(title=f"Spec-Bench · {meta['model']} · {meta['dtype']} · {meta['device']} · "
                     f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens",
               caption="acc: mean accepted tokens per step · out: share of step time outside the "
                       "target's forward · differ: answers unlike ar's",
               box=box.SIMPLE_HEAD, pad_edge=False)
-    cols = ["method", "vs ar"] + ["vs hf-ar"] * hf + ["tok/s", "acc", "out", "differ", "accepted by layer"]
+    cols = ["method", "vs ar"] + [f"vs {b}" for _, b in bases] + ["tok/s", "acc", "out", "differ",
+                                                                "accepted by layer"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right",
                      no_wrap=col == "method")
@@ -50,14 +58,14 @@ def tables(report: dict) -> Table:
         differ = (f"{o['differ_from_ar']}/{o['questions']}" if "differ_from_ar" in o else "n/a (sampling)")
         share = " ".join(f"{short_name(k)}:{v['share_of_accepted']:.0%}"
                          for k, v in o["layers"].items() if v["accepted"])
-        t.add_row(m, f"{o['speedup']:.2f}x", *([f"{o['speedup_over_hf_ar']:.2f}x"] if hf else []),
+        t.add_row(m, f"{o['speedup']:.2f}x", *[f"{o[k]:.2f}x" for k, _ in bases],
                   f"{o['tokens_per_second']:.1f}",
                   "-" if o["mean_accepted_tokens"] is None else f"{o['mean_accepted_tokens']:.2f}",
                   "-" if o["overhead_share"] is None else f"{o['overhead_share']:.1%}", differ, share)
     cats = list(next(iter(methods.values()))["categories"])
     grid = Table.grid()
     grid.add_row(t)
-    for key, base in [("speedup", "ar")] + [("speedup_over_hf_ar", "hf-ar")] * hf:
+    for key, base in [("speedup", "ar")] + bases:
         c = Table(title=f"speedup over {base} by category", box=box.SIMPLE_HEAD, pad_edge=False)
         c.add_column("method")
         for cat in cats:
@@ -69,15 +77,15 @@ def tables(report: dict) -> Table:
 
 
 def chart(report: dict, path: Path) -> None:
-    """Grouped bars: speedup per category (and overall) per method, over ar and over hf-ar."""
+    """Grouped bars per category (and overall) per method: speedup over ar, over hf-ar and over
+    llama-cpp where they ran, and tokens per second."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     meta, methods = report, report["methods"]
     cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
-    panels = [("speedup", "ar")]
-    if any("speedup_over_hf_ar" in f["overall"] for f in methods.values()):
-        panels.append(("speedup_over_hf_ar", "hf-ar (transformers' generate, stock model)"))
+    names = {"hf-ar": "hf-ar (transformers' generate, stock model)", "llama-cpp": "llama-cpp (same GGUF)"}
+    panels = [("speedup", "ar")] + [(k, names[b]) for k, b in _bases(methods)] + [("tokens_per_second", None)]
     width = 0.8 / len(methods)
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.4 * len(cats)), 4.2 * len(panels)),
                              squeeze=False)
@@ -85,11 +93,13 @@ def chart(report: dict, path: Path) -> None:
         for i, (m, f) in enumerate(methods.items()):
             vals = [f["categories"][c][key] if c != "overall" else f["overall"][key] for c in cats]
             ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
-        ax.axhline(1.0, color="black", linewidth=0.8)
+        if base is not None:
+            ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
-        ax.set_ylabel(f"speedup over {base.split(' ')[0]}")
+        ax.set_ylabel(f"speedup over {base.split(' ')[0]}" if base else "tokens / s")
         ax.set_title(f"Spec-Bench, {meta['model']} ({meta['dtype']}, {meta['device']}), "
-                     f"{meta['max_new_tokens']} new tokens: speedup over {base}", fontsize=10)
+                     f"{meta['max_new_tokens']} new tokens: "
+                     + (f"speedup over {base}" if base else "tokens per second"), fontsize=10)
         ax.legend(fontsize=8, ncol=min(len(methods), 5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -48,7 +48,9 @@ def _db_methods() -> dict[str, dict]:
 
 
 DB_METHODS = _db_methods()
-PEERS = ("hf-ar", "hf-pld", "suffix")
+PEERS = ("hf-ar", "hf-pld", "suffix", "llama-cpp")
+# baselines every method's speed is also given against, where they ran: summary key suffix
+BASELINES = {"hf-ar": "hf_ar", "llama-cpp": "llama_cpp"}
 METHODS = tuple(DB_METHODS) + PEERS
 METHOD_HELP = {
     "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
@@ -63,14 +65,23 @@ METHOD_HELP = {
     "hf-ar": "transformers' generate, greedy, on the stock model (torch's kernels): what users run today",
     "hf-pld": "transformers' generate(prompt_lookup_num_tokens=10) on the stock model",
     "suffix": "SuffixDecoding (arctic-inference, vLLM's suffix method) drafts, verified by hd",
+    "llama-cpp": "llama.cpp (llama-cpp-python, optional) on the same GGUF, plain greedy, same prompt ids",
 }
 
 
 def default_methods(cfg: DecodingConfig) -> list[str]:
-    """ar and hf-ar, each layer alone whose DB is given, hd, hf-pld, and suffix where installed."""
+    """ar and hf-ar, each layer alone whose DB is given, hd, hf-pld, suffix where installed, and
+    llama-cpp where installed and the model is a GGUF file."""
     from ..drafting import suffix
+    from ..engine import models
+    from . import llamacpp
     single = [n for n, spec in registry.LAYERS.items() if spec.bench_default and not spec.missing(cfg)]
-    return ["ar", "hf-ar"] + single + ["hd", "hf-pld"] + ["suffix"] * suffix.available()
+    try:
+        gguf = models.resolve(cfg.model)[0] == "gguf"
+    except HdError:
+        gguf = False
+    return (["ar", "hf-ar"] + single + ["hd", "hf-pld"] + ["suffix"] * suffix.available()
+            + ["llama-cpp"] * (gguf and llamacpp.available()))
 
 
 @dataclass
@@ -119,6 +130,20 @@ class HfGenerate(Runner):
                     wall_time=wall, accept_lengths=[])
 
 
+class LlamaCpp(Runner):
+    """llama.cpp on the same GGUF (hdcli/bench/llamacpp.py): the CPU yardstick."""
+
+    def __init__(self, name: str, lm):
+        from .llamacpp import LlamaCppModel
+        super().__init__(name, lm)
+        self.llama = LlamaCppModel(lm)
+
+    def answer(self, prompt_ids, max_new_tokens, sampling, seed):
+        tokens, wall = self.llama.answer(prompt_ids, max_new_tokens, sampling, seed)
+        return Turn(text=self.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
+                    wall_time=wall, accept_lengths=[])
+
+
 def check_methods(names) -> None:
     """Known names, `ar` among them (checked before the model is loaded, and again here)."""
     unknown = [m for m in names if m not in METHODS]
@@ -149,6 +174,8 @@ def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
             from ..drafting import suffix
             cache = suffix.new_cache()  # one per run: its global tree learns across the questions
             runners[name] = Runner(name, lm, lambda cache=cache: suffix.SuffixDrafter(cache), capped=False)
+        elif name == "llama-cpp":
+            runners[name] = LlamaCpp(name, lm)
         elif name == "ar":
             runners[name] = Runner(name, lm)
         else:
@@ -210,7 +237,7 @@ def summarize(results: dict, greedy: bool = True) -> dict:
     order = {c: i for i, c in enumerate(specbench.CATEGORIES)}
     cats = sorted({q["category"] for q, _ in base}, key=lambda c: (order.get(c, len(order)), c))
 
-    hf = results.get("hf-ar")  # transformers' generate on the stock model, when it ran
+    bases = {m: results[m] for m in BASELINES if m in results}  # hf-ar, llama-cpp: where they ran
 
     def tps_of(rows) -> list[float]:
         return [sum(len(t.tokens) for t in turns) / sum(t.wall_time for t in turns) for _, turns in rows]
@@ -242,16 +269,17 @@ def summarize(results: dict, greedy: bool = True) -> dict:
                "new_tokens": sum(len(t.tokens) for _, turns in rows for t in turns),
                "overhead_share": over / (over + fwd) if fwd else None,
                "layers": layers}
-        if hf is not None:
-            hf_rows = [(q, turns) for q, turns in hf if keep(q)]
-            out["speedup_over_hf_ar"] = statistics.mean(tps) / statistics.mean(tps_of(hf_rows))
         if greedy:
             out["differ_from_ar"] = sum(d is not None for d in diffs)
             out["first_differences"] = [d for d in diffs if d is not None]
-            if hf is not None:
-                hf_diffs = [_first_difference(turns, r) for (_, turns), (_, r) in zip(rows, hf_rows)]
-                out["differ_from_hf_ar"] = sum(d is not None for d in hf_diffs)
-                out["first_differences_from_hf_ar"] = [d for d in hf_diffs if d is not None]
+        for b, rows_b in bases.items():
+            key = BASELINES[b]
+            b_rows = [(q, turns) for q, turns in rows_b if keep(q)]
+            out[f"speedup_over_{key}"] = statistics.mean(tps) / statistics.mean(tps_of(b_rows))
+            if greedy:
+                b_diffs = [_first_difference(turns, r) for (_, turns), (_, r) in zip(rows, b_rows)]
+                out[f"differ_from_{key}"] = sum(d is not None for d in b_diffs)
+                out[f"first_differences_from_{key}"] = [d for d in b_diffs if d is not None]
         return out
 
     summary = {}
