@@ -439,7 +439,7 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
                         progress)
     summary = bench.summarize(results, greedy=cfg.sampling.greedy)
     meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
-            "kernels": lm.kernels, "data": str(path), "questions": len(questions),
+            "kernels": lm.kernels, "invariant": lm.invariant, "data": str(path), "questions": len(questions),
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
             "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "machine": bench.machine(),
             "kernel_choice": lm.info.get("kernel_choice"), "methods_run": names,

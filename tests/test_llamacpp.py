@@ -83,7 +83,7 @@ def test_llama_cpp_runs_as_a_method_beside_hd(gguf_lm, spec_file, monkeypatch): 
     con = Console(width=200, record=True)
     con.print(report.tables(shown))
     text = con.export_text()
-    assert "vs llama-cpp" in text and "speedup over llama-cpp by category" in text
+    assert "vs lcpp" in text and "speedup over llama-cpp by category" in text
 
 
 def test_llama_cpp_counts_answers_that_differ(gguf_lm, spec_file, monkeypatch):  # noqa: F811

@@ -43,13 +43,16 @@ def tables(report: dict) -> Table:
     """The overall table, then speedup per category per method, over ar and the baselines that ran."""
     meta, methods = report, report["methods"]
     bases = _bases(methods)
-    t = Table(title=f"Spec-Bench · {meta['model']} · {meta['dtype']} · {meta['device']} · "
+    exact = " (M-invariant)" if meta.get("invariant") else ""
+    t = Table(title=f"Spec-Bench · {meta['model']} · {meta['dtype']}{exact} · {meta['device']} · "
                     f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens",
               caption="acc: mean accepted tokens per step · out: share of step time outside the "
-                      "target's forward · differ: answers unlike ar's",
+                      "target's forward · differ: answers unlike ar's"
+                      + (" · lcpp: llama-cpp" if any(b == "llama-cpp" for _, b in bases) else ""),
               box=box.SIMPLE_HEAD, pad_edge=False)
-    cols = ["method", "vs ar"] + [f"vs {b}" for _, b in bases] + ["tok/s", "acc", "out", "differ",
-                                                                "accepted by layer"]
+    short = {"hf-ar": "vs hf-ar", "llama-cpp": "vs lcpp"}  # 80 columns: llama-cpp as lcpp
+    cols = ["method", "vs ar"] + [short[b] for _, b in bases] + ["tok/s", "acc", "out", "differ",
+                                                                  "accepted by layer"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right",
                      no_wrap=col == "method")
