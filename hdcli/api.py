@@ -448,9 +448,7 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
         from .drafting import suffix
         meta["suffix"] = suffix.SuffixDrafter(None).settings()
     if "llama-cpp" in names:
-        from .bench import llamacpp
-        meta["llama_cpp"] = {"version": llamacpp.version(), "threads": runners["llama-cpp"].llama.threads,
-                             "n_ctx": runners["llama-cpp"].llama.n_ctx}
+        meta["llama_cpp"] = runners["llama-cpp"].llama.settings()
     if out_dir is not None:
         bench.save(out_dir, summary, results, meta, lm.name)
         report.chart({**meta, "methods": summary}, out_dir / "speedup.png")

@@ -116,7 +116,7 @@ def test_llama_cpp_refusals_are_one_line(tiny_lm, gguf_lm, monkeypatch):
     assert "llama-cpp-python" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_llama_cpp_refused_through_the_cli(tiny_model_dir, spec_file, monkeypatch):  # noqa: F811
+def test_llama_cpp_refused_through_the_cli(tiny_model_dir, spec_file):  # noqa: F811
     from test_cli import run
     r = run("bench", "spec-bench", "--data", str(spec_file), "--model", str(tiny_model_dir),
             "--methods", "ar,llama-cpp", "-n", "4", "--json")

@@ -65,6 +65,10 @@ class LlamaCppModel:
             raise HdError(f"llama.cpp reads a vocabulary of {self.llm.n_vocab()} tokens from {lm.source}, "
                           f"hd's model has {lm.model.config.vocab_size}: their token ids would not match")
 
+    def settings(self) -> dict:
+        """What a bench run records of it."""
+        return {"version": version(), "threads": self.threads, "n_ctx": self.n_ctx}
+
     def answer(self, prompt_ids, max_new_tokens: int, sampling, seed: int | None) -> tuple[list[int], float]:
         """(new tokens, wall seconds). Greedy: llama.cpp's argmax sampler; no repeat penalty."""
         if len(prompt_ids) + max_new_tokens > self.n_ctx:

@@ -10,13 +10,17 @@ from rich.table import Table
 from ..drafting import registry
 from ..errors import HdError
 from . import specbench
+from .runner import BASELINES
 
-# speedup keys of the summary beside `speedup` (over ar), where their baseline ran: (key, label)
-BASES = (("speedup_over_hf_ar", "hf-ar"), ("speedup_over_llama_cpp", "llama-cpp"))
+# per baseline: its column in 80-column tables, its name in the chart
+LABELS = {"hf-ar": ("vs hf-ar", "hf-ar (transformers' generate, stock model)"),
+          "llama-cpp": ("vs lcpp", "llama-cpp (same GGUF)")}
 
 
 def _bases(methods: dict) -> list[tuple[str, str]]:
-    return [(k, b) for k, b in BASES if any(k in f["overall"] for f in methods.values())]
+    """(summary key, baseline) of the baselines beside `ar` that ran."""
+    keys = [(f"speedup_over_{suffix}", b) for b, suffix in BASELINES.items()]
+    return [(k, b) for k, b in keys if any(k in f["overall"] for f in methods.values())]
 
 
 def short_name(layer: str) -> str:
@@ -50,8 +54,7 @@ def tables(report: dict) -> Table:
                       "target's forward · differ: answers unlike ar's"
                       + (" · lcpp: llama-cpp" if any(b == "llama-cpp" for _, b in bases) else ""),
               box=box.SIMPLE_HEAD, pad_edge=False)
-    short = {"hf-ar": "vs hf-ar", "llama-cpp": "vs lcpp"}  # 80 columns: llama-cpp as lcpp
-    cols = ["method", "vs ar"] + [short[b] for _, b in bases] + ["tok/s", "acc", "out", "differ",
+    cols = ["method", "vs ar"] + [LABELS[b][0] for _, b in bases] + ["tok/s", "acc", "out", "differ",
                                                                   "accepted by layer"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right",
@@ -87,8 +90,7 @@ def chart(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     meta, methods = report, report["methods"]
     cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
-    names = {"hf-ar": "hf-ar (transformers' generate, stock model)", "llama-cpp": "llama-cpp (same GGUF)"}
-    panels = [("speedup", "ar")] + [(k, names[b]) for k, b in _bases(methods)] + [("tokens_per_second", None)]
+    panels = [("speedup", "ar")] + [(k, LABELS[b][1]) for k, b in _bases(methods)] + [("tokens_per_second", None)]
     width = 0.8 / len(methods)
     fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.4 * len(cats)), 4.2 * len(panels)),
                              squeeze=False)

@@ -76,12 +76,14 @@ def default_methods(cfg: DecodingConfig) -> list[str]:
     from ..engine import models
     from . import llamacpp
     single = [n for n, spec in registry.LAYERS.items() if spec.bench_default and not spec.missing(cfg)]
-    try:
-        gguf = models.resolve(cfg.model)[0] == "gguf"
-    except HdError:
-        gguf = False
+    gguf = False
+    if llamacpp.available():
+        try:
+            gguf = models.resolve(cfg.model)[0] == "gguf"
+        except HdError:
+            pass
     return (["ar", "hf-ar"] + single + ["hd", "hf-pld"] + ["suffix"] * suffix.available()
-            + ["llama-cpp"] * (gguf and llamacpp.available()))
+            + ["llama-cpp"] * gguf)
 
 
 @dataclass
@@ -114,6 +116,11 @@ class Runner:
                     forward_seconds=s.forward_seconds,
                     overhead_seconds=s.draft_seconds + s.bookkeeping_seconds)
 
+    def turn(self, tokens: list[int], wall: float) -> Turn:
+        """A baseline's answer from its tokens and wall time (its steps are not exposed)."""
+        return Turn(text=self.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
+                    wall_time=wall, accept_lengths=[])
+
 
 class HfGenerate(Runner):
     """transformers' own generate() on the stock model (torch's kernels), greedy or with its
@@ -124,10 +131,8 @@ class HfGenerate(Runner):
         self.prompt_lookup = prompt_lookup
 
     def answer(self, prompt_ids, max_new_tokens, sampling, seed):
-        tokens, wall = hf_generate(self.lm, prompt_ids, max_new_tokens, sampling, seed,
-                                       prompt_lookup=self.prompt_lookup)
-        return Turn(text=self.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
-                    wall_time=wall, accept_lengths=[])
+        return self.turn(*hf_generate(self.lm, prompt_ids, max_new_tokens, sampling, seed,
+                                      prompt_lookup=self.prompt_lookup))
 
 
 class LlamaCpp(Runner):
@@ -139,9 +144,7 @@ class LlamaCpp(Runner):
         self.llama = LlamaCppModel(lm)
 
     def answer(self, prompt_ids, max_new_tokens, sampling, seed):
-        tokens, wall = self.llama.answer(prompt_ids, max_new_tokens, sampling, seed)
-        return Turn(text=self.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
-                    wall_time=wall, accept_lengths=[])
+        return self.turn(*self.llama.answer(prompt_ids, max_new_tokens, sampling, seed))
 
 
 def check_methods(names) -> None:
