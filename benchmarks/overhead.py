@@ -8,7 +8,8 @@ For the bundled model in one dtype and forward mode, in one process:
   split       torch.profiler over 10 forwards: self time in the GEMM kernels, in every other op,
               and the rest of t1 (Python around the ops);
   fuse        A/B, interleaved: sibling projections (q/k/v, gate/up) as one packed GEMM per group
-              vs one per projection (packed kernels only); rows are checked bit-equal;
+              vs one per projection (packed kernels only); rows are checked bit-equal; and the
+              same calls alone, over 30 layers' worth of random weights (no other op between);
   compile     A/B: torch.compile of every RMSNorm (fixed shapes) vs eager, and the M-invariant
               self-check after it.
 
@@ -124,6 +125,28 @@ def set_fused(model, on: bool) -> None:
                     setattr(module, n, m.original)
 
 
+def fuse_isolated(dtype: torch.dtype, k: int = 576, sizes=((576, 192, 192), (1536, 1536)),
+                  layers: int = 30) -> dict:
+    """ms for one token through every sibling projection of `layers` layers, one packed GEMM per
+    projection vs one per group, the calls back to back (median of 30, interleaved)."""
+    def packed(n):
+        return kernels.PackedLinear(torch.nn.Linear(k, n, bias=False).to(dtype))
+    sep = [[packed(n) for group in sizes for n in group] for _ in range(layers)]
+    fused = [[packed(sum(group)) for group in sizes] for _ in range(layers)]
+    x = torch.randn(1, k).to(dtype)
+    res = {"separate": [], "fused": []}
+    with torch.inference_mode():
+        for i in range(35):
+            for name, mods in (("separate", sep), ("fused", fused)):
+                t = time.perf_counter()
+                for layer in mods:
+                    for lin in layer:
+                        lin(x)
+                if i >= 5:
+                    res[name].append(time.perf_counter() - t)
+    return {f"{name}_ms": statistics.median(v) * 1e3 for name, v in res.items()}
+
+
 def logits(model):
     cache = new_cache(model)
     ids = torch.randint(3, 40000, (1, 78), generator=torch.Generator().manual_seed(0))
@@ -164,7 +187,7 @@ def main():
         set_fused(m, True)
         same = all(torch.equal(a, b) for a, b in zip(before, logits(m)))
         set_fused(m, False)
-        out["fuse"] = {"rows_bit_equal": same, **ab(m, set_fused)}
+        out["fuse"] = {"rows_bit_equal": same, "isolated": fuse_isolated(m.dtype), **ab(m, set_fused)}
         print("fuse", out["fuse"], file=sys.stderr)
     norms = [mod for mod in m.modules() if type(mod).__name__.endswith("RMSNorm")]
     eager = [mod.forward for mod in norms]
