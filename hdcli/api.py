@@ -293,13 +293,13 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
     if remeasure:
         source = models.resolve(model)[1]
         for dt in ("bf16", "fp32") if measured_dtype else (models.resolve_dtype(dtype, dev),):
-            for k in ("torch", "onednn"):
+            for k in kern.candidates(source, dev, dt):
                 for on in (False, True):
                     costs.forget(costs.curve_key(source, dt, dev, k, on))
         models.dtype_choice_file(model, kernels, True, invariant)[1].unlink(missing_ok=True)
     lm = load_model(model, dtype=dtype, device=dev, kernels=kernels, quiet=quiet, invariant=invariant)
     dt = lm.dtype
-    kn = kern.resolve(kernels, dev, dt)
+    kn = kern.resolve(kernels, dev, dt, lm.source)
     if kn == "measure":
         choice = lm.info["kernel_choice"]
         curves = lm.info["curves"]

@@ -26,6 +26,8 @@ from .db.stores import check_output_path
 from .drafting import registry
 from .errors import HdError
 
+KERNELS_HELP = ("auto|onednn|torch|int4: auto keeps whichever of torch's, oneDNN-packed and (a GGUF's "
+                "4-bit layers in bf16) int4 kernels measures fastest here (hd costs; docs/dtype.md).")
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="hd: lossless speculative decoding from a hierarchy of drafting sources.")
 
@@ -169,8 +171,7 @@ def generate(
     plan: Optional[Path] = typer.Option(None, "--plan", help="Use the hierarchy chosen by `hd plan`."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
-    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
-                                "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
+    kernels: str = typer.Option("auto", help=KERNELS_HELP),
     invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     compare: bool = typer.Option(False, help="Also run plain decoding and report speedup and identity."),
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object to stdout, nothing else."),
@@ -259,7 +260,7 @@ def costs_cmd(
     ch = rep["choice"]
     if ch:
         con.print(f"kept: [bold]{ch['chosen']}[/bold] (* above), lower {ch['by']}: " +
-                  ", ".join(f"{k} {ch[k]['score_ms']:.1f} ms" for k in ("torch", "onednn")))
+                  ", ".join(f"{k} {ch[k]['score_ms']:.1f} ms" for k in ch if k not in ("chosen", "by")))
     if rep.get("dtype_choice"):
         con.print("--dtype auto: " + api.dtype_choice_line(rep["dtype_choice"]))
     con.print("M-invariant forward: " + ("on (verified rows bit-equal one-token rows)" if rep["invariant"] else "off"))
@@ -402,8 +403,7 @@ def build_model_db(
     dtype: str = typer.Option("bf16", help="Sampling needs no bit-exactness, so the fast dtype "
                               "is the default here (fp16/fp32/auto also work)."),
     device: str = typer.Option("auto"),
-    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
-                                "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
+    kernels: str = typer.Option("auto", help=KERNELS_HELP),
     invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     overwrite: bool = typer.Option(False),
     as_json: bool = typer.Option(False, "--json"),
@@ -544,8 +544,7 @@ def plan_cmd(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per measured run."),
     dtype: str = typer.Option("auto"),
     device: str = typer.Option("auto"),
-    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
-                                "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
+    kernels: str = typer.Option("auto", help=KERNELS_HELP),
     invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     out_path: Optional[Path] = typer.Option(None, "--out", help="Save the chosen plan (for hd generate --plan)."),
     as_json: bool = typer.Option(False, "--json"),
@@ -596,8 +595,7 @@ def bench_spec_bench(
     model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("auto", help="auto|cpu|cuda."),
-    kernels: str = typer.Option("auto", help="auto|onednn|torch: auto keeps whichever of torch's "
-                                "and oneDNN-packed kernels measures faster here (hd costs; docs/dtype.md)."),
+    kernels: str = typer.Option("auto", help=KERNELS_HELP),
     invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json, answers/<method>.jsonl "
                                            "(Spec-Bench's answer schema) and speedup.png here."),

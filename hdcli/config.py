@@ -42,7 +42,7 @@ class DecodingConfig:
     model: str = DEFAULT_MODEL          # bundled name, .gguf file, model folder or Hugging Face id
     dtype: str = "auto"                 # auto|bf16|fp16|fp32
     device: str = "auto"                # auto|cpu|cuda
-    kernels: str = "auto"               # auto|onednn|torch (CPU)
+    kernels: str = "auto"               # auto|onednn|torch|int4 (CPU)
     invariant: str = "auto"             # auto|on|off: the M-invariant forward (engine/invariant.py)
     # the database hierarchy
     layers: list[str] | None = None     # most local first; [] = plain decoding; None = default

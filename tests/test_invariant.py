@@ -1,7 +1,7 @@
 """The M-invariant forward (hdcli/engine/invariant.py): every row of a k-token verification
 forward is bit-identical (torch.equal) to the same token's one-token forward, for chains of every
-width hd sends and for token trees, after a cached prefix, in fp32 and bf16, on a tiny llama and a
-tiny Gemma 3 past its sliding window; and greedy output in bf16 equals plain decoding on real
+width hd sends and for token trees, after a cached prefix, in fp32 and bf16 (and bf16 with 4-bit
+weights, the int4 kernel set), on a tiny llama and a tiny Gemma 3 past its sliding window; and greedy output in bf16 equals plain decoding on real
 questions.
 
 That these tests can fail: `test_the_stock_forward_is_not_invariant` runs the same per-row check
@@ -38,10 +38,13 @@ def tiny_gemma3(dtype, head_dim: int = 16):
 
 def build(name: str, dtype, kern: str):
     model = tiny_llama(V, hidden=64, scale=4.0).to(dtype) if name == "llama" else tiny_gemma3(dtype)
-    if kern == "onednn":
+    if kern in ("onednn", "int4"):
         if not kernels.available():
             pytest.skip("torch without oneDNN")
         kernels.pack(model)
+    if kern == "int4":
+        from test_int4 import to_int4
+        to_int4(model)
     return model
 
 
@@ -66,7 +69,7 @@ def rows_vs_one_token(model, tree: Tree, prefix: list[int]) -> list[bool]:
 
 
 CASES = [("llama", torch.float32, "onednn"), ("llama", torch.float32, "torch"),
-         ("llama", torch.bfloat16, "onednn"), ("gemma3", torch.float32, "torch"),
+         ("llama", torch.bfloat16, "onednn"), ("llama", torch.bfloat16, "int4"), ("gemma3", torch.float32, "torch"),
          ("gemma3", torch.bfloat16, "torch")]
 
 

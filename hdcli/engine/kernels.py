@@ -29,7 +29,7 @@ import torch
 from ..errors import HdError
 
 PACK_ROWS = 8       # the row count oneDNN tunes the layout for; a decode step verifies ~1-16 rows
-KERNELS = ("auto", "onednn", "torch")
+KERNELS = ("auto", "onednn", "torch", "int4")
 
 
 def available() -> bool:
@@ -39,7 +39,19 @@ def available() -> bool:
             and hasattr(ops, "_linear_pointwise"))
 
 
-def resolve(kernels: str, device: str, dtype: str) -> str:
+def int4_usable(source: str | None, device: str, dtype: str) -> bool:
+    """The int4 set (hdcli/engine/int4.py) can be tried: a GGUF model on CPU in bf16."""
+    from . import int4
+    return (device == "cpu" and dtype == "bf16" and available() and int4.available()
+            and str(source or "").endswith(".gguf"))
+
+
+def candidates(source: str | None, device: str, dtype: str) -> tuple[str, ...]:
+    """The kernel sets `auto` measures for a model."""
+    return ("torch", "onednn") + (("int4",) if int4_usable(source, device, dtype) else ())
+
+
+def resolve(kernels: str, device: str, dtype: str, source: str | None = None) -> str:
     """`auto`: "measure" (choose() decides) on CPU in fp32/bf16 where oneDNN packing is
     available, else torch's own kernels."""
     if kernels not in KERNELS:
@@ -48,6 +60,9 @@ def resolve(kernels: str, device: str, dtype: str) -> str:
     if kernels == "onednn" and not usable:
         raise HdError("--kernels onednn needs a CPU model in fp32 or bf16 and a torch built with "
                       "oneDNN; use --kernels torch")
+    if kernels == "int4" and not int4_usable(source, device, dtype):
+        raise HdError("--kernels int4 needs a .gguf model with Q4_0/Q4_1 weights, --dtype bf16 on CPU "
+                      "and a torch with the int4 CPU kernel; use --kernels auto")
     if kernels == "auto":
         return "measure" if usable else "torch"
     return kernels
@@ -61,24 +76,41 @@ def score(curve, drafting: bool = True) -> float:
     return sum(curve.seconds(w) for w in (SCORE_WIDTHS if drafting else SCORE_WIDTHS[:1]))
 
 
+def setup(model: torch.nn.Module, kernels: str, source: str | None = None) -> None:
+    """Put an unconverted, unpacked-or-packed model into a kernel set, in place: "torch" (nn.Linear),
+    "onednn" (PackedLinear) or "int4" (the GGUF's 4-bit layers as Int4Linear, the rest packed).
+    Raises HdError for int4 when no layer of the GGUF is 4-bit."""
+    from . import int4
+    if int4.is_converted(model):
+        int4.restore(model)
+    if kernels == "torch":
+        if is_packed(model):
+            unpack(model)
+        return
+    if not is_packed(model):
+        pack(model)
+    if kernels == "int4" and int4.convert(model, source)["int4"] == 0:
+        raise HdError(f"--kernels int4: no Linear weight of {source} is Q4_0/Q4_1; use --kernels auto")
+
+
 def choose(model: torch.nn.Module, source: str, dtype: str, device: str, drafting: bool = True,
            quiet: bool = False, invariant: str = "off") -> tuple[str, dict, dict | None]:
-    """Pick torch's or oneDNN's kernels for an unpacked CPU model by their measured cost curves
+    """Pick torch's, oneDNN's or (GGUF 4-bit) int4 kernels for an unpacked CPU model by their measured cost curves
     (cached per model/dtype/device/threads/CPU by hdcli.engine.costs; measured here when missing),
     and leave the model in the winner. invariant "auto"/"on": each set is measured in the
     M-invariant forward (engine/invariant.py) where it holds there, and a set where it holds wins
     over one where it does not. Where everything is cached the model is set up once, for the
     winner. Returns (choice, {kernels: curve}, the winner's invariant info or None)."""
-    from . import costs, invariant as inv
-    keys = {k: costs.curve_key(source, dtype, device, k) for k in ("torch", "onednn")}
+    from . import costs, int4, invariant as inv
+    keys = {k: costs.curve_key(source, dtype, device, k) for k in candidates(source, device, dtype)}
     state = {"kernels": "torch"}  # what the model is in now
 
-    def setup(k: str) -> dict | None:
+    def set_up(k: str) -> dict | None:
         inv.disable(model)
-        if k == "onednn" and not is_packed(model):
-            pack(model)
-        elif k == "torch" and is_packed(model):
-            unpack(model)
+        try:
+            setup(model, k, source)
+        except HdError:     # a GGUF without 4-bit layers: int4 is the oneDNN set, measured as such
+            pass
         state["kernels"] = k
         return inv.try_enable(model, invariant, keys[k])
 
@@ -89,7 +121,7 @@ def choose(model: torch.nn.Module, source: str, dtype: str, device: str, draftin
         curve = costs.cached_curve(costs.curve_key(source, dtype, device, k, inv.holds(info)), None,
                                    measure_missing=False) if known else None
         if curve is None:  # measure it, the model set up in this kernel set
-            info = setup(k)
+            info = set_up(k)
             on = inv.holds(info)
             curve = costs.cached_curve(costs.curve_key(source, dtype, device, k, on), model, quiet=quiet,
                                        desc=f"measuring {'M-invariant ' if on else ''}{k} kernels ({dtype})")
@@ -99,7 +131,8 @@ def choose(model: torch.nn.Module, source: str, dtype: str, device: str, draftin
         return (invariant != "off" and not inv.holds(infos[k]), score(curves[k], drafting))
     best = min(curves, key=rank)
     if state["kernels"] != best or not inv.is_enabled(model) and inv.holds(infos[best]):
-        infos[best] = setup(best)
+        infos[best] = set_up(best)
+    int4.drop_originals(model)   # the winner stays: the bf16 copies int4 kept for restore() go
     return best, curves, infos[best]
 
 

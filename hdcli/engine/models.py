@@ -346,16 +346,16 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     (hdcli/engine/invariant.py) where it holds on this machine, "on" refuses to load where it does
     not, "off" keeps the stock forward. Raises HdError."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from . import costs, invariant as inv, kernels as kern
+    from . import costs, int4, invariant as inv, kernels as kern
     dev = resolve_device(device)
     if invariant not in INVARIANT:
         raise HdError(f"--invariant must be one of {', '.join(INVARIANT)}, not '{invariant}'")
     if dtype == "auto" and dev == "cpu" and invariant != "off" and native_bf16():
         return _fastest_exact(name, kernels, drafting, quiet, invariant)
     dt = resolve_dtype(dtype, dev)
-    kn = kern.resolve(kernels, dev, dt)
     t0 = time.perf_counter()
     kind, source, load_from, from_cache = _local_folder(name)
+    kn = kern.resolve(kernels, dev, dt, source)
     _check_folder(kind, load_from)
     offline = _offline_kwargs(kind)
     try:
@@ -384,8 +384,9 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                                     for k, c in curves.items()}}
         info["curves"] = curves  # CostCurve per kernel set, as measured (hd costs shows them)
     else:
-        if kn == "onednn":
-            kern.pack(model)
+        if kn != "torch":
+            kern.setup(model, kn, source)
+            int4.drop_originals(model)
         inv_info = inv.try_enable(model, invariant, costs.curve_key(source, dt, dev, kn))
     if inv_info is not None:
         info["invariant"] = inv_info

