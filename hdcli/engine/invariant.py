@@ -124,11 +124,24 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
+    _, hq, m, _ = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    return attend(query, key, value, _layout(attention_mask, m, n, hq // hkv, query.device), scaling), None
+
+
+def layout(mask, m: int, n: int, g: int, device) -> _Layout:
+    """Where each of m query rows' keys are among n (mask: additive or bool [.., m, n], None:
+    causal), for g query heads per kv head: derived once per forward, shared by its layers."""
+    return _Layout(_visible(mask, m, n, device), g)
+
+
+def attend(query, key, value, lay: _Layout, scaling) -> torch.Tensor:
+    """The M-invariant attention of query [1, Hq, M, D] over key/value [1, Hkv, N, D] laid out by
+    `lay`. Returns [1, M, Hq, D] in the query's dtype."""
     dtype = query.dtype
     _, hq, m, d = query.shape
-    hkv, n = key.shape[1], key.shape[2]
+    hkv = key.shape[1]
     g = hq // hkv
-    lay = _layout(attention_mask, m, n, g, query.device)
     q = query[0].float().reshape(hkv, g, m, d)                   # q head h = kv head h // g
     k, v = key[0].float(), value[0].float()
     if lay.prefix_only:   # rank of a key = its index: chunks by index, no gather
@@ -136,7 +149,7 @@ def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *
     else:                 # trees, sliding windows: each row's keys gathered in order
         total = _gathered_rows(q, k, v, lay, scaling)
     out = total[..., :d] / total[..., d:]                        # [hkv, m, g, d]
-    return out.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype), None   # head h = kv * g + j
+    return out.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype)   # head h = kv * g + j
 
 
 def _values_with_ones(v: torch.Tensor, n_pad: int) -> torch.Tensor:
@@ -341,6 +354,8 @@ class NotInvariant(Exception):
 
 def disable(model: torch.nn.Module) -> None:
     """Back to the stock forward: Linear layers unpadded, the attention the model had."""
+    from . import lean
+    lean.disable(model)
     for lin in _linears(model):
         _unpad_rows(lin)
     if model.config._attn_implementation == NAME:
@@ -379,6 +394,8 @@ def enable(model: torch.nn.Module, cache_key: str | None = None) -> dict:
         register()
         model._hd_stock_attention = model.config._attn_implementation
         model.set_attn_implementation(NAME)
+        from . import lean
+        lean.enable(model)   # the same ops without transformers' plumbing, where it covers the model
         if record["self_check"] is None:
             record["self_check"], measured = list(self_check(model)), True
         why = _why_not(record)

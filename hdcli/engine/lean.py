@@ -1,0 +1,108 @@
+"""A lean decode forward for llama-family models in the M-invariant mode: the same ops as
+transformers' forward, without the machinery around them.
+
+Why: with 4-bit weights (hdcli/engine/int4.py) the GEMMs of a one-token forward of the bundled
+135M model take ~6.5 ms and the forward ~19 ms; the rest is eager work around them: output
+dataclasses and kwargs plumbing per module, a causal mask built and then decoded back into
+visible keys in each of 30 layers, the attention layout found again per layer. This forward runs
+what a decode step needs (embedding, per layer norm -> q/k/v -> rotary -> cache -> attention ->
+o -> norm -> MLP, final norm, head) as plain calls of the model's own modules and functions, and
+derives the attention layout once per forward.
+
+Same numerics: every op is the one transformers' LlamaModel runs, in the same order and dtype (the
+RMSNorm and rotary modules and `apply_rotary_pos_emb` are transformers' own), so its logits are
+torch.equal to the model's M-invariant forward (tests/test_lean.py); the M-invariant self-check
+runs through it.
+
+Scope (anything else keeps transformers' forward):
+  * LlamaForCausalLM (SmolLM2, Llama 2/3 and kin): no sliding windows, no attention bias kept
+    out of it (biases go through the Linear modules as they are);
+  * forwards of at most invariant.MAX_ROWS tokens on a DynamicCache (decode steps and
+    verifications; prefills and batches keep transformers' forward and SDPA, as in the mode);
+  * input_ids, optional position_ids and an optional additive mask [1, 1, M, N] (token trees).
+
+Invariants
+  * enable() keeps the class forward bound to the model as `_hd_stock_forward`; disable() removes
+    the instance attribute, so the model is again exactly transformers' module.
+  * The cache stays a transformers DynamicCache (update/crop/get_seq_length), so keep_path, crop
+    and everything else that reads it work unchanged.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import invariant
+
+SUPPORTED = ("LlamaForCausalLM",)
+
+
+def supported(model) -> bool:
+    cfg = model.config
+    return (type(model).__name__ in SUPPORTED and not getattr(cfg, "sliding_window", None)
+            and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "mlp_bias", False)
+            and getattr(cfg, "pretraining_tp", 1) == 1)
+
+
+def enable(model) -> bool:
+    """Route the model's small forwards through lean_forward; False where the model is not one
+    this forward covers."""
+    if not supported(model):
+        return False
+    stock = type(model).forward.__get__(model)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=None, **kwargs):
+        if (input_ids is None or kwargs or input_ids.shape[0] != 1 or input_ids.shape[1] > invariant.MAX_ROWS
+                or past_key_values is None or not hasattr(past_key_values, "layers")
+                or (attention_mask is not None and attention_mask.dim() != 4)):
+            return stock(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+        return lean_forward(self, input_ids, past_key_values, position_ids, attention_mask)
+    model.forward = types.MethodType(forward, model)
+    model._hd_stock_forward = stock
+    return True
+
+
+def disable(model) -> None:
+    if "_hd_stock_forward" in model.__dict__:
+        del model.__dict__["forward"]
+        del model.__dict__["_hd_stock_forward"]
+
+
+def is_enabled(model) -> bool:
+    return "_hd_stock_forward" in model.__dict__
+
+
+@torch.inference_mode()
+def lean_forward(model, input_ids, cache, position_ids=None, mask=None):
+    """Logits [1, M, V] of M tokens on `cache` (which grows by them), M <= invariant.MAX_ROWS."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    base = model.model
+    m = input_ids.shape[1]
+    past = cache.get_seq_length()
+    if position_ids is None:
+        position_ids = torch.arange(past, past + m, device=input_ids.device).unsqueeze(0)
+    x = base.embed_tokens(input_ids)
+    cos, sin = base.rotary_emb(x, position_ids=position_ids)
+    layers = base.layers[: model.config.num_hidden_layers]
+    attn0 = layers[0].self_attn
+    hq, hkv, d = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
+    lay = invariant.layout(mask, m, past + m, hq // hkv, x.device)
+    for layer in layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(1, m, hq, d).transpose(1, 2)
+        k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
+        v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = cache.update(k, v, attn.layer_idx)
+        o = invariant.attend(q, k, v, lay, attn.scaling).reshape(1, m, hq * d)
+        x = x + attn.o_proj(o)
+        h = layer.post_attention_layernorm(x)
+        mlp = layer.mlp
+        x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+    logits = model.lm_head(base.norm(x))
+    return CausalLMOutputWithPast(logits=logits, past_key_values=cache)

@@ -1,0 +1,61 @@
+"""The lean forward (hdcli/engine/lean.py) runs the same ops as transformers' forward in the
+M-invariant mode: its logits are torch.equal to it for a short prefill, a one-token step, a chain
+and a token tree, with each kernel set; it is on exactly where the mode is, for llama models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hdcli.engine import invariant, kernels, lean
+from hdcli.engine.tree import Tree, new_cache, tree_forward
+
+from conftest import tiny_llama
+
+V = 64
+
+
+def steps(model) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, V, (1, 60), generator=g)
+    cache = new_cache(model)
+    out = [model(input_ids=ids[:, :45], past_key_values=cache, use_cache=True).logits,
+           model(input_ids=ids[:, 45:46], past_key_values=cache, use_cache=True).logits,
+           model(input_ids=ids[:, 46:54], past_key_values=cache, use_cache=True).logits]
+    t = Tree()
+    for cand in ([5, 6, 7], [8, 9], [5, 10, 11, 12]):
+        t.add_candidate(cand, "x")
+    out.append(tree_forward(model, t, 13, cache))
+    return out
+
+
+@pytest.mark.parametrize("dtype,kern", [(torch.float32, "torch"), (torch.float32, "onednn"),
+                                        (torch.bfloat16, "onednn"), (torch.bfloat16, "int4")])
+def test_lean_forward_equals_the_transformers_forward_in_the_mode(dtype, kern, tmp_path, monkeypatch):
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    model = tiny_llama(V, hidden=64, scale=4.0).to(dtype)
+    if kern != "torch":
+        if not kernels.available():
+            pytest.skip("torch without oneDNN")
+        kernels.pack(model)
+    if kern == "int4":
+        from test_int4 import to_int4
+        to_int4(model)
+    invariant.enable(model)
+    assert lean.is_enabled(model)
+    with torch.inference_mode():
+        fast = steps(model)
+        lean.disable(model)
+        assert "forward" not in model.__dict__
+        stock = steps(model)
+    for a, b in zip(fast, stock):
+        assert torch.equal(a, b)
+    invariant.disable(model)
+    assert not lean.is_enabled(model)
+
+
+def test_lean_forward_covers_llama_only(tmp_path, monkeypatch):
+    from test_invariant import tiny_gemma3
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    model = tiny_gemma3(torch.float32)
+    invariant.enable(model)
+    assert invariant.is_enabled(model) and not lean.is_enabled(model)
