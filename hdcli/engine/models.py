@@ -130,8 +130,10 @@ DTYPE_CHOICE_MAX_AGE_DAYS = 30  # as the cost curves it is made from
 
 def dtype_choice_file(name: str, kernels: str = "auto", drafting: bool = True, invariant: str = "auto"):
     """(key, path) of the cached `--dtype auto` choice for a model on this machine."""
-    from . import costs
-    key = costs.curve_key(f"{resolve(name)[1]}|drafting={drafting}", "auto", "cpu", kernels, invariant != "off")
+    from . import costs, kernels as kern
+    source = resolve(name)[1]
+    sets = "+".join(kern.candidates(source, "cpu", "bf16"))  # a new kernel set: choose again
+    key = costs.curve_key(f"{source}|drafting={drafting}|sets={sets}", "auto", "cpu", kernels, invariant != "off")
     return key, costs.cache_file("dtype", key)
 
 

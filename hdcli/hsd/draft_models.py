@@ -98,7 +98,10 @@ def load(name: str, target: models.LoadedModel) -> DraftModel:
         else:
             raise HdError(f"unknown self-draft '{name}': use self:layers=K or self:int8")
         return DraftModel(name, m, time.perf_counter() - t0, _count(m))
-    lm = models.load(name, dtype=target.dtype, device=target.device, kernels=target.kernels, invariant="off")
+    kn = target.kernels
+    if kn == "int4" and not kernels.int4_usable(models.resolve(name)[1], target.device, target.dtype):
+        kn = "onednn"   # a draft that is no 4-bit GGUF: the target's other fast set
+    lm = models.load(name, dtype=target.dtype, device=target.device, kernels=kn, invariant="off")
     if not same_tokenizer(lm.tokenizer, target.tokenizer):
         raise HdError(f"draft model '{name}' has another tokenizer than the target '{target.name}': "
                       "a draft must tokenize exactly like its target")
