@@ -166,18 +166,23 @@ def test_a_linear_whose_rows_depend_on_m_is_padded():
 
 
 def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_model_dir):
-    """A broken attention (the stock SDPA under the invariant name) fails the self-check: the mode
-    is refused and the model is left in its stock forward; `--invariant on` is a one-line error."""
+    """A broken attention fails the self-check: the mode is refused and the model is left in its
+    stock forward; `--invariant on` is a one-line error. Broken twice, as each forward calls it:
+    the stock SDPA under the invariant name (transformers' forward) and, for the lean forward, an
+    attention whose rows shift with the number of rows."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from hdcli.engine import models
+    from hdcli.engine import lean, models
     from hdcli.errors import HdError
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(invariant, "attention", sdpa_attention_forward)
+    real = invariant.attend
+    monkeypatch.setattr(invariant, "attend", lambda q, k, v, lay, scaling: real(q, k, v, lay, scaling) + 1e-3 * q.shape[2])
     model = build("llama", torch.float32, "torch")
     with pytest.raises(invariant.NotInvariant, match="self-check"):
         invariant.enable(model)
     assert not invariant.is_enabled(model) and model.config._attn_implementation == "sdpa"
+    assert not lean.is_enabled(model)
     monkeypatch.setattr(invariant, "try_enable", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
     with pytest.raises(HdError, match="--invariant on"):
         models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="torch", invariant="on", quiet=True)
