@@ -45,6 +45,23 @@ def tiny_gemma3(vocab_size: int, seed: int = 0, window: int = 8, scale: float = 
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """What the suite measures (cost curves, calibrations, dtype choices: records keyed by tmp
+    paths) goes to a fresh folder instead of the user's ~/.cache/hdcli. Converted GGUF weights are
+    shared with the user's cache: they hold only the file's weights, and converting takes ~15 s."""
+    from hdcli.engine import models
+    user = models.cache_dir()
+    root = tmp_path_factory.mktemp("hd-cache")
+    for shared in ("converted", "gguf"):
+        (user / shared).mkdir(parents=True, exist_ok=True)
+        (root / shared).symlink_to(user / shared, target_is_directory=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HD_CACHE_DIR", str(root))
+    yield root
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A saved model folder (config.json, safetensors, tokenizer with chat template)."""
