@@ -119,11 +119,23 @@ def test_a_cluster_that_goes_away_leaves_no_output(tiny_model_dir, tmp_path):
                 break
             time.sleep(0.1)
         address = json.loads((tmp_path / "s.json").read_text())["address"]
-        # no worker ever joins: the tasks wait; then the scheduler dies under the client
-        threading.Timer(8.0, sched.kill).start()
+
+        # no worker ever joins: hd's tasks wait; once they are on the scheduler (not after a fixed
+        # time: a slow start would find no scheduler at all), it dies under hd's client
+        def kill_once_tasks_wait():
+            from distributed import Client
+            with Client(address, timeout="20s") as watcher:
+                for _ in range(1200):
+                    if watcher.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)):
+                        break
+                    time.sleep(0.1)
+            sched.kill()
+        killer = threading.Thread(target=kill_once_tasks_wait)
+        killer.start()
         paths = corpus(tmp_path, docs=200)
         p = hd_proc("build-stats", *paths, "-o", tmp_path / "s.lmdb", "-m", str(tiny_model_dir),
                     "--cluster", address, timeout=240)
+        killer.join()
         assert p.returncode == 2 and "nothing was written" in p.stderr and "Traceback" not in p.stderr, \
             p.stderr[-3000:]
         assert not (tmp_path / "s.lmdb").exists()
