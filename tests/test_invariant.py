@@ -189,24 +189,38 @@ def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_m
     AttentionInterface.register(invariant.NAME, invariant.attention)
 
 
-@pytest.mark.bundled
-def test_bf16_greedy_output_equals_plain_on_spec_bench_questions(bundled_lm):
-    """The bundled model in bf16, M-invariant: hd's default drafting equals plain decoding token
-    for token on real questions (without the mode 30 of 39 such answers differed)."""
+def spec_bench_questions(rows: slice) -> list[dict]:
+    """Spec-Bench questions from ../shared (the test is skipped where they are not there)."""
     import json
     from pathlib import Path
-    from hdcli import api
-    from hdcli.config import DecodingConfig
-    kern = "onednn" if kernels.available() else "torch"  # one kernel set: the test needs no choice
-    lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels=kern, quiet=True)
-    assert lm.invariant, lm.info.get("invariant")
     path = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
     if not path.exists():
         pytest.skip("../shared/data/spec_bench/question.jsonl not found")
-    questions = [json.loads(line) for line in path.read_text().splitlines()[:60:20]]
-    cfg = DecodingConfig(max_new_tokens=64)
+    return [json.loads(line) for line in path.read_text().splitlines()[rows]]
+
+
+def assert_spec_equals_plain(lm, questions: list[dict], max_new_tokens: int = 64) -> list:
+    """hd's default drafting equals plain decoding token for token on each question's first turn.
+    Returns the speculative generations."""
+    from hdcli import api
+    from hdcli.config import DecodingConfig
+    cfg = DecodingConfig(max_new_tokens=max_new_tokens)
+    out = []
     for q in questions:
         ids = api.encode_prompt(lm.tokenizer, q["turns"][0])
         spec = api.generate(lm, prompt_ids=ids, config=cfg)
         plain = api.generate(lm, prompt_ids=ids, config=cfg, drafter=None)
         assert spec.tokens == plain.tokens
+        out.append(spec)
+    return out
+
+
+@pytest.mark.bundled
+def test_bf16_greedy_output_equals_plain_on_spec_bench_questions(bundled_lm):
+    """The bundled model in bf16, M-invariant: hd's default drafting equals plain decoding token
+    for token on real questions (without the mode 30 of 39 such answers differed)."""
+    from hdcli import api
+    kern = "onednn" if kernels.available() else "torch"  # one kernel set: the test needs no choice
+    lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels=kern, quiet=True)
+    assert lm.invariant, lm.info.get("invariant")
+    assert_spec_equals_plain(lm, spec_bench_questions(slice(0, 60, 20)))
