@@ -73,58 +73,96 @@ class Decoder:
                  stop_check: Callable[[list[int]], int | None] | None = None,
                  on_tokens: TokenCallback | None = None) -> Generation:
         """stop_check(tokens) may return a length to cut the output at (a stop string was seen)."""
+        s = self.stream(prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens)
+        while not s.done:
+            tree = s.propose()
+            s.accept(tree_forward(self.model, tree, s.history[-1], s.cache))
+        return s.result()
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
+               sampling: Sampling = Sampling(), seed: int | None = None,
+               stop_check: Callable[[list[int]], int | None] | None = None,
+               on_tokens: TokenCallback | None = None, drafter: Drafter | None | str = "own") -> "Stream":
+        """A generation to be stepped by the caller (generate() steps one; a server steps many and
+        verifies their trees in one forward, hdcli/engine/batch.py). The prompt is prefilled here.
+        drafter: this one's own ("own"), or another (one per concurrent stream: drafters keep
+        per-generation state)."""
+        return Stream(self, prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens,
+                      self.drafter if isinstance(drafter, str) else drafter)
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class Stream:
+    """One generation between steps: its cache, history, drafter and output.
+
+    Each step is propose() (draft, merge the candidates into a tree capped by cost and by
+    max_nodes), a forward over the tree that the caller runs (alone: tree_forward; with other
+    streams: batch.forward_many), then accept(logits). Rows of a forward depend only on their own
+    path in the M-invariant mode, so a stream's tokens are the same whatever is verified beside it."""
+
+    @torch.inference_mode()
+    def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], max_new_tokens: int,
+                 sampling: Sampling, seed: int | None, stop_check, on_tokens: TokenCallback | None,
+                 drafter: Drafter | None):
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        gen = None
+        self.decoder, self.drafter = decoder, drafter
+        self.max_new_tokens, self.sampling = max_new_tokens, sampling
+        self.stop_check, self.on_tokens = stop_check, on_tokens
+        self.gen = None
         if not sampling.greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed if seed is not None else torch.seed())
-        stats = RunStats(prompt_tokens=len(prompt_ids))
-        t_start = time.perf_counter()
-        cache = new_cache(self.model)
-        history = [int(t) for t in prompt_ids]
-        if len(history) > 1:
-            self._prefill(history[:-1], cache)
-        stats.prefill_seconds = time.perf_counter() - t_start
-        if self.drafter is not None:
-            self.drafter.reset(history)
-        step = _Step(cache, supports_trees(cache), sampling, gen, stats)
-        out: list[int] = []
-        out_layers: list[str | None] = []
-        stop_reason = "length"
-        while len(out) < max_new_tokens:
-            new, new_layers = self._step(step, history, max_new_tokens - len(out) - 1)
-            for i, t in enumerate(new):
-                if t in self.eos_ids:
-                    new, new_layers, stop_reason = new[:i + 1], new_layers[:i + 1], "eos"
-                    break
-            stats.accept_lengths.append(len(new))
-            history.extend(new)
-            before = len(out)
-            out.extend(new)
-            out_layers.extend(new_layers)
-            stats.bookkeeping_seconds += time.perf_counter() - step.forward_end
-            if stop_check is not None:
-                cut = stop_check(out)
-                if cut is not None:
-                    del out[cut:], out_layers[cut:]
-                    stop_reason = "stop"
-            if on_tokens is not None and len(out) > before:
-                on_tokens(out[before:], out_layers[before:])
-            if stop_reason != "length":
-                break
-            if self.drafter is not None:
-                self.drafter.extend(new)
-        stats.new_tokens = len(out)
-        stats.wall_seconds = time.perf_counter() - t_start
-        return Generation(tokens=out, layers=out_layers, stop_reason=stop_reason, stats=stats)
+            self.gen = torch.Generator(device=decoder.device)
+            self.gen.manual_seed(seed if seed is not None else torch.seed())
+        self.stats = RunStats(prompt_tokens=len(prompt_ids))
+        self.t_start = time.perf_counter()
+        self.cache = new_cache(decoder.model)
+        self.history = [int(t) for t in prompt_ids]
+        if len(self.history) > 1:
+            decoder._prefill(self.history[:-1], self.cache)
+        self.stats.prefill_seconds = time.perf_counter() - self.t_start
+        if drafter is not None:
+            drafter.reset(self.history)
+        self.trees_ok = supports_trees(self.cache)
+        self.out: list[int] = []
+        self.out_layers: list[str | None] = []
+        self.stop_reason = "length"
+        self.done = False
+        self.tree: Tree | None = None
+        self._q_rows = None
+        self._t_drafted = 0.0
 
-    def _step(self, s: "_Step", history: list[int], room: int) -> tuple[list[int], list[str | None]]:
-        """One speculative step: draft at most `room` tokens, verify them all in one forward,
-        keep what the target accepts. Returns the new tokens (the accepted drafted ones, then the
-        target's own) and per token the layer that drafted it (None for the target's).
+    def propose(self, max_nodes: int | None = None) -> Tree:
+        """Draft at most the room left and build this step's tree (root token: history[-1]);
+        max_nodes caps it below the decoder's (a scheduler sharing one forward's rows)."""
+        assert not self.done and self.tree is None, "accept() the last step first"
+        dec, drafter = self.decoder, self.drafter
+        cap = dec.max_nodes if max_nodes is None else min(max_nodes, dec.max_nodes)
+        room = self.max_new_tokens - len(self.out) - 1
+        t0 = time.perf_counter()
+        drafts = drafter.propose(self.history, room, self.stats) if drafter and cap > 0 else []
+        self._q_rows = drafts[0].q if drafts else None
+        if self._q_rows is not None:  # a draft model's sampled chain: verified with its distribution
+            tree = build_tree(drafts[:1], None, None, cap)
+        else:
+            tree = build_tree(drafts, drafter.rate if drafter else None, dec.cost, cap, self.trees_ok)
+        self.stats.draft_seconds += time.perf_counter() - t0
+        self._t_drafted = time.perf_counter()
+        self.tree = tree
+        return tree
+
+    @torch.inference_mode()
+    def accept(self, logits: torch.Tensor) -> list[int]:
+        """Take the forward's logits [nodes, V] over the proposed tree (its nodes now in the cache):
+        keep what the target accepts, crop the rest. Returns the new tokens.
 
         Acceptance (engine/verify.py): greedy keeps the longest path from the root whose every
         token is the target's argmax after its parent, then adds the target's argmax after it.
@@ -132,38 +170,64 @@ class Decoder:
         (a point-mass draft) kept with probability p(x), else p(x) := 0 and renormalise; a draft
         model's chain (x drawn from q) is kept with probability min(1, p(x)/q(x)), else the token
         is drawn from norm(max(0, p - q)). Either way the output has the target's distribution."""
-        drafter, stats = self.drafter, s.stats
-        t0 = time.perf_counter()
-        drafts = drafter.propose(history, room, stats) if drafter else []
-        q_rows = drafts[0].q if drafts else None
-        if q_rows is not None:  # a draft model's sampled chain: verified with its distribution
-            tree = build_tree(drafts[:1], None, None, self.max_nodes)
-        else:
-            tree = build_tree(drafts, drafter.rate if drafter else None, self.cost, self.max_nodes,
-                              s.trees_ok)
-        t1 = time.perf_counter()
-        past = len(history) - 1            # cache length before this step
-        logits = tree_forward(self.model, tree, history[-1], s.cache)
+        tree, history, stats, drafter = self.tree, self.history, self.stats, self.drafter
+        self.tree = None
         t2 = time.perf_counter()
+        stats.forward_seconds += t2 - self._t_drafted
+        past = len(history) - 1            # cache length before this step
         if drafter is not None and getattr(drafter, "records", False):
             # the target's predictions at every node, for layers that recycle them
             drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, logits)
-        if q_rows is not None and not s.sampling.greedy:
-            n, nxt = accept_chain_q(logits, tree.tokens[1:], q_rows, s.sampling, s.gen)
+        if self._q_rows is not None and not self.sampling.greedy:
+            n, nxt = accept_chain_q(logits, tree.tokens[1:], self._q_rows, self.sampling, self.gen)
             path = list(range(1, n + 1))
         else:
-            path, nxt = accept_tree(logits, tree, s.sampling, s.gen)
-        keep_path(s.cache, past, path)     # the root and the accepted path only
+            path, nxt = accept_tree(logits, tree, self.sampling, self.gen)
+        keep_path(self.cache, past, path)     # the root and the accepted path only
         if tree.size():
-            self._record(stats, tree, path)
+            self._record(tree, path)
         stats.tree_sizes.append(tree.size())
-        stats.draft_seconds += t1 - t0
-        stats.forward_seconds += t2 - t1
-        s.forward_end = t2  # the caller's bookkeeping after the step counts from here
-        return [tree.tokens[i] for i in path] + [nxt], [tree.layers[i] for i in path] + [None]
+        new = [tree.tokens[i] for i in path] + [nxt]
+        new_layers = [tree.layers[i] for i in path] + [None]
+        for i, t in enumerate(new):
+            if t in self.decoder.eos_ids:
+                new, new_layers, self.stop_reason = new[:i + 1], new_layers[:i + 1], "eos"
+                break
+        stats.accept_lengths.append(len(new))
+        history.extend(new)
+        out = self.out
+        before = len(out)
+        out.extend(new)
+        self.out_layers.extend(new_layers)
+        stats.bookkeeping_seconds += time.perf_counter() - t2
+        if self.stop_check is not None:
+            cut = self.stop_check(out)
+            if cut is not None:
+                del out[cut:], self.out_layers[cut:]
+                self.stop_reason = "stop"
+        if self.on_tokens is not None and len(out) > before:
+            self.on_tokens(out[before:], self.out_layers[before:])
+        if self.stop_reason != "length":
+            self.done = True
+        else:
+            if drafter is not None:
+                drafter.extend(new)
+            self.done = len(out) >= self.max_new_tokens
+        return out[before:]
 
-    def _record(self, stats: RunStats, tree: Tree, path: list[int]) -> None:
+    def stop(self, reason: str = "cancelled") -> None:
+        """End the generation where it is (a client went away)."""
+        self.stop_reason, self.done, self.tree = reason, True, None
+
+    def result(self) -> Generation:
+        self.stats.new_tokens = len(self.out)
+        self.stats.wall_seconds = time.perf_counter() - self.t_start
+        return Generation(tokens=self.out, layers=self.out_layers, stop_reason=self.stop_reason,
+                          stats=self.stats)
+
+    def _record(self, tree: Tree, path: list[int]) -> None:
         """Per-layer counts of what was sent, kept and which candidate won; feeds `adaptive`."""
+        stats = self.stats
         for name in tree.layers[1:]:
             stats.layer(name).drafted += 1
         for i in path:
@@ -174,22 +238,3 @@ class Decoder:
         self.drafter.observe(tested, accepted)
         if hasattr(self.drafter, "record_target"):
             self.drafter.record_target(tree.size(), len(path))
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-@dataclass
-class _Step:
-    """What every step of one generation shares."""
-    cache: object
-    trees_ok: bool          # the cache can take a tree (else candidates are verified as one chain)
-    sampling: Sampling
-    gen: torch.Generator | None
-    stats: RunStats
-    forward_end: float = 0.0  # when the last step's forward returned

@@ -79,18 +79,37 @@ def is_enabled(model) -> bool:
 def lean_forward(model, input_ids, cache, position_ids=None, mask=None):
     """Logits [1, M, V] of M tokens on `cache` (which grows by them), M <= invariant.MAX_ROWS."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
+    logits = lean_forward_many(model, [(input_ids, cache, position_ids, mask)])[0]
+    return CausalLMOutputWithPast(logits=logits[None], past_key_values=cache)
+
+
+@torch.inference_mode()
+def lean_forward_many(model, parts) -> list[torch.Tensor]:
+    """One forward over several sequences' tokens: parts [(input_ids [1, m], cache, position_ids
+    [1, m] or None, mask [1, 1, m, past + m] or None)], at most invariant.MAX_ROWS rows in all.
+    Returns each part's logits [m, V]; each cache grows by its part's tokens.
+
+    The rows of all parts go through every row-wise op (embedding, norms, rotary, every Linear,
+    the head) together, and each part's attention runs on its own cache and layout: rows of these
+    ops depend only on their own input in the M-invariant mode, so a part's logits are
+    torch.equal to its forward alone (tests/test_batch.py)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     base = model.model
-    m = input_ids.shape[1]
-    past = cache.get_seq_length()
-    if position_ids is None:
-        position_ids = torch.arange(past, past + m, device=input_ids.device).unsqueeze(0)
-    x = base.embed_tokens(input_ids)
-    cos, sin = base.rotary_emb(x, position_ids=position_ids)
+    sizes = [ids.shape[1] for ids, _, _, _ in parts]
+    m = sum(sizes)
+    pasts = [cache.get_seq_length() for _, cache, _, _ in parts]
+    ids = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], 1)
+    device = ids.device
+    pos = [p[2] if p[2] is not None else torch.arange(past, past + k, device=device).unsqueeze(0)
+           for p, past, k in zip(parts, pasts, sizes)]
+    pos = pos[0] if len(parts) == 1 else torch.cat(pos, 1)
+    x = base.embed_tokens(ids)
+    cos, sin = base.rotary_emb(x, position_ids=pos)
     layers = base.layers[: model.config.num_hidden_layers]
     attn0 = layers[0].self_attn
     hq, hkv, d = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
-    lay = invariant.layout(mask, m, past + m, hq // hkv, x.device)
+    lays = [invariant.layout(p[3], k, past + k, hq // hkv, device) for p, past, k in zip(parts, pasts, sizes)]
+    bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(parts))]
     for layer in layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -98,11 +117,18 @@ def lean_forward(model, input_ids, cache, position_ids=None, mask=None):
         k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
         v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k, v = cache.update(k, v, attn.layer_idx)
-        o = invariant.attend(q, k, v, lay, attn.scaling).reshape(1, m, hq * d)
+        if len(parts) == 1:
+            k, v = parts[0][1].update(k, v, attn.layer_idx)
+            o = invariant.attend(q, k, v, lays[0], attn.scaling).reshape(1, m, hq * d)
+        else:
+            outs = []
+            for (_, cache, _, _), lay, (a, b) in zip(parts, lays, bounds):
+                ck, cv = cache.update(k[:, :, a:b], v[:, :, a:b], attn.layer_idx)
+                outs.append(invariant.attend(q[:, :, a:b], ck, cv, lay, attn.scaling).reshape(1, b - a, hq * d))
+            o = torch.cat(outs, 1)
         x = x + attn.o_proj(o)
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
         x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-    logits = model.lm_head(base.norm(x))
-    return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+    logits = model.lm_head(base.norm(x))[0]
+    return [logits[a:b] for a, b in bounds]
