@@ -119,60 +119,95 @@ _DEFAULT_LAYERS_HELP = (", ".join(_ALWAYS) + ", then " +
                         " and ".join(n for n in registry.LAYERS if n not in _ALWAYS) + " when their DBs are given")
 
 
+# Options of a run, shared by `hd generate` and `hd serve` (typer reads each default when it
+# builds a command, so one OptionInfo can serve both).
+_RUN = {
+    "config": typer.Option(None, "--config", help="A run's configuration (JSON): a "
+    "bare one, the --json output of a run (its \"config\"), or "
+    "a plan from `hd plan --out`. Options given here override it."),
+    "model": typer.Option("smollm2-135m", "--model", "-m",
+    help="Bundled name, .gguf file, model folder or Hugging Face id."),
+    "max_new_tokens": typer.Option(256, "--max-new-tokens", "-n"),
+    "temperature": typer.Option(0.0, help="0 = greedy."),
+    "top_p": typer.Option(1.0, "--top-p"),
+    "top_k": typer.Option(0, "--top-k", help="0 = no top-k truncation."),
+    "seed": typer.Option(None, help="Seed for sampling."),
+    "chat": typer.Option(True, "--chat/--raw", help="Apply the model's chat template or not."),
+    "system": typer.Option(None, help="System message for the chat template."),
+    "stop": typer.Option([], "--stop", help="Stop string (repeatable)."),
+    "layers": typer.Option(None, help=f"Drafting layers, most local first, comma-separated "
+    f"({', '.join(registry.names())}); 'none' for plain decoding. "
+    f"Default: {_DEFAULT_LAYERS_HELP}."),
+    "policy": typer.Option(DEFAULT_POLICY, help="How layers share a step: first-hit (first "
+    "layer that matches), fill (slots in layer order), adaptive (by "
+    "each layer's acceptance in this request)."),
+    "candidates": typer.Option(DEFAULT_CANDIDATES, "--candidates", "-C", help="Most "
+    "candidate continuations per step, verified as one token tree "
+    "(1: a single chain)."),
+    "model_db": typer.Option(None, "--model-db", help="Model DB from `hd build-model-db`."),
+    "learn": typer.Option(False, "--learn", help="Add what was generated to the model DB."),
+    "stats_db": typer.Option([], "--stats-db", help="Statistics DB from `hd build-stats` "
+    "(repeatable; asked in the order given)."),
+    "stats_min_prob": typer.Option(None, "--stats-min-prob", help="Least estimated "
+    "probability of a stats/model draft (default 0.2 fp32, 0.1 bf16)."),
+    "stats_min_expected": typer.Option(None, "--stats-min-expected", help="Least "
+    "expected accepted tokens of a stats/model draft "
+    "(default 1.0 fp32, 0 bf16)."),
+    "draft_len": typer.Option("16", "--draft-len", help="Most tokens per candidate: a number, "
+    "or per layer as context=16,model=8,stats=8."),
+    "min_n": typer.Option(None, "--min-n", help="Shortest n-gram the context DB "
+    "matches (default: 2 in fp32, 1 in bf16/fp16)."),
+    "max_n": typer.Option(4, "--max-n", help="Longest n-gram the context DB matches."),
+    "draft_models": typer.Option(None, "--draft-models", help="Draft models, smallest "
+    "first, comma-separated, stacked above the DB layers "
+    "(self:layers=K, self:int8, or any model with the "
+    "target's tokenizer)."),
+    "level_tokens": typer.Option(None, "--level-tokens", help="T per draft model: tokens "
+    "a level holds before handing them up (e.g. 2,6)."),
+    "no_db": typer.Option(False, "--no-db", help="With --draft-models: no DB level; the smallest "
+    "model drafts alone."),
+    "plan": typer.Option(None, "--plan", help="Use the hierarchy chosen by `hd plan`."),
+    "dtype": typer.Option("auto", help=DTYPE_HELP),
+    "device": typer.Option("auto", help="auto|cpu|cuda."),
+    "kernels": typer.Option("auto", help=KERNELS_HELP),
+    "invariant": typer.Option("auto", help=INVARIANT_HELP),
+}
+
+
 @app.command()
 def generate(
     ctx: typer.Context,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
-    config: Optional[Path] = typer.Option(None, "--config", help="A run's configuration (JSON): a "
-                                          "bare one, the --json output of a run (its \"config\"), or "
-                                          "a plan from `hd plan --out`. Options given here override it."),
-    model: str = typer.Option("smollm2-135m", "--model", "-m",
-                              help="Bundled name, .gguf file, model folder or Hugging Face id."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k", help="0 = no top-k truncation."),
-    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
-    chat: bool = typer.Option(True, "--chat/--raw", help="Apply the model's chat template or not."),
-    system: Optional[str] = typer.Option(None, help="System message for the chat template."),
-    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    layers: Optional[str] = typer.Option(None, help=f"Drafting layers, most local first, comma-separated "
-                                         f"({', '.join(registry.names())}); 'none' for plain decoding. "
-                                         f"Default: {_DEFAULT_LAYERS_HELP}."),
-    policy: str = typer.Option(DEFAULT_POLICY, help="How layers share a step: first-hit (first "
-                               "layer that matches), fill (slots in layer order), adaptive (by "
-                               "each layer's acceptance in this request)."),
-    candidates: int = typer.Option(DEFAULT_CANDIDATES, "--candidates", "-C", help="Most "
-                                   "candidate continuations per step, verified as one token tree "
-                                   "(1: a single chain)."),
-    model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB from `hd build-model-db`."),
-    learn: bool = typer.Option(False, "--learn", help="Add what was generated to the model DB."),
-    stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB from `hd build-stats` "
-                                        "(repeatable; asked in the order given)."),
-    stats_min_prob: Optional[float] = typer.Option(None, "--stats-min-prob", help="Least estimated "
-                                                   "probability of a stats/model draft (default 0.2 fp32, 0.1 bf16)."),
-    stats_min_expected: Optional[float] = typer.Option(None, "--stats-min-expected", help="Least "
-                                                       "expected accepted tokens of a stats/model draft "
-                                                       "(default 1.0 fp32, 0 bf16)."),
-    draft_len: str = typer.Option("16", "--draft-len", help="Most tokens per candidate: a number, "
-                                  "or per layer as context=16,model=8,stats=8."),
-    min_n: Optional[int] = typer.Option(None, "--min-n", help="Shortest n-gram the context DB "
-                                        "matches (default: 2 in fp32, 1 in bf16/fp16)."),
-    max_n: int = typer.Option(4, "--max-n", help="Longest n-gram the context DB matches."),
-    draft_models: Optional[str] = typer.Option(None, "--draft-models", help="Draft models, smallest "
-                                               "first, comma-separated, stacked above the DB layers "
-                                               "(self:layers=K, self:int8, or any model with the "
-                                               "target's tokenizer)."),
-    level_tokens: Optional[str] = typer.Option(None, "--level-tokens", help="T per draft model: tokens "
-                                               "a level holds before handing them up (e.g. 2,6)."),
-    no_db: bool = typer.Option(False, "--no-db", help="With --draft-models: no DB level; the smallest "
-                               "model drafts alone."),
-    plan: Optional[Path] = typer.Option(None, "--plan", help="Use the hierarchy chosen by `hd plan`."),
-    dtype: str = typer.Option("auto", help=DTYPE_HELP),
-    device: str = typer.Option("auto", help="auto|cpu|cuda."),
-    kernels: str = typer.Option("auto", help=KERNELS_HELP),
-    invariant: str = typer.Option("auto", help=INVARIANT_HELP),
+    config: Optional[Path] = _RUN["config"],
+    model: str = _RUN["model"],
+    max_new_tokens: int = _RUN["max_new_tokens"],
+    temperature: float = _RUN["temperature"],
+    top_p: float = _RUN["top_p"],
+    top_k: int = _RUN["top_k"],
+    seed: Optional[int] = _RUN["seed"],
+    chat: bool = _RUN["chat"],
+    system: Optional[str] = _RUN["system"],
+    stop: List[str] = _RUN["stop"],
+    layers: Optional[str] = _RUN["layers"],
+    policy: str = _RUN["policy"],
+    candidates: int = _RUN["candidates"],
+    model_db: Optional[Path] = _RUN["model_db"],
+    learn: bool = _RUN["learn"],
+    stats_db: List[Path] = _RUN["stats_db"],
+    stats_min_prob: Optional[float] = _RUN["stats_min_prob"],
+    stats_min_expected: Optional[float] = _RUN["stats_min_expected"],
+    draft_len: str = _RUN["draft_len"],
+    min_n: Optional[int] = _RUN["min_n"],
+    max_n: int = _RUN["max_n"],
+    draft_models: Optional[str] = _RUN["draft_models"],
+    level_tokens: Optional[str] = _RUN["level_tokens"],
+    no_db: bool = _RUN["no_db"],
+    plan: Optional[Path] = _RUN["plan"],
+    dtype: str = _RUN["dtype"],
+    device: str = _RUN["device"],
+    kernels: str = _RUN["kernels"],
+    invariant: str = _RUN["invariant"],
     compare: bool = typer.Option(False, help="Also run plain decoding and report speedup and identity."),
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object to stdout, nothing else."),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour drafted tokens by layer."),
@@ -197,6 +232,76 @@ def generate(
         typer.echo(json.dumps(rep.data))
     else:
         _print_generate(out, rep)
+
+
+@app.command()
+def serve(
+    ctx: typer.Context,
+    config: Optional[Path] = _RUN["config"],
+    model: str = _RUN["model"],
+    max_new_tokens: int = _RUN["max_new_tokens"],
+    temperature: float = _RUN["temperature"],
+    top_p: float = _RUN["top_p"],
+    top_k: int = _RUN["top_k"],
+    seed: Optional[int] = _RUN["seed"],
+    chat: bool = _RUN["chat"],
+    system: Optional[str] = _RUN["system"],
+    stop: List[str] = _RUN["stop"],
+    layers: Optional[str] = _RUN["layers"],
+    policy: str = _RUN["policy"],
+    candidates: int = _RUN["candidates"],
+    model_db: Optional[Path] = _RUN["model_db"],
+    learn: bool = _RUN["learn"],
+    stats_db: List[Path] = _RUN["stats_db"],
+    stats_min_prob: Optional[float] = _RUN["stats_min_prob"],
+    stats_min_expected: Optional[float] = _RUN["stats_min_expected"],
+    draft_len: str = _RUN["draft_len"],
+    min_n: Optional[int] = _RUN["min_n"],
+    max_n: int = _RUN["max_n"],
+    draft_models: Optional[str] = _RUN["draft_models"],
+    level_tokens: Optional[str] = _RUN["level_tokens"],
+    no_db: bool = _RUN["no_db"],
+    plan: Optional[Path] = _RUN["plan"],
+    dtype: str = _RUN["dtype"],
+    device: str = _RUN["device"],
+    kernels: str = _RUN["kernels"],
+    invariant: str = _RUN["invariant"],
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, "--port", help="Port (0: any free one; the chosen port is printed)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="HD_API_KEY", help="Bearer token "
+                                          "the /v1 routes require (default: none, an open server)."),
+    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded at once; their "
+                                  "verification forwards are batched into one."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting beyond those (then 503)."),
+    served_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients "
+                                              "send (default: the --model given)."),
+    drain_timeout: float = typer.Option(60.0, "--drain-timeout", help="Seconds SIGTERM waits for "
+                                        "running requests before cancelling them."),
+    as_json: bool = typer.Option(False, "--json", help="At exit, write one JSON object (what was "
+                                 "served) to stdout."),
+):
+    """Serve the model over an OpenAI-compatible HTTP API (docs/serve.md)."""
+    from .serve import Server
+    cfg = _config(ctx, config, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
+                  top_p=top_p, top_k=top_k, seed=seed, chat=chat, system=system, stop=stop, layers=layers,
+                  policy=policy, candidates=candidates, model_db=model_db, learn=learn, stats_dbs=stats_db,
+                  stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected,
+                  draft_len=draft_len, min_n=min_n, max_n=max_n, draft_models=draft_models,
+                  level_tokens=level_tokens, no_db=no_db, plan=plan, dtype=dtype, device=device,
+                  kernels=kernels, invariant=invariant)
+    say = _status(False)
+    server = Server(cfg, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
+                    name=served_name or model, drain_timeout=drain_timeout, on_status=say)
+    bound = server.bind()
+    mode = ("exact under load: M-invariant, requests verified together" if server.scheduler.batched else
+            "requests stepped together, each in its own forward (M-invariant batching not available here)")
+    say(f"serving {server.name} at http://{host}:{bound}/v1 ({mode}; max batch {max_batch})")
+    summary = server.run()
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        say(f"stopped: {summary['requests']} requests, {summary['completion_tokens']} tokens"
+            + (f", {summary['learned_generations']} generations learned" if cfg.learn else ""))
 
 
 def _layer_style(layer: Optional[str]) -> Optional[str]:

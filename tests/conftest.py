@@ -62,8 +62,7 @@ def private_cache(tmp_path_factory):
     mp.undo()
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
+def save_tiny_model(path, hidden: int = 32):
     """A saved model folder (config.json, safetensors, tokenizer with chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -74,11 +73,14 @@ def tiny_model_dir(tmp_path_factory):
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
                                   eos_token="</s>", pad_token="<unk>")
     tok.chat_template = CHAT_TEMPLATE
-    model = tiny_llama(len(vocab), seed=0, scale=8.0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
+    tiny_llama(len(vocab), seed=0, scale=8.0, hidden=hidden).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

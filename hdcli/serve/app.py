@@ -1,0 +1,217 @@
+"""The HTTP side of `hd serve` (Starlette under uvicorn): OpenAI-compatible routes over the decode
+loop (hdcli/serve/scheduler.py).
+
+  POST /v1/chat/completions   messages through the model's chat template
+  POST /v1/completions        a raw prompt (text, or token ids)
+  GET  /v1/models             the one model served
+  GET  /health                200 while the decode loop runs, 503 after it failed
+  GET  /metrics               Prometheus text format (hdcli/serve/metrics.py)
+
+Both POST routes take max_tokens, temperature, top_p, seed, stop, stream (server-sent events,
+with stream_options.include_usage), n=1. A response's `usage` has the usual token counts and
+`hd`: verification steps, mean accepted tokens a step, drafted/accepted tokens per layer.
+
+Errors follow OpenAI's schema ({"error": {"message", "type", "param", "code"}}): 400 bad JSON,
+unknown field, wrong type, max_tokens beyond the context; 401 missing or wrong API key (compared
+in constant time); 404 unknown model or route; 413 body over the limit; 503 queue full or the
+server stopping. A client that disconnects cancels its request; others go on.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .protocol import ApiError, ChatRequest, CompletionRequest, parse
+from .scheduler import Job
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
+
+
+def build_app(server) -> Starlette:
+    """server: hdcli.serve.Server (its config, model, scheduler, metrics)."""
+
+    def error(exc: ApiError, endpoint: str) -> JSONResponse:
+        server.metrics.requests.labels(endpoint, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def authorised(request: Request) -> None:
+        if server.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def read_json(request: Request):
+        limit = server.max_body
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+
+    async def completions_route(request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            authorised(request)
+            req = parse(ChatRequest if chat else CompletionRequest, await read_json(request))
+            job = server.job_for(req, chat)
+        except ApiError as exc:
+            return error(exc, endpoint)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(ev):  # from the decode thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+        job.emit = emit
+        if not server.scheduler.submit(job):
+            return error(ApiError(503, "the server is busy or stopping: retry later", code="overloaded"), endpoint)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_sse(server, job, events, rid, created, chat, include_usage, endpoint),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        waiter = asyncio.ensure_future(_until_done(events))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait([waiter, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():  # the client went away: stop decoding for it
+            job.cancel()
+            waiter.cancel()
+            server.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        gone.cancel()
+        if job.finish_reason == "error":
+            return error(ApiError(500, f"generation failed: {job.error}"), endpoint)
+        server.metrics.requests.labels(endpoint, "200").inc()
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": job.text},
+                      "logprobs": None, "finish_reason": FINISH[job.finish_reason]}
+        else:
+            choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": FINISH[job.finish_reason]}
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": server.name, "choices": [choice],
+                             "usage": server.usage(job)})
+
+    async def chat_route(request: Request) -> Response:
+        return await completions_route(request, True)
+
+    async def completions(request: Request) -> Response:
+        return await completions_route(request, False)
+
+    async def models(request: Request) -> Response:
+        try:
+            authorised(request)
+        except ApiError as exc:
+            return error(exc, "models")
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.name, "object": "model", "created": server.created, "owned_by": "hd"}]})
+
+    async def health(request: Request) -> Response:
+        queued, running = server.scheduler.load()
+        ok = server.scheduler.alive() and server.scheduler.failed is None
+        body = {"status": "ok" if ok else "failed", "model": server.name, "queued": queued, "running": running}
+        if server.scheduler.failed is not None:
+            body["error"] = f"{type(server.scheduler.failed).__name__}: {server.scheduler.failed}"
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        server.refresh_gauges()
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def not_found(request: Request, exc) -> Response:
+        status = getattr(exc, "status_code", 404)
+        msg = "no such route" if status == 404 else f"{request.method} is not allowed here"
+        return JSONResponse(ApiError(status, f"{msg}: {request.method} {request.url.path}").body(),
+                            status_code=status)
+
+    async def crashed(request: Request, exc: Exception) -> Response:
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+
+    routes = [Route("/v1/chat/completions", chat_route, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=server.lifespan,
+                     exception_handlers={404: not_found, 405: not_found, Exception: crashed})
+
+
+async def _until_done(events: asyncio.Queue) -> None:
+    while True:
+        kind, _ = await events.get()
+        if kind == "done":
+            return
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _sse(server, job: Job, events: asyncio.Queue, rid: str, created: int, chat: bool,
+               include_usage: bool, endpoint: str):
+    """Server-sent events: one chunk per text piece, a last one with finish_reason, the usage
+    chunk when asked, then [DONE]. Leaving early (the client disconnected) cancels the job."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(piece: str | None, finish: str | None, usage=None, choices=True) -> bytes:
+        if chat:
+            delta = {} if piece is None else {"content": piece}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+        doc = {"id": rid, "object": obj, "created": created, "model": server.name,
+               "choices": [choice] if choices else []}
+        if usage is not None or include_usage:
+            doc["usage"] = usage
+        return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+    done = False
+    try:
+        if chat:
+            first = json.loads(chunk("", None)[6:])
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            yield b"data: " + json.dumps(first).encode() + b"\n\n"
+        while True:
+            kind, value = await events.get()
+            if kind == "text":
+                yield chunk(value, None)
+                continue
+            done = True
+            if job.finish_reason == "error":
+                server.metrics.requests.labels(endpoint, "500").inc()
+                yield b"data: " + json.dumps(ApiError(500, f"generation failed: {job.error}").body()).encode() + b"\n\n"
+            else:
+                yield chunk(None, FINISH[job.finish_reason])
+                if include_usage:
+                    yield chunk(None, None, server.usage(job), choices=False)
+                server.metrics.requests.labels(endpoint, "200").inc()
+            yield b"data: [DONE]\n\n"
+            return
+    finally:
+        if not done:
+            job.cancel()
+            server.metrics.requests.labels(endpoint, "499").inc()

@@ -1,0 +1,74 @@
+"""What `hd serve` exposes at /metrics (Prometheus text format, prometheus-client), in a registry
+of its own so that several servers in one process (tests) do not share counters.
+
+  hd_requests_total{endpoint,status}      requests answered, by HTTP status
+  hd_prompt_tokens_total, hd_completion_tokens_total
+  hd_steps_total                          verification steps of all requests
+  hd_step_tokens_total                    tokens those steps produced (mean accepted = this / steps)
+  hd_drafted_tokens_total{layer}          drafted tokens sent to verification, per drafting layer
+  hd_accepted_drafts_total{layer}         of them, accepted (acceptance = accepted / drafted)
+  hd_forwards_total, hd_forward_requests  verification forwards, and requests verified per forward
+  hd_queue_length, hd_running_requests    waiting for a slot, decoding now
+  hd_tokens_per_second                    completion tokens over the last `window` seconds
+  hd_request_seconds, hd_time_to_first_token_seconds   histograms
+  hd_learned_generations_total, hd_learned_keys_total, hd_learn_pending, hd_learn_dropped_total
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+
+class Metrics:
+    def __init__(self, window: float = 10.0):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+        disable_created_metrics()  # the *_created series only double the page
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("hd_requests", "Requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("hd_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter("hd_completion_tokens", "Generated tokens", registry=r)
+        self.steps = Counter("hd_steps", "Verification steps", registry=r)
+        self.step_tokens = Counter("hd_step_tokens", "Tokens produced by verification steps", registry=r)
+        self.drafted = Counter("hd_drafted_tokens", "Drafted tokens verified", ["layer"], registry=r)
+        self.accepted = Counter("hd_accepted_drafts", "Drafted tokens accepted", ["layer"], registry=r)
+        self.forwards = Counter("hd_forwards", "Verification forwards", registry=r)
+        self.forward_requests = Histogram("hd_forward_requests", "Requests verified per forward",
+                                          buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=r)
+        self.queue = Gauge("hd_queue_length", "Requests waiting for a decode slot", registry=r)
+        self.running = Gauge("hd_running_requests", "Requests decoding now", registry=r)
+        self.tps = Gauge("hd_tokens_per_second", f"Generated tokens per second over the last {window:g} s",
+                         registry=r)
+        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+        self.latency = Histogram("hd_request_seconds", "Request latency", buckets=buckets, registry=r)
+        self.ttft = Histogram("hd_time_to_first_token_seconds", "Time to first token", buckets=buckets,
+                              registry=r)
+        self.learned = Counter("hd_learned_generations", "Generations added to the model DB", registry=r)
+        self.learned_keys = Counter("hd_learned_keys", "Model DB keys touched by learning", registry=r)
+        self.learn_pending = Gauge("hd_learn_pending", "Generations waiting to be learned", registry=r)
+        self.learn_dropped = Counter("hd_learn_dropped", "Generations not learned (queue full)", registry=r)
+        self._window = window
+        self._recent: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def step(self, requests: int, tokens: int) -> None:
+        """One verification forward over `requests` requests that produced `tokens` tokens."""
+        now = time.monotonic()
+        self.forwards.inc()
+        self.forward_requests.observe(requests)
+        self.steps.inc(requests)
+        self.step_tokens.inc(tokens)
+        with self._lock:
+            self._recent.append((now, tokens))
+            self._tps(now)
+
+    def _tps(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - self._window:
+            self._recent.popleft()
+        self.tps.set(sum(n for _, n in self._recent) / self._window)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+        with self._lock:
+            self._tps(time.monotonic())
+        return generate_latest(self.registry)

@@ -1,0 +1,101 @@
+"""The OpenAI-compatible request bodies `hd serve` takes, and its error documents.
+
+Requests are validated strictly: an unknown field, a wrong type ("10" for an integer) or a value
+out of range is a 400 with OpenAI's error schema naming the field (`param`), never a guess. Fields
+a request leaves out take the server's configuration (`hd serve` options, as `hd generate`'s):
+temperature 0 (greedy) unless the server was started with another.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: int = Field(1, ge=1, le=1)
+    user: Optional[str] = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise ApiError(400, f"stop: at most {MAX_STOP} non-empty strings", "stop")
+        return stops
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int]]
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+def parse(kind: type[_Strict], data) -> _Strict:
+    """The request, or ApiError(400) naming the first bad field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[")))
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field '{loc}': hd serve does not take it"
+        elif loc == "n":
+            msg = "n: hd serve makes one choice per request (n=1)"
+        else:
+            msg = f"{loc}: {err['msg']}"
+        raise ApiError(400, msg, loc or None) from None

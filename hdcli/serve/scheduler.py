@@ -1,0 +1,209 @@
+"""The decode loop of `hd serve`: one thread steps every running request, their verification
+forwards batched into one (hdcli/engine/batch.py).
+
+Each loop turn: admit queued requests up to max_batch (each is prefilled alone, so its cache is
+what `hd generate` would build); every running request proposes its draft tree, with the
+forward's rows shared among them (invariant.MAX_ROWS in all, the widest forward the M-invariant
+mode is calibrated for); one forward verifies all trees; each request accepts its tokens and
+hands the new text to its client. A finished request goes to the learner (hdcli/serve/learner.py)
+when the server learns.
+
+Invariants
+  * Only this thread touches the model, the KV caches, the drafters and the shared tables (the
+    recycled predictions): no locks around them.
+  * A request's tokens are those of `hd generate` with the same options, whatever else runs: its
+    rows of each forward depend only on its own path in the M-invariant mode, and its prefill runs
+    alone. Without the mode (another architecture, --invariant off) requests are still stepped
+    together, each in a forward of its own.
+  * A cancelled request (its client went away) leaves at the next loop turn; the others go on.
+  * stop(drain=True) lets running and queued requests finish; stop(drain=False) ends them with
+    finish_reason "cancelled".
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..engine import batch, invariant
+from ..engine.decode import Decoder, Stream
+from ..engine.prompts import cut_at_stop, stop_checker
+from ..engine.verify import Sampling
+
+# what a request hands its client: ("text", piece) while it runs, ("done", Job) at the end
+Event = tuple[str, object]
+
+
+@dataclass
+class Job:
+    """One request to the decode loop."""
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    seed: int | None
+    stop: list[str]
+    emit: Callable[[Event], None]          # called from the decode thread; must not block
+    id: str = ""
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float = 0.0                   # prefill done
+    first_token: float = 0.0
+    finished: float = 0.0
+    stream: Stream | None = None
+    text: str = ""                         # final text (stop strings cut)
+    sent: str = ""                         # text handed to the client so far
+    finish_reason: str = ""
+    error: str | None = None
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True              # read by the decode thread at its next turn
+
+
+class Scheduler:
+    """Runs Jobs on one model. drafter_for(): a new drafter for one request (None: plain
+    decoding); on_finish(job): called in the decode thread when a job ends (learning, metrics)."""
+
+    def __init__(self, lm, drafter_for: Callable[[], object], cost=None, max_batch: int = 8,
+                 max_queue: int = 64, on_finish: Callable[[Job], None] = lambda job: None,
+                 on_step: Callable[[list[Job], list[int]], None] = lambda jobs, n: None):
+        self.lm, self.drafter_for, self.cost = lm, drafter_for, cost
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.on_finish, self.on_step = on_finish, on_step
+        self.decoder = Decoder(lm.model, lm.eos_ids, None, cost=cost)
+        self.batched = batch.can_batch(lm.model)
+        self.queue: deque[Job] = deque()
+        self.running: list[Job] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._drain = True
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._loop, name="hd-decode", daemon=True)
+        self.failed: BaseException | None = None
+
+    # ------------------------------------------------------------ called from any thread
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> bool:
+        """Queue a job; False when the queue is full or the server is stopping."""
+        with self._cv:
+            if self._stopping or len(self.queue) >= self.max_queue:
+                return False
+            job.id = job.id or f"{next(self._ids)}"
+            self.queue.append(job)
+            self._cv.notify()
+        return True
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        with self._cv:
+            self._stopping, self._drain = True, drain
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def load(self) -> tuple[int, int]:
+        """(queued, running)."""
+        return len(self.queue), len(self.running)
+
+    # ------------------------------------------------------------ the decode thread
+
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while self._turn():
+                    pass
+        except BaseException as exc:  # noqa: BLE001 - reported by /health, every job gets an error
+            self.failed = exc
+            for job in list(self.running) + list(self.queue):
+                self._end(job, "error", f"the decode loop failed: {type(exc).__name__}: {exc}")
+            self.running.clear()
+            self.queue.clear()
+
+    def _turn(self) -> bool:
+        with self._cv:
+            while not self.queue and not self.running and not self._stopping:
+                self._cv.wait()
+            if self._stopping and not self._drain:
+                for job in list(self.running) + list(self.queue):
+                    self._end(job, "cancelled")
+                self.running.clear()
+                self.queue.clear()
+                return False
+            if self._stopping and not self.queue and not self.running:
+                return False
+            admit = []
+            while self.queue and len(self.running) + len(admit) < self.max_batch:
+                admit.append(self.queue.popleft())
+        for job in admit:
+            self._admit(job)
+        for job in [j for j in self.running if j.cancelled]:
+            self.running.remove(job)
+            self._end(job, "cancelled")
+        if not self.running:
+            return True
+        jobs = list(self.running)
+        per = (invariant.MAX_ROWS // len(jobs) - 1) if self.batched else None
+        trees = [j.stream.propose(per) for j in jobs]
+        logits = batch.forward_many(self.lm.model, [(t, j.stream.history[-1], j.stream.cache)
+                                                    for j, t in zip(jobs, trees)])
+        counts = []
+        for job, rows in zip(jobs, logits):
+            new = job.stream.accept(rows)
+            counts.append(len(new))
+            if new and not job.first_token:
+                job.first_token = time.perf_counter()
+            self._send_text(job)
+            if job.stream.done:
+                self.running.remove(job)
+                self._end(job, job.stream.stop_reason)
+        self.on_step(jobs, counts)
+        return True
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled:
+            self._end(job, "cancelled")
+            return
+        try:
+            job.stream = self.decoder.stream(job.prompt_ids, job.max_tokens, job.sampling, job.seed,
+                                             stop_check=stop_checker(self.lm.tokenizer, job.stop),
+                                             drafter=self.drafter_for())
+        except (ValueError, RuntimeError) as exc:
+            self._end(job, "error", str(exc))
+            return
+        job.started = time.perf_counter()
+        self.running.append(job)
+
+    def _send_text(self, job: Job, final: bool = False) -> None:
+        """Hand the client the text that can no longer change: held back are an incomplete UTF-8
+        sequence and, while running, a tail that could start a stop string."""
+        text = cut_at_stop(self.lm.tokenizer.decode(job.stream.out, skip_special_tokens=True), job.stop)
+        if final:
+            job.text = text
+        else:
+            if text.endswith("\ufffd"):
+                return
+            hold = max((len(s) for s in job.stop), default=1) - 1
+            text = text[:len(text) - hold] if hold else text
+        if text.startswith(job.sent) and len(text) > len(job.sent):
+            job.emit(("text", text[len(job.sent):]))
+            job.sent = text
+
+    def _end(self, job: Job, reason: str, error: str | None = None) -> None:
+        job.finish_reason, job.error = reason, error
+        job.finished = time.perf_counter()
+        if job.stream is not None:
+            if not job.stream.done:
+                job.stream.stop(reason)
+            self._send_text(job, final=True)
+        try:
+            self.on_finish(job)
+        finally:
+            job.emit(("done", job))
