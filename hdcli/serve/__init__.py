@@ -79,9 +79,15 @@ class Server:
         self.scheduler = Scheduler(self.lm, self._drafter, cost=cost, max_batch=max_batch, max_queue=max_queue,
                                    on_finish=self._finished, on_step=self._stepped)
         self._sock: socket.socket | None = None
+        self._main_loop = False
         self.served = {"requests": 0, "completion_tokens": 0, "steps": 0, "learned_generations": 0}
 
     # ------------------------------------------------------------ requests
+
+    def forget_recycled(self) -> None:
+        """Start the shared table of recycled predictions afresh (benchmarks: each concurrency level
+        from the same drafting state)."""
+        self.recycled = RecycledTable()
 
     def _drafter(self):
         if not self.config.drafting:
@@ -93,6 +99,29 @@ class Server:
         if req.model != self.name:
             raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{self.name}'",
                            "model", "model_not_found")
+        with self.scheduler.tokenizer_lock:
+            ids, where = self._encode(req, chat)
+        if not ids:
+            raise ApiError(400, f"{where}: the prompt is empty", where)
+        room = self.lm.max_context - len(ids)
+        if room < 1:
+            raise ApiError(400, f"{where}: the prompt is {len(ids)} tokens, the model's context "
+                           f"{self.lm.max_context}", where, "context_length_exceeded")
+        limit = req.limit()
+        if limit is not None and limit > room:
+            raise ApiError(400, f"max_tokens: {limit} new tokens after a {len(ids)}-token prompt exceed "
+                           f"the model's context of {self.lm.max_context} (at most {room})",
+                           "max_tokens", "context_length_exceeded")
+        cfg = self.config
+        temperature = cfg.temperature if req.temperature is None else req.temperature
+        top_p = cfg.top_p if req.top_p is None else req.top_p
+        return Job(prompt_ids=ids, max_tokens=min(limit or cfg.max_new_tokens, room),
+                   sampling=Sampling(temperature, cfg.top_k, top_p),
+                   seed=cfg.seed if req.seed is None else req.seed, stop=req.stops() or list(cfg.stop),
+                   emit=lambda ev: None)
+
+    def _encode(self, req, chat: bool) -> tuple[list[int], str]:
+        """The request's prompt as token ids, and the field it came from."""
         tok = self.lm.tokenizer
         if chat:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -116,24 +145,7 @@ class Server:
                     raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
                 ids = list(prompt)
             where = "prompt"
-        if not ids:
-            raise ApiError(400, f"{where}: the prompt is empty", where)
-        room = self.lm.max_context - len(ids)
-        if room < 1:
-            raise ApiError(400, f"{where}: the prompt is {len(ids)} tokens, the model's context "
-                           f"{self.lm.max_context}", where, "context_length_exceeded")
-        limit = req.limit()
-        if limit is not None and limit > room:
-            raise ApiError(400, f"max_tokens: {limit} new tokens after a {len(ids)}-token prompt exceed "
-                           f"the model's context of {self.lm.max_context} (at most {room})",
-                           "max_tokens", "context_length_exceeded")
-        cfg = self.config
-        temperature = cfg.temperature if req.temperature is None else req.temperature
-        top_p = cfg.top_p if req.top_p is None else req.top_p
-        return Job(prompt_ids=ids, max_tokens=min(limit or cfg.max_new_tokens, room),
-                   sampling=Sampling(temperature, cfg.top_k, top_p),
-                   seed=cfg.seed if req.seed is None else req.seed, stop=req.stops() or list(cfg.stop),
-                   emit=lambda ev: None)
+        return ids, where
 
     def usage(self, job: Job) -> dict:
         n = len(job.stream.out) if job.stream else 0
@@ -196,21 +208,20 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        self.scheduler.start()
+        if not self._main_loop:   # served from threads (tests, benchmarks): the loop in one too
+            self.scheduler.start()
         try:
             yield
         finally:
-            self.close()
+            import asyncio
+            await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self) -> None:
         """Let running requests finish (up to drain_timeout), then write what is left to learn."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        t = threading.Thread(target=self.scheduler.stop, kwargs={"drain": True}, daemon=True)
-        t.start()
-        t.join(self.drain_timeout)
-        if t.is_alive():
+        if not self.scheduler.stop(drain=True, timeout=self.drain_timeout):
             self.scheduler.stop(drain=False, timeout=30)
         if self.learner is not None:
             self.learner.close()
@@ -241,11 +252,37 @@ class Server:
         return Uvicorn(config)
 
     def run(self) -> dict:
-        """Serve until SIGTERM or SIGINT; returns what was served."""
+        """Serve until SIGTERM or SIGINT; returns what was served. Call from the main thread: the
+        decode loop runs here (see Scheduler.start for why), the HTTP side in a thread beside it.
+        A signal stops accepting connections; running requests finish; then the loop ends."""
         if self._sock is None:
             self.bind()
-        server = self.uvicorn_server()
-        server.run(sockets=[self._sock])
+        self._main_loop = True
+        http = self.uvicorn_server()
+
+        def serve_http():
+            try:
+                http.run(sockets=[self._sock])
+            finally:
+                self.close()   # also where uvicorn stopped without its lifespan shutdown
+        thread = threading.Thread(target=serve_http, name="hd-http", daemon=True)
+
+        def on_signal(sig, frame):
+            http.should_exit = True
+            if getattr(self, "_signalled", False):   # a second Ctrl-C: stop now
+                http.force_exit = True
+                self.scheduler.stop(drain=False)
+            self._signalled = True
+        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            thread.start()
+            self.scheduler.run()      # returns once the HTTP side has shut down and closed it
+            thread.join(self.drain_timeout + 30)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        if self.scheduler.failed is not None:
+            raise HdError(f"the decode loop failed: {type(self.scheduler.failed).__name__}: {self.scheduler.failed}")
         return self.summary()
 
     def summary(self) -> dict:

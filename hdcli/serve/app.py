@@ -52,15 +52,18 @@ def build_app(server) -> Starlette:
                            code="invalid_api_key")
 
     async def read_json(request: Request):
+        # a body over the limit is read on (not kept, up to 16x the limit) before the 413, so
+        # that clients still sending see the answer instead of a reset connection
         limit = server.max_body
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
-        body = bytearray()
+        body, seen = bytearray(), 0
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+            seen += len(chunk)
+            if seen <= limit:
+                body += chunk
+            elif seen > 16 * limit:
+                break
+        if seen > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
