@@ -25,7 +25,7 @@ from . import invariant
 from .draft import Drafter
 from .stats import RunStats
 from .costs import CostCurve
-from .tree import Tree, build_tree, keep_path, new_cache, reached, supports_trees, tree_forward
+from .tree import Tree, build_tree, keep_path, new_cache, node_estimates, reached, supports_trees, tree_forward
 from .verify import Sampling, accept_chain_q, accept_tree
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
@@ -140,9 +140,11 @@ class Stream:
         self._q_rows = None
         self._t_drafted = 0.0
 
-    def propose(self, max_nodes: int | None = None) -> Tree:
+    def propose(self, max_nodes: int | None = None, capped: bool = True) -> Tree:
         """Draft at most the room left and build this step's tree (root token: history[-1]);
-        max_nodes caps it below the decoder's (a scheduler sharing one forward's rows)."""
+        max_nodes caps it below the decoder's (a scheduler sharing one forward's rows). capped
+        False: the tree is not cut by cost here (a scheduler cuts several streams' trees together,
+        tree.cap_jointly, then calls restrict); `estimates` then holds its nodes' estimates."""
         assert not self.done and self.tree is None, "accept() the last step first"
         dec, drafter = self.decoder, self.drafter
         cap = dec.max_nodes if max_nodes is None else min(max_nodes, dec.max_nodes)
@@ -153,11 +155,22 @@ class Stream:
         if self._q_rows is not None:  # a draft model's sampled chain: verified with its distribution
             tree = build_tree(drafts[:1], None, None, cap)
         else:
-            tree = build_tree(drafts, drafter.rate if drafter else None, dec.cost, cap, self.trees_ok)
+            tree = build_tree(drafts, drafter.rate if drafter else None, dec.cost if capped else None,
+                              cap, self.trees_ok)
+        if self._q_rows is not None:   # a draft model's chain: sent whole (its rows of q go with it)
+            self.estimates = [1.0] * (tree.size() + 1)
+        else:
+            self.estimates = node_estimates(tree, drafter.rate) if drafter and tree.size() else [1.0]
         self.stats.draft_seconds += time.perf_counter() - t0
         self._t_drafted = time.perf_counter()
         self.tree = tree
         return tree
+
+    def restrict(self, keep: Sequence[int]) -> Tree:
+        """Verify only these nodes of the proposed tree (closed under parent, root included)."""
+        if len(keep) < len(self.tree.tokens):
+            self.tree = self.tree.subtree(keep)
+        return self.tree
 
     @torch.inference_mode()
     def accept(self, logits: torch.Tensor) -> list[int]:

@@ -152,6 +152,54 @@ def attend(query, key, value, lay: _Layout, scaling) -> torch.Tensor:
     return out.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype)   # head h = kv * g + j
 
 
+def attend_many(queries, keys, values, lays, scaling) -> list[torch.Tensor]:
+    """attend() for several sequences at once (hdcli/engine/batch.py): queries[i] [1, Hq, m_i, D]
+    over keys[i]/values[i] [1, Hkv, n_i, D], laid out by lays[i]. Sequences whose rows see only a
+    prefix of their keys (chains, single tokens) share one score GEMM batch and one value-chunk
+    GEMM batch: keys are padded to the longest sequence's chunks and query rows to the most rows,
+    and the extra keys are masked, so they add exact zeros to the in-order chunk sum; a row's
+    result is torch.equal to attend() alone (tests/test_batch.py). Trees go through attend()."""
+    out: list = [None] * len(queries)
+    flat = [i for i, lay in enumerate(lays) if lay.prefix_only]
+    if len(flat) < 2:
+        flat = []
+    for i in range(len(queries)):
+        if i not in flat:
+            out[i] = attend(queries[i], keys[i], values[i], lays[i], scaling)
+    if not flat:
+        return out
+    dtype = queries[flat[0]].dtype
+    _, hq, _, d = queries[flat[0]].shape
+    hkv = keys[flat[0]].shape[1]
+    g = hq // hkv
+    rows = max(MIN_ROWS, max(g * queries[i].shape[2] for i in flat))
+    n_pad = max(lays[i].n_pad for i in flat)
+    b = len(flat) * hkv
+    q = queries[0].new_zeros((len(flat), hkv, rows, d), dtype=torch.float32)
+    k = q.new_zeros((len(flat), hkv, n_pad, d))
+    v1 = q.new_zeros((len(flat), hkv, n_pad, d + 1))
+    bias = q.new_zeros((len(flat), 1, rows, n_pad))
+    for j, i in enumerate(flat):
+        m, n = queries[i].shape[2], keys[i].shape[2]
+        q[j, :, :g * m] = queries[i][0].float().reshape(hkv, g * m, d)
+        k[j, :, :n] = keys[i][0]
+        v1[j, :, :n, :d] = values[i][0]
+        v1[j, :, :n, d] = 1.0
+        lb = lays[i].bias
+        bias[j, 0, :g * m, :lb.shape[1]] = lb
+        bias[j, 0, :g * m, lb.shape[1]:] = float("-inf")
+    s = torch.matmul(q.reshape(b, rows, d), k.reshape(b, n_pad, d).transpose(1, 2))
+    s = (s * scaling).reshape(len(flat), hkv, rows, n_pad) + bias
+    p = torch.exp(s - s.amax(-1, keepdim=True)).reshape(b, rows, n_pad)
+    total = _in_order(_chunk_parts(p, v1.reshape(b, n_pad, d + 1)), 1).reshape(len(flat), hkv, rows, d + 1)
+    for j, i in enumerate(flat):
+        m = queries[i].shape[2]
+        t = total[j, :, :g * m].reshape(hkv, g, m, d + 1).transpose(1, 2)     # [hkv, m, g, d + 1]
+        o = t[..., :d] / t[..., d:]
+        out[i] = o.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype)
+    return out
+
+
 def _values_with_ones(v: torch.Tensor, n_pad: int) -> torch.Tensor:
     """[hkv, n_pad, d + 1]: the values, a ones column (its weighted sum is the softmax sum, by the
     same arithmetic), zero rows beyond the keys."""

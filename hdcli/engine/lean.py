@@ -121,11 +121,11 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
             k, v = parts[0][1].update(k, v, attn.layer_idx)
             o = invariant.attend(q, k, v, lays[0], attn.scaling).reshape(1, m, hq * d)
         else:
-            outs = []
-            for (_, cache, _, _), lay, (a, b) in zip(parts, lays, bounds):
-                ck, cv = cache.update(k[:, :, a:b], v[:, :, a:b], attn.layer_idx)
-                outs.append(invariant.attend(q[:, :, a:b], ck, cv, lay, attn.scaling).reshape(1, b - a, hq * d))
-            o = torch.cat(outs, 1)
+            kv = [cache.update(k[:, :, a:b], v[:, :, a:b], attn.layer_idx)
+                  for (_, cache, _, _), (a, b) in zip(parts, bounds)]
+            outs = invariant.attend_many([q[:, :, a:b] for a, b in bounds], [x[0] for x in kv],
+                                         [x[1] for x in kv], lays, attn.scaling)
+            o = torch.cat([out.reshape(1, b - a, hq * d) for out, (a, b) in zip(outs, bounds)], 1)
         x = x + attn.o_proj(o)
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp

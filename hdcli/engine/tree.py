@@ -114,6 +114,28 @@ def cap_by_cost(tree: Tree, est: Sequence[float], cost: Callable[[int], float],
     return tree.subtree(order[:best_k])
 
 
+def cap_jointly(trees: Sequence[Tree], ests: Sequence[Sequence[float]], cost: Callable[[int], float],
+                max_rows: int) -> list[list[int]]:
+    """Several streams verified in one forward (engine/batch.py): keep the drafted nodes, over
+    all trees, that maximise (streams + their summed estimates) / cost(streams + nodes) -- the
+    tokens per unit of time of the shared forward, as cap_by_cost does for one tree. A node one
+    stream sends makes every stream's forward dearer, so trees shrink as streams are added.
+    Returns per tree the kept node ids (root included), closed under parent."""
+    n = len(trees)
+    order = sorted((-e[i], s, i) for s, (t, e) in enumerate(zip(trees, ests)) for i in range(1, len(t.tokens)))
+    order = order[:max(0, max_rows - n)]
+    best_k, best, gain = 0, n / cost(n), float(n)
+    for k, (neg, _, _) in enumerate(order, start=1):
+        gain -= neg
+        value = gain / cost(n + k)
+        if value > best:
+            best_k, best = k, value
+    keep = [[0] for _ in trees]
+    for _, s, i in order[:best_k]:
+        keep[s].append(i)
+    return keep
+
+
 def build_tree(drafts, rate: Rate, cost: Callable[[int], float] | None,
                max_nodes: int = 63, branches: bool = True) -> Tree:
     """Merge candidates (drafting.Draft, best first) into a tree and keep what pays for its

@@ -32,6 +32,7 @@ import torch
 
 from ..engine import batch, invariant
 from ..engine.decode import Decoder, Stream
+from ..engine.tree import cap_jointly
 from ..engine.prompts import cut_at_stop, stop_checker
 from ..engine.verify import Sampling
 
@@ -171,8 +172,15 @@ class Scheduler:
         if not self.running:
             return True
         jobs = list(self.running)
-        per = (invariant.MAX_ROWS // len(jobs) - 1) if self.batched else None
-        trees = [j.stream.propose(per) for j in jobs]
+        if self.batched and len(jobs) > 1 and self.cost is not None:
+            # one forward for all: the nodes worth its cost are chosen over all trees together
+            for j in jobs:
+                j.stream.propose(invariant.MAX_ROWS - len(jobs), capped=False)
+            keep = cap_jointly([j.stream.tree for j in jobs], [j.stream.estimates for j in jobs], self.cost,
+                               invariant.MAX_ROWS)
+            trees = [j.stream.restrict(k) for j, k in zip(jobs, keep)]
+        else:
+            trees = [j.stream.propose() for j in jobs]
         logits = batch.forward_many(self.lm.model, [(t, j.stream.history[-1], j.stream.cache)
                                                     for j, t in zip(jobs, trees)])
         counts = []
