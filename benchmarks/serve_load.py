@@ -161,7 +161,9 @@ def main() -> None:
             results.append(level(r.url, r.name, prompts, args.max_tokens, c))
         finally:
             served = r.stop()
-        print(f"  {results[-1]['tokens_per_second']:.1f} tok/s", file=sys.stderr)
+        results[-1]["decode_loop_seconds"] = served.get("decode_loop_seconds")
+        print(f"  {results[-1]['tokens_per_second']:.1f} tok/s, decode loop {served.get('decode_loop_seconds')}",
+              file=sys.stderr)
     lm = api.load_model(args.model, dtype=served.get("dtype", "auto"), kernels="torch", quiet=True,
                         invariant="off")
     name = r.name

@@ -118,7 +118,7 @@ class Server:
         return Job(prompt_ids=ids, max_tokens=min(limit or cfg.max_new_tokens, room),
                    sampling=Sampling(temperature, cfg.top_k, top_p),
                    seed=cfg.seed if req.seed is None else req.seed, stop=req.stops() or list(cfg.stop),
-                   emit=lambda ev: None)
+                   emit=lambda ev: None, streamed=req.stream)
 
     def _encode(self, req, chat: bool) -> tuple[list[int], str]:
         """The request's prompt as token ids, and the field it came from."""
@@ -288,7 +288,8 @@ class Server:
     def summary(self) -> dict:
         return {"model": self.name, "source": self.lm.source, "dtype": self.lm.dtype, "device": self.lm.device,
                 "kernels": self.lm.kernels, "invariant": bool(self.lm.invariant),
-                "batched": self.scheduler.batched, "host": self.host, "port": self.port, **self.served}
+                "batched": self.scheduler.batched, "host": self.host, "port": self.port, **self.served,
+                "decode_loop_seconds": {k: round(v, 3) for k, v in self.scheduler.times.items()}}
 
 
 __all__ = ["Server", "MAX_BODY"]

@@ -49,6 +49,7 @@ class Job:
     seed: int | None
     stop: list[str]
     emit: Callable[[Event], None]          # called from the decode thread; must not block
+    streamed: bool = False                 # hand text pieces while running (else only the end)
     id: str = ""
     submitted: float = field(default_factory=time.perf_counter)
     started: float = 0.0                   # prefill done
@@ -87,7 +88,9 @@ class Scheduler:
         self._running = threading.Event()   # the loop is running (in some thread)
         self._ended = threading.Event()     # the loop has returned
         self.failed: BaseException | None = None
-        self.tokenizer_lock = threading.Lock()  # a fast tokenizer must not be used by two threads at once
+        self.tokenizer_lock = threading.Lock()
+        # where the decode loop's time goes (hd serve --json, docs/serve.md)
+        self.times = {"busy": 0.0, "prefill": 0.0, "draft": 0.0, "forward": 0.0, "accept": 0.0}  # a fast tokenizer must not be used by two threads at once
 
     # ------------------------------------------------------------ called from any thread
 
@@ -164,12 +167,16 @@ class Scheduler:
             admit = []
             while self.queue and len(self.running) + len(admit) < self.max_batch:
                 admit.append(self.queue.popleft())
+        t0 = time.perf_counter()
         for job in admit:
             self._admit(job)
+        t1 = time.perf_counter()
+        self.times["prefill"] += t1 - t0
         for job in [j for j in self.running if j.cancelled]:
             self.running.remove(job)
             self._end(job, "cancelled")
         if not self.running:
+            self.times["busy"] += time.perf_counter() - t0
             return True
         jobs = list(self.running)
         if self.batched and len(jobs) > 1 and self.cost is not None:
@@ -181,19 +188,27 @@ class Scheduler:
             trees = [j.stream.restrict(k) for j, k in zip(jobs, keep)]
         else:
             trees = [j.stream.propose() for j in jobs]
+        t2 = time.perf_counter()
         logits = batch.forward_many(self.lm.model, [(t, j.stream.history[-1], j.stream.cache)
                                                     for j, t in zip(jobs, trees)])
+        t3 = time.perf_counter()
         counts = []
         for job, rows in zip(jobs, logits):
             new = job.stream.accept(rows)
             counts.append(len(new))
             if new and not job.first_token:
                 job.first_token = time.perf_counter()
-            self._send_text(job)
+            if job.streamed:
+                self._send_text(job)
             if job.stream.done:
                 self.running.remove(job)
                 self._end(job, job.stream.stop_reason)
         self.on_step(jobs, counts)
+        t4 = time.perf_counter()
+        self.times["draft"] += t2 - t1
+        self.times["forward"] += t3 - t2
+        self.times["accept"] += t4 - t3
+        self.times["busy"] += t4 - t0
         return True
 
     def _admit(self, job: Job) -> None:
