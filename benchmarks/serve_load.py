@@ -16,7 +16,9 @@ subcategory in file order.
   latency      per request, submit to last token (p50, p95)
   differ       answers unlike those of the one-at-a-time level (greedy: must be 0)
   hf-generate  transformers' generate on the stock model, the same prompts one by one, in this
-               process while the server idles
+               process while no server runs
+  in-process   hd's Python API, the same prompts one by one in this process: what HTTP and the
+               scheduler cost a token, and whether the server's answers are `hd generate`'s
   learning     (--learn-stream) a stream of related requests (each question asked twice, then all
                again after a restart of the server on the same model DB): the model layer's
                acceptance on the first and second half, and after the restart
@@ -164,12 +166,33 @@ def main() -> None:
         results[-1]["decode_loop_seconds"] = served.get("decode_loop_seconds")
         print(f"  {results[-1]['tokens_per_second']:.1f} tok/s, decode loop {served.get('decode_loop_seconds')}",
               file=sys.stderr)
-    lm = api.load_model(args.model, dtype=served.get("dtype", "auto"), kernels="torch", quiet=True,
-                        invariant="off")
     name = r.name
     ref = results[0]["answers"]
+    # the same requests through the Python API in this process, one after another, with the
+    # server's dtype, kernels and drafting (recycled predictions shared, as in the server): what
+    # the server's HTTP and scheduling cost, and whether its answers are hd generate's
+    from hdcli import compose
+    from hdcli.drafting import RecycledTable
+    cfg = api.DecodingConfig(model=args.model, dtype=served["dtype"], kernels=served["kernels"],
+                             stats_dbs=args.stats_db, max_new_tokens=args.max_tokens)
+    run = api.prepare(cfg)
+    compose.warm_up(run.lm)
+    table = RecycledTable()
+    t0, tokens, texts = time.perf_counter(), 0, []
+    for p in prompts:
+        res = api.generate(run.lm, p, config=cfg, drafter=compose.build_drafter(cfg, run.lm, run.dbs,
+                                                                                 recycle_table=table))
+        tokens += len(res.tokens)
+        texts.append(res.text)
+    inproc = {"tokens": tokens, "wall_seconds": time.perf_counter() - t0,
+              "differ_from_server": sum(a != b for a, b in zip(texts, ref))}
+    inproc["tokens_per_second"] = tokens / inproc["wall_seconds"]
+    inproc["server_ms_per_token"] = 1e3 * (1 / results[0]["tokens_per_second"] - 1 / inproc["tokens_per_second"])
+    del run
     for res in results:
         res["differ"] = sum(a != b for a, b in zip(res.pop("answers"), ref))
+    lm = api.load_model(args.model, dtype=served.get("dtype", "auto"), kernels="torch", quiet=True,
+                        invariant="off")
     # transformers' generate on the stock model, one request after another
     stock = stock_model(lm)   # transformers' forward and kernels, in the dtype the server used
     from hdcli.engine.prompts import encode_messages
@@ -186,7 +209,7 @@ def main() -> None:
         res["vs_hf_generate"] = res["tokens_per_second"] / hf["tokens_per_second"]
     out = {"machine": machine(), "model": name, "server": served, "stats_dbs": args.stats_db,
            "requests": len(prompts), "max_tokens": args.max_tokens, "max_batch": args.max_batch,
-           "levels": results, "hf_generate": hf,
+           "levels": results, "hf_generate": hf, "in_process": inproc,
            "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}
     if args.learn_stream:
         out["learning"] = learn_stream(server_args, lm, prompts[: args.learn_stream], args.max_tokens)
@@ -196,6 +219,8 @@ def main() -> None:
               f"{res['vs_hf_generate']:>6.2f} {res['latency_p50']:>7.2f} {res['latency_p95']:>7.2f} "
               f"{res['mean_accepted_tokens']:>5.2f} {res['differ']:>6}")
     print(f"hf-generate one by one: {hf['tokens_per_second']:.1f} tok/s   (CPU: {out['machine']['cpu']})")
+    print(f"hd in-process one by one: {inproc['tokens_per_second']:.1f} tok/s, {inproc['differ_from_server']} "
+          f"answers unlike the server's; the server costs {inproc['server_ms_per_token']:.1f} ms a token more")
     if "learning" in out:
         print("learning:", json.dumps(out["learning"]))
     if args.out:

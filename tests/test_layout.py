@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "hdcli"
 # bottom first: a module may import from its own unit and the units before it
-ORDER = ["errors", "engine", "db", "drafting", "hsd", "config", "compose", "bench", "api", "cli"]
+ORDER = ["errors", "engine", "db", "drafting", "hsd", "config", "compose", "bench", "api", "serve", "cli"]
 
 
 def unit(module: str) -> str:

@@ -37,24 +37,43 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cance
 
 def build_app(server) -> Starlette:
     """server: hdcli.serve.Server (its config, model, scheduler, metrics)."""
+    r = Routes(server)
 
-    def error(exc: ApiError, endpoint: str) -> JSONResponse:
-        server.metrics.requests.labels(endpoint, str(exc.status)).inc()
+    async def chat(request: Request) -> Response:
+        return await r.completions(request, True)
+
+    async def completions(request: Request) -> Response:
+        return await r.completions(request, False)
+    routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", r.models, methods=["GET"]),
+              Route("/health", r.health, methods=["GET"]),
+              Route("/metrics", r.metrics, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=server.lifespan,
+                     exception_handlers={404: _not_found, 405: _not_found, Exception: _crashed})
+
+
+class Routes:
+    def __init__(self, server):
+        self.server = server
+
+    def error(self, exc: ApiError, endpoint: str) -> JSONResponse:
+        self.server.metrics.requests.labels(endpoint, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    def authorised(request: Request) -> None:
-        if server.api_key is None:
+    def authorised(self, request: Request) -> None:
+        key = self.server.api_key
+        if key is None:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    async def read_json(request: Request):
+    async def read_json(self, request: Request):
         # a body over the limit is read on (not kept, up to 16x the limit) before the 413, so
         # that clients still sending see the answer instead of a reset connection
-        limit = server.max_body
+        limit = self.server.max_body
         body, seen = bytearray(), 0
         async for chunk in request.stream():
             seen += len(chunk)
@@ -69,14 +88,15 @@ def build_app(server) -> Starlette:
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from None
 
-    async def completions_route(request: Request, chat: bool) -> Response:
+    async def completions(self, request: Request, chat: bool) -> Response:
+        server = self.server
         endpoint = "chat" if chat else "completions"
         try:
-            authorised(request)
-            req = parse(ChatRequest if chat else CompletionRequest, await read_json(request))
+            self.authorised(request)
+            req = parse(ChatRequest if chat else CompletionRequest, await self.read_json(request))
             job = server.job_for(req, chat)
         except ApiError as exc:
-            return error(exc, endpoint)
+            return self.error(exc, endpoint)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -87,7 +107,8 @@ def build_app(server) -> Starlette:
                 pass
         job.emit = emit
         if not server.scheduler.submit(job):
-            return error(ApiError(503, "the server is busy or stopping: retry later", code="overloaded"), endpoint)
+            return self.error(ApiError(503, "the server is busy or stopping: retry later", code="overloaded"),
+                              endpoint)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
@@ -104,59 +125,52 @@ def build_app(server) -> Starlette:
             return Response(status_code=499)
         gone.cancel()
         if job.finish_reason == "error":
-            return error(ApiError(500, f"generation failed: {job.error}"), endpoint)
+            return self.error(ApiError(500, f"generation failed: {job.error}"), endpoint)
         server.metrics.requests.labels(endpoint, "200").inc()
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": job.text},
-                      "logprobs": None, "finish_reason": FINISH[job.finish_reason]}
-        else:
-            choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": FINISH[job.finish_reason]}
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": server.name, "choices": [choice],
-                             "usage": server.usage(job)})
+        return JSONResponse(_answer(server, job, rid, created, chat))
 
-    async def chat_route(request: Request) -> Response:
-        return await completions_route(request, True)
-
-    async def completions(request: Request) -> Response:
-        return await completions_route(request, False)
-
-    async def models(request: Request) -> Response:
+    async def models(self, request: Request) -> Response:
         try:
-            authorised(request)
+            self.authorised(request)
         except ApiError as exc:
-            return error(exc, "models")
+            return self.error(exc, "models")
+        s = self.server
         return JSONResponse({"object": "list", "data": [
-            {"id": server.name, "object": "model", "created": server.created, "owned_by": "hd"}]})
+            {"id": s.name, "object": "model", "created": s.created, "owned_by": "hd"}]})
 
-    async def health(request: Request) -> Response:
-        queued, running = server.scheduler.load()
-        ok = server.scheduler.alive() and server.scheduler.failed is None
-        body = {"status": "ok" if ok else "failed", "model": server.name, "queued": queued, "running": running}
-        if server.scheduler.failed is not None:
-            body["error"] = f"{type(server.scheduler.failed).__name__}: {server.scheduler.failed}"
+    async def health(self, request: Request) -> Response:
+        sched = self.server.scheduler
+        queued, running = sched.load()
+        ok = sched.alive() and sched.failed is None
+        body = {"status": "ok" if ok else "failed", "model": self.server.name, "queued": queued, "running": running}
+        if sched.failed is not None:
+            body["error"] = f"{type(sched.failed).__name__}: {sched.failed}"
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    async def metrics(request: Request) -> Response:
-        server.refresh_gauges()
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(self, request: Request) -> Response:
+        self.server.refresh_gauges()
+        return Response(self.server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def not_found(request: Request, exc) -> Response:
-        status = getattr(exc, "status_code", 404)
-        msg = "no such route" if status == 404 else f"{request.method} is not allowed here"
-        return JSONResponse(ApiError(status, f"{msg}: {request.method} {request.url.path}").body(),
-                            status_code=status)
 
-    async def crashed(request: Request, exc: Exception) -> Response:
-        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+def _answer(server, job: Job, rid: str, created: int, chat: bool) -> dict:
+    reason = FINISH[job.finish_reason]
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": job.text}, "logprobs": None,
+                  "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": reason}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": server.name, "choices": [choice], "usage": server.usage(job)}
 
-    routes = [Route("/v1/chat/completions", chat_route, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]),
-              Route("/health", health, methods=["GET"]),
-              Route("/metrics", metrics, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=server.lifespan,
-                     exception_handlers={404: not_found, 405: not_found, Exception: crashed})
+
+async def _not_found(request: Request, exc) -> Response:
+    status = getattr(exc, "status_code", 404)
+    msg = "no such route" if status == 404 else f"{request.method} is not allowed here"
+    return JSONResponse(ApiError(status, f"{msg}: {request.method} {request.url.path}").body(), status_code=status)
+
+
+async def _crashed(request: Request, exc: Exception) -> Response:
+    return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
 
 
 async def _until_done(events: asyncio.Queue) -> None:
