@@ -8,8 +8,8 @@ before and after a restart.
 The server is `hd serve` as a user runs it, a process on a free loopback port, started afresh for
 each level (so every level starts from the same drafting state: the recycled predictions are
 shared by requests and would favour later levels); clients are threads of this process with the
-official `openai` client. Levels run in the order given and then the first again (drift shows as
-a difference between the two). Requests are the first turns of Spec-Bench questions, one per
+official `openai` client. Levels run in the order given, --repeats times over (interleaved, so drift
+hits all alike); a level's figures are the means over its passes. Requests are the first turns of Spec-Bench questions, one per
 subcategory in file order.
 
   throughput   completion tokens of all requests / wall time of the level
@@ -143,6 +143,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,2,4,8")
+    ap.add_argument("--repeats", type=int, default=2, help="Passes over the levels (interleaved).")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--learn-stream", type=int, default=0, help="Prompts in the learning stream (0: skip).")
     ap.add_argument("--out", type=Path, default=None)
@@ -155,7 +156,7 @@ def main() -> None:
         server_args += ["--stats-db", db]
     levels = [int(x) for x in args.levels.split(",")]
     results, served = [], {}
-    for c in levels + levels[:1]:
+    for c in levels * args.repeats:
         print(f"level {c} clients ...", file=sys.stderr)
         r = Running(server_args)
         try:
@@ -187,7 +188,6 @@ def main() -> None:
     inproc = {"tokens": tokens, "wall_seconds": time.perf_counter() - t0,
               "differ_from_server": sum(a != b for a, b in zip(texts, ref))}
     inproc["tokens_per_second"] = tokens / inproc["wall_seconds"]
-    inproc["server_ms_per_token"] = 1e3 * (1 / results[0]["tokens_per_second"] - 1 / inproc["tokens_per_second"])
     del run
     for res in results:
         res["differ"] = sum(a != b for a, b in zip(res.pop("answers"), ref))
@@ -203,13 +203,23 @@ def main() -> None:
         tokens += len(hf_generate(stock, i, args.max_tokens)[0])
     hf = {"tokens": tokens, "wall_seconds": time.perf_counter() - t0}
     hf["tokens_per_second"] = tokens / hf["wall_seconds"]
+    runs = results
+    results = []
+    for c in levels:   # per level: the mean over its passes (each pass's row kept in "runs")
+        mine = [x for x in runs if x["clients"] == c]
+        row = {k: statistics.mean(x[k] for x in mine) for k in
+               ("tokens_per_second", "latency_p50", "latency_p95", "mean_accepted_tokens")}
+        row.update(clients=c, passes=len(mine), differ=sum(x["differ"] for x in mine),
+                   tokens_per_second_each=[round(x["tokens_per_second"], 1) for x in mine])
+        results.append(row)
     one = results[0]["tokens_per_second"]
+    inproc["server_ms_per_token"] = 1e3 * (1 / one - 1 / inproc["tokens_per_second"])
     for res in results:
         res["vs_one_at_a_time"] = res["tokens_per_second"] / one
         res["vs_hf_generate"] = res["tokens_per_second"] / hf["tokens_per_second"]
     out = {"machine": machine(), "model": name, "server": served, "stats_dbs": args.stats_db,
            "requests": len(prompts), "max_tokens": args.max_tokens, "max_batch": args.max_batch,
-           "levels": results, "hf_generate": hf, "in_process": inproc,
+           "levels": results, "runs": runs, "hf_generate": hf, "in_process": inproc,
            "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}
     if args.learn_stream:
         out["learning"] = learn_stream(server_args, lm, prompts[: args.learn_stream], args.max_tokens)
@@ -217,7 +227,7 @@ def main() -> None:
     for res in results:
         print(f"{res['clients']:>8} {res['tokens_per_second']:>8.1f} {res['vs_one_at_a_time']:>6.2f} "
               f"{res['vs_hf_generate']:>6.2f} {res['latency_p50']:>7.2f} {res['latency_p95']:>7.2f} "
-              f"{res['mean_accepted_tokens']:>5.2f} {res['differ']:>6}")
+              f"{res['mean_accepted_tokens']:>5.2f} {res['differ']:>6}  {res['tokens_per_second_each']}")
     print(f"hf-generate one by one: {hf['tokens_per_second']:.1f} tok/s   (CPU: {out['machine']['cpu']})")
     print(f"hd in-process one by one: {inproc['tokens_per_second']:.1f} tok/s, {inproc['differ_from_server']} "
           f"answers unlike the server's; the server costs {inproc['server_ms_per_token']:.1f} ms a token more")

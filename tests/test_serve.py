@@ -313,3 +313,11 @@ def test_sigkill_mid_learning_leaves_the_model_db_intact(model_dir, tmp_path):
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(60)
+
+
+@pytest.mark.parametrize("args,says", [(["--port", "99999"], "--port 99999"), (["--max-batch", "0"], "--max-batch"),
+                                       (["--learn"], "--learn"), (["--api-key", " "], "--api-key")])
+def test_bad_options_are_one_line_errors(model_dir, args, says):
+    p = subprocess.run([sys.executable, "-m", "hdcli.cli", "serve", "--model", str(model_dir), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -57,6 +57,10 @@ class Server:
                  on_status: Callable[[str], None] = lambda m: None):
         if max_batch < 1 or max_queue < 0:
             raise HdError("--max-batch must be >= 1 and --max-queue >= 0")
+        if not 0 <= port <= 65535:
+            raise HdError(f"--port {port} is not a port: give 0..65535 (0: any free one)")
+        if drain_timeout < 0:
+            raise HdError("--drain-timeout must be >= 0 seconds")
         if api_key is not None and not api_key.strip():
             raise HdError("--api-key is empty: give a token, or leave the option out for an open server")
         self.host, self.port, self.api_key = host, port, api_key
