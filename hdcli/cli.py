@@ -102,6 +102,12 @@ def _config(ctx: typer.Context, config_file: Optional[Path], **fields) -> Decodi
     return DecodingConfig.from_dict({**(base.to_dict() if base else {}), **given}, where="options")
 
 
+def _run_config(ctx: typer.Context, params: dict) -> DecodingConfig:
+    """_config from a command's _RUN options (its locals(): `hd generate`, `hd serve`)."""
+    inv = {v: k for k, v in _PARAM_OF_FIELD.items()}
+    return _config(ctx, params["config"], **{inv.get(n, n): params[n] for n in _RUN if n != "config"})
+
+
 def _status(as_json: bool):
     """Where progress and warnings go: dim lines on stderr, nothing under --json."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -214,13 +220,7 @@ def generate(
 ):
     """Generate text with lossless speculative decoding and report per-layer statistics."""
     text = _read_prompt(prompt, prompt_file)
-    cfg = _config(ctx, config, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
-                  top_p=top_p, top_k=top_k, seed=seed, chat=chat, system=system, stop=stop, layers=layers,
-                  policy=policy, candidates=candidates, model_db=model_db, learn=learn, stats_dbs=stats_db,
-                  stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected,
-                  draft_len=draft_len, min_n=min_n, max_n=max_n, draft_models=draft_models,
-                  level_tokens=level_tokens, no_db=no_db, plan=plan, dtype=dtype, device=device,
-                  kernels=kernels, invariant=invariant)
+    cfg = _run_config(ctx, locals())
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
 
     def show(piece: str, layer: Optional[str]) -> None:
@@ -282,13 +282,7 @@ def serve(
 ):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serve.md)."""
     from .serve import Server
-    cfg = _config(ctx, config, model=model, max_new_tokens=max_new_tokens, temperature=temperature,
-                  top_p=top_p, top_k=top_k, seed=seed, chat=chat, system=system, stop=stop, layers=layers,
-                  policy=policy, candidates=candidates, model_db=model_db, learn=learn, stats_dbs=stats_db,
-                  stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected,
-                  draft_len=draft_len, min_n=min_n, max_n=max_n, draft_models=draft_models,
-                  level_tokens=level_tokens, no_db=no_db, plan=plan, dtype=dtype, device=device,
-                  kernels=kernels, invariant=invariant)
+    cfg = _run_config(ctx, locals())
     say = _status(False)
     server = Server(cfg, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
                     name=served_name or model, drain_timeout=drain_timeout, on_status=say)

@@ -139,6 +139,7 @@ class Stream:
         self.tree: Tree | None = None
         self._q_rows = None
         self._t_drafted = 0.0
+        self.estimates: list[float] = [1.0]   # per node of an uncapped proposal (scheduler joint cap)
 
     def propose(self, max_nodes: int | None = None, capped: bool = True) -> Tree:
         """Draft at most the room left and build this step's tree (root token: history[-1]);
@@ -157,10 +158,11 @@ class Stream:
         else:
             tree = build_tree(drafts, drafter.rate if drafter else None, dec.cost if capped else None,
                               cap, self.trees_ok)
-        if self._q_rows is not None:   # a draft model's chain: sent whole (its rows of q go with it)
-            self.estimates = [1.0] * (tree.size() + 1)
-        else:
-            self.estimates = node_estimates(tree, drafter.rate) if drafter and tree.size() else [1.0]
+        if not capped:   # for the caller's joint cap; a capped tree's were used in build_tree
+            if self._q_rows is not None:   # a draft model's chain: sent whole (its rows of q go with it)
+                self.estimates = [1.0] * (tree.size() + 1)
+            else:
+                self.estimates = node_estimates(tree, drafter.rate) if drafter and tree.size() else [1.0]
         self.stats.draft_seconds += time.perf_counter() - t0
         self._t_drafted = time.perf_counter()
         self.tree = tree

@@ -84,14 +84,10 @@ class Server:
                                    on_finish=self._finished, on_step=self._stepped)
         self._sock: socket.socket | None = None
         self._main_loop = False
+        self._closed = self._signalled = False
         self.served = {"requests": 0, "completion_tokens": 0, "steps": 0, "learned_generations": 0}
 
     # ------------------------------------------------------------ requests
-
-    def forget_recycled(self) -> None:
-        """Start the shared table of recycled predictions afresh (benchmarks: each concurrency level
-        from the same drafting state)."""
-        self.recycled = RecycledTable()
 
     def _drafter(self):
         if not self.config.drafting:
@@ -222,7 +218,7 @@ class Server:
 
     def close(self) -> None:
         """Let running requests finish (up to drain_timeout), then write what is left to learn."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         if not self.scheduler.stop(drain=True, timeout=self.drain_timeout):
@@ -273,7 +269,7 @@ class Server:
 
         def on_signal(sig, frame):
             http.should_exit = True
-            if getattr(self, "_signalled", False):   # a second Ctrl-C: stop now
+            if self._signalled:   # a second Ctrl-C: stop now
                 http.force_exit = True
                 self.scheduler.stop(drain=False)
             self._signalled = True

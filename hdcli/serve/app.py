@@ -194,9 +194,9 @@ async def _sse(server, job: Job, events: asyncio.Queue, rid: str, created: int, 
     chunk when asked, then [DONE]. Leaving early (the client disconnected) cancels the job."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(piece: str | None, finish: str | None, usage=None, choices=True) -> bytes:
+    def chunk(piece: str | None, finish: str | None, usage=None, choices=True, role=False) -> bytes:
         if chat:
-            delta = {} if piece is None else {"content": piece}
+            delta = ({"role": "assistant"} if role else {}) | ({} if piece is None else {"content": piece})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
@@ -209,9 +209,7 @@ async def _sse(server, job: Job, events: asyncio.Queue, rid: str, created: int, 
     done = False
     try:
         if chat:
-            first = json.loads(chunk("", None)[6:])
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield b"data: " + json.dumps(first).encode() + b"\n\n"
+            yield chunk("", None, role=True)
         while True:
             kind, value = await events.get()
             if kind == "text":
