@@ -80,9 +80,10 @@ class _Layout:
         seen = vis.sum(-1)
         prefix = vis.long().cumprod(-1).sum(-1)
         self.prefix_only = bool((prefix == seen).all())   # plain decoding, chains
+        self.rows = n                                     # keys (zero-padded) the attention reads
         if self.prefix_only:
             # scores GEMMs over few keys (< 16 here) order differently: keys padded to chunks
-            self.n_pad = -(-n // CHUNK) * CHUNK
+            self.n_pad = self.rows = -(-n // CHUNK) * CHUNK
             bias = torch.zeros(m, self.n_pad, device=vis.device)
             bias.masked_fill_(~_pad_rows(vis, self.n_pad, 1), float("-inf"))
             self.bias = bias.repeat(g, 1)                        # rows in (head j, query i) order
@@ -138,39 +139,51 @@ def layout(mask, m: int, n: int, g: int, device) -> _Layout:
 def attend(query, key, value, lay: _Layout, scaling) -> torch.Tensor:
     """The M-invariant attention of query [1, Hq, M, D] over key/value [1, Hkv, N, D] laid out by
     `lay`. Returns [1, M, Hq, D] in the query's dtype."""
+    return attend_kv(query, *fp32_kv(key, value, lay.rows), lay, scaling)
+
+
+def fp32_kv(key, value, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the attention reads: keys [Hkv, rows, D] and [V | 1] [Hkv, rows, D + 1] (the ones
+    column's weighted sum is the softmax sum, by the same arithmetic), fp32, zero rows past the
+    N keys. The lean forward's cache (kvcache.py) keeps them in this form."""
+    return _pad_rows(key[0].float(), rows, 1), _values_with_ones(value[0].float(), rows)
+
+
+def attend_kv(query, k, v1, lay: _Layout, scaling) -> torch.Tensor:
+    """attend() on keys and [V | 1] already in fp32_kv's form (at least lay.rows rows)."""
     dtype = query.dtype
     _, hq, m, d = query.shape
-    hkv = key.shape[1]
+    hkv = k.shape[0]
     g = hq // hkv
     q = query[0].float().reshape(hkv, g, m, d)                   # q head h = kv head h // g
-    k, v = key[0].float(), value[0].float()
     if lay.prefix_only:   # rank of a key = its index: chunks by index, no gather
-        total = _prefix_rows(q, k, v, lay, scaling)
+        total = _prefix_rows(q, k, v1, lay, scaling)
     else:                 # trees, sliding windows: each row's keys gathered in order
-        total = _gathered_rows(q, k, v, lay, scaling)
+        total = _gathered_rows(q, k, v1, lay, scaling)
     out = total[..., :d] / total[..., d:]                        # [hkv, m, g, d]
     return out.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype)   # head h = kv * g + j
 
 
-def attend_many(queries, keys, values, lays, scaling) -> list[torch.Tensor]:
-    """attend() for several sequences at once (hdcli/engine/batch.py): queries[i] [1, Hq, m_i, D]
-    over keys[i]/values[i] [1, Hkv, n_i, D], laid out by lays[i]. Sequences whose rows see only a
-    prefix of their keys (chains, single tokens) share one score GEMM batch and one value-chunk
-    GEMM batch: keys are padded to the longest sequence's chunks and query rows to the most rows,
-    and the extra keys are masked, so they add exact zeros to the in-order chunk sum; a row's
-    result is torch.equal to attend() alone (tests/test_batch.py). Trees go through attend()."""
+def attend_many(queries, kvs, lays, scaling) -> list[torch.Tensor]:
+    """attend_kv() for several sequences at once (hdcli/engine/batch.py): queries[i] [1, Hq, m_i, D]
+    over kvs[i] (keys, [V | 1] in fp32_kv's form), laid out by lays[i]. Sequences whose rows see
+    only a prefix of their keys (chains, single tokens) share one score GEMM batch and one
+    value-chunk GEMM batch: keys are padded to the longest sequence's chunks and query rows to
+    the most rows, and the extra keys are masked, so they add exact zeros to the in-order chunk
+    sum; a row's result is torch.equal to attend() alone (tests/test_batch.py). Trees go through
+    attend_kv()."""
     out: list = [None] * len(queries)
     flat = [i for i, lay in enumerate(lays) if lay.prefix_only]
     if len(flat) < 2:
         flat = []
     for i in range(len(queries)):
         if i not in flat:
-            out[i] = attend(queries[i], keys[i], values[i], lays[i], scaling)
+            out[i] = attend_kv(queries[i], *kvs[i], lays[i], scaling)
     if not flat:
         return out
     dtype = queries[flat[0]].dtype
     _, hq, _, d = queries[flat[0]].shape
-    hkv = keys[flat[0]].shape[1]
+    hkv = kvs[flat[0]][0].shape[0]
     g = hq // hkv
     rows = max(MIN_ROWS, max(g * queries[i].shape[2] for i in flat))
     n_pad = max(lays[i].n_pad for i in flat)
@@ -180,14 +193,12 @@ def attend_many(queries, keys, values, lays, scaling) -> list[torch.Tensor]:
     v1 = q.new_zeros((len(flat), hkv, n_pad, d + 1))
     bias = q.new_zeros((len(flat), 1, rows, n_pad))
     for j, i in enumerate(flat):
-        m, n = queries[i].shape[2], keys[i].shape[2]
+        m, np_i = queries[i].shape[2], lays[i].n_pad
         q[j, :, :g * m] = queries[i][0].float().reshape(hkv, g * m, d)
-        k[j, :, :n] = keys[i][0]
-        v1[j, :, :n, :d] = values[i][0]
-        v1[j, :, :n, d] = 1.0
-        lb = lays[i].bias
-        bias[j, 0, :g * m, :lb.shape[1]] = lb
-        bias[j, 0, :g * m, lb.shape[1]:] = float("-inf")
+        k[j, :, :np_i] = kvs[i][0][:, :np_i]
+        v1[j, :, :np_i] = kvs[i][1][:, :np_i]
+        bias[j, 0, :g * m, :np_i] = lays[i].bias
+        bias[j, 0, :g * m, np_i:] = float("-inf")
     s = torch.matmul(q.reshape(b, rows, d), k.reshape(b, n_pad, d).transpose(1, 2))
     s = (s * scaling).reshape(len(flat), hkv, rows, n_pad) + bias
     p = torch.exp(s - s.amax(-1, keepdim=True)).reshape(b, rows, n_pad)
@@ -224,24 +235,22 @@ def _in_order(parts: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cumsum(parts, dim).select(dim, -1)
 
 
-def _prefix_rows(q, k, v, lay: _Layout, scaling) -> torch.Tensor:
+def _prefix_rows(q, k, v1, lay: _Layout, scaling) -> torch.Tensor:
     """Every row sees keys 0..n_i - 1. [hkv, m, g, d + 1]."""
     hkv, g, m, d = q.shape
-    k = _pad_rows(k, lay.n_pad, 1)
+    k, v1 = k[:, :lay.n_pad], v1[:, :lay.n_pad]
     s = torch.matmul(_pad_rows(q.reshape(hkv, g * m, d), MIN_ROWS, 1), k.transpose(1, 2))[:, :g * m]
     s = s * scaling + lay.bias
     p = torch.exp(s - s.amax(-1, keepdim=True))
-    total = _in_order(_chunk_parts(p, _values_with_ones(v, lay.n_pad)), 1)   # [hkv, g * m, d + 1]
+    total = _in_order(_chunk_parts(p, v1), 1)                    # [hkv, g * m, d + 1]
     return total.reshape(hkv, g, m, d + 1).transpose(1, 2)
 
 
-def _gathered_rows(q, k, v, lay: _Layout, scaling) -> torch.Tensor:
+def _gathered_rows(q, k, v1, lay: _Layout, scaling) -> torch.Tensor:
     """Keys 0..shared - 1 (a multiple of CHUNK) are seen by every row and chunked by index; each
     row's other keys are gathered in order into its own tail chunks. [hkv, m, g, d + 1]."""
     hkv, g, m, d = q.shape
     shared, t_pad, idx = lay.shared, lay.t_pad, lay.idx
-    if k.shape[1] < lay.n:
-        k, v = _pad_rows(k, lay.n, 1), _pad_rows(v, lay.n, 1)
     # scores: the shared keys in one GEMM of all rows, each row's tail over its gathered keys
     q_t = _pad_rows(q.permute(0, 2, 1, 3), MIN_ROWS, 2)          # [hkv, m, >=4, d]
     s_t = torch.matmul(q_t, k[:, idx].transpose(-1, -2))[:, :, :g] * scaling   # [hkv, m, g, T]
@@ -252,13 +261,13 @@ def _gathered_rows(q, k, v, lay: _Layout, scaling) -> torch.Tensor:
         s_sh = torch.matmul(qr, k[:, :shared].transpose(1, 2))[:, :g * m] * scaling
         s_sh = s_sh.reshape(hkv, g, m, shared).transpose(1, 2)   # [hkv, m, g, S]
         mx = torch.maximum(mx, s_sh.amax(-1))
-    v_t = _values_with_ones(v, v.shape[1])[:, idx]               # [hkv, m, T, d + 1]
+    v_t = v1[:, idx]                                             # [hkv, m, T, d + 1]
     p_t = torch.exp(s_t - mx[..., None])                         # masked: exp(-inf) = 0
     parts = _chunk_parts(p_t.reshape(hkv * m, g, t_pad), v_t.reshape(hkv * m, t_pad, d + 1))
     parts = parts.reshape(hkv, m, t_pad // CHUNK, g, d + 1)
     if shared:  # the shared chunks first, then the row's own: one scan over all, in order
         p_sh = torch.exp(s_sh - mx[..., None]).transpose(1, 2).reshape(hkv, g * m, shared)
-        head = _chunk_parts(p_sh, _values_with_ones(v[:, :shared], shared))   # [hkv, ns, g * m, d + 1]
+        head = _chunk_parts(p_sh, v1[:, :shared])                # [hkv, ns, g * m, d + 1]
         head = head.reshape(hkv, shared // CHUNK, g, m, d + 1).permute(0, 3, 1, 2, 4)
         parts = torch.cat([head, parts], 2)
     return _in_order(parts, 2)                                   # [hkv, m, g, d + 1]

@@ -25,7 +25,9 @@ Invariants
   * enable() keeps the class forward bound to the model as `_hd_stock_forward`; disable() removes
     the instance attribute, so the model is again exactly transformers' module.
   * The cache stays a transformers DynamicCache (update/crop/get_seq_length), so keep_path, crop
-    and everything else that reads it work unchanged.
+    and everything else that reads it work unchanged. tree.new_cache gives a model in the mode
+    one with kvcache.InvariantLayer layers: fp32 keys and [V | 1] kept as the attention reads
+    them, so no layer copies the whole cache (any other DynamicCache works too, converted).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import types
 import torch
 
 from . import invariant
+from .kvcache import InvariantLayer
 
 SUPPORTED = ("LlamaForCausalLM",)
 
@@ -117,14 +120,12 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
         k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
         v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        kvs = [_cached(cache, attn.layer_idx, k[:, :, a:b], v[:, :, a:b], lay.rows)
+               for (_, cache, _, _), (a, b), lay in zip(parts, bounds, lays)]
         if len(parts) == 1:
-            k, v = parts[0][1].update(k, v, attn.layer_idx)
-            o = invariant.attend(q, k, v, lays[0], attn.scaling).reshape(1, m, hq * d)
+            o = invariant.attend_kv(q, *kvs[0], lays[0], attn.scaling).reshape(1, m, hq * d)
         else:
-            kv = [cache.update(k[:, :, a:b], v[:, :, a:b], attn.layer_idx)
-                  for (_, cache, _, _), (a, b) in zip(parts, bounds)]
-            outs = invariant.attend_many([q[:, :, a:b] for a, b in bounds], [x[0] for x in kv],
-                                         [x[1] for x in kv], lays, attn.scaling)
+            outs = invariant.attend_many([q[:, :, a:b] for a, b in bounds], kvs, lays, attn.scaling)
             o = torch.cat([out.reshape(1, b - a, hq * d) for out, (a, b) in zip(outs, bounds)], 1)
         x = x + attn.o_proj(o)
         h = layer.post_attention_layernorm(x)
@@ -132,3 +133,15 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
         x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
     logits = model.lm_head(base.norm(x))[0]
     return [logits[a:b] for a, b in bounds]
+
+
+def _cached(cache, layer_idx: int, k, v, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append a part's new keys/values to its cache; the attention's fp32 keys and [V | 1] of
+    `rows` rows: views of a kvcache.InvariantLayer, or converted from any other cache."""
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, InvariantLayer):
+        layer.append(k, v)
+        k32, v32 = layer.padded(rows)
+        return k32[0], v32[0]
+    k, v = cache.update(k, v, layer_idx)
+    return invariant.fp32_kv(k, v, rows)

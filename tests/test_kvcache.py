@@ -1,0 +1,87 @@
+"""The invariant KV cache (hdcli/engine/kvcache.py): it holds what a DynamicCache holds, through
+appends, tree crops (keep_path) and growth past its capacity, rows past its length stay zero, and
+the lean forward's logits on it are torch.equal to those on a DynamicCache."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hdcli.engine import invariant, kernels, kvcache, lean
+from hdcli.engine.tree import Tree, keep_path, new_cache, tree_forward
+
+from conftest import tiny_llama
+
+V = 64
+
+
+@torch.inference_mode()
+def test_layer_holds_what_a_dynamic_cache_holds_and_zeros_past_its_length():
+    g = torch.Generator().manual_seed(0)
+    plain = DynamicCache()
+    ours = DynamicCache()
+    ours.layers = [kvcache.InvariantLayer()]
+    layer = ours.layers[0]
+    for step in range(60):   # grows past _MIN_CAPACITY (256 rows) and doubles
+        m = int(torch.randint(1, 12, (1,), generator=g))
+        k = torch.randn(1, 2, m, 8, generator=g).to(torch.bfloat16)
+        v = torch.randn(1, 2, m, 8, generator=g).to(torch.bfloat16)
+        a, b = plain.update(k, v, 0)
+        c, d = ours.update(k, v, 0)
+        assert c.dtype == torch.bfloat16 and torch.equal(a, c) and torch.equal(b, d)
+        if step % 3 == 0 and m > 2:   # a tree step: keep the root and a path, crop the rest
+            past = plain.get_seq_length() - m
+            path = sorted(torch.randperm(m - 1, generator=g)[: m // 2].add(1).tolist())
+            keep_path(plain, past, path)
+            keep_path(ours, past, path)
+        n = plain.get_seq_length()
+        assert ours.get_seq_length() == n == layer.length
+        assert torch.equal(layer.keys.to(torch.bfloat16), plain.layers[0].keys)
+        assert torch.equal(layer.values.to(torch.bfloat16), plain.layers[0].values)
+        assert torch.equal(layer.v32[:, :, :n, -1], torch.ones(1, 2, n))
+        assert not layer.k32[:, :, n:].any() and not layer.v32[:, :, n:].any()
+        assert layer.k32.shape[2] % invariant.CHUNK == 0 and layer.k32.shape[2] >= n
+    assert layer.k32.shape[2] > kvcache._MIN_CAPACITY
+    k32, v1 = layer.padded(-(-n // invariant.CHUNK) * invariant.CHUNK)
+    assert torch.equal(k32, invariant.fp32_kv(plain.layers[0].keys, plain.layers[0].values, k32.shape[2])[0][None])
+    assert torch.equal(v1, invariant.fp32_kv(plain.layers[0].keys, plain.layers[0].values, v1.shape[2])[1][None])
+
+
+def _steps(model, cache) -> list[torch.Tensor]:
+    """A prefill, then chains and trees on `cache` until it is longer than its first capacity."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (1, 300), generator=g)
+    out = [model(input_ids=ids[:, :200], past_key_values=cache, use_cache=True).logits[0]]
+    pos = 200
+    while pos < 300:
+        out.append(lean.lean_forward(model, ids[:, pos:pos + 7], cache).logits[0])
+        t = Tree()
+        for cand in ([5, 6, 7], [8, 9], [5, 10, 11, 12]):
+            t.add_candidate(cand, "x")
+        past = cache.get_seq_length()
+        out.append(tree_forward(model, t, int(ids[0, pos + 7]), cache))
+        keep_path(cache, past, [4, 5])
+        pos += 10
+    return out
+
+
+@pytest.mark.parametrize("dtype,kern", [(torch.float32, "torch"), (torch.bfloat16, "int4")])
+def test_lean_forward_on_the_invariant_cache_equals_it_on_a_dynamic_cache(dtype, kern, tmp_path, monkeypatch):
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    model = tiny_llama(V, hidden=64, scale=4.0).to(dtype)
+    if kern == "int4":
+        if not kernels.available():
+            pytest.skip("torch without oneDNN")
+        from test_int4 import to_int4
+        to_int4(model)
+    invariant.enable(model)
+    cache = new_cache(model)
+    assert kvcache.is_invariant_cache(cache)
+    with torch.inference_mode():
+        ours = _steps(model, cache)
+        plain = _steps(model, DynamicCache(config=model.config))
+    assert cache.layers[0].k32.shape[2] > kvcache._MIN_CAPACITY   # it grew on the way
+    for a, b in zip(ours, plain):
+        assert torch.equal(a, b)
+    invariant.disable(model)
+    assert not kvcache.is_invariant_cache(new_cache(model))
