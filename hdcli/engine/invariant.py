@@ -164,51 +164,78 @@ def attend_kv(query, k, v1, lay: _Layout, scaling) -> torch.Tensor:
     return out.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype)   # head h = kv * g + j
 
 
-def attend_many(queries, kvs, lays, scaling) -> list[torch.Tensor]:
-    """attend_kv() for several sequences at once (hdcli/engine/batch.py): queries[i] [1, Hq, m_i, D]
-    over kvs[i] (keys, [V | 1] in fp32_kv's form), laid out by lays[i]. Sequences whose rows see
-    only a prefix of their keys (chains, single tokens) share one score GEMM batch and one
-    value-chunk GEMM batch: keys are padded to the longest sequence's chunks and query rows to
-    the most rows, and the extra keys are masked, so they add exact zeros to the in-order chunk
-    sum; a row's result is torch.equal to attend() alone (tests/test_batch.py). Trees go through
-    attend_kv()."""
-    out: list = [None] * len(queries)
-    flat = [i for i, lay in enumerate(lays) if lay.prefix_only]
-    if len(flat) < 2:
-        flat = []
-    for i in range(len(queries)):
-        if i not in flat:
-            out[i] = attend_kv(queries[i], *kvs[i], lays[i], scaling)
-    if not flat:
-        return out
-    dtype = queries[flat[0]].dtype
-    _, hq, _, d = queries[flat[0]].shape
-    hkv = kvs[flat[0]][0].shape[0]
-    g = hq // hkv
-    rows = max(MIN_ROWS, max(g * queries[i].shape[2] for i in flat))
-    n_pad = max(lays[i].n_pad for i in flat)
-    b = len(flat) * hkv
-    q = queries[0].new_zeros((len(flat), hkv, rows, d), dtype=torch.float32)
-    k = q.new_zeros((len(flat), hkv, n_pad, d))
-    v1 = q.new_zeros((len(flat), hkv, n_pad, d + 1))
-    bias = q.new_zeros((len(flat), 1, rows, n_pad))
-    for j, i in enumerate(flat):
-        m, np_i = queries[i].shape[2], lays[i].n_pad
-        q[j, :, :g * m] = queries[i][0].float().reshape(hkv, g * m, d)
-        k[j, :, :np_i] = kvs[i][0][:, :np_i]
-        v1[j, :, :np_i] = kvs[i][1][:, :np_i]
-        bias[j, 0, :g * m, :np_i] = lays[i].bias
-        bias[j, 0, :g * m, np_i:] = float("-inf")
-    s = torch.matmul(q.reshape(b, rows, d), k.reshape(b, n_pad, d).transpose(1, 2))
-    s = (s * scaling).reshape(len(flat), hkv, rows, n_pad) + bias
-    p = torch.exp(s - s.amax(-1, keepdim=True)).reshape(b, rows, n_pad)
-    total = _in_order(_chunk_parts(p, v1.reshape(b, n_pad, d + 1)), 1).reshape(len(flat), hkv, rows, d + 1)
-    for j, i in enumerate(flat):
-        m = queries[i].shape[2]
-        t = total[j, :, :g * m].reshape(hkv, g, m, d + 1).transpose(1, 2)     # [hkv, m, g, d + 1]
-        o = t[..., :d] / t[..., d:]
-        out[i] = o.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype)
-    return out
+class Many:
+    """How several sequences' rows share one attention (hdcli/engine/batch.py), derived once per
+    forward from their layouts and row counts, used by every layer.
+
+    Sequences whose rows see only a prefix of their keys (chains, single tokens), two or more,
+    share one score GEMM batch and one value-chunk GEMM batch: sequence j's query rows (kv head,
+    then query head within the group, then token: attend's order) go to batch row j, padded to
+    the most rows; its keys are padded with zeros to the longest sequence's chunks (n_pad) and
+    masked, so they add exact zeros to the in-order chunk sum. The rest (trees) attend alone.
+    A row's result is torch.equal to attend() alone (tests/test_batch.py)."""
+
+    def __init__(self, lays, sizes, hq: int, hkv: int, device):
+        self.lays, self.hq, self.hkv = lays, hq, hkv
+        self.bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+        flat = [i for i, lay in enumerate(lays) if lay.prefix_only]
+        self.flat = flat if len(flat) >= 2 else []
+        if not self.flat:
+            return
+        g = hq // hkv
+        self.rows = max(MIN_ROWS, max(g * sizes[i] for i in self.flat))
+        self.n_pad = max(lays[i].n_pad for i in self.flat)
+        nb, m_all = len(self.flat), sum(sizes)
+        # query row (j, kv, r) <- q[head, token]; padding rows repeat row 0 (rows never mix in a GEMM)
+        head = torch.zeros(nb, hkv, self.rows, dtype=torch.long)
+        tok = torch.zeros(nb, hkv, self.rows, dtype=torch.long)
+        # output (token, head) <- result row (j, kv, r); tokens of other sequences point at row 0
+        src = torch.zeros(m_all, hq, dtype=torch.long)
+        self.bias = torch.zeros(nb, 1, self.rows, self.n_pad, device=device)
+        for j, i in enumerate(self.flat):
+            a, m = self.bounds[i][0], sizes[i]
+            r = torch.arange(g * m)
+            for kv in range(hkv):
+                head[j, kv, :g * m] = kv * g + r // m
+                tok[j, kv, :g * m] = a + r % m
+                src[a:a + m, kv * g:(kv + 1) * g] = ((j * hkv + kv) * self.rows + r).view(g, m).T
+            np_i = lays[i].n_pad
+            self.bias[j, 0, :g * m, :np_i] = lays[i].bias
+            self.bias[j, 0, :g * m, np_i:] = float("-inf")
+        self.head, self.tok, self.src = head.to(device), tok.to(device), src.to(device)
+        self.all_flat = len(self.flat) == len(lays)
+
+    def key_rows(self, i: int) -> int:
+        """Rows of keys and [V | 1] sequence i's attention reads."""
+        return self.n_pad if i in self.flat else self.lays[i].rows
+
+
+def attend_many(query, kvs, many: Many, scaling) -> torch.Tensor:
+    """attend_kv() for several sequences at once: query [1, Hq, M, D] holds every sequence's rows
+    (in many.bounds), kvs[i] sequence i's keys and [V | 1] (fp32_kv's form, many.key_rows(i)
+    rows). Returns [1, M, Hq, D] in the query's dtype."""
+    dtype = query.dtype
+    _, hq, m_all, d = query.shape
+    out = None
+    if many.flat:
+        nb, hkv, rows, n_pad = len(many.flat), many.hkv, many.rows, many.n_pad
+        b = nb * hkv
+        q = query[0].float()[many.head, many.tok]                   # [nb, hkv, rows, d]
+        k = torch.stack([kvs[i][0] for i in many.flat])
+        v1 = torch.stack([kvs[i][1] for i in many.flat])
+        s = torch.matmul(q.reshape(b, rows, d), k.reshape(b, n_pad, d).transpose(1, 2))
+        s = (s * scaling).reshape(nb, hkv, rows, n_pad) + many.bias
+        p = torch.exp(s - s.amax(-1, keepdim=True)).reshape(b, rows, n_pad)
+        total = _in_order(_chunk_parts(p, v1.reshape(b, n_pad, d + 1)), 1)   # [b, rows, d + 1]
+        o = total[..., :d] / total[..., d:]
+        out = o.reshape(b * rows, d)[many.src].to(dtype)             # [M, hq, d]
+        if many.all_flat:
+            return out[None]
+    out = query.new_empty(m_all, hq, d) if out is None else out
+    for i, (a, b_) in enumerate(many.bounds):
+        if i not in many.flat:
+            out[a:b_] = attend_kv(query[:, :, a:b_], *kvs[i], many.lays[i], scaling)[0]
+    return out[None]
 
 
 def _values_with_ones(v: torch.Tensor, n_pad: int) -> torch.Tensor:

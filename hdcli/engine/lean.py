@@ -112,7 +112,7 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
     attn0 = layers[0].self_attn
     hq, hkv, d = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
     lays = [invariant.layout(p[3], k, past + k, hq // hkv, device) for p, past, k in zip(parts, pasts, sizes)]
-    bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(parts))]
+    many = invariant.Many(lays, sizes, hq, hkv, device) if len(parts) > 1 else None
     for layer in layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -120,19 +120,19 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
         k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
         v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        kvs = [_cached(cache, attn.layer_idx, k[:, :, a:b], v[:, :, a:b], lay.rows)
-               for (_, cache, _, _), (a, b), lay in zip(parts, bounds, lays)]
-        if len(parts) == 1:
-            o = invariant.attend_kv(q, *kvs[0], lays[0], attn.scaling).reshape(1, m, hq * d)
+        if many is None:
+            kv = _cached(parts[0][1], attn.layer_idx, k, v, lays[0].rows)
+            o = invariant.attend_kv(q, *kv, lays[0], attn.scaling).reshape(1, m, hq * d)
         else:
-            outs = invariant.attend_many([q[:, :, a:b] for a, b in bounds], kvs, lays, attn.scaling)
-            o = torch.cat([out.reshape(1, b - a, hq * d) for out, (a, b) in zip(outs, bounds)], 1)
+            kvs = [_cached(cache, attn.layer_idx, k[:, :, a:b], v[:, :, a:b], many.key_rows(i))
+                   for i, ((_, cache, _, _), (a, b)) in enumerate(zip(parts, many.bounds))]
+            o = invariant.attend_many(q, kvs, many, attn.scaling).reshape(1, m, hq * d)
         x = x + attn.o_proj(o)
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
         x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
     logits = model.lm_head(base.norm(x))[0]
-    return [logits[a:b] for a, b in bounds]
+    return [logits] if many is None else [logits[a:b] for a, b in many.bounds]
 
 
 def _cached(cache, layer_idx: int, k, v, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
