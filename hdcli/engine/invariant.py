@@ -292,23 +292,12 @@ def _gathered_rows(q, k, v1, lay: _Layout, scaling) -> torch.Tensor:
     p_t = torch.exp(s_t - mx[..., None])                         # masked: exp(-inf) = 0
     parts = _chunk_parts(p_t.reshape(hkv * m, g, t_pad), v_t.reshape(hkv * m, t_pad, d + 1))
     parts = parts.reshape(hkv, m, t_pad // CHUNK, g, d + 1)
-    if not shared:
-        return _in_order(parts, 2)                               # [hkv, m, g, d + 1]
-    # the shared chunks first, then the row's own, in order. The CPU cumsum of fp32 adds in a
-    # double accumulator and rounds once per output: the head's scan is taken in double and the
-    # row's chunks added to it in double, the same additions as one scan over [head | tail]
-    # without concatenating them (the concatenation and a strided scan were a third of a tree's
-    # attention at 1500 cached tokens). In fp32 it would differ (tests/test_invariant.py fails)
-    p_sh = torch.exp(s_sh - mx[..., None]).transpose(1, 2).reshape(hkv, g * m, shared)
-    head = _chunk_parts(p_sh, v1[:, :shared])                    # [hkv, ns, g * m, d + 1]
-    if q.device.type != "cpu":   # another cumsum: one scan over [head | tail], as is
+    if shared:  # the shared chunks first, then the row's own: one scan over all, in order
+        p_sh = torch.exp(s_sh - mx[..., None]).transpose(1, 2).reshape(hkv, g * m, shared)
+        head = _chunk_parts(p_sh, v1[:, :shared])                # [hkv, ns, g * m, d + 1]
         head = head.reshape(hkv, shared // CHUNK, g, m, d + 1).permute(0, 3, 1, 2, 4)
-        return _in_order(torch.cat([head, parts], 2), 2)
-    acc = torch.cumsum(head, 1, dtype=torch.float64).select(1, -1)
-    acc = acc.reshape(hkv, g, m, d + 1).transpose(1, 2)          # [hkv, m, g, d + 1]
-    for c in range(t_pad // CHUNK):
-        acc = acc + parts[:, :, c]
-    return acc.float()
+        parts = torch.cat([head, parts], 2)
+    return _in_order(parts, 2)                                   # [hkv, m, g, d + 1]
 
 
 def register() -> None:
