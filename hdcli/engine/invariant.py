@@ -76,7 +76,6 @@ class _Layout:
         m, n = vis.shape
         if n < 2:  # a one-key scores GEMM is a GEMV: add a masked key
             vis, n = _pad_rows(vis, 2, 1), 2
-        self.n = n
         seen = vis.sum(-1)
         prefix = vis.long().cumprod(-1).sum(-1)
         self.prefix_only = bool((prefix == seen).all())   # plain decoding, chains
@@ -176,7 +175,7 @@ class Many:
     A row's result is torch.equal to attend() alone (tests/test_batch.py)."""
 
     def __init__(self, lays, sizes, hq: int, hkv: int, device):
-        self.lays, self.hq, self.hkv = lays, hq, hkv
+        self.lays, self.hkv = lays, hkv
         self.bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
         flat = [i for i, lay in enumerate(lays) if lay.prefix_only]
         self.flat = flat if len(flat) >= 2 else []
