@@ -316,6 +316,7 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
             continue
         out["curves"][k] = {"one_token_ms": None if c.one_token_seconds is None else 1e3 * c.one_token_seconds,
                             "cost": c.to_dict(), "verifies_cheaply": c.verifies_cheaply(),
+                            "branch": c.branch, "stream": c.stream,
                             "measured_at": c.info.get("measured_at"),
                             "plausible": c.info.get("plausible", True)}
     return out

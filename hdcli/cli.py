@@ -350,12 +350,17 @@ def costs_cmd(
     t.add_column("1 token", justify="right", no_wrap=True)
     for w in shown:
         t.add_column(f"{w}", justify="right", no_wrap=True)
+    t.add_column("tree+", justify="right", no_wrap=True)
+    t.add_column("stream+", justify="right", no_wrap=True)
     for k, c in rep["curves"].items():
         mark = "*" if k == rep["kernels"] else ""
         t.add_row(k + mark, "-" if c["one_token_ms"] is None else f"{c['one_token_ms']:.1f} ms",
-                  *[f"{c['cost'][str(w)]:.2f}" if str(w) in c["cost"] else "-" for w in shown])
+                  *[f"{c['cost'][str(w)]:.2f}" if str(w) in c["cost"] else "-" for w in shown],
+                  f"{c['branch']:.3f}", f"{c['stream']:.2f}")
     con = Console(highlight=False)
     con.print(t)
+    con.print("tree+: added per row of a tree that branches; stream+: added per request beyond the first "
+              "in one batched forward (hd serve)")
     ch = rep["choice"]
     if ch:
         con.print(f"kept: [bold]{ch['chosen']}[/bold] (* above), lower {ch['by']}: " +

@@ -54,6 +54,14 @@ def test_forward_many_rows_equal_each_forward_alone(model):
     assert [c.get_seq_length() for c in caches] == [len(p) - 1 + len(t.tokens) for p, t in zip(prefixes, trees)]
 
 
+def test_cost_of_streams_is_measured_where_streams_batch(model):
+    """costs.measure_extras runs 4 streams through one batched forward here (not a forward
+    each): finite, non-negative terms."""
+    from hdcli.engine import costs
+    branch, stream = costs.measure_extras(model, context=40, rounds=1)
+    assert 0.0 <= branch < 50 and 0.0 <= stream < 50 and stream != 1.0
+
+
 def test_groups_stay_within_the_calibrated_width():
     assert batch.groups([30, 30, 10, 64, 1]) == [[0, 1], [2], [3], [4]]
     assert all(sum([30, 30, 10, 64, 1][i] for i in g) <= invariant.MAX_ROWS

@@ -24,6 +24,10 @@ class SleepyModel(torch.nn.Module):
         self.base, self.per_token, self.burst, self.slow = base, per_token, set(burst), slow
         self.calls = 0
 
+    @property
+    def dtype(self):   # what tree forwards (measure_extras) read
+        return self.inner.dtype
+
     def forward(self, input_ids, **kw):
         out = self.inner(input_ids=input_ids, **kw)
         t = self.base + self.per_token * input_ids.shape[1]

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from hdcli.engine import costs
 from hdcli.engine.decode import Decoder
 from hdcli.drafting import AcceptanceTracker, ContextDB, Hierarchy
-from hdcli.engine.tree import Tree, cap_by_cost, keep_path, new_cache, node_estimates, tree_forward
+from hdcli.engine.tree import Tree, cap_by_cost, cap_jointly, keep_path, new_cache, node_estimates, tree_forward
 from hdcli.engine.verify import Sampling
 
 from conftest import tiny_gemma3, tiny_llama
@@ -161,6 +161,46 @@ def test_cost_cap_keeps_likely_nodes_and_drops_what_does_not_pay():
     low = {"good": 0.2, "bad": 0.05}
     hopeless = cap_by_cost(t, node_estimates(t, lambda layer, depth, first: low[layer]), steep)
     assert hopeless.size() == 0  # plain decoding is cheaper than this draft
+
+
+def test_branch_cost_keeps_the_best_chain_where_branches_do_not_pay():
+    """Two likely candidates: a forward that prices rows only keeps both; one whose trees pay a
+    branch cost per row (the M-invariant tree attention) keeps the likelier chain, even though
+    the ranking of all nodes branches at its second node."""
+    t = Tree()
+    t.add_candidate([1, 2, 3], "a")
+    t.add_candidate([4, 5, 6], "b")
+    est = node_estimates(t, lambda layer, depth, first: {"a": 0.6, "b": 0.9}[layer])
+    rows_only = costs.CostCurve({1: 1.0, 8: 1.3, 64: 4.0})
+    assert cap_by_cost(t, est, rows_only).size() == 6
+    branchy_cost = costs.CostCurve({1: 1.0, 8: 1.3, 64: 4.0}, branch=0.3)
+    kept = cap_by_cost(t, est, branchy_cost)
+    assert kept.is_chain() and kept.tokens[1:] == [1, 2, 3]
+    assert branchy_cost.forward(4, 1, 4) == pytest.approx(branchy_cost(4) + 1.2)
+
+
+def test_joint_cap_prices_streams():
+    """Streams in one forward: the stream term is part of the forward's fixed cost, so where each
+    further stream costs more (measured), a drafted row adds relatively less and more are kept;
+    where streams are priced as rows only, the rows look dear against a forward too cheap."""
+    trees, ests = [], []
+    for s in range(4):
+        t = Tree()
+        t.add_candidate([1 + s, 2, 3, 4], "a")
+        trees.append(t)
+        ests.append(node_estimates(t, lambda layer, depth, first: 0.5))
+    rows = {1: 1.0, 4: 1.1, 8: 1.4, 16: 2.0, 64: 6.0}
+    cheap = cap_jointly(trees, ests, costs.CostCurve(rows, stream=0.0), 64)
+    dear = cap_jointly(trees, ests, costs.CostCurve(rows, stream=0.6), 64)
+    assert 4 <= sum(map(len, cheap)) < sum(map(len, dear))
+    assert all(k[0] == 0 for k in dear)
+
+
+def test_measured_extras(model):
+    """measure_extras times a tree against a chain and (where the model batches) streams against
+    rows: non-negative, and a forward each (1.0) where streams are not batched."""
+    branch, stream = costs.measure_extras(model, context=16, rounds=1)
+    assert branch >= 0.0 and stream == 1.0   # this fixture's model is not in the M-invariant mode
 
 
 def test_measured_cost_curve_is_monotone(model):

@@ -9,6 +9,16 @@ such combination (a few seconds) and cached as JSON under HD_CACHE_DIR (default
 ~/.cache/hdcli/costs); `hd costs` shows and re-measures it. Between measured widths it is
 interpolated linearly; beyond the last it grows linearly with the last slope.
 
+Two more measured terms price what a chain of w tokens does not have (CostCurve.forward):
+  * branch: per row of a tree that branches, over a chain of as many rows. In the M-invariant
+    forward a tree's rows gather their own keys (engine/invariant.py): measured on the bundled
+    model in int4 on an AMD EPYC, an 8-row tree cost 0.9 one-token forwards more than an 8-row
+    chain, so the chain curve alone made the cap keep branches that did not pay;
+  * stream: per stream beyond the first in one batched forward (engine/batch.py: its own cache,
+    its own attention). 4 one-token streams cost 1.77 one-token forwards there, a 4-token chain
+    1.25, so a server that priced streams as rows kept trees that made every forward dearer than
+    they paid for (4 clients were faster with no drafts at all: 70.6 against 58-68 tok/s).
+
 Measurement, made so that a loaded machine cannot fake the curve
   * rounds: every width is timed once per round, the widths of a round in a rotated order, so a
     burst of load hits all widths alike rather than one width's block of repeats;
@@ -41,7 +51,7 @@ from .tree import new_cache
 WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CHEAP_VERIFY = 1.45  # cost(8) at or below this (in one-token forwards): verification is nearly free
 ROUNDS = 7           # timed rounds over all widths (the minimum of each width is kept)
-FORMAT = 2           # cache records of another format are measured again
+FORMAT = 3           # cache records of another format are measured again (3: branch, stream)
 MAX_AGE_DAYS = 30    # machines change (firmware, microcode, neighbours): re-measure monthly
 FLAT_LIMIT = 1.05    # cost(64) under this on a CPU means the one-token time was inflated
 MIN_PARAMS_FOR_SLOPE = 20_000_000  # below this a forward is overhead-bound and may be flat
@@ -51,8 +61,9 @@ class CostCurve:
     """cost(w) relative to a one-token forward; one_token_seconds (when measured) makes it absolute."""
 
     def __init__(self, points: dict[int, float], one_token_seconds: float | None = None,
-                 info: dict | None = None):
+                 info: dict | None = None, branch: float = 0.0, stream: float = 0.0):
         self.one_token_seconds = one_token_seconds
+        self.branch, self.stream = branch, stream   # see the module docstring
         self.widths = sorted(int(w) for w in points)
         self.costs = [float(points[w]) for w in self.widths]
         self.info = dict(info or {})  # how and when it was measured (cache records)
@@ -71,6 +82,11 @@ class CostCurve:
             return cs[i]
         f = (w - ws[i - 1]) / (ws[i] - ws[i - 1])
         return cs[i - 1] + f * (cs[i] - cs[i - 1])
+
+    def forward(self, rows: int, streams: int = 1, branched_rows: int = 0) -> float:
+        """One forward over `rows` rows of `streams` streams, `branched_rows` of them in trees
+        that branch (the rest chains)."""
+        return self(rows) + self.stream * (streams - 1) + self.branch * branched_rows
 
     def verifies_cheaply(self) -> bool:
         """Whether verifying 8 drafted tokens costs at most CHEAP_VERIFY one-token forwards.
@@ -191,7 +207,68 @@ def measure(model, context: int = 256, repeats: int = ROUNDS, widths=WIDTHS, qui
                                                    desc + " (again: the first looked loaded)", quiet))
         ok = plausible(curve, model)
     curve.info["plausible"] = ok
+    curve.branch, curve.stream = measure_extras(model, context, repeats, quiet)
     return curve
+
+
+@torch.inference_mode()
+def measure_extras(model, context: int = 256, rounds: int = ROUNDS, quiet: bool = True) -> tuple[float, float]:
+    """(branch, stream) of the module docstring, in one-token forwards: an 8-row tree against an
+    8-row chain, 4 one-token streams in one batched forward against a 4-token chain, all timed in
+    interleaved rounds (least time of each). stream is 1 (a forward each) where the model does
+    not batch streams."""
+    from . import batch
+    from .tree import Tree
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    n_caches = 4 if batch.can_batch(model) else 1
+    caches = []
+    for i in range(n_caches):
+        cache = new_cache(model)
+        model(input_ids=(torch.arange(context, device=device)[None] + 13 * i) % vocab, past_key_values=cache,
+              use_cache=True)
+        caches.append(cache)
+    base = caches[0].get_seq_length()
+
+    def tree(*branches):
+        t = Tree()
+        for b in branches:
+            t.add_candidate([(11 + 7 * x) % vocab for x in b], "x")
+        return t
+    root = 5 % vocab
+    shapes = {"chain1": [tree()], "chain4": [tree([1, 2, 3])], "chain8": [tree(range(1, 8))],
+              "tree8": [tree([1, 2, 3, 4], [5, 6, 7])]}
+    if n_caches == 4:
+        shapes["streams4"] = [tree() for _ in range(4)]
+
+    def once(name: str) -> float:
+        items = [(t, root, c) for t, c in zip(shapes[name], caches)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch.forward_many(model, items)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        for c in caches:
+            if c.get_seq_length() > base:
+                c.crop(base - c.get_seq_length())   # (crop(0) would empty it)
+        return dt
+
+    best = {name: float("inf") for name in shapes}
+    names = list(shapes)
+    with _progress(len(names) * (rounds + 1), "measuring tree and batch cost", quiet) as bar:
+        for name in names:
+            once(name)
+            bar.update()
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                best[name] = min(best[name], once(name))
+                bar.update()
+    one = best["chain1"]
+    branch = max(0.0, (best["tree8"] - best["chain8"]) / 8 / one)
+    stream = max(0.0, (best["streams4"] - best["chain4"]) / 3 / one) if "streams4" in best else 1.0
+    return branch, stream
 
 
 def cache_root() -> Path:
@@ -241,7 +318,8 @@ def _read(key: str) -> CostCurve | None:
             return None
         info = {k: data[k] for k in ("measured_at", "seconds", "rounds", "plausible") if k in data}
         return CostCurve({int(w): c for w, c in data["cost"].items()},
-                         one_token_seconds=data.get("one_token_seconds"), info=info)
+                         one_token_seconds=data.get("one_token_seconds"), info=info,
+                         branch=float(data["branch"]), stream=float(data["stream"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -260,7 +338,8 @@ def write_json(path: Path, record: dict) -> None:
 
 def _write(key: str, curve: CostCurve) -> None:
     record = {"key": key, "format": FORMAT, "measured_at": time.time(), "rounds": ROUNDS,
-              "cost": curve.to_dict(), "one_token_seconds": curve.one_token_seconds, **curve.info}
+              "cost": curve.to_dict(), "one_token_seconds": curve.one_token_seconds,
+              "branch": curve.branch, "stream": curve.stream, **curve.info}
     write_json(_cache_path(key), record)
     curve.info.setdefault("measured_at", record["measured_at"])
 

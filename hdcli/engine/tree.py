@@ -18,8 +18,9 @@ candidate, the product of its layer's per-token acceptance estimate; for the j-t
 node, times the chance that the children tried before it were rejected. A verification forward
 over w tokens costs cost(w) (measured, hdcli/engine/costs.py, one-token forward = 1). Keeping the k
 likeliest nodes yields 1 + sum of their estimates tokens per step, so we keep the k that maximises
-(1 + sum) / cost(1 + k). k = 0 is plain decoding: a draft that is not expected to pay for its
-forward is not sent.
+(1 + sum) / cost(1 + k), where a kept set that branches also pays the curve's measured branch cost
+per row (its attention gathers each row's keys). k = 0 is plain decoding: a draft that is not
+expected to pay for its forward is not sent.
 """
 from __future__ import annotations
 
@@ -96,42 +97,75 @@ def node_estimates(tree: Tree, rate: Rate) -> list[float]:
     return est
 
 
+def forward_cost(cost: Callable[[int], float], rows: int, streams: int = 1, branched_rows: int = 0) -> float:
+    """cost(rows) plus what a measured CostCurve adds for trees that branch and for streams
+    beyond the first (costs.CostCurve.forward); a plain callable prices rows only."""
+    extra = getattr(cost, "forward", None)
+    return cost(rows) if extra is None else extra(rows, streams, branched_rows)
+
+
+def _best_chain(tree: Tree, est: Sequence[float]) -> list[int]:
+    """The path from the root through the likeliest child of each node: the best draft that does
+    not branch (a ranking's prefixes branch as soon as a sibling outranks a grandchild)."""
+    path, node = [], 0
+    while tree.children[node]:
+        node = max(tree.children[node], key=lambda c: (est[c], -c))
+        path.append(node)
+    return path
+
+
+def _best_prefix(trees: Sequence[Tree], order: Sequence[tuple[int, int]], ests, cost, base: float):
+    """(value, k): the prefix of `order` ((stream, node) pairs, each stream's closed under parent)
+    with the most tokens per unit of forward cost; k = 0 sends no draft."""
+    n = len(trees)
+    best, best_k, gain = base / forward_cost(cost, n, n), 0, base
+    kids = [[0] * len(t.tokens) for t in trees]
+    rows, branched = [1] * n, [False] * n
+    for k, (s, i) in enumerate(order, start=1):
+        gain += ests[s][i]
+        rows[s] += 1
+        parent = trees[s].parents[i]
+        kids[s][parent] += 1
+        branched[s] = branched[s] or kids[s][parent] > 1
+        value = gain / forward_cost(cost, n + k, n, sum(r for r, b in zip(rows, branched) if b))
+        if value > best:
+            best, best_k = value, k
+    return best, best_k
+
+
 def cap_by_cost(tree: Tree, est: Sequence[float], cost: Callable[[int], float],
                 max_nodes: int = 64) -> Tree:
-    """Keep the k likeliest nodes maximising (1 + their summed estimates) / cost(1 + k).
+    """Keep the k likeliest nodes maximising (1 + their summed estimates) / the forward's cost
+    (cost(1 + k), plus the branch term once the kept nodes branch: forward_cost); or, where it is
+    worth more, a prefix of the best chain alone.
 
     A child's estimate never exceeds its parent's and ties go to the lower index (the parent),
     so every prefix of the ranking is closed under parent and is a tree."""
-    order = sorted(range(1, len(tree.tokens)), key=lambda i: (-est[i], i))[:max_nodes]
-    best_k, best, gain = 0, 1.0 / cost(1), 1.0
-    for k, i in enumerate(order, start=1):
-        gain += est[i]
-        value = gain / cost(1 + k)
-        if value > best:
-            best_k, best = k, value
-    if best_k == len(tree.tokens) - 1:
-        return tree
-    return tree.subtree(order[:best_k])
+    keep = cap_jointly([tree], [est], cost, max_nodes + 1)[0]
+    return tree if len(keep) == len(tree.tokens) else tree.subtree(keep)
 
 
 def cap_jointly(trees: Sequence[Tree], ests: Sequence[Sequence[float]], cost: Callable[[int], float],
                 max_rows: int) -> list[list[int]]:
     """Several streams verified in one forward (engine/batch.py): keep the drafted nodes, over
-    all trees, that maximise (streams + their summed estimates) / cost(streams + nodes) -- the
-    tokens per unit of time of the shared forward, as cap_by_cost does for one tree. A node one
-    stream sends makes every stream's forward dearer, so trees shrink as streams are added.
+    all trees, that maximise (streams + their summed estimates) / the forward's cost (rows,
+    streams, and rows of trees that branch: forward_cost) -- the tokens per unit of time of the
+    shared forward. Two rankings are tried, every drafted node and each tree's best chain alone,
+    so that a chain is kept where the branch cost makes the branches not pay. A node one stream
+    sends makes every stream's forward dearer, so trees shrink as streams are added.
     Returns per tree the kept node ids (root included), closed under parent."""
     n = len(trees)
-    order = sorted((-e[i], s, i) for s, (t, e) in enumerate(zip(trees, ests)) for i in range(1, len(t.tokens)))
-    order = order[:max(0, max_rows - n)]
-    best_k, best, gain = 0, n / cost(n), float(n)
-    for k, (neg, _, _) in enumerate(order, start=1):
-        gain -= neg
-        value = gain / cost(n + k)
-        if value > best:
-            best_k, best = k, value
+    room = max(0, max_rows - n)
+    everything = sorted((-e[i], s, i) for s, (t, e) in enumerate(zip(trees, ests)) for i in range(1, len(t.tokens)))
+    chains = sorted((-ests[s][i], s, i) for s, t in enumerate(trees) for i in _best_chain(t, ests[s]))
+    best = None
+    for order in (everything[:room], chains[:room]):
+        pairs = [(s, i) for _, s, i in order]
+        value, k = _best_prefix(trees, pairs, ests, cost, float(n))
+        if best is None or value > best[0]:
+            best = (value, pairs[:k])
     keep = [[0] for _ in trees]
-    for _, s, i in order[:best_k]:
+    for s, i in best[1]:
         keep[s].append(i)
     return keep
 
