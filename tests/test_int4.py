@@ -72,6 +72,48 @@ def test_int4_needs_a_gguf(tiny_model_dir):
         models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="int4")
 
 
+class _Host(torch.nn.Module):
+    """One Int4Linear that kept the bf16 layer it replaced, as convert() leaves it."""
+
+    def __init__(self):
+        super().__init__()
+        dense = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+        self.lin = int4.from_blocks("Q4_1", quantize(dense.weight.detach()), 96, 64)
+        self.lin.__dict__["_hd_original"] = kernels.PackedLinear(dense)
+
+
+def test_prefill_uses_the_kept_bf16_layer_only_inside_prefill(tmp_path, monkeypatch):
+    """keep_dense measures once and caches its decision; with the bf16 layer kept, products inside
+    int4.prefill() are the bf16 layer's and all others the 4-bit kernel's; a machine where the
+    copies would not fit keeps none."""
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    host = _Host()
+    dense, lin = host.lin.__dict__["_hd_original"], host.lin
+    with torch.inference_mode():
+        four_bit = lin(x)
+        monkeypatch.setattr(int4, "_prefill_speedup", lambda model: 3.0)
+        got = int4.keep_dense(host, "key-a")
+        assert got["dense"] and "_hd_original" not in lin.__dict__
+        assert torch.equal(lin(x), four_bit)
+        with int4.prefill():
+            assert torch.equal(lin(x), dense(x)) and not torch.equal(dense(x), four_bit)
+        assert torch.equal(lin(x), four_bit)
+        # cached: a second model is not measured again and decides the same
+        monkeypatch.setattr(int4, "_prefill_speedup", lambda model: pytest.fail("measured again"))
+        again = _Host()
+        assert int4.keep_dense(again, "key-a")["dense"] and "_hd_dense" in again.lin.__dict__
+        # where the copies would take more than MEMORY_SHARE of the memory they are not kept
+        monkeypatch.setattr(int4, "_prefill_speedup", lambda model: 3.0)
+        monkeypatch.setattr(int4, "_memory_bytes", lambda: 1000)
+        small = _Host()
+        assert not int4.keep_dense(small, "key-b")["dense"]
+        outside = small.lin(x)
+        with int4.prefill():
+            assert torch.equal(small.lin(x), outside)
+        assert "_hd_dense" not in small.lin.__dict__ and "_hd_original" not in small.lin.__dict__
+
+
 @pytest.fixture(scope="module")
 def bundled_bf16():
     import importlib.util
@@ -127,6 +169,9 @@ def test_int4_greedy_output_equals_plain_on_spec_bench_questions():
     questions = spec_bench_questions(slice(10, 70, 20))
     lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels="int4", quiet=True)
     assert lm.kernels == "int4" and lm.invariant, lm.info.get("invariant")
-    assert not any(hasattr(x, "_hd_original") for x in lm.model.modules() if isinstance(x, int4.Int4Linear))
+    layers = [x for x in lm.model.modules() if isinstance(x, int4.Int4Linear)]
+    assert not any(hasattr(x, "_hd_original") for x in layers)
+    # prefills use the bf16 layers where that measured faster here: plain and speculative alike
+    assert all(("_hd_dense" in x.__dict__) == lm.info["int4_prefill"]["dense"] for x in layers)
     for spec in assert_spec_equals_plain(lm, questions):
         assert spec.stats.mean_accepted > 1

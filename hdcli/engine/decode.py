@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import invariant
+from . import int4, invariant
 from .draft import Drafter
 from .stats import RunStats
 from .costs import CostCurve
@@ -60,12 +60,14 @@ class Decoder:
     def _prefill(self, ids: Sequence[int], cache) -> None:
         """Fill the cache with ids. No logits are needed (the last prompt token is fed with the
         first step), so the head runs on one row only where the model takes `logits_to_keep`, as
-        transformers' generate() does: for a 400-token prompt that saves 400 rows of the head."""
+        transformers' generate() does: for a 400-token prompt that saves 400 rows of the head.
+        Every prefill of plain, speculative and served decoding goes through here (int4.prefill)."""
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        try:
-            self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        except TypeError:  # an older model class without logits_to_keep; the cache is untouched
-            self.model(input_ids=inp, past_key_values=cache, use_cache=True)
+        with int4.prefill():   # 4-bit layers use their bf16 copies here, where those were kept
+            try:
+                self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            except TypeError:  # an older model class without logits_to_keep; the cache is untouched
+                self.model(input_ids=inp, past_key_values=cache, use_cache=True)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,

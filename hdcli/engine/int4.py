@@ -23,6 +23,20 @@ rows, or not): anything that does not match stays as it was (oneDNN-packed), so 
 module gets wrong can cost speed but never change which model runs. Other quantisations (Q4_K,
 Q6_K, Q8_0: the tied embedding of the bundled model) are not converted.
 
+Prefill. The 4-bit kernel is fastest for the few rows of a decode step, and slow for many: on
+the AMD EPYC a 576 x 1536 product took 38 us with 1 row (oneDNN bf16: 47) but 1027 us with 64
+rows (oneDNN bf16: 322). A prompt's prefill is such a wide product, so each 4-bit layer can keep
+the bf16 layer it replaced (the GGUF's weights each rounded to bf16, oneDNN-packed) and use it
+for rows inside `prefill()` (engine/decode.py's Decoder._prefill). Whether it does is measured on
+the machine at hand (a prompt-sized product both ways) and cached, so a process never switches
+(`keep_dense`); memory for the bf16 copies is the price, so they are not kept where they would
+take more than a quarter of the machine's memory.
+
+Exactness: a prompt's cache is then computed with the bf16 weights and every later forward
+with the 4-bit ones. Plain decoding, speculative decoding, `hd generate` and `hd serve` all
+prefill through the same call, so each is the same function of the prompt; verified rows are
+compared with one-token rows of the 4-bit kernel, as before.
+
 Invariants
   * Int4Linear is a PackedLinear to the rest of hd: weight_matrix() (the kernel's bf16 weights,
     exactly: I @ W^T), state_dict, deepcopy, parameter counts.
@@ -33,6 +47,10 @@ Invariants
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +61,21 @@ from .kernels import PackedLinear
 GROUP = 32            # weights per GGUF block = per kernel group
 INNER_K_TILES = 2     # the packing's K tiling (the CPU kernel accepts 2, 4 or 8; K % (16 * 2) == 0)
 CODES = ("Q4_0", "Q4_1")
+PREFILL_ROWS = 128    # rows of the product that decides whether prefills use the bf16 copies
+MEMORY_SHARE = 0.25   # the bf16 copies may take at most this share of the machine's memory
+
+_state = threading.local()   # .prefill: inside prefill() in this thread
+
+
+@contextlib.contextmanager
+def prefill():
+    """Within: Int4Linear layers that keep their bf16 layer (keep_dense) use it (a prompt's rows)."""
+    before = getattr(_state, "prefill", False)
+    _state.prefill = True
+    try:
+        yield
+    finally:
+        _state.prefill = before
 
 
 def available() -> bool:
@@ -67,6 +100,9 @@ class Int4Linear(PackedLinear):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dense = self.__dict__.get("_hd_dense")
+        if dense is not None and getattr(_state, "prefill", False):
+            return dense(x)
         rows = x.reshape(-1, self.in_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
         if self.bias is not None:
@@ -183,10 +219,64 @@ def restore(model: torch.nn.Module) -> int:
     return n
 
 
-def drop_originals(model: torch.nn.Module) -> None:
+def drop_originals(model: torch.nn.Module, keep_for_prefill: bool = False) -> None:
+    """Free the layers convert() replaced, or keep them as the bf16 layers prefills use."""
     for m in model.modules():
         if isinstance(m, Int4Linear):
-            m.__dict__.pop("_hd_original", None)
+            original = m.__dict__.pop("_hd_original", None)
+            if keep_for_prefill and original is not None:
+                m.__dict__["_hd_dense"] = original   # not a submodule: no state_dict entry
+            else:
+                m.__dict__.pop("_hd_dense", None)
+
+
+@torch.inference_mode()
+def _prefill_speedup(model: torch.nn.Module, rows: int = PREFILL_ROWS, rounds: int = 5) -> float | None:
+    """Least time of the widest 4-bit layer's product over `rows` rows with 4-bit weights, over
+    the same with its bf16 layer (interleaved rounds); None when no layer kept its bf16 one."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and "_hd_original" in m.__dict__]
+    if not layers:
+        return None
+    lin = max(layers, key=lambda m: m.in_features * m.out_features)
+    dense = lin.__dict__["_hd_original"]
+    x = torch.randn(rows, lin.in_features, generator=torch.Generator().manual_seed(0)).to(lin.dtype)
+    best = {"int4": float("inf"), "dense": float("inf")}
+    for f in (lin, dense):
+        f(x)                                   # first call: kernels are set up
+    for _ in range(rounds):
+        for name, f in (("int4", lin), ("dense", dense)):
+            t = time.perf_counter()
+            f(x)
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best["int4"] / best["dense"]
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def keep_dense(model: torch.nn.Module, cache_key: str | None) -> dict:
+    """Decide, once per machine and model (cached under cache_key), whether prefills use the bf16
+    layers convert() kept: where they measure faster for a prompt-sized product and fit in
+    MEMORY_SHARE of the memory. Then keeps or frees them. Returns the decision record."""
+    from . import costs
+    path = costs.cache_file("int4_prefill", cache_key) if cache_key else None
+    record = costs.read_json(path, cache_key) if path else None
+    if record is None:
+        speedup = _prefill_speedup(model)
+        extra = 2 * sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int4Linear))
+        memory = _memory_bytes()
+        fits = memory is None or extra <= MEMORY_SHARE * memory
+        record = {"key": cache_key, "rows": PREFILL_ROWS, "speedup": speedup, "bytes": extra,
+                  "dense": bool(speedup is not None and speedup > 1.1 and fits)}
+        if path and speedup is not None:
+            costs.write_json(path, record)
+    drop_originals(model, keep_for_prefill=record["dense"])
+    model.hd_int4_prefill = {k: record[k] for k in ("dense", "speedup", "bytes", "rows")}
+    return model.hd_int4_prefill
 
 
 def is_converted(model: torch.nn.Module) -> bool:

@@ -132,7 +132,10 @@ def choose(model: torch.nn.Module, source: str, dtype: str, device: str, draftin
     best = min(curves, key=rank)
     if state["kernels"] != best or not inv.is_enabled(model) and inv.holds(infos[best]):
         infos[best] = set_up(best)
-    int4.drop_originals(model)   # the winner stays: the bf16 copies int4 kept for restore() go
+    if best == "int4" and int4.is_converted(model):   # the bf16 layers: kept for prefills where that pays
+        int4.keep_dense(model, keys[best])
+    else:
+        int4.drop_originals(model)   # the winner stays: the bf16 copies int4 kept for restore() go
     return best, curves, infos[best]
 
 

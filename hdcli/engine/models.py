@@ -388,10 +388,13 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     else:
         if kn != "torch":
             kern.setup(model, kn, source)
-            int4.drop_originals(model)
+            if int4.is_converted(model):   # the bf16 layers it replaced: kept for prefills where that pays
+                int4.keep_dense(model, costs.curve_key(source, dt, dev, kn))
         inv_info = inv.try_enable(model, invariant, costs.curve_key(source, dt, dev, kn))
     if inv_info is not None:
         info["invariant"] = inv_info
+    if getattr(model, "hd_int4_prefill", None) is not None:
+        info["int4_prefill"] = model.hd_int4_prefill
     on = inv.holds(inv_info)
     if invariant == "on" and not on:
         raise HdError(f"--invariant on: the M-invariant forward does not hold for {name} in {dt} with "
