@@ -121,3 +121,46 @@ def test_greedy_sampling_settings():
     assert probs[0, :2].sum() == 0 and torch.isclose(probs.sum(), torch.tensor(1.0))
     probs = target_probs(torch.tensor([[0.0, 0.0, 5.0, 5.0]]), Sampling(temperature=1.0, top_p=0.5))
     assert probs[0, :2].sum() == 0  # the two top tokens already make 0.5
+
+
+@pytest.fixture(scope="module")
+def invariant_model(tmp_path_factory):
+    """A tiny llama in the M-invariant mode, where streams share one forward (batch.py); hidden 64
+    as in tests/test_invariant.py (at 16 the fp32 GEMMs' rows are not M-invariant: the mode refuses)."""
+    from hdcli.engine import batch, invariant
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HD_CACHE_DIR", str(tmp_path_factory.mktemp("hdcache")))
+    m = tiny_llama(vocab_size=V, seed=3, hidden=64, scale=3.0)
+    invariant.enable(m)
+    assert batch.can_batch(m)
+    yield m
+    mp.undo()
+
+
+def test_sampling_through_a_shared_forward_follows_target_distribution(invariant_model):
+    """hd serve's path: a sampled stream verified in one forward with another stream (greedy,
+    drafting a chain of its own) keeps exactly the target's distribution. Checked to fail when
+    the forward hands the sampled stream the other stream's rows."""
+    from hdcli.engine import batch
+    model = invariant_model
+    s = Sampling(temperature=1.0)
+    prompt, other = [1, 3, 4, 3, 4, 3], [2, 5, 6, 2, 5, 6, 2]
+    probs = exact_two_token_distribution(model, prompt, s)
+    best = max(probs, key=probs.get)
+    sampled = Decoder(model, (), Hierarchy([FixedLayer(best)], draft_len=2))
+    greedy = Decoder(model, (), Hierarchy([ContextDB(1, 3)], draft_len=3))
+    n, counts, accepted = 2000, {}, 0
+    for seed in range(n):
+        a = sampled.stream(prompt, max_new_tokens=3, sampling=s, seed=seed)
+        b = greedy.stream(other, max_new_tokens=4)
+        while not a.done:
+            live = [x for x in (a, b) if not x.done]
+            trees = [x.propose() for x in live]
+            for x, rows in zip(live, batch.forward_many(model, [(t, x.history[-1], x.cache)
+                                                               for x, t in zip(live, trees)])):
+                x.accept(rows)
+        g = a.result()
+        counts[tuple(g.tokens[:2])] = counts.get(tuple(g.tokens[:2]), 0) + 1
+        accepted += sum(ls.accepted for ls in g.stats.layers.values())
+    assert accepted > n / 10
+    assert chi2_pvalue(counts, probs, n) > ALPHA
