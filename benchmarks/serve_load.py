@@ -30,7 +30,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,20 +45,11 @@ class Running:
     """`hd serve` in a process of its own on a free loopback port."""
 
     def __init__(self, args: list[str]):
-        import re
-        import subprocess
-        self.proc = subprocess.Popen([sys.executable, "-m", "hdcli.cli", "serve", "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.log = []
-        for line in self.proc.stderr:
-            self.log.append(line)
-            m = re.search(r"at (http://127\.0\.0\.1:\d+/v1)", line)
-            if m:
-                self.url = m.group(1)
-                threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stderr], daemon=True).start()
-                break
-        else:
-            raise SystemExit("hd serve did not start:\n" + "".join(self.log))
+        from hdcli.serve.spawn import spawn
+        try:
+            self.proc, self.url, self.log = spawn(args)
+        except RuntimeError as exc:
+            raise SystemExit(str(exc)) from None
         import openai
         self.name = openai.OpenAI(base_url=self.url, api_key="none").models.list().data[0].id
 

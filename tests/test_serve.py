@@ -257,19 +257,10 @@ def test_learning_across_requests_rises_and_survives_a_restart(served, model_dir
 
 
 def start_cli(model_dir, *args):
-    p = subprocess.Popen([sys.executable, "-m", "hdcli.cli", "serve", "--model", str(model_dir), "--dtype", "fp32",
-                          "--kernels", "torch", "--port", "0", *args],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
-    deadline = time.time() + 120
-    seen = []
-    for line in p.stderr:
-        seen.append(line)
-        m = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
-        if m:
-            threading.Thread(target=lambda: [seen.append(x) for x in p.stderr], daemon=True).start()
-            return p, int(m.group(1)), seen
-        assert time.time() < deadline
-    raise AssertionError("hd serve did not start: " + "".join(seen))
+    from hdcli.serve.spawn import spawn
+    p, url, seen = spawn(["--model", str(model_dir), "--dtype", "fp32", "--kernels", "torch", *args],
+                         timeout=120, env=os.environ.copy())
+    return p, int(url.rsplit(":", 1)[1].split("/")[0]), seen
 
 
 def test_sigterm_drains_running_requests_then_exits(model_dir):

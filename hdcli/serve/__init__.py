@@ -14,6 +14,7 @@ precedence over its sampling settings. The modules:
   metrics.py    /metrics (prometheus-client)
   protocol.py   the request bodies and OpenAI's error schema
   app.py        the routes (Starlette, run by uvicorn)
+  spawn.py      `hd serve` in a process of its own on a free port (tests, benchmarks, apps)
 
 Exactness under load: a request's greedy tokens equal `hd generate`'s with the same options,
 whatever else is served at the same time, in the M-invariant mode (the server says at start
