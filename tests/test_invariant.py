@@ -224,3 +224,46 @@ def test_bf16_greedy_output_equals_plain_on_spec_bench_questions(bundled_lm):
     lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels=kern, quiet=True)
     assert lm.invariant, lm.info.get("invariant")
     assert_spec_equals_plain(lm, spec_bench_questions(slice(0, 60, 20)))
+
+
+@pytest.mark.parametrize("name,dtype,kern", [("llama", torch.float32, "torch"), ("gemma3", torch.bfloat16, "torch"),
+                                             ("llama", torch.bfloat16, "int4")])
+def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, monkeypatch):
+    """The opt-in fused attention (engine/fused.py, HD_FUSED_ATTENTION=1): chain and tree rows
+    torch.equal their one-token forwards and greedy trees equal plain decoding, with every
+    attention call going through the compiled loop; with its result nudged, rows differ."""
+    from hdcli.engine import fused
+    if fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = fused.attend
+    monkeypatch.setattr(fused, "attend", lambda *a: calls.append(1) or real(*a))
+    model = build(name, dtype, kern)
+    fused.use(True)
+    try:
+        info = invariant.enable(model)
+        assert fused.name() == "fused" and info["self_check"][0] == info["self_check"][1]
+        rng = random.Random(5)
+        for k in (1, 4, 16):
+            prefix = [rng.randrange(3, V) for _ in range(75)]
+            assert all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(k - 1)]), prefix)), k
+        for nodes in (6, 17):
+            prefix = [rng.randrange(3, V) for _ in range(40)]
+            assert all(rows_vs_one_token(model, branchy(rng, nodes), prefix)), nodes
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+        from gpu_check import Oracle
+        prompt = [rng.randrange(3, V) for _ in range(30)]
+        ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=40).tokens
+        oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=0)
+        assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
+        assert calls
+        # the check can fail: a loop whose result depended on the row count would differ here
+        monkeypatch.setattr(fused, "attend", lambda q, k, v, vis, s: real(q, k, v, vis, s) * (1 + 1e-3 * (q.shape[0] > 1)))
+        prefix = [rng.randrange(3, V) for _ in range(75)]
+        assert not all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix))
+    finally:
+        fused.use(False)
+        invariant.disable(model)

@@ -296,7 +296,9 @@ def _cache_path(key: str) -> Path:
 
 def curve_key(source: str, dtype: str, device: str, kernels: str, invariant: bool = False) -> str:
     """What a curve depends on; the M-invariant forward (engine/invariant.py) is another forward."""
-    mode = "|invariant:2" if invariant else ""   # 2: with the lean forward (engine/lean.py), faster
+    from . import fused
+    # 2: with the lean forward (engine/lean.py); the attention's implementation sets its speed and numerics
+    mode = f"|invariant:2-{fused.name()}" if invariant else ""
     return (f"{source}|{dtype}|{device}|{kernels}{mode}|{torch.get_num_threads()}|{torch.__version__}|"
             f"{cpu_name() if device == 'cpu' else torch.cuda.get_device_name() if torch.cuda.is_available() else device}")
 

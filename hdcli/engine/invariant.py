@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from . import costs
+from . import costs, fused
 
 CHUNK = 32      # keys per value-chunk GEMM
 MIN_ROWS = 4    # fp32 GEMM rows agree for M >= 4 (measured: M = 1 is a GEMV, 2-3 another kernel)
@@ -76,6 +76,7 @@ class _Layout:
         m, n = vis.shape
         if n < 2:  # a one-key scores GEMM is a GEMV: add a masked key
             vis, n = _pad_rows(vis, 2, 1), 2
+        self.vis = vis.contiguous()                       # what fused.attend reads
         seen = vis.sum(-1)
         prefix = vis.long().cumprod(-1).sum(-1)
         self.prefix_only = bool((prefix == seen).all())   # plain decoding, chains
@@ -151,6 +152,9 @@ def fp32_kv(key, value, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 def attend_kv(query, k, v1, lay: _Layout, scaling) -> torch.Tensor:
     """attend() on keys and [V | 1] already in fp32_kv's form (at least lay.rows rows)."""
     dtype = query.dtype
+    if fused.enabled() and query.device.type == "cpu":   # one compiled loop per (row, head)
+        q = query[0].transpose(0, 1).float().contiguous()        # [m, hq, d]
+        return fused.attend(q, k, v1, lay.vis, scaling).to(dtype)[None]
     _, hq, m, d = query.shape
     hkv = k.shape[0]
     g = hq // hkv
@@ -177,7 +181,9 @@ class Many:
     def __init__(self, lays, sizes, hq: int, hkv: int, device):
         self.lays, self.hkv = lays, hkv
         self.bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
-        flat = [i for i, lay in enumerate(lays) if lay.prefix_only]
+        on_cpu = torch.device(device).type == "cpu"
+        # the fused attention (fused.py) takes each sequence on its own cache: nothing to share
+        flat = [] if fused.enabled() and on_cpu else [i for i, lay in enumerate(lays) if lay.prefix_only]
         self.flat = flat if len(flat) >= 2 else []
         if not self.flat:
             return
@@ -464,6 +470,8 @@ def enable(model: torch.nn.Module, cache_key: str | None = None) -> dict:
     when measured. Returns what was measured; raises NotInvariant (the model is left in the stock
     forward)."""
     disable(model)
+    attention = fused.decide(model)       # the attention's numerics are part of what is cached
+    cache_key = None if cache_key is None else f"{cache_key}|attention:{fused.name()}"
     record = _read(cache_key)
     measured = record is None
     if measured:
@@ -487,7 +495,7 @@ def enable(model: torch.nn.Module, cache_key: str | None = None) -> dict:
     if why is not None:
         disable(model)
         raise NotInvariant(why)
-    model.hd_invariant = {"attention": NAME, "chunk": CHUNK, **record}
+    model.hd_invariant = {"attention": NAME, "chunk": CHUNK, "kernel": attention, **record}
     return model.hd_invariant
 
 
@@ -503,8 +511,9 @@ def try_enable(model: torch.nn.Module, mode: str, cache_key: str | None) -> dict
 
 
 def cached_info(cache_key: str) -> dict | None:
-    """What try_enable would return, from the cache alone (None when something is not measured yet)."""
-    record = _read(cache_key)
+    """What try_enable would return, from the cache alone (None when something is not measured yet).
+    fused.decide must have run (models.load does it first)."""
+    record = _read(f"{cache_key}|attention:{fused.name()}")
     if record is None:
         return None
     why = _why_not(record)

@@ -377,6 +377,9 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
         raise HdError(f"could not load model from {load_from}: {str(exc).strip().splitlines()[0]}") from None
     model.to(dev).eval()
     info = {}
+    if invariant != "off":   # which attention the mode uses: every cache key below depends on it
+        from . import fused
+        fused.decide(model, quiet=quiet)
     if kn == "measure":
         kn, curves, inv_info = kern.choose(model, source, dt, dev, drafting=drafting, quiet=quiet,
                                            invariant=invariant)
