@@ -39,7 +39,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "attend.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for runs on threads only where OpenMP is on in the extension itself; the
+# process has one OpenMP runtime all the same (torch's libgomp is loaded first and shares its soname)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 _module = None        # the compiled extension, once loaded
 _failed: str | None = None
@@ -62,7 +64,8 @@ def load(quiet: bool = False):
         t0 = time.perf_counter()
         if not quiet:
             print("hd: compiling the fused attention (once per machine, ~30 s)...", file=sys.stderr, flush=True)
-        _module = build(name=_name(), sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+        _module = build(name=_name(), sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                        verbose=False)
         if not quiet:
             print(f"hd: fused attention ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     except Exception as exc:   # no compiler, no ninja, a read-only home: the torch path stays
