@@ -22,17 +22,25 @@ from test_invariant import V, branchy, build, chain
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from gpu_check import Oracle  # noqa: E402
 
-CASES = [(torch.float32, "torch"), (torch.bfloat16, "onednn"), (torch.bfloat16, "int4")]
+# (dtype, kernels, attention): the torch ops' attention shares one GEMM among streams of chains;
+# the fused one (engine/fused.py) takes each stream on its own cache
+CASES = [(torch.float32, "torch", "torch"), (torch.bfloat16, "onednn", "torch"), (torch.bfloat16, "int4", "torch"),
+         (torch.bfloat16, "int4", "fused")]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{str(c[0])[6:]}-{c[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{str(c[0])[6:]}-{c[1]}-{c[2]}")
 def model(request, tmp_path_factory):
+    from hdcli.engine import fused
+    dtype, kern, attention = request.param
+    if attention == "fused" and fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     mp = pytest.MonkeyPatch()
     mp.setenv("HD_CACHE_DIR", str(tmp_path_factory.mktemp("hdcache")))
-    m = build("llama", *request.param)
-    invariant.enable(m)
-    assert batch.can_batch(m)
-    yield m
+    with fused.pinned(attention):
+        m = build("llama", dtype, kern)
+        invariant.enable(m)
+        assert batch.can_batch(m)
+        yield m
     mp.undo()
 
 

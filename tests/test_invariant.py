@@ -75,12 +75,15 @@ CASES = [("llama", torch.float32, "onednn"), ("llama", torch.float32, "torch"),
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}")
 def invariant_model(request, tmp_path_factory, monkeypatch_module):
+    """The torch ops' attention (the fused one: test_fused_attention_rows_equal_one_token_rows)."""
+    from hdcli.engine import fused
     monkeypatch_module.setenv("HD_CACHE_DIR", str(tmp_path_factory.mktemp("hdcache")))
     name, dtype, kern = request.param
-    model = build(name, dtype, kern)
-    info = invariant.enable(model)
-    assert info["self_check"][0] == info["self_check"][1]
-    return model
+    with fused.pinned("torch"):
+        model = build(name, dtype, kern)
+        info = invariant.enable(model)
+        assert info["self_check"][0] == info["self_check"][1]
+        yield model
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +232,7 @@ def test_bf16_greedy_output_equals_plain_on_spec_bench_questions(bundled_lm):
 @pytest.mark.parametrize("name,dtype,kern", [("llama", torch.float32, "torch"), ("gemma3", torch.bfloat16, "torch"),
                                              ("llama", torch.bfloat16, "int4")])
 def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, monkeypatch):
-    """The opt-in fused attention (engine/fused.py, HD_FUSED_ATTENTION=1): chain and tree rows
+    """The fused attention (engine/fused.py, csrc/attend.cpp): chain and tree rows
     torch.equal their one-token forwards and greedy trees equal plain decoding, with every
     attention call going through the compiled loop; with its result nudged, rows differ."""
     from hdcli.engine import fused
@@ -240,10 +243,9 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
     real = fused.attend
     monkeypatch.setattr(fused, "attend", lambda *a: calls.append(1) or real(*a))
     model = build(name, dtype, kern)
-    fused.use(True)
-    try:
+    with fused.pinned("fused"):
         info = invariant.enable(model)
-        assert fused.name() == "fused" and info["self_check"][0] == info["self_check"][1]
+        assert fused.name().startswith("fused-") and info["self_check"][0] == info["self_check"][1]
         rng = random.Random(5)
         for k in (1, 4, 16):
             prefix = [rng.randrange(3, V) for _ in range(75)]
@@ -264,6 +266,61 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         monkeypatch.setattr(fused, "attend", lambda q, k, v, vis, s: real(q, k, v, vis, s) * (1 + 1e-3 * (q.shape[0] > 1)))
         prefix = [rng.randrange(3, V) for _ in range(75)]
         assert not all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix))
+    invariant.disable(model)
+
+
+def test_fused_attention_kernel_on_odd_head_sizes():
+    """The compiled function alone, on head sizes with a scalar tail (8, 24) and without (64): the
+    softmax attention within float rounding, and each row alone torch.equal to it among others."""
+    from hdcli.engine import fused
+    if fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
+    gen = torch.Generator().manual_seed(0)
+    for d in (8, 24, 64):
+        q, k = torch.randn(5, 4, d, generator=gen), torch.randn(2, 40, d, generator=gen)
+        v1 = torch.randn(2, 40, d + 1, generator=gen)
+        v1[..., d] = 1
+        vis = torch.ones(5, 37, dtype=torch.bool).tril(32)
+        vis[3, 10:20] = False   # a row that skips keys, as a tree's row does
+        out = fused.attend(q, k, v1, vis, 0.3)
+        s = torch.einsum("mhd,hnd->hmn", q, k[:, :37].repeat_interleave(2, 0)) * 0.3
+        ref = torch.einsum("hmn,hnd->mhd", s.masked_fill(~vis, float("-inf")).softmax(-1),
+                           v1[:, :37, :d].repeat_interleave(2, 0))
+        assert torch.allclose(out, ref, atol=1e-5), d
+        for r in range(5):
+            assert torch.equal(fused.attend(q[r:r + 1].contiguous(), k, v1, vis[r:r + 1].contiguous(), 0.3)[0], out[r])
+
+
+def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypatch):
+    """HD_FUSED_ATTENTION unset: decide() takes the faster of the two timed attentions, caches the
+    times per machine (a new process reads them without timing), and 0 / 1 override it."""
+    from hdcli.engine import fused
+    if fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
+    model = build("llama", torch.float32, "torch")
+    timed, answer, real = [], {}, fused.time_both
+    monkeypatch.setattr(fused, "time_both", lambda hq, hkv, d: timed.append((hq, hkv, d)) or dict(answer))
+    monkeypatch.delenv("HD_FUSED_ATTENTION", raising=False)
+    monkeypatch.setattr(fused, "_decision", None)
+    was = fused.enabled()
+    try:
+        monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "a"))
+        answer.update(fused=1.0, torch=2.0)
+        got = fused.decide(model)
+        assert got["attention"] == "fused" and got["ms"] == answer and fused.enabled()
+        assert timed == [(4, 2, 16)]
+        fused._decision = None                      # another process on this machine: from the cache
+        answer.update(fused=9.0)
+        assert fused.decide(model)["attention"] == "fused" and len(timed) == 1
+        monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "b"))   # a machine where torch ops win
+        fused._decision = None
+        assert fused.decide(model)["attention"] == "torch" and not fused.enabled() and len(timed) == 2
+        for env, kind in (("0", "torch"), ("1", "fused")):
+            monkeypatch.setenv("HD_FUSED_ATTENTION", env)
+            fused._decision = None
+            assert fused.decide(model)["attention"] == kind and fused.enabled() == (kind == "fused")
+        assert len(timed) == 2
     finally:
-        fused.use(False)
-        invariant.disable(model)
+        fused.use(was)
+    ms = real(4, 2, 16, rounds=1, calls=1)   # the real timing runs and times both
+    assert set(ms) == {"fused", "torch"} and min(ms.values()) > 0

@@ -1,35 +1,43 @@
-"""The M-invariant attention as one compiled loop per (query row, head) (csrc/attend.cpp), in place
-of invariant.py's torch ops, where asked for (HD_FUSED_ATTENTION=1) and where it compiles.
+"""The M-invariant attention as one compiled function (csrc/attend.cpp), in place of invariant.py's
+torch ops on the CPU, where it compiles and where it is measured faster on the machine at hand.
 
 Why: the invariant attention does little arithmetic, but in torch ops its fixed summation order
 costs a dozen small ops and small batched GEMMs per layer: on an AMD EPYC (bundled model, int4,
 caches of ~250 tokens) a fifth of a one-token forward and 40-53% of a forward with 4 requests
-(docs/serve.md). The loop computes each (row, head) alone over its visible keys in index order:
-scores by a fixed 16-lane dot product, the max, exp by a polynomial of our own, the weighted sum of
-values in key order. A row's result cannot depend on the other rows, so it is M-invariant by
-construction, for chains, trees and sliding windows alike (tests/test_invariant.py runs on both).
+(docs/serve.md). The compiled function fixes each query row's arithmetic (csrc/attend.cpp's
+header): every score a dot product summed over the head in order, the max over the keys the row
+sees, exp by a polynomial of our own, the values summed in key order. Rows share loops in tiles
+but never a sum, so a row's result cannot depend on the other rows: it is M-invariant by
+construction, for chains, trees and sliding windows alike (tests/test_invariant.py, test_batch.py).
 
 It is another summation order than the torch path, so it is another reference, as a kernel set is:
-plain and speculative decoding use the same one in a process, and which one is part of every cache
-key that depends on it (cost curves, the invariant calibration).
+plain and speculative decoding use the same one in a process, and which one (`name()`, with a hash
+of the source) is part of every cache key that depends on it (cost curves, the invariant
+calibration).
 
 Parameters and invariants
   * Compiled once per source, CPU model, torch version and flags by torch.utils.cpp_extension
     (g++ and ninja; ~30 s, a progress line on stderr), cached under torch's extensions folder,
     named by a hash of all of these, so a binary built for another CPU is never loaded.
   * -O3 -march=native -ffp-contract=off, no -ffast-math: vector and scalar code round alike and
-    no sum is reordered, whatever the compiler vectorises.
-  * Opt-in (HD_FUSED_ATTENTION=1), not the default: measured on the AMD EPYC (bundled model, int4,
-    caches of ~250 tokens, whole forwards, interleaved), fused against torch ops: 1 token 16.8 ms
-    against 20.3, an 8-node tree 36.2 against 39.2, 4 requests of 1 token 30.2 against 34.0, of
-    4-node trees 67.2 against 85.4; but a 16-token chain 55.6 against 47.9 and 4 requests of
-    3-token chains 56.2 against 52.7. Each (row, head) reduces its 16 lanes per key by a scalar
-    tree, which costs where many rows share the keys; the torch path's batched GEMMs do not.
-  * Where it does not compile (no compiler or ninja) or the model is not on the CPU, the torch
-    path stays (`decide` says why).
+    no sum is reordered, whatever the compiler vectorises. -fopenmp: its parallel loops use
+    torch's threads (the process keeps one OpenMP runtime: torch's, loaded first).
+  * HD_FUSED_ATTENTION: 1 uses it wherever it compiles, 0 never; unset (auto), `decide` times both
+    attentions on the model's head shape (one token, an 8-node tree and a 16-token chain over 256
+    keys, interleaved rounds, least times) and takes the faster. The choice is cached per source,
+    CPU, torch, flags, head shape and thread count (HD_CACHE_DIR/attention), so a machine decides
+    once. Measured on an AMD EPYC (bundled model, int4, caches of ~250 tokens, whole forwards,
+    interleaved), fused against torch ops: 1 token 17.1 ms against 19.4, an 8-node tree 27.1
+    against 34.1, a 16-token chain 42.4 against 45.1, 4 requests of 4-node trees 56.9 against 79.9.
+  * Decided once per process (the first model loaded in the invariant mode): every model and run
+    of a process has one numerics.
+  * Where it does not compile (no compiler or ninja), the model is not on the CPU or its head is
+    wider than the function takes, the torch path stays (`decide` says why).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import sys
@@ -48,6 +56,7 @@ _failed: str | None = None
 _on = False           # whether invariant.py's attention uses it now
 
 
+@functools.lru_cache(maxsize=1)
 def _name() -> str:
     from .costs import cpu_name
     h = hashlib.sha256((SOURCE.read_text() + cpu_name() + torch.__version__ + " ".join(FLAGS)).encode())
@@ -60,13 +69,17 @@ def load(quiet: bool = False):
     if _module is not None or _failed is not None:
         return _module
     try:
-        from torch.utils.cpp_extension import load as build
+        from torch.utils import cpp_extension
+        try:   # a build already there loads in a moment: say "compiling" only when it compiles
+            built = (Path(cpp_extension._get_build_directory(_name(), False)) / f"{_name()}.so").exists()
+        except Exception:
+            built = False
         t0 = time.perf_counter()
-        if not quiet:
+        if not quiet and not built:
             print("hd: compiling the fused attention (once per machine, ~30 s)...", file=sys.stderr, flush=True)
-        _module = build(name=_name(), sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                        verbose=False)
-        if not quiet:
+        _module = cpp_extension.load(name=_name(), sources=[str(SOURCE)], extra_cflags=FLAGS,
+                                     extra_ldflags=["-fopenmp"], verbose=False)
+        if not quiet and not built:
             print(f"hd: fused attention ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     except Exception as exc:   # no compiler, no ninja, a read-only home: the torch path stays
         _failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -82,13 +95,31 @@ def use(on: bool) -> None:
     _on = bool(on) and load(quiet=True) is not None
 
 
+@contextlib.contextmanager
+def pinned(kind: str):
+    """Within the block, the process's attention is `kind` ("fused" or "torch") whatever decide
+    measured: for tests and benchmarks that compare the two. Raises RuntimeError for "fused" where
+    it does not compile here."""
+    global _decision
+    if kind == "fused" and load(quiet=True) is None:
+        raise RuntimeError(f"the fused attention does not compile here: {failure()}")
+    saved = _decision, _on
+    _decision = {"attention": kind, "by": "pinned"}
+    use(kind == "fused")
+    try:
+        yield
+    finally:
+        _decision = saved[0]
+        use(saved[1])
+
+
 def enabled() -> bool:
     return _on
 
 
 def name() -> str:
     """What the invariant attention is now: part of the cache keys that depend on its numerics."""
-    return "fused" if _on else "torch"
+    return "fused-" + _name()[-12:] if _on else "torch"
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, vis: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -97,21 +128,92 @@ def attend(q: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, vis: torch.Tensor
     return _module.attend(q, k, v1, vis, float(scaling))
 
 
+MAX_HEAD = 271       # csrc/attend.cpp: 16 vectors of 16 and a scalar tail
+FORMAT = 1
 _decision: dict | None = None
 
 
 def decide(model, quiet: bool = True) -> dict:
-    """Whether the invariant attention uses the fused loop in this process: only where asked for
-    (HD_FUSED_ATTENTION=1: not the default, see the module docstring's figures) and where it
-    compiles; decided once per process, so that every model and run of a process has one numerics."""
+    """Whether the invariant attention uses the compiled function in this process (module
+    docstring): {"attention": "fused" or "torch", "by": what decided, "why"/"ms": details}.
+    Decided once per process, so that every model and run of a process has one numerics."""
     global _decision
     if _decision is not None:
         return _decision
-    if os.environ.get("HD_FUSED_ATTENTION", "0") != "1":
-        _decision = {"attention": "torch"}
-    elif next(model.parameters()).device.type != "cpu" or load(quiet=quiet) is None:
-        _decision = {"attention": "torch", "why": failure() or "not a CPU model"}
+    asked = os.environ.get("HD_FUSED_ATTENTION", "auto").strip().lower() or "auto"
+    if asked not in ("0", "1", "auto"):
+        asked = "auto"
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    hq = getattr(cfg, "num_attention_heads", None)
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // hq if hq else None)
+    if asked == "0":
+        _decision = {"attention": "torch", "by": "HD_FUSED_ATTENTION=0"}
+    elif next(model.parameters()).device.type != "cpu":
+        _decision = {"attention": "torch", "by": "device", "why": "not a CPU model"}
+    elif not (hq and hkv and d) or d > MAX_HEAD:
+        _decision = {"attention": "torch", "by": "shape", "why": f"head size {d} (the function takes up to {MAX_HEAD})"}
+    elif load(quiet=quiet) is None:
+        _decision = {"attention": "torch", "by": "build", "why": failure()}
+    elif asked == "1":
+        _decision = {"attention": "fused", "by": "HD_FUSED_ATTENTION=1"}
     else:
-        use(True)
-        _decision = {"attention": "fused"}
+        ms = _measured(hq, hkv, d, quiet)
+        _decision = {"attention": "fused" if ms["fused"] < ms["torch"] else "torch", "by": "measured", "ms": ms}
+    use(_decision["attention"] == "fused")
     return _decision
+
+
+def _measured(hq: int, hkv: int, d: int, quiet: bool) -> dict:
+    """{"fused": ms, "torch": ms}: both attentions timed on this head shape, cached per machine."""
+    from . import costs
+    key = f"{_name()}|heads {hq}/{hkv}x{d}|threads {torch.get_num_threads()}"
+    path = costs.cache_file("attention", key)
+    got = costs.read_json(path, key)
+    if got is not None and got.get("format") == FORMAT:
+        return got["ms"]
+    if not quiet:
+        print("hd: timing the fused attention against torch ops (once per machine)...", file=sys.stderr, flush=True)
+    ms = time_both(hq, hkv, d)
+    costs.write_json(path, {"key": key, "format": FORMAT, "ms": ms})
+    return ms
+
+
+def time_both(hq: int, hkv: int, d: int, keys: int = 256, rounds: int = 7, calls: int = 10) -> dict:
+    """Least time (ms) of `calls` attention calls, summed over a one-token row, an 8-node tree and
+    a 16-token chain over `keys` cached keys, for each path, in interleaved rounds."""
+    from . import invariant
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for m, tree in ((1, False), (8, True), (16, False)):
+        n = keys + m
+        vis = torch.ones(m, n, dtype=torch.bool).tril(n - m)
+        if tree:   # a binary tree: each node sees the prefix and its ancestors
+            vis[:, n - m:] = False
+            for r in range(m):
+                a = r
+                while True:
+                    vis[r, n - m + a] = True
+                    if a == 0:
+                        break
+                    a = (a - 1) // 2
+        q = torch.randn(1, hq, m, d, generator=gen)
+        k, v = torch.randn(1, hkv, n, d, generator=gen), torch.randn(1, hkv, n, d, generator=gen)
+        lay = invariant.layout(vis, m, n, hq // hkv, "cpu")
+        cases.append((q, *invariant.fp32_kv(k, v, lay.rows), lay))
+    was = _on
+    best = {"fused": [float("inf")] * len(cases), "torch": [float("inf")] * len(cases)}
+    try:
+        with torch.inference_mode():
+            for r in range(rounds):
+                for path in (("fused", "torch") if r % 2 == 0 else ("torch", "fused")):
+                    use(path == "fused")
+                    for i, (q, k, v1, lay) in enumerate(cases):
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            invariant.attend_kv(q, k, v1, lay, d ** -0.5)
+                        best[path][i] = min(best[path][i], time.perf_counter() - t0)
+    finally:
+        use(was)
+    return {path: round(1e3 * sum(ts), 3) for path, ts in best.items()}

@@ -152,7 +152,7 @@ def fp32_kv(key, value, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 def attend_kv(query, k, v1, lay: _Layout, scaling) -> torch.Tensor:
     """attend() on keys and [V | 1] already in fp32_kv's form (at least lay.rows rows)."""
     dtype = query.dtype
-    if fused.enabled() and query.device.type == "cpu":   # one compiled loop per (row, head)
+    if fused.enabled() and query.device.type == "cpu":   # the compiled function (fused.py)
         q = query[0].transpose(0, 1).float().contiguous()        # [m, hq, d]
         return fused.attend(q, k, v1, lay.vis, scaling).to(dtype)[None]
     _, hq, m, d = query.shape

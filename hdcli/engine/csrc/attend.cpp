@@ -22,7 +22,7 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 constexpr int KB = 16;       // keys a block
-constexpr int MAX_DV = 16;   // head size up to 16 * 16 = 256
+constexpr int MAX_DV = 16;   // head size up to 16 * 16 + 15 = 271 (fused.py falls back above)
 
 // exp(x) for x <= 0 (a score minus the row's max): 2^k * e^r, k = round(x / ln 2), |r| <= ln 2 / 2,
 // e^r by its Taylor polynomial of degree 7 (relative error < 1e-8 there); 0 below -87 (under
@@ -109,25 +109,31 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
     float* pa = p + a * nb * KB;
     for (int64_t j = jlo; j < jhi; ++j) pa[j] = exp_nonpositive(pa[j] - mx[a]);   // unseen: -inf -> 0
   }
-  const int64_t dv = d / 16;
+  const int64_t dv = d / 16, dt = d - dv * 16;       // whole vectors, then a scalar tail
   v16 o[TR][MAX_DV];
+  float ot[TR][16];
   float total[TR];
   for (int a = 0; a < TR; ++a) {
     total[a] = 0.0f;
     for (int64_t c = 0; c < dv; ++c) o[a][c] = v16{};
+    for (int64_t i = 0; i < dt; ++i) ot[a][i] = 0.0f;
   }
   for (int64_t j = jlo; j < jhi; ++j) {              // values in key order, the sum of p alike
     const float* vj = A.v + kv * A.vs0 + j * A.vs1;
     v16 vv[MAX_DV];
     for (int64_t c = 0; c < dv; ++c) std::memcpy(&vv[c], vj + c * 16, sizeof(v16));
+    const float* vt = vj + dv * 16;
     for (int a = 0; a < TR; ++a) {
       const float pj = p[a * nb * KB + j];
       total[a] += pj;
       for (int64_t c = 0; c < dv; ++c) o[a][c] += pj * vv[c];
+      for (int64_t i = 0; i < dt; ++i) ot[a][i] += pj * vt[i];
     }
   }
-  for (int a = 0; a < tr; ++a)
-    for (int64_t i = 0; i < d; ++i) orow[a][i] = o[a][i / 16][i % 16] / total[a];
+  for (int a = 0; a < tr; ++a) {
+    for (int64_t i = 0; i < dv * 16; ++i) orow[a][i] = o[a][i / 16][i % 16] / total[a];
+    for (int64_t i = 0; i < dt; ++i) orow[a][dv * 16 + i] = ot[a][i] / total[a];
+  }
 }
 
 // q [m, hq, d] fp32 contiguous; k [hkv, >= n, d], v1 [hkv, >= n, d + 1] fp32 (rows contiguous);
@@ -141,7 +147,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v1, torch::
   A.hkv = k.size(0); A.n = vis.size(1); A.g = A.hq / A.hkv;
   const int64_t d = A.d, n = A.n;
   TORCH_CHECK(vis.size(0) == A.m && k.size(1) >= n && v1.size(1) >= n && k.size(2) == d && v1.size(2) == d + 1);
-  TORCH_CHECK(d % 16 == 0 && d <= 16 * MAX_DV, "head size must be a multiple of 16, at most 256");
+  TORCH_CHECK(d <= 16 * MAX_DV + 15, "fused attention: head size above 271");
   auto out = torch::empty({A.m, A.hq, d}, q.options());
   A.nb = (n + KB - 1) / KB;
   const int64_t nb = A.nb;
