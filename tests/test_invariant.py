@@ -240,8 +240,8 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     calls = []
-    real = fused.attend
-    monkeypatch.setattr(fused, "attend", lambda *a: calls.append(1) or real(*a))
+    real = fused.attend_many
+    monkeypatch.setattr(fused, "attend_many", lambda *a: calls.append(1) or real(*a))
     model = build(name, dtype, kern)
     with fused.pinned("fused"):
         info = invariant.enable(model)
@@ -263,7 +263,7 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
         assert calls
         # the check can fail: a loop whose result depended on the row count would differ here
-        monkeypatch.setattr(fused, "attend", lambda q, k, v, vis, s: real(q, k, v, vis, s) * (1 + 1e-3 * (q.shape[0] > 1)))
+        monkeypatch.setattr(fused, "attend_many", lambda q, *a: real(q, *a) * (1 + 1e-3 * (q.shape[0] > 1)))
         prefix = [rng.randrange(3, V) for _ in range(75)]
         assert not all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix))
     invariant.disable(model)

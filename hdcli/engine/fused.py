@@ -122,10 +122,30 @@ def name() -> str:
     return "fused-" + _name()[-12:] if _on else "torch"
 
 
+KEY_BLOCK = 16       # csrc/attend.cpp's KB: keys a block of the transposed copy
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, vis: torch.Tensor, scaling: float) -> torch.Tensor:
-    """q [m, hq, d] fp32 contiguous, k [hkv, >= n, d], v1 [hkv, >= n, d + 1], vis [m, n] bool.
-    Returns [m, hq, d] fp32."""
+    """One sequence: q [m, hq, d] fp32 contiguous, k [hkv, >= n, d], v1 [hkv, >= n, d + 1],
+    vis [m, n] bool. Returns [m, hq, d] fp32."""
     return _module.attend(q, k, v1, vis, float(scaling))
+
+
+def attend_many(q: torch.Tensor, kvs, viss, scaling: float, owners=None) -> torch.Tensor:
+    """Several sequences in one call: q [M, hq, d] fp32 contiguous holds their rows in order,
+    kvs[i] = (k, v1) and viss[i] [m_i, n_i] as in attend(). owners[i], where given, is the
+    kvcache.InvariantLayer the keys live in: its transposed copy of them (`transposed()`) is read
+    and brought up to date in the call, instead of a scratch copy transposed whole."""
+    kts, froms = [], []
+    for owner in owners or [None] * len(kvs):
+        kt, valid = owner.transposed() if owner is not None else (None, 0)
+        kts.append(None if kt is None else kt[0])
+        froms.append(valid)
+    out = _module.attend_many(q, [k for k, _ in kvs], kts, froms, [v for _, v in kvs], list(viss), float(scaling))
+    for owner, vis in zip(owners or [], viss):
+        if owner is not None:   # a layout pads one key to two: that second key is not written yet
+            owner.kt_len = min(vis.shape[1], owner.length)
+    return out
 
 
 MAX_HEAD = 271       # csrc/attend.cpp: 16 vectors of 16 and a scalar tail

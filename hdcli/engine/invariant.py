@@ -149,12 +149,13 @@ def fp32_kv(key, value, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _pad_rows(key[0].float(), rows, 1), _values_with_ones(value[0].float(), rows)
 
 
-def attend_kv(query, k, v1, lay: _Layout, scaling) -> torch.Tensor:
-    """attend() on keys and [V | 1] already in fp32_kv's form (at least lay.rows rows)."""
+def attend_kv(query, k, v1, lay: _Layout, scaling, owner=None) -> torch.Tensor:
+    """attend() on keys and [V | 1] already in fp32_kv's form (at least lay.rows rows); owner: the
+    kvcache layer they live in, if any (the fused attention keeps a copy of its own there)."""
     dtype = query.dtype
     if fused.enabled() and query.device.type == "cpu":   # the compiled function (fused.py)
         q = query[0].transpose(0, 1).float().contiguous()        # [m, hq, d]
-        return fused.attend(q, k, v1, lay.vis, scaling).to(dtype)[None]
+        return fused.attend_many(q, [(k, v1)], [lay.vis], scaling, [owner]).to(dtype)[None]
     _, hq, m, d = query.shape
     hkv = k.shape[0]
     g = hq // hkv
@@ -182,7 +183,7 @@ class Many:
         self.lays, self.hkv = lays, hkv
         self.bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
         on_cpu = torch.device(device).type == "cpu"
-        # the fused attention (fused.py) takes each sequence on its own cache: nothing to share
+        # the fused attention (fused.py) takes all sequences in one call of its own: nothing to share
         flat = [] if fused.enabled() and on_cpu else [i for i, lay in enumerate(lays) if lay.prefix_only]
         self.flat = flat if len(flat) >= 2 else []
         if not self.flat:
@@ -215,12 +216,16 @@ class Many:
         return self.n_pad if i in self.flat else self.lays[i].rows
 
 
-def attend_many(query, kvs, many: Many, scaling) -> torch.Tensor:
+def attend_many(query, kvs, many: Many, scaling, owners=None) -> torch.Tensor:
     """attend_kv() for several sequences at once: query [1, Hq, M, D] holds every sequence's rows
     (in many.bounds), kvs[i] sequence i's keys and [V | 1] (fp32_kv's form, many.key_rows(i)
-    rows). Returns [1, M, Hq, D] in the query's dtype."""
+    rows), owners[i] the kvcache layer they live in, if any. Returns [1, M, Hq, D] in the
+    query's dtype."""
     dtype = query.dtype
     _, hq, m_all, d = query.shape
+    if fused.enabled() and query.device.type == "cpu":   # one call for all (fused.py)
+        q = query[0].transpose(0, 1).float().contiguous()        # [M, hq, d]
+        return fused.attend_many(q, kvs, [lay.vis for lay in many.lays], scaling, owners).to(dtype)[None]
     out = None
     if many.flat:
         nb, hkv, rows, n_pad = len(many.flat), many.hkv, many.rows, many.n_pad

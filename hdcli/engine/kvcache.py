@@ -30,6 +30,10 @@ Invariants
   * Its tensors are inference tensors (written in torch.inference_mode, as transformers' cache is
     in a no-grad forward); every method that writes them enters the mode itself.
   * Capacity grows by doubling (whole chunks), so a generation copies its cache O(log n) times.
+  * The fused attention (fused.py) keeps the keys transposed by blocks in kt32, valid for the
+    first kt_len keys; it writes the rest itself on each call. crop and rewritten() lower kt_len:
+    whoever writes rows through the views (tree.keep_path) calls rewritten(), else the fused
+    attention reads stale keys.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ class InvariantLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.k32 = self.v32 = None
         self.length = 0
+        self.kt32, self.kt_len = None, 0   # the fused attention's transposed keys (transposed())
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -108,6 +113,21 @@ class InvariantLayer(DynamicLayer):
         self._reserve(n_pad)
         return self.k32[:, :, :n_pad], self.v32[:, :, :n_pad]
 
+    def transposed(self) -> tuple[torch.Tensor, int]:
+        """The fused attention's copy of the keys, transposed by blocks (fused.py, csrc/attend.cpp):
+        [b, h, ceil(C / 16), d, 16] fp32, and how many keys in it are valid. The attention writes
+        the rest and records it in kt_len; crop lowers kt_len, growth starts a new copy."""
+        b, h, cap, d = self.k32.shape
+        blocks = -(-cap // 16)
+        if self.kt32 is None or self.kt32.shape[2] < blocks:
+            self.kt32, self.kt_len = self.k32.new_zeros(b, h, blocks, d, 16), 0
+        return self.kt32, self.kt_len
+
+    def rewritten(self, start: int) -> None:
+        """Rows from `start` on were written through the views (tree.keep_path): the transposed
+        copy holds them no longer."""
+        self.kt_len = min(self.kt_len, start)
+
     def get_seq_length(self) -> int:
         return self.length
 
@@ -128,6 +148,7 @@ class InvariantLayer(DynamicLayer):
         self.k32[:, :, n:self.length] = 0
         self.v32[:, :, n:self.length] = 0
         self.length = n
+        self.kt_len = min(self.kt_len, n)
         self._views()
 
     def reset(self) -> None:

@@ -120,19 +120,26 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
         k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
         v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        owners = [_owner(cache, attn.layer_idx) for _, cache, _, _ in parts]
         if many is None:
             kv = _cached(parts[0][1], attn.layer_idx, k, v, lays[0].rows)
-            o = invariant.attend_kv(q, *kv, lays[0], attn.scaling).reshape(1, m, hq * d)
+            o = invariant.attend_kv(q, *kv, lays[0], attn.scaling, owners[0]).reshape(1, m, hq * d)
         else:
             kvs = [_cached(cache, attn.layer_idx, k[:, :, a:b], v[:, :, a:b], many.key_rows(i))
                    for i, ((_, cache, _, _), (a, b)) in enumerate(zip(parts, many.bounds))]
-            o = invariant.attend_many(q, kvs, many, attn.scaling).reshape(1, m, hq * d)
+            o = invariant.attend_many(q, kvs, many, attn.scaling, owners).reshape(1, m, hq * d)
         x = x + attn.o_proj(o)
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
         x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
     logits = model.lm_head(base.norm(x))[0]
     return [logits] if many is None else [logits[a:b] for a, b in many.bounds]
+
+
+def _owner(cache, layer_idx: int):
+    """The layer of an invariant cache (the attention may keep data of its own there), or None."""
+    layer = cache.layers[layer_idx]
+    return layer if isinstance(layer, InvariantLayer) else None
 
 
 def _cached(cache, layer_idx: int, k, v, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -308,6 +308,8 @@ def keep_path(cache, past: int, path: Sequence[int]) -> None:
             idx = rel + base
             layer.keys[..., base:base + len(want), :] = layer.keys.index_select(-2, idx)
             layer.values[..., base:base + len(want), :] = layer.values.index_select(-2, idx)
+            if hasattr(layer, "rewritten"):   # an invariant cache layer: copies of its keys are stale
+                layer.rewritten(base)
     remove = nodes - len(want)
     assert remove >= 0
     if remove:

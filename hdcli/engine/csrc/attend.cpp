@@ -15,6 +15,7 @@
 // ones, four SSE ones; the arithmetic per element is the same in each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,11 +53,12 @@ static inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// One sequence's attention: its rows of q and out start at row0.
 struct Args {
-  const float *q, *kt, *v;   // q [m, hq, d]; kt [hkv, nb, d, KB]: keys transposed by block; v [hkv, >= n, d + 1]
+  const float *q, *k, *kt, *v;   // q [M, hq, d]; k [hkv, >= n, d]; kt [hkv, >= nb, d, KB]: keys transposed by block; v [hkv, >= n, d + 1]
   const bool* vis;           // [m, n]
-  float* out;                // [m, hq, d]
-  int64_t m, hq, d, hkv, g, n, nb, vs0, vs1;
+  float* out;                // [M, hq, d]
+  int64_t row0, m, hq, d, hkv, g, n, nb, ks0, ks1, kts0, vs0, vs1, kt_from;
   float scale;
 };
 
@@ -71,9 +73,9 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
   float* orow[TR];
   for (int a = 0; a < TR; ++a) {
     const int64_t x = x0 + (a < tr ? a : tr - 1), r = x / A.g, h = kv * A.g + x % A.g;
-    qr[a] = A.q + (r * A.hq + h) * d;
+    qr[a] = A.q + ((A.row0 + r) * A.hq + h) * d;
     vr[a] = A.vis + r * n;
-    orow[a] = A.out + (r * A.hq + h) * d;
+    orow[a] = A.out + ((A.row0 + r) * A.hq + h) * d;
   }
   float mx[TR];
   for (int a = 0; a < TR; ++a) mx[a] = -INFINITY;
@@ -90,7 +92,7 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
     }
     jlo = lo < jlo ? lo : jlo;
     jhi = hi;
-    const float* kb = A.kt + (kv * nb + b) * d * KB;
+    const float* kb = A.kt + kv * A.kts0 + b * d * KB;
     v16 acc[TR];
     for (int a = 0; a < TR; ++a) acc[a] = v16{};
     for (int64_t i = 0; i < d; ++i) {                // each score: its d products summed in order
@@ -136,56 +138,111 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
   }
 }
 
-// q [m, hq, d] fp32 contiguous; k [hkv, >= n, d], v1 [hkv, >= n, d + 1] fp32 (rows contiguous);
-// vis [m, n] bool: the keys each row sees (every row sees one at least). Returns [m, hq, d] fp32.
-torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v1, torch::Tensor vis, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat && k.dtype() == torch::kFloat && v1.dtype() == torch::kFloat);
-  TORCH_CHECK(q.is_contiguous() && vis.is_contiguous() && vis.dtype() == torch::kBool);
-  TORCH_CHECK(k.stride(2) == 1 && v1.stride(2) == 1);
-  Args A;
-  A.m = q.size(0); A.hq = q.size(1); A.d = q.size(2);
-  A.hkv = k.size(0); A.n = vis.size(1); A.g = A.hq / A.hkv;
-  const int64_t d = A.d, n = A.n;
-  TORCH_CHECK(vis.size(0) == A.m && k.size(1) >= n && v1.size(1) >= n && k.size(2) == d && v1.size(2) == d + 1);
+// Several sequences' attention in one call (one parallel region, tiles of all of them shared out
+// dynamically among the threads). q [M, hq, d] fp32 contiguous: sequence s's m_s rows follow the
+// rows of the sequences before it. Per sequence s:
+//   k[s]   [hkv, >= n, d] fp32, rows contiguous: its keys;
+//   kt[s]  [hkv, >= ceil(n / KB), d, KB] fp32 contiguous: the same keys transposed by block, valid
+//          for the first kt_len[s] keys; this call writes keys kt_len[s] .. n - 1 into it (the
+//          caller then holds n valid). An undefined kt[s]: a scratch copy, transposed whole;
+//   v1[s]  [hkv, >= n, d + 1] fp32, rows contiguous: [V | 1];
+//   vis[s] [m_s, n] bool contiguous: the keys each row sees (every row sees one at least).
+// Returns [M, hq, d] fp32.
+torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::vector<c10::optional<torch::Tensor>> kt,
+                          std::vector<int64_t> kt_len, std::vector<torch::Tensor> v1, std::vector<torch::Tensor> vis,
+                          double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat && q.is_contiguous() && q.dim() == 3);
+  const size_t ns = k.size();
+  TORCH_CHECK(kt.size() == ns && kt_len.size() == ns && v1.size() == ns && vis.size() == ns);
+  const int64_t hq = q.size(1), d = q.size(2);
   TORCH_CHECK(d <= 16 * MAX_DV + 15, "fused attention: head size above 271");
-  auto out = torch::empty({A.m, A.hq, d}, q.options());
-  A.nb = (n + KB - 1) / KB;
-  const int64_t nb = A.nb;
-  std::vector<float> kt(A.hkv * nb * d * KB);        // kt[kv][b][i][l] = k[kv][b * KB + l][i]; 0 past n
-  const float* kp = k.data_ptr<float>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1);
-  at::parallel_for(0, A.hkv * nb, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t kv = t / nb, b = t % nb;
-      float* dst = kt.data() + t * d * KB;
-      for (int64_t l = 0; l < KB; ++l) {
-        const int64_t j = b * KB + l;
-        const float* src = kp + kv * ks0 + j * ks1;
-        for (int64_t i = 0; i < d; ++i) dst[i * KB + l] = j < n ? src[i] : 0.0f;
+  auto out = torch::empty_like(q);
+  std::vector<Args> seqs(ns);
+  std::vector<torch::Tensor> scratch(ns);
+  struct Job { int64_t s, kv, b; };                 // a block of keys to transpose
+  std::vector<Job> moves;
+  int64_t row0 = 0;
+  for (size_t s = 0; s < ns; ++s) {
+    Args& A = seqs[s];
+    TORCH_CHECK(k[s].dtype() == torch::kFloat && v1[s].dtype() == torch::kFloat && vis[s].dtype() == torch::kBool);
+    TORCH_CHECK(k[s].stride(2) == 1 && v1[s].stride(2) == 1 && vis[s].is_contiguous());
+    A.m = vis[s].size(0); A.n = vis[s].size(1); A.hq = hq; A.d = d;
+    A.hkv = k[s].size(0); A.g = hq / A.hkv; A.nb = (A.n + KB - 1) / KB;
+    TORCH_CHECK(k[s].size(1) >= A.n && v1[s].size(1) >= A.n && k[s].size(2) == d && v1[s].size(2) == d + 1);
+    int64_t from = kt_len[s];
+    torch::Tensor t;
+    if (kt[s].has_value() && kt[s]->defined()) {
+      t = *kt[s];
+      TORCH_CHECK(t.dtype() == torch::kFloat && t.is_contiguous() && t.size(0) == A.hkv && t.size(1) >= A.nb
+                  && t.size(2) == d && t.size(3) == KB);
+    } else {
+      t = torch::zeros({A.hkv, A.nb, d, KB}, q.options());
+      from = 0;
+    }
+    scratch[s] = t;
+    from = from < 0 ? 0 : (from > A.n ? A.n : from);
+    for (int64_t kv = 0; kv < A.hkv; ++kv)
+      for (int64_t b = from / KB; b < A.nb; ++b) moves.push_back({(int64_t)s, kv, b});
+    A.kt = t.data_ptr<float>(); A.kts0 = t.stride(0);
+    A.q = q.data_ptr<float>(); A.v = v1[s].data_ptr<float>(); A.vis = vis[s].data_ptr<bool>();
+    A.out = out.data_ptr<float>(); A.vs0 = v1[s].stride(0); A.vs1 = v1[s].stride(1);
+    A.scale = static_cast<float>(scale); A.row0 = row0;
+    A.kt_from = from;
+    A.k = k[s].data_ptr<float>(); A.ks0 = k[s].stride(0); A.ks1 = k[s].stride(1);
+    row0 += A.m;
+  }
+  TORCH_CHECK(row0 == q.size(0), "fused attention: q's rows are not the sequences' rows");
+  // tile height: 4 rows where there are tiles enough for the threads, fewer where not (one token:
+  // g rows a kv head). It changes how rows share the loops, never a row's arithmetic.
+  const int64_t threads = at::get_num_threads();
+  int tr = 4;
+  for (; tr > 1; tr /= 2) {
+    int64_t tiles = 0;
+    for (auto& A : seqs) tiles += A.hkv * ((A.m * A.g + tr - 1) / tr);
+    if (tiles >= 2 * threads) break;
+  }
+  struct Tile { int64_t s, kv, x0; };
+  std::vector<Tile> tiles;
+  for (size_t s = 0; s < ns; ++s)
+    for (int64_t kv = 0; kv < seqs[s].hkv; ++kv)
+      for (int64_t x0 = 0; x0 < seqs[s].m * seqs[s].g; x0 += tr) tiles.push_back({(int64_t)s, kv, x0});
+  const int64_t nmoves = moves.size(), ntiles = tiles.size();
+  int64_t pmax = 0;
+  for (auto& A : seqs) pmax = A.nb > pmax ? A.nb : pmax;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < nmoves; ++t) {          // kt[kv][b][i][l] = k[kv][b * KB + l][i], 0 past n
+      const Job& J = moves[t];
+      const Args& A = seqs[J.s];
+      float* dst = const_cast<float*>(A.kt) + J.kv * A.kts0 + J.b * d * KB;
+      const int64_t lo = J.b * KB > A.kt_from ? J.b * KB : A.kt_from;
+      for (int64_t j = lo; j < (J.b + 1) * KB; ++j) {
+        const int64_t l = j - J.b * KB;
+        const float* row = A.k + J.kv * A.ks0 + j * A.ks1;
+        for (int64_t i = 0; i < d; ++i) dst[i * KB + l] = j < A.n ? row[i] : 0.0f;
       }
     }
-  });
-  A.q = q.data_ptr<float>(); A.kt = kt.data(); A.v = v1.data_ptr<float>();
-  A.vis = vis.data_ptr<bool>(); A.out = out.data_ptr<float>();
-  A.vs0 = v1.stride(0); A.vs1 = v1.stride(1); A.scale = static_cast<float>(scale);
-  // tile height: 4 rows where there are enough tiles for the threads, fewer where not (one token:
-  // g rows a kv head). It changes how rows share the loops, never a row's arithmetic.
-  const int64_t rows = A.m * A.g;
-  const int64_t threads = at::get_num_threads();
-  const int tr = rows >= 4 && A.hkv * (rows / 4) >= threads ? 4 : rows >= 2 && A.hkv * (rows / 2) >= threads ? 2 : 1;
-  const int64_t tiles = (rows + tr - 1) / tr;
-  at::parallel_for(0, A.hkv * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(4 * nb * KB);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t kv = t / tiles, x0 = (t % tiles) * tr;
-      if (tr == 4) tile<4>(A, kv, x0, rows, p.data());
-      else if (tr == 2) tile<2>(A, kv, x0, rows, p.data());
-      else tile<1>(A, kv, x0, rows, p.data());
+    std::vector<float> p(4 * pmax * KB);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < ntiles; ++t) {
+      const Tile& T = tiles[t];
+      const Args& A = seqs[T.s];
+      const int64_t rows = A.m * A.g;
+      if (tr == 4) tile<4>(A, T.kv, T.x0, rows, p.data());
+      else if (tr == 2) tile<2>(A, T.kv, T.x0, rows, p.data());
+      else tile<1>(A, T.kv, T.x0, rows, p.data());
     }
-  });
+  }
   return out;
 }
 
+// One sequence, its keys transposed into scratch: attend_many of one.
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v1, torch::Tensor vis, double scale) {
+  return attend_many(q, {k}, {c10::nullopt}, {0}, {v1}, {vis}, scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "M-invariant attention: fixed arithmetic per (row, head), rows in tiles");
+  m.def("attend", &attend, "M-invariant attention of one sequence: fixed arithmetic per (row, head)");
+  m.def("attend_many", &attend_many, "M-invariant attention of several sequences in one call");
 }
