@@ -107,7 +107,8 @@ def test_old_foreign_or_stale_records_are_measured_again(tmp_path, monkeypatch):
 @pytest.mark.skipif(not kernels.available(), reason="this torch has no oneDNN packed linear")
 @pytest.mark.parametrize("faster", ["torch", "onednn"])
 def test_auto_keeps_the_kernels_that_measure_faster(tiny_model_dir, tmp_path, monkeypatch, faster):
-    """`--kernels auto` follows the cached measurement of this machine, whichever set won."""
+    """`--kernels auto` follows the cached measurement of this machine, whichever set won (the
+    stock forward's curves: invariant off, so that the curves written here are the ones read)."""
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     costs._CURVES.clear()
     source = models.resolve(str(tiny_model_dir))[1]
@@ -115,7 +116,7 @@ def test_auto_keeps_the_kernels_that_measure_faster(tiny_model_dir, tmp_path, mo
     fast = costs.CostCurve({1: 1.0, 8: 1.3}, one_token_seconds=0.020)
     for k in ("torch", "onednn"):
         costs._write(costs.curve_key(source, "fp32", "cpu", k), fast if k == faster else slow)
-    lm = api.load_model(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="auto")
+    lm = api.load_model(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="auto", invariant="off")
     assert lm.kernels == faster and kernels.is_packed(lm.model) == (faster == "onednn")
     assert lm.info["kernel_choice"]["chosen"] == faster
     # plain decoding ranks by the one-token time alone
@@ -124,8 +125,10 @@ def test_auto_keeps_the_kernels_that_measure_faster(tiny_model_dir, tmp_path, mo
     costs._write(costs.curve_key(source, "fp32", "cpu", "onednn"),
                  costs.CostCurve({1: 1.0, 8: 1.1}, one_token_seconds=0.020))
     costs._CURVES.clear()
-    assert api.load_model(str(tiny_model_dir), dtype="fp32", kernels="auto", drafting=False).kernels == "torch"
-    assert api.load_model(str(tiny_model_dir), dtype="fp32", kernels="auto", drafting=True).kernels == "onednn"
+    assert api.load_model(str(tiny_model_dir), dtype="fp32", kernels="auto", drafting=False,
+                          invariant="off").kernels == "torch"
+    assert api.load_model(str(tiny_model_dir), dtype="fp32", kernels="auto", drafting=True,
+                          invariant="off").kernels == "onednn"
 
 
 @pytest.mark.skipif(not kernels.available(), reason="this torch has no oneDNN packed linear")
