@@ -180,7 +180,7 @@ def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_m
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(invariant, "attention", sdpa_attention_forward)
     real = invariant.attend_kv
-    monkeypatch.setattr(invariant, "attend_kv", lambda q, k, v1, lay, scaling: real(q, k, v1, lay, scaling) + 1e-3 * q.shape[2])
+    monkeypatch.setattr(invariant, "attend_kv", lambda q, *a: real(q, *a) + 1e-3 * q.shape[2])
     model = build("llama", torch.float32, "torch")
     with pytest.raises(invariant.NotInvariant, match="self-check"):
         invariant.enable(model)
