@@ -291,6 +291,45 @@ def test_fused_attention_kernel_on_odd_head_sizes():
             assert torch.equal(fused.attend(q[r:r + 1].contiguous(), k, v1, vis[r:r + 1].contiguous(), 0.3)[0], out[r])
 
 
+def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
+    """Rows are computed side by side in tiles of 1-4 rows (HD_FUSED_TILE forces a height) and
+    sequences share one call: every row is torch.equal whatever the tile height, whichever
+    sequences share the call, and whether the keys' transposed copy is kept or made afresh. And
+    the comparison can fail: a kept copy that is stale (keys changed, kt_len not lowered) gives
+    other rows."""
+    from hdcli.engine import fused
+    if fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
+    gen = torch.Generator().manual_seed(1)
+    seqs = []
+    for m, n in ((1, 37), (5, 50), (3, 20)):
+        k, v1 = torch.randn(2, n + 16, 64, generator=gen), torch.randn(2, n + 16, 65, generator=gen)
+        v1[..., 64] = 1
+        vis = torch.ones(m, n, dtype=torch.bool).tril(n - m)
+        vis[-1, n - m:-1] = False   # a tree row: its siblings unseen
+        seqs.append((torch.randn(m, 6, 64, generator=gen), k, v1, vis))
+    alone = [fused.attend(q, k, v1, vis, 0.125) for q, k, v1, vis in seqs]
+    q_all = torch.cat([s[0] for s in seqs]).contiguous()
+    for tile in ("1", "2", "3", "4"):
+        monkeypatch.setenv("HD_FUSED_TILE", tile)
+        together = fused._module.attend_many(q_all, [s[1] for s in seqs], [None] * 3, [0] * 3,
+                                             [s[2] for s in seqs], [s[3] for s in seqs], 0.125)
+        assert torch.equal(torch.cat(alone), together), tile
+        kts = [torch.full((2, 5, 64, 16), float("nan")) for _ in seqs]   # a kept copy, valid for 0 keys
+        kept = fused._module.attend_many(q_all, [s[1] for s in seqs], kts, [0] * 3,
+                                         [s[2] for s in seqs], [s[3] for s in seqs], 0.125)
+        assert torch.equal(kept, together) and not kts[0].isnan()[:, :3].any()
+        again = fused._module.attend_many(q_all, [s[1] for s in seqs], kts, [s[3].shape[1] for s in seqs],
+                                          [s[2] for s in seqs], [s[3] for s in seqs], 0.125)
+        assert torch.equal(again, together)
+    # a stale kept copy (keys changed after it was made, not marked) gives other rows: kt_len matters
+    k2 = seqs[1][1].clone()
+    k2[:, 10] += 1
+    fresh = fused._module.attend_many(seqs[1][0], [k2], [None], [0], [seqs[1][2]], [seqs[1][3]], 0.125)
+    stale = fused._module.attend_many(seqs[1][0], [k2], [kts[1]], [seqs[1][3].shape[1]], [seqs[1][2]], [seqs[1][3]], 0.125)
+    assert not torch.equal(fresh, stale)
+
+
 def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypatch):
     """HD_FUSED_ATTENTION unset: decide() takes the faster of the two timed attentions, caches the
     times per machine (a new process reads them without timing), and 0 / 1 override it."""

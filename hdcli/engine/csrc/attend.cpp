@@ -18,6 +18,7 @@
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -192,15 +193,24 @@ torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::ve
     row0 += A.m;
   }
   TORCH_CHECK(row0 == q.size(0), "fused attention: q's rows are not the sequences' rows");
-  // tile height: 4 rows where there are tiles enough for the threads, fewer where not (one token:
-  // g rows a kv head). It changes how rows share the loops, never a row's arithmetic.
+  // tile height: of 4, 3, 2, 1 rows, among those that make a tile for each thread at least, the
+  // one that repeats the fewest rows to fill its tiles, the taller on a tie (one token: g rows a
+  // kv head, 3 in the bundled model). It changes how rows share the loops, never a row's
+  // arithmetic: HD_FUSED_TILE=1..4 forces a height, for tests (tests/test_invariant.py) and timing.
   const int64_t threads = at::get_num_threads();
-  int tr = 4;
-  for (; tr > 1; tr /= 2) {
-    int64_t tiles = 0;
-    for (auto& A : seqs) tiles += A.hkv * ((A.m * A.g + tr - 1) / tr);
-    if (tiles >= 2 * threads) break;
+  int tr = 1;
+  int64_t least = -1;
+  const char* force = std::getenv("HD_FUSED_TILE");
+  for (int c = 4; c >= 1; --c) {
+    int64_t count = 0, waste = 0;
+    for (auto& A : seqs) {
+      const int64_t t = (A.m * A.g + c - 1) / c;
+      count += A.hkv * t;
+      waste += A.hkv * (t * c - A.m * A.g);
+    }
+    if ((count >= threads || c == 1) && (least < 0 || waste < least)) { tr = c; least = waste; }
   }
+  if (force != nullptr && std::atoi(force) >= 1 && std::atoi(force) <= 4) tr = std::atoi(force);
   struct Tile { int64_t s, kv, x0; };
   std::vector<Tile> tiles;
   for (size_t s = 0; s < ns; ++s)
@@ -230,6 +240,7 @@ torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::ve
       const Args& A = seqs[T.s];
       const int64_t rows = A.m * A.g;
       if (tr == 4) tile<4>(A, T.kv, T.x0, rows, p.data());
+      else if (tr == 3) tile<3>(A, T.kv, T.x0, rows, p.data());
       else if (tr == 2) tile<2>(A, T.kv, T.x0, rows, p.data());
       else tile<1>(A, T.kv, T.x0, rows, p.data());
     }
