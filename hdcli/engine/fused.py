@@ -26,9 +26,9 @@ Parameters and invariants
     attentions on the model's head shape (one token, an 8-node tree and a 16-token chain over 256
     keys, interleaved rounds, least times) and takes the faster. The choice is cached per source,
     CPU, torch, flags, head shape and thread count (HD_CACHE_DIR/attention), so a machine decides
-    once. Measured on an AMD EPYC (bundled model, int4, caches of ~250 tokens, whole forwards,
-    interleaved), fused against torch ops: 1 token 17.1 ms against 19.4, an 8-node tree 27.1
-    against 34.1, a 16-token chain 42.4 against 45.1, 4 requests of 4-node trees 56.9 against 79.9.
+    once. Whole forwards with it and without (benchmarks/fused_attention.py, docs/dtype.md): on an
+    AMD EPYC (bundled model, int4, caches of ~250 tokens) 1 token 16.8 ms against 19.1, an 8-node
+    tree 27.8 against 35.7, 4 requests of 4-node trees 49.5 against 84.5.
   * Decided once per process (the first model loaded in the invariant mode): every model and run
     of a process has one numerics.
   * Where it does not compile (no compiler or ninja), the model is not on the CPU or its head is
