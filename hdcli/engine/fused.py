@@ -176,6 +176,9 @@ def decide(model, quiet: bool = True) -> dict:
         _decision = {"attention": "torch", "by": "shape", "why": f"head size {d} (the function takes up to {MAX_HEAD})"}
     elif load(quiet=quiet) is None:
         _decision = {"attention": "torch", "by": "build", "why": failure()}
+        if not quiet:
+            print(f"hd: the fused attention does not compile here ({failure()}); using torch ops",
+                  file=sys.stderr, flush=True)
     elif asked == "1":
         _decision = {"attention": "fused", "by": "HD_FUSED_ATTENTION=1"}
     else:
