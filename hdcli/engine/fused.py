@@ -82,7 +82,8 @@ def load(quiet: bool = False):
         if not quiet and not built:
             print(f"hd: fused attention ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     except Exception as exc:   # no compiler, no ninja, a read-only home: the torch path stays
-        _failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        _failed = f"{type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''}"
     return _module
 
 
@@ -177,8 +178,8 @@ def decide(model, quiet: bool = True) -> dict:
     elif load(quiet=quiet) is None:
         _decision = {"attention": "torch", "by": "build", "why": failure()}
         if not quiet:
-            print(f"hd: the fused attention does not compile here ({failure()}); using torch ops",
-                  file=sys.stderr, flush=True)
+            print(f"hd: the fused attention does not compile here ({failure()}); using torch ops "
+                  "(HD_FUSED_ATTENTION=0 skips trying)", file=sys.stderr, flush=True)
     elif asked == "1":
         _decision = {"attention": "fused", "by": "HD_FUSED_ATTENTION=1"}
     else:
