@@ -40,6 +40,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,12 @@ def load(quiet: bool = False):
         return _module
     try:
         from torch.utils import cpp_extension
+        if shutil.which("ninja") is None:   # pip's ninja, in a virtual environment not activated
+            try:
+                import ninja
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+            except (ImportError, AttributeError):
+                pass
         try:   # a build already there loads in a moment: say "compiling" only when it compiles
             built = (Path(cpp_extension._get_build_directory(_name(), False)) / f"{_name()}.so").exists()
         except Exception:
