@@ -308,6 +308,8 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
         curves = {lm.kernels: costs.curve_for(lm, quiet=quiet)}
     out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": dev, "cpu": costs.cpu_name(),
            "threads": torch.get_num_threads(), "kernels": lm.kernels, "invariant": lm.invariant,
+           # which attention the M-invariant forward uses, and the times it was chosen by
+           "attention": (lm.info.get("invariant") or {}).get("kernel") if lm.invariant else None,
            "dtype_choice": lm.info.get("dtype_choice"),
            "choice": choice, "curves": {},
            "cache": str(costs.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}

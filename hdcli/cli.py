@@ -368,6 +368,11 @@ def costs_cmd(
     if rep.get("dtype_choice"):
         con.print("--dtype auto: " + api.dtype_choice_line(rep["dtype_choice"]))
     con.print("M-invariant forward: " + ("on (verified rows bit-equal one-token rows)" if rep["invariant"] else "off"))
+    att = rep.get("attention")
+    if att:
+        why = (f"measured: fused {att['ms']['fused']:.1f} ms, torch ops {att['ms']['torch']:.1f} ms"
+               if "ms" in att else att.get("why") or att.get("by", ""))
+        con.print(f"its attention: [bold]{att['attention']}[/bold] ({why}; HD_FUSED_ATTENTION=0/1 overrides)")
     when = [c["measured_at"] for c in rep["curves"].values() if c.get("measured_at")]
     if when:
         age = (time.time() - min(when)) / 86400

@@ -159,5 +159,9 @@ def test_hd_costs_shows_and_remeasures(tiny_model_dir, tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["costs", "--model", str(tiny_model_dir), "--remeasure", "--json"])
     again = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(again["curves"][k]["measured_at"] > first[k] for k in first)
+    assert (rep["attention"] is None) == (not rep["invariant"])
+    if rep["invariant"]:
+        assert rep["attention"]["attention"] in ("fused", "torch")
     r = CliRunner().invoke(app, ["costs", "--model", str(tiny_model_dir)])
     assert r.exit_code == 0 and "1 token" in r.output
+    assert ("its attention:" in r.output) == bool(rep["invariant"])
