@@ -45,20 +45,25 @@ def shape(k: int, kind: str) -> Tree:
     return t
 
 
-def forward_ms(model, streams: int, k: int, kind: str, reps: int, context: int) -> float:
-    cs = caches(model, streams, context)
-    base = [c.get_seq_length() for c in cs]
-    items = [(shape(k, kind), 50, c) for c in cs]
+def median_ms(model, items, cs, base: list[int], reps: int, warmup: int = 0) -> float:
+    """Median (ms) of reps batched forwards of items, each on caches cs cropped back to their base
+    lengths first; warmup forwards before them are not counted."""
     ts = []
     with torch.inference_mode():
-        for r in range(reps + 3):
+        for r in range(reps + warmup):
             for c, b in zip(cs, base):
                 if c.get_seq_length() > b:
                     c.crop(b - c.get_seq_length())
             t = time.perf_counter()
             batch.forward_many(model, items)
             ts.append(time.perf_counter() - t)
-    return statistics.median(ts[3:]) * 1e3
+    return statistics.median(ts[warmup:]) * 1e3
+
+
+def forward_ms(model, streams: int, k: int, kind: str, reps: int, context: int) -> float:
+    cs = caches(model, streams, context)
+    base = [c.get_seq_length() for c in cs]
+    return median_ms(model, [(shape(k, kind), 50, c) for c in cs], cs, base, reps, warmup=3)
 
 
 def main() -> None:

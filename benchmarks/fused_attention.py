@@ -11,33 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
-import torch
-
 from hdcli import api
-from hdcli.engine import batch, fused, invariant
+from hdcli.engine import fused, invariant
 
 from common import machine
-from forward_many import caches, shape
+from forward_many import caches, median_ms, shape
 
 CASES = [(1, 1, "chain"), (1, 8, "tree"), (1, 16, "chain"), (4, 1, "chain"), (4, 3, "chain"), (4, 4, "tree")]
-
-
-def forward_ms(model, items, cs, base, reps: int) -> float:
-    """Median of reps forwards, each on caches cropped back to their base length."""
-    ts = []
-    with torch.inference_mode():
-        for _ in range(reps):
-            for c, b in zip(cs, base):
-                if c.get_seq_length() > b:
-                    c.crop(b - c.get_seq_length())
-            t = time.perf_counter()
-            batch.forward_many(model, items)
-            ts.append(time.perf_counter() - t)
-    ts.sort()
-    return 1e3 * ts[len(ts) // 2]
 
 
 def main() -> None:
@@ -67,7 +49,7 @@ def main() -> None:
                     invariant.attend_kv = lambda q, *a: q.transpose(1, 2).contiguous()
                     invariant.attend_many = lambda q, *a: q.transpose(1, 2).contiguous()
                 with fused.pinned("fused" if p != "torch" else "torch"):
-                    best[p] = min(best[p], forward_ms(model, items, cs, base, args.reps))
+                    best[p] = min(best[p], median_ms(model, items, cs, base, args.reps))
                 invariant.attend_kv, invariant.attend_many = real
         row = {"requests": streams, "rows_each": k, "shape": kind, **{f"{p}_ms": round(v, 2) for p, v in best.items()}}
         rows.append(row)

@@ -153,9 +153,8 @@ def attend_kv(query, k, v1, lay: _Layout, scaling, owner=None) -> torch.Tensor:
     """attend() on keys and [V | 1] already in fp32_kv's form (at least lay.rows rows); owner: the
     kvcache layer they live in, if any (the fused attention keeps a copy of its own there)."""
     dtype = query.dtype
-    if fused.enabled() and query.device.type == "cpu":   # the compiled function (fused.py)
-        q = query[0].transpose(0, 1).float().contiguous()        # [m, hq, d]
-        return fused.attend_many(q, [(k, v1)], [lay.vis], scaling, [owner]).to(dtype)[None]
+    if fused.enabled() and query.device.type == "cpu":
+        return _fused(query, [(k, v1)], [lay], scaling, [owner])
     _, hq, m, d = query.shape
     hkv = k.shape[0]
     g = hq // hkv
@@ -166,6 +165,13 @@ def attend_kv(query, k, v1, lay: _Layout, scaling, owner=None) -> torch.Tensor:
         total = _gathered_rows(q, k, v1, lay, scaling)
     out = total[..., :d] / total[..., d:]                        # [hkv, m, g, d]
     return out.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype)   # head h = kv * g + j
+
+
+def _fused(query, kvs, lays, scaling, owners) -> torch.Tensor:
+    """The compiled attention (fused.py) in one call for every sequence: query [1, Hq, M, D] as
+    attend_kv / attend_many take it. Returns [1, M, Hq, D] in the query's dtype."""
+    q = query[0].transpose(0, 1).float().contiguous()        # [M, hq, d]
+    return fused.attend_many(q, kvs, [lay.vis for lay in lays], scaling, owners).to(query.dtype)[None]
 
 
 class Many:
@@ -223,9 +229,8 @@ def attend_many(query, kvs, many: Many, scaling, owners=None) -> torch.Tensor:
     query's dtype."""
     dtype = query.dtype
     _, hq, m_all, d = query.shape
-    if fused.enabled() and query.device.type == "cpu":   # one call for all (fused.py)
-        q = query[0].transpose(0, 1).float().contiguous()        # [M, hq, d]
-        return fused.attend_many(q, kvs, [lay.vis for lay in many.lays], scaling, owners).to(dtype)[None]
+    if fused.enabled() and query.device.type == "cpu":
+        return _fused(query, kvs, many.lays, scaling, owners)
     out = None
     if many.flat:
         nb, hkv, rows, n_pad = len(many.flat), many.hkv, many.rows, many.n_pad

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from . import invariant
+from . import fused, invariant
 
 _MIN_CAPACITY = 256
 
@@ -118,9 +118,9 @@ class InvariantLayer(DynamicLayer):
         [b, h, ceil(C / 16), d, 16] fp32, and how many keys in it are valid. The attention writes
         the rest and records it in kt_len; crop lowers kt_len, growth starts a new copy."""
         b, h, cap, d = self.k32.shape
-        blocks = -(-cap // 16)
+        blocks = -(-cap // fused.KEY_BLOCK)
         if self.kt32 is None or self.kt32.shape[2] < blocks:
-            self.kt32, self.kt_len = self.k32.new_zeros(b, h, blocks, d, 16), 0
+            self.kt32, self.kt_len = self.k32.new_zeros(b, h, blocks, d, fused.KEY_BLOCK), 0
         return self.kt32, self.kt_len
 
     def rewritten(self, start: int) -> None:
