@@ -240,8 +240,9 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     calls = []
-    real = fused.attend_many
-    monkeypatch.setattr(fused, "attend_many", lambda *a: calls.append(1) or real(*a))
+    real = {f: getattr(fused, f) for f in ("attend_many", "append_attend_many")}
+    for f in real:   # on invariant caches the attention appends the keys too (append_attend_many)
+        monkeypatch.setattr(fused, f, lambda *a, f=f: calls.append(f) or real[f](*a))
     model = build(name, dtype, kern)
     with fused.pinned("fused"):
         info = invariant.enable(model)
@@ -261,9 +262,11 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=40).tokens
         oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=0)
         assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
-        assert calls
+        from hdcli.engine import lean   # the lean forward's attention appends the keys too
+        assert calls and ("append_attend_many" in calls) == lean.is_enabled(model)
         # the check can fail: a loop whose result depended on the row count would differ here
-        monkeypatch.setattr(fused, "attend_many", lambda q, *a: real(q, *a) * (1 + 1e-3 * (q.shape[0] > 1)))
+        for f in real:
+            monkeypatch.setattr(fused, f, lambda q, *a, f=f: real[f](q, *a) * (1 + 1e-2 * (q.shape[-2 if q.dim() == 4 else 0] > 1)))
         prefix = [rng.randrange(3, V) for _ in range(75)]
         assert not all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix))
     invariant.disable(model)
@@ -328,6 +331,42 @@ def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
     fresh = fused._module.attend_many(seqs[1][0], [k2], [None], [0], [seqs[1][2]], [seqs[1][3]], 0.125)
     stale = fused._module.attend_many(seqs[1][0], [k2], [kts[1]], [seqs[1][3].shape[1]], [seqs[1][2]], [seqs[1][3]], 0.125)
     assert not torch.equal(fresh, stale)
+
+
+def test_fused_attention_appends_keys_as_the_cache_does():
+    """append_attend_many writes each sequence's new keys and values into its kvcache layer in the
+    compiled call: the layers end as append() leaves them (fp32 keys, [V | 1], zeros past the
+    length, the length), and the attention equals attend_many's on them. Sequences of 1 and 3 new
+    rows, on an empty layer and on one with keys, share the call; bf16 keys are widened exactly."""
+    from hdcli.engine import fused
+    from hdcli.engine.kvcache import InvariantLayer
+    if fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
+    gen = torch.Generator().manual_seed(2)
+    mine, ref, viss, news = [], [], [], []
+    for past, m in ((0, 1), (40, 3), (31, 2)):
+        a, b = InvariantLayer(), InvariantLayer()
+        if past:
+            k0, v0 = torch.randn(1, 2, past, 64, generator=gen), torch.randn(1, 2, past, 64, generator=gen)
+            a.append(k0, v0)
+            b.append(k0, v0)
+        news.append((torch.randn(1, 2, m, 64, generator=gen).bfloat16(), torch.randn(1, 2, m, 64, generator=gen).bfloat16()))
+        b.append(*news[-1])
+        n = max(past + m, 2)   # a layout pads one key to two
+        viss.append(torch.ones(m, n, dtype=torch.bool).tril(n - m))
+        mine.append(a)
+        ref.append(b)
+    query = torch.randn(1, 6, 6, 64, generator=gen)   # [1, hq, M, d], as the lean forward has it
+    key = torch.cat([k for k, _ in news], 2)
+    value = torch.cat([v for _, v in news], 2)
+    out = fused.append_attend_many(query, key, value, mine, viss, 0.125)[0]
+    for a, b, vis in zip(mine, ref, viss):
+        assert a.length == b.length and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        cap = min(a.k32.shape[2], b.k32.shape[2])
+        assert torch.equal(a.k32[:, :, :cap], b.k32[:, :, :cap]) and torch.equal(a.v32[:, :, :cap], b.v32[:, :, :cap])
+    kvs = [tuple(t[0] for t in b.padded(vis.shape[1])) for b, vis in zip(ref, viss)]
+    expect = fused.attend_many(query[0].transpose(0, 1).contiguous(), kvs, viss, 0.125)
+    assert torch.equal(out, expect)
 
 
 def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypatch):

@@ -174,6 +174,18 @@ def _fused(query, kvs, lays, scaling, owners) -> torch.Tensor:
     return fused.attend_many(q, kvs, [lay.vis for lay in lays], scaling, owners).to(query.dtype)[None]
 
 
+def appends_in_attention(device) -> bool:
+    """Whether the attention appends new keys itself (append_attend): the fused one on the CPU."""
+    return fused.enabled() and torch.device(device).type == "cpu"
+
+
+def append_attend(query, key, value, owners, lays, scaling) -> torch.Tensor:
+    """Append each sequence's new keys and values (key, value [1, Hkv, M, D], rows in the
+    sequences' order) to its kvcache.InvariantLayer (owners), then attend as attend_many does:
+    the fused attention in one call. Returns [1, M, Hq, D] in the query's dtype."""
+    return fused.append_attend_many(query, key, value, owners, [lay.vis for lay in lays], scaling)
+
+
 class Many:
     """How several sequences' rows share one attention (hdcli/engine/batch.py), derived once per
     forward from their layouts and row counts, used by every layer.

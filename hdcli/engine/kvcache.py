@@ -34,6 +34,11 @@ Invariants
     first kt_len keys; it writes the rest itself on each call. crop and rewritten() lower kt_len:
     whoever writes rows through the views (tree.keep_path) calls rewritten(), else the fused
     attention reads stale keys.
+  * With the fused attention the lean forward appends nothing itself: claim() counts the new rows
+    and the compiled call writes them (fused.append_attend_many), one call a layer for all
+    requests. On the AMD EPYC (bundled model, int4, interleaved) a forward of 4 one-token
+    requests took 12.0 ms instead of 14.3, one request 8.6 instead of 9.1: the per-request copies
+    in Python had been a sixth of the 4-request forward.
 """
 from __future__ import annotations
 
@@ -81,10 +86,38 @@ class InvariantLayer(DynamicLayer):
         v32[:, :, :self.length] = self.v32[:, :, :self.length]
         self.k32, self.v32 = k32, v32
 
-    def _views(self) -> None:
+    # transformers' view of the cache (DynamicLayer.keys / .values), made when read: a decode
+    # step appends to every layer and seldom reads them.
+    @property
+    def keys(self):
+        return None if self.k32 is None else self.k32[:, :, :self.length]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("InvariantLayer.keys is a view of its fp32 keys: append() to it")
+
+    @property
+    def values(self):
+        return None if self.v32 is None else self.v32[:, :, :self.length, :-1]
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("InvariantLayer.values is a view of its fp32 values: append() to it")
+
+    def claim(self, m: int, like: torch.Tensor, keys: int = 0) -> int:
+        """Room for m new rows, counted in the length, left for the caller to write (the fused
+        attention writes them, fused.append_attend_many), and for reading `keys` keys (k32,
+        v32 and the transposed copy kt32 cover them); like: new keys [b, h, m', d] (their dtype,
+        device and shape are read, not their values). Returns where the m rows start."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
         n = self.length
-        self.keys = self.k32[:, :, :n]
-        self.values = self.v32[:, :, :n, :-1]
+        self._reserve(max(n + m, keys))
+        self.length = n + m
+        self.transposed()
+        return n
 
     @torch.inference_mode()
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -97,7 +130,6 @@ class InvariantLayer(DynamicLayer):
         self.v32[:, :, n:n + m, :-1] = value_states
         self.v32[:, :, n:n + m, -1] = 1.0
         self.length = n + m
-        self._views()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """transformers' cache update: append, return every key and value in the input dtype."""
@@ -149,7 +181,6 @@ class InvariantLayer(DynamicLayer):
         self.v32[:, :, n:self.length] = 0
         self.length = n
         self.kt_len = min(self.kt_len, n)
-        self._views()
 
     def reset(self) -> None:
         self.__init__()

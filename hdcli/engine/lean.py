@@ -112,7 +112,9 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
     attn0 = layers[0].self_attn
     hq, hkv, d = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
     lays = [invariant.layout(p[3], k, past + k, hq // hkv, device) for p, past, k in zip(parts, pasts, sizes)]
-    many = invariant.Many(lays, sizes, hq, hkv, device) if len(parts) > 1 else None
+    # the fused attention on invariant caches appends every part's keys in its own call
+    appends = invariant.appends_in_attention(device) and all(_owner(p[1], 0) is not None for p in parts)
+    many = invariant.Many(lays, sizes, hq, hkv, device) if len(parts) > 1 and not appends else None
     for layer in layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -121,7 +123,9 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
         v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         owners = [_owner(cache, attn.layer_idx) for _, cache, _, _ in parts]
-        if many is None:
+        if appends:
+            o = invariant.append_attend(q, k, v, owners, lays, attn.scaling).reshape(1, m, hq * d)
+        elif many is None:
             kv = _cached(parts[0][1], attn.layer_idx, k, v, lays[0].rows)
             o = invariant.attend_kv(q, *kv, lays[0], attn.scaling, owners[0]).reshape(1, m, hq * d)
         else:
@@ -133,7 +137,10 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
         mlp = layer.mlp
         x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
     logits = model.lm_head(base.norm(x))[0]
-    return [logits] if many is None else [logits[a:b] for a, b in many.bounds]
+    if len(parts) == 1:
+        return [logits]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _owner(cache, layer_idx: int):

@@ -248,6 +248,56 @@ torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::ve
   return out;
 }
 
+// attend_many after writing each sequence's new keys and values into its cache, for the lean
+// forward's layers (hdcli/engine/lean.py, kvcache.InvariantLayer): one call a layer for all
+// sequences in place of per-sequence copies and conversions in Python.
+//   query [1, hq, M, d], key and value [1, hkv, M, d], any float dtype: every sequence's new rows
+//          in order (sequence s's are vis[s]'s m_s rows);
+//   k32[s] [1, hkv, C, d], v32[s] [1, hkv, C, d + 1], kt32[s] [1, hkv, >= ceil(C / KB), d, KB] fp32:
+//          the layer's keys, [V | 1] and transposed keys; rows start[s] .. start[s] + m_s - 1 of
+//          k32 and v32 are written here (the ones column too), kt32 is valid for kt_len[s] keys.
+// Returns [1, M, hq, d] in the query's dtype.
+torch::Tensor append_attend_many(torch::Tensor query, torch::Tensor key, torch::Tensor value, std::vector<int64_t> start,
+                                 std::vector<torch::Tensor> k32, std::vector<torch::Tensor> kt32,
+                                 std::vector<int64_t> kt_len, std::vector<torch::Tensor> v32,
+                                 std::vector<torch::Tensor> vis, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && key.sizes() == value.sizes() && key.size(2) == query.size(2));
+  const size_t ns = k32.size();
+  TORCH_CHECK(start.size() == ns && kt32.size() == ns && kt_len.size() == ns && v32.size() == ns && vis.size() == ns);
+  auto q = query.select(0, 0).transpose(0, 1).to(torch::kFloat).contiguous();   // [M, hq, d]
+  auto kn = key.select(0, 0).transpose(0, 1).to(torch::kFloat).contiguous();    // [M, hkv, d]
+  auto vn = value.select(0, 0).transpose(0, 1).to(torch::kFloat).contiguous();
+  const int64_t hkv = kn.size(1), d = kn.size(2);
+  std::vector<torch::Tensor> k(ns), v1(ns);
+  std::vector<c10::optional<torch::Tensor>> kt(ns);
+  int64_t row0 = 0;
+  for (size_t s = 0; s < ns; ++s) {
+    k[s] = k32[s].select(0, 0);
+    v1[s] = v32[s].select(0, 0);
+    kt[s] = kt32[s].select(0, 0);
+    const int64_t m = vis[s].size(0);
+    TORCH_CHECK(k[s].dtype() == torch::kFloat && v1[s].dtype() == torch::kFloat && k[s].size(0) == hkv
+                && k[s].size(2) == d && v1[s].size(2) == d + 1 && k[s].stride(2) == 1 && v1[s].stride(2) == 1
+                && start[s] >= 0 && start[s] + m <= k[s].size(1) && start[s] + m <= v1[s].size(1)
+                && row0 + m <= kn.size(0), "fused attention: no room for the new keys");
+    float* kp = k[s].data_ptr<float>();
+    float* vp = v1[s].data_ptr<float>();
+    const float* ksrc = kn.data_ptr<float>();
+    const float* vsrc = vn.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t h = 0; h < hkv; ++h) {
+        const int64_t j = start[s] + r, src = ((row0 + r) * hkv + h) * d;
+        std::memcpy(kp + h * k[s].stride(0) + j * k[s].stride(1), ksrc + src, d * sizeof(float));
+        float* vrow = vp + h * v1[s].stride(0) + j * v1[s].stride(1);
+        std::memcpy(vrow, vsrc + src, d * sizeof(float));
+        vrow[d] = 1.0f;
+      }
+    row0 += m;
+  }
+  TORCH_CHECK(row0 == kn.size(0), "fused attention: the new keys are not the sequences' rows");
+  return attend_many(q, k, kt, kt_len, v1, vis, scale).to(query.scalar_type()).unsqueeze(0);
+}
+
 // One sequence, its keys transposed into scratch: attend_many of one.
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v1, torch::Tensor vis, double scale) {
   return attend_many(q, {k}, {c10::nullopt}, {0}, {v1}, {vis}, scale);
@@ -256,4 +306,5 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v1, torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "M-invariant attention of one sequence: fixed arithmetic per (row, head)");
   m.def("attend_many", &attend_many, "M-invariant attention of several sequences in one call");
+  m.def("append_attend_many", &append_attend_many, "attend_many after appending new keys and values");
 }
