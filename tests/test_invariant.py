@@ -402,3 +402,41 @@ def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypat
         fused.use(was)
     ms = real(4, 2, 16, rounds=1, calls=1)   # the real timing runs and times both
     assert set(ms) == {"fused", "torch"} and min(ms.values()) > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_prompt_prefill_takes_causal_sdpa_only_for_a_plain_causal_mask(name, tmp_path, monkeypatch):
+    """A prompt wider than a verification on an empty cache, in the mode: SDPA is told the mask is
+    causal (it skips the keys above the diagonal) where the mask is exactly that. Gemma 3's
+    sliding window layer and a prefill on a non-empty cache keep the mask. Logits stay within
+    rounding of the masked SDPA's, and speculative greedy output equals plain after such a prompt."""
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    model = build(name, torch.float32, "torch")
+    invariant.enable(model)
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: seen.append(bool(k.get("is_causal"))) or real(*a, **k))
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, V) for _ in range(invariant.MAX_ROWS + 20)]
+    with torch.inference_mode():
+        fast = model(input_ids=torch.tensor([prompt]), use_cache=False).logits
+        causal_calls, seen[:] = list(seen), []
+        monkeypatch.setattr(invariant, "_whole_prompt_causal", lambda *a: False)
+        masked = model(input_ids=torch.tensor([prompt]), use_cache=False).logits
+        assert seen and not any(seen)
+    # llama: both layers causal; gemma3: the sliding window layer keeps its mask
+    assert causal_calls == ([True, True] if name == "llama" else [False, True])
+    assert torch.allclose(fast, masked, atol=1e-4)
+    monkeypatch.undo()
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    # a prefill on a non-empty cache (more keys than rows) keeps its mask
+    assert not invariant._whole_prompt_causal(torch.zeros(1, 1, 70, 80), 70, 80)
+    ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=30).tokens
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from gpu_check import Oracle
+    oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=1)
+    assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=30).tokens == ref
+    invariant.disable(model)

@@ -116,9 +116,36 @@ def _layout(mask, m: int, n: int, g: int, device) -> _Layout:
     return lay
 
 
+_CAUSAL: dict = {}   # id(mask) -> (mask, whether it is a prompt's plain causal mask)
+
+
+def _whole_prompt_causal(mask, m: int, n: int) -> bool:
+    """Whether mask [1, 1, m, n] is the causal mask of m tokens on an empty cache (m == n): no
+    window, no padding, nothing beyond causality. Checked once per mask (layers share it)."""
+    if mask is None or m != n or mask.shape[-2:] != (m, n):
+        return False
+    got = _CAUSAL.get(id(mask))
+    if got is not None and got[0] is mask:
+        return got[1]
+    if len(_CAUSAL) >= 4:
+        _CAUSAL.clear()
+    causal = torch.ones(m, n, dtype=torch.bool, device=mask.device).tril()
+    ok = bool(torch.equal(_visible(mask, m, n, mask.device), causal))
+    _CAUSAL[id(mask)] = (mask, ok)
+    return ok
+
+
 def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """A transformers attention function (AttentionInterface): query [1, Hq, M, D], key/value
     [1, Hkv, N, D], attention_mask additive [1, 1, M, N]. Returns ([1, M, Hq, D], None)."""
+    if query.shape[0] == 1 and query.shape[2] > MAX_ROWS and not dropout and \
+            _whole_prompt_causal(attention_mask, query.shape[2], key.shape[2]):
+        # a prompt's prefill: SDPA told it is causal skips the keys above the diagonal, which it
+        # computes and masks when given the mask (a 769-token prompt of the bundled model: 5.9 ms
+        # a layer instead of 8.0, AMD EPYC). Every prefill of a prompt comes here alike.
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                               enable_gqa=key.shape[1] != query.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     if query.shape[0] != 1 or query.shape[2] > MAX_ROWS:
         # batches (model DB sampling) and prefills (wider than any verification) verify nothing:
         # the stock kernel. A prefill's keys are the same in plain and speculative decoding.
