@@ -69,6 +69,13 @@ def first_per_subcategory(questions: list[dict], n: int) -> list[dict]:
     return out
 
 
+def requests_from(questions: list[dict], count: int) -> list[dict]:
+    """`count` questions for a serving benchmark: the first of each of the 13 subcategories in file
+    order, then the second of each, and so on (the first 13 are first_per_subcategory's)."""
+    order = list(dict.fromkeys(q["subcategory"] for q in questions))
+    return round_robin(questions, count, key="subcategory", order=order)
+
+
 def round_robin(questions: list[dict], count: int, key: str = "category",
                 order: Iterable[str] | None = None) -> list[dict]:
     """`count` questions (or all there are) taken one group at a time, groups by `key` in `order`

@@ -21,7 +21,7 @@ from hdcli.engine.verify import Sampling
 from hdcli.serve import Server
 from hdcli.serve.scheduler import Job
 
-from common import first_per_subcategory, load_questions, machine
+from common import load_questions, machine, requests_from
 
 
 def one_pass(cfg, lm, prompts, width: int, n: int) -> dict:
@@ -57,9 +57,9 @@ def main() -> None:
     cfg = api.DecodingConfig(model=args.model, dtype=args.dtype, kernels=args.kernels,
                              stats_dbs=args.stats_db, max_new_tokens=args.max_tokens)
     lm = api.load_model_for(cfg, quiet=True)
-    questions = first_per_subcategory(load_questions(args.data), 1)
+    questions = requests_from(load_questions(args.data), args.requests)
     prompts = [encode_messages(lm.tokenizer, [{"role": "user", "content": q["turns"][0]}])
-               for q in questions][: args.requests]
+               for q in questions]
     widths = [int(x) for x in args.widths.split(",")]
     runs = []
     for _ in range(args.repeats):

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import first_per_subcategory, load_questions, machine  # noqa: E402
+from common import load_questions, machine, requests_from  # noqa: E402
 
 from hdcli import api  # noqa: E402
 from hdcli.bench.baselines import hf_generate, stock_model  # noqa: E402
@@ -138,8 +138,8 @@ def main() -> None:
     ap.add_argument("--learn-stream", type=int, default=0, help="Prompts in the learning stream (0: skip).")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    questions = first_per_subcategory(load_questions(args.data), 1)
-    prompts = [q["turns"][0] for q in questions][: args.requests]
+    questions = requests_from(load_questions(args.data), args.requests)
+    prompts = [q["turns"][0] for q in questions]
     server_args = ["--model", args.model, "--dtype", args.dtype, "--kernels", args.kernels, "--json",
                    "--max-batch", str(args.max_batch), "-n", str(args.max_tokens)]
     for db in args.stats_db:
