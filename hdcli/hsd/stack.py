@@ -140,7 +140,7 @@ class ModelLevel:
             t0 = time.perf_counter()
             logits = self._logits(context + buf, draft)
             if self.s.greedy:
-                targets = logits.argmax(-1).tolist()
+                targets = logits.float().argmax(-1).tolist()   # fp32: see verify.accept_tree
                 n = 0
                 while n < len(draft) and draft[n] == targets[n]:
                     n += 1
