@@ -312,3 +312,36 @@ def test_bad_options_are_one_line_errors(model_dir, args, says):
     p = subprocess.run([sys.executable, "-m", "hdcli.cli", "serve", "--model", str(model_dir), *args],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_served_connections_send_without_waiting_for_acks():
+    """The listening socket says TCP, so asyncio (uvicorn's server) turns Nagle's algorithm off on
+    every connection it accepts: a response's body is not held for the client's delayed ACK (40
+    ms a request on a kept-alive connection before). A socket made with protocol 0, as hd's was,
+    gets no TCP_NODELAY: the check can fail."""
+    import asyncio
+    import socket
+    from hdcli.serve import listening_socket
+
+    async def nodelay_of(lsock) -> int:
+        got = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                got.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+        server = await asyncio.get_running_loop().create_server(Probe, sock=lsock)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", lsock.getsockname()[1])
+            value = await asyncio.wait_for(got, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(nodelay_of(listening_socket("127.0.0.1", 0))) != 0
+    bare = socket.socket(socket.AF_INET, socket.SOCK_STREAM)   # protocol 0
+    bare.bind(("127.0.0.1", 0))
+    bare.listen(4)
+    assert asyncio.run(nodelay_of(bare)) == 0
