@@ -63,6 +63,84 @@ def test_int4_linear_multiplies_by_its_weights():
     assert torch.equal(state["weight"], wm)
 
 
+def _hd_gemm_or_skip():
+    if int4.gemm_module() is None:
+        pytest.skip(f"hd's 4-bit GEMM is not built here: {int4._gemm_failed}")
+
+
+def test_hd_gemm_rows_do_not_depend_on_the_row_count_and_use_the_gguf_weights():
+    """hd's GEMM (csrc/int4mm.cpp): every row of a product of M rows, M = 1..17 at any offset, is
+    torch.equal to the same row among 40; the result is the product by the Q4 weights themselves
+    (closer to them than torch's kernel with its bf16 block constants); a layer made with either
+    GEMM says which. The check can fail: rows of torch's kernel at M = 1 and M = 40 are compared
+    the same way and the test only asks them to be close."""
+    _hd_gemm_or_skip()
+    gen = torch.Generator().manual_seed(0)
+    n, k = 96, 160
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scale, low = torch.rand(n, k // 32, generator=gen) / 16, -torch.rand(n, k // 32, generator=gen) / 2
+    exact = (codes.float().view(n, k // 32, 32) * scale[..., None] + low[..., None]).view(n, k)
+    hd = int4.Int4Linear(codes, scale, low, gemm="hd")
+    theirs = int4.Int4Linear(codes, scale, low, gemm="torch")
+    assert "hd GEMM" in repr(hd) and "torch GEMM" in repr(theirs)
+    x = (torch.randn(40, k, generator=gen) * 2).bfloat16()
+    y = hd(x)
+    for m in range(1, 18):
+        for start in (0, 5, 40 - m):
+            assert torch.equal(hd(x[start:start + m]), y[start:start + m]), (m, start)
+    ref = x.float() @ exact.t()
+    err_hd = (y.float() - ref).abs().max()
+    assert err_hd <= ref.abs().max() * 2 ** -8   # one bf16 rounding of the output
+    assert err_hd <= (theirs(x).float() - ref).abs().max()
+    torch.testing.assert_close(hd.weight_matrix().float(), exact, atol=2 ** -7, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("gemm", ["hd", "torch"])
+def test_both_gemms_keep_greedy_trees_exact_on_an_int4_model(gemm, tmp_path, monkeypatch):
+    """A tiny llama in the int4 set made with each GEMM: in the M-invariant mode every row of a
+    chain and of a tree equals its one-token forward, and a drafted tree decodes as plain."""
+    if gemm == "hd":
+        _hd_gemm_or_skip()
+    import random
+    from test_invariant import branchy, build, chain, rows_vs_one_token
+    from hdcli.engine import invariant
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    with int4.pinned_gemm(gemm):
+        model = build("llama", torch.bfloat16, "int4")
+    layers = [m for m in model.modules() if isinstance(m, int4.Int4Linear)]
+    assert layers and all((m.hd is not None) == (gemm == "hd") for m in layers)
+    info = invariant.enable(model)
+    assert info["self_check"][0] == info["self_check"][1]
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 64) for _ in range(50)]
+    assert all(rows_vs_one_token(model, chain([rng.randrange(3, 64) for _ in range(9)]), prefix))
+    assert all(rows_vs_one_token(model, branchy(rng, 12), prefix))
+    invariant.disable(model)
+
+
+def test_gemm_choice_is_measured_cached_and_forced(tmp_path, monkeypatch):
+    """HD_INT4_GEMM unset: the faster of the two timed GEMMs, cached per machine (a new process
+    reads it without timing); HD_INT4_GEMM forces either; the choice is in the cost-curve key."""
+    _hd_gemm_or_skip()
+    from hdcli.engine import costs
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("HD_INT4_GEMM", raising=False)
+    timed = []
+    answer = {"torch": [1.0, 2.0, 3.0], "hd": [2.0, 3.0, 4.0]}
+    monkeypatch.setattr(int4, "_time_gemms", lambda: timed.append(1) or dict(answer))
+    monkeypatch.setattr(int4, "_gemm_choice", None)
+    assert int4.gemm() == "torch" and timed == [1]
+    assert "|int4-torch|" in costs.curve_key("m", "bf16", "cpu", "int4")
+    monkeypatch.setattr(int4, "_gemm_choice", None)   # a new process: the cached times decide
+    answer["hd"] = [0.1, 0.1, 0.1]
+    assert int4.gemm() == "torch" and timed == [1]
+    for forced in ("torch", "hd"):
+        monkeypatch.setenv("HD_INT4_GEMM", forced)
+        monkeypatch.setattr(int4, "_gemm_choice", None)
+        assert int4.gemm() == forced
+    assert "|int4-hd-" in costs.curve_key("m", "bf16", "cpu", "int4")
+
+
 def test_int4_needs_a_gguf(tiny_model_dir):
     from hdcli.engine import models
     from hdcli.errors import HdError

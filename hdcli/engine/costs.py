@@ -299,6 +299,9 @@ def curve_key(source: str, dtype: str, device: str, kernels: str, invariant: boo
     from . import fused
     # 2: with the lean forward (engine/lean.py); the attention's implementation sets its speed and numerics
     mode = f"|invariant:2-{fused.name()}" if invariant else ""
+    if kernels == "int4":   # which 4-bit GEMM: another speed and other numerics
+        from . import int4
+        kernels = f"int4-{int4.gemm_name()}"
     return (f"{source}|{dtype}|{device}|{kernels}{mode}|{torch.get_num_threads()}|{torch.__version__}|"
             f"{cpu_name() if device == 'cpu' else torch.cuda.get_device_name() if torch.cuda.is_available() else device}")
 

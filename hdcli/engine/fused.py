@@ -57,18 +57,23 @@ _failed: str | None = None
 _on = False           # whether invariant.py's attention uses it now
 
 
+def extension_name(source: Path, prefix: str) -> str:
+    """A compiled extension's name: prefix + a hash of its source, the CPU, torch and the flags, so
+    a binary built for another CPU or source is never loaded."""
+    from .costs import cpu_name
+    h = hashlib.sha256((source.read_text() + cpu_name() + torch.__version__ + " ".join(FLAGS)).encode())
+    return prefix + h.hexdigest()[:12]
+
+
 @functools.lru_cache(maxsize=1)
 def _name() -> str:
-    from .costs import cpu_name
-    h = hashlib.sha256((SOURCE.read_text() + cpu_name() + torch.__version__ + " ".join(FLAGS)).encode())
-    return "hd_attend_" + h.hexdigest()[:12]
+    return extension_name(SOURCE, "hd_attend_")
 
 
-def load(quiet: bool = False):
-    """The compiled module, or None where it cannot be built here (why: `failure()`)."""
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
+def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
+    """(module, None) or (None, why) for a C++ source of csrc/, compiled once per name
+    (extension_name) by torch.utils.cpp_extension (g++ and ninja) and cached under torch's
+    extensions folder; `what` names it in the progress lines on stderr."""
     try:
         from torch.utils import cpp_extension
         if shutil.which("ninja") is None:   # pip's ninja, in a virtual environment not activated
@@ -78,19 +83,28 @@ def load(quiet: bool = False):
             except (ImportError, AttributeError):
                 pass
         try:   # a build already there loads in a moment: say "compiling" only when it compiles
-            built = (Path(cpp_extension._get_build_directory(_name(), False)) / f"{_name()}.so").exists()
+            built = (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists()
         except Exception:
             built = False
         t0 = time.perf_counter()
         if not quiet and not built:
-            print("hd: compiling the fused attention (once per machine, ~30 s)...", file=sys.stderr, flush=True)
-        _module = cpp_extension.load(name=_name(), sources=[str(SOURCE)], extra_cflags=FLAGS,
-                                     extra_ldflags=["-fopenmp"], verbose=False)
+            print(f"hd: compiling {what} (once per machine, ~30 s)...", file=sys.stderr, flush=True)
+        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=FLAGS,
+                                    extra_ldflags=["-fopenmp"], verbose=False)
         if not quiet and not built:
-            print(f"hd: fused attention ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+            print(f"hd: {what} ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        return module, None
     except Exception as exc:   # no compiler, no ninja, a read-only home: the torch path stays
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        _failed = f"{type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''}"
+        return None, f"{type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''}"
+
+
+def load(quiet: bool = False):
+    """The compiled module, or None where it cannot be built here (why: `failure()`)."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    _module, _failed = compile_extension(SOURCE, _name(), "the fused attention", quiet)
     return _module
 
 
