@@ -1,5 +1,6 @@
 """The int4 kernel set (hdcli/engine/int4.py): a GGUF's Q4_0/Q4_1 blocks parsed as gguf-py
-dequantizes them, multiplied by torch's int4 CPU kernel, mapped onto the model's layers only where
+dequantizes them, multiplied by torch's int4 CPU kernel or hd's own GEMM (csrc/int4mm.cpp,
+whichever the machine measures faster; both are tested here), mapped onto the model's layers only where
 the codes equal the loaded weights, and put back exactly. Per-row M-invariance and greedy
 exactness of this set run with the other sets in tests/test_invariant.py (case llama-bfloat16-int4)
 and below on the bundled GGUF."""
