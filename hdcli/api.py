@@ -233,7 +233,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     res = generate(lm, prompt, config=cfg, drafter=run.drafter, on_text=on_text)
     used = resolved(cfg, lm, run.dbs)
     data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
-            "kernels": lm.kernels, "invariant": lm.info.get("invariant"),
+            "kernels": lm.kernels, "int4_gemm": lm.info.get("int4_gemm"), "invariant": lm.info.get("invariant"),
             "dtype_choice": lm.info.get("dtype_choice"), "load_seconds": lm.load_seconds,
             "layers": used.layers,
             "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
@@ -307,7 +307,8 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
         choice = None
         curves = {lm.kernels: costs.curve_for(lm, quiet=quiet)}
     out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": dev, "cpu": costs.cpu_name(),
-           "threads": torch.get_num_threads(), "kernels": lm.kernels, "invariant": lm.invariant,
+           "threads": torch.get_num_threads(), "kernels": lm.kernels, "int4_gemm": lm.info.get("int4_gemm"),
+           "invariant": lm.invariant,
            # which attention the M-invariant forward uses, and the times it was chosen by
            "attention": (lm.info.get("invariant") or {}).get("kernel") if lm.invariant else None,
            "dtype_choice": lm.info.get("dtype_choice"),

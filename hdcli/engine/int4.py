@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -146,14 +147,15 @@ def _time_gemms(rounds: int = 7) -> dict:
     return {k: [round(best[k, r], 2) for r in GEMM_ROWS] for k in calls}
 
 
-def gemm() -> str:
+def gemm(quiet: bool = True) -> str:
     """Which GEMM Int4Linear layers made from now on use: "hd" or "torch". HD_INT4_GEMM (hd, torch)
     forces it; otherwise hd's where it is built and measures faster (the sum over GEMM_ROWS), decided
-    once per machine (cached per source, CPU, torch, flags and thread count)."""
+    once per machine (cached per source, CPU, torch, flags and thread count). quiet False: the
+    compile and the timing say so on stderr."""
     global _gemm_choice
     if _gemm_choice is None:
         asked = os.environ.get("HD_INT4_GEMM", "auto").strip().lower()
-        if asked == "torch" or gemm_module() is None:
+        if asked == "torch" or gemm_module(quiet) is None:
             _gemm_choice = "torch"
         elif asked == "hd":
             _gemm_choice = "hd"
@@ -163,6 +165,8 @@ def gemm() -> str:
             path = costs.cache_file("int4_gemm", key)
             record = costs.read_json(path, key)
             if record is None:
+                if not quiet:
+                    print("hd: timing hd's 4-bit GEMM against torch's (once per machine)...", file=sys.stderr, flush=True)
                 record = {"key": key, "rows": list(GEMM_ROWS), "us": _time_gemms()}
                 costs.write_json(path, record)
             _gemm_choice = "hd" if sum(record["us"]["hd"]) < sum(record["us"]["torch"]) else "torch"

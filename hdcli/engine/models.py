@@ -380,6 +380,8 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     if invariant != "off":   # which attention the mode uses: every cache key below depends on it
         from . import fused
         fused.decide(model, quiet=quiet)
+    if dev == "cpu" and dt == "bf16" and str(source).lower().endswith(".gguf") and kn in ("measure", "int4"):
+        int4.gemm(quiet=quiet)   # which 4-bit GEMM (compiled and timed once per machine), said here
     if kn == "measure":
         kn, curves, inv_info = kern.choose(model, source, dt, dev, drafting=drafting, quiet=quiet,
                                            invariant=invariant)
@@ -398,6 +400,8 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
         info["invariant"] = inv_info
     if getattr(model, "hd_int4_prefill", None) is not None:
         info["int4_prefill"] = model.hd_int4_prefill
+    if int4.is_converted(model):   # which 4-bit GEMM runs (docs/dtype.md)
+        info["int4_gemm"] = int4.gemm_name()
     on = inv.holds(inv_info)
     if invariant == "on" and not on:
         raise HdError(f"--invariant on: the M-invariant forward does not hold for {name} in {dt} with "
