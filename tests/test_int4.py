@@ -81,8 +81,8 @@ def test_hd_gemm_rows_do_not_depend_on_the_row_count_and_use_the_gguf_weights():
     codes = torch.randint(0, 16, (n, k), generator=gen)
     scale, low = torch.rand(n, k // 32, generator=gen) / 16, -torch.rand(n, k // 32, generator=gen) / 2
     exact = (codes.float().view(n, k // 32, 32) * scale[..., None] + low[..., None]).view(n, k)
-    hd = int4.Int4Linear(codes, scale, low, gemm="hd")
-    theirs = int4.Int4Linear(codes, scale, low, gemm="torch")
+    hd = int4.Int4Linear(codes, scale, low, kernel="hd")
+    theirs = int4.Int4Linear(codes, scale, low, kernel="torch")
     assert "hd GEMM" in repr(hd) and "torch GEMM" in repr(theirs)
     x = (torch.randn(40, k, generator=gen) * 2).bfloat16()
     y = hd(x)

@@ -43,13 +43,16 @@ forward of 4 requests. hd's multiplies the 4-bit codes, turned into bf16 integer
 by the bf16 activations with bf16 dot products (AVX512-BF16), then scales each group of 32 by
 the GGUF's d and adds lo times the group's activation sum: the Q4 weights exactly, in fp32. A row's
 arithmetic is fixed whatever the row count (the M-invariant forward needs that). On the EPYC, a
-576 x 1536 product: 1 row 10.2 us against torch's 15.4, 8 rows 24.9 against 43.0, 16 rows 47.4
-against 82.6. Which one runs is measured once per machine (`gemm()`; HD_INT4_GEMM=torch or hd
+576 x 1536 product: 1 row 9.5 us against torch's 16.5, 4 rows 15.4 against 25.3, 16 rows 44.8
+against 89.5 (`_time_gemms`). Which one runs is measured once per machine (`gemm()`; HD_INT4_GEMM=torch or hd
 forces it) and is part of every cache key that depends on the kernel set's numerics.
 
 Invariants
   * Int4Linear is a PackedLinear to the rest of hd: weight_matrix() (the kernel's bf16 weights,
-    exactly: I @ W^T), state_dict, deepcopy, parameter counts.
+    exactly: I @ W^T; with hd's GEMM its fp32 weights rounded to bf16), state_dict, deepcopy,
+    parameter counts.
+  * With hd's GEMM a layer holds its packing (0.75 bytes a weight with the block constants) beside
+    torch's (0.5), which weight_matrix() and restore paths read.
   * convert() keeps each replaced layer (the packed bf16 original) so that restore() puts the
     model back exactly; drop_originals() frees them once the int4 set is kept.
   * CPU, bf16 only: the kernel's fp32 path is a slow reference (0.5 GB/s) and fp16 is not native
@@ -129,7 +132,7 @@ def _time_gemms(rounds: int = 7) -> dict:
     torch's kernel and hd's, interleaved rounds."""
     gen = torch.Generator().manual_seed(0)
     lin = Int4Linear(torch.randint(0, 16, (1536, 576), generator=gen), torch.rand(1536, 18, generator=gen) / 64,
-                     -torch.rand(1536, 18, generator=gen) / 8, gemm="torch")
+                     -torch.rand(1536, 18, generator=gen) / 8, kernel="torch")
     packed, dl = hd_pack(torch.randint(0, 16, (1536, 576), generator=gen), torch.rand(1536, 18, generator=gen),
                          torch.rand(1536, 18, generator=gen))
     mod = gemm_module()
@@ -199,14 +202,14 @@ class Int4Linear(PackedLinear):
     """y = x @ W^T with W held as 4-bit codes and bf16 (scale, zero) per group of 32 along K."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias=None,
-                 dtype: torch.dtype = torch.bfloat16, gemm: str | None = None):
+                 dtype: torch.dtype = torch.bfloat16, kernel: str | None = None):
         """codes [N, K] int (0..15), scale and low [N, K / 32] fp32: W = codes * scale + low.
-        gemm: "hd" or "torch" (None: the process's, `gemm()`)."""
+        kernel: the GEMM, "hd" or "torch" (None: the process's, `gemm()`)."""
         torch.nn.Module.__init__(self)
-        gemm = gemm or globals()["gemm"]()
+        kernel = kernel or gemm()
         n, k = codes.shape
         # hd's GEMM and its packing (16 columns a block), or None: torch's kernel
-        self.hd = hd_pack(codes, scale, low) if gemm == "hd" and n % 16 == 0 and k % GROUP == 0 else None
+        self.hd = hd_pack(codes, scale, low) if kernel == "hd" and n % 16 == 0 and k % GROUP == 0 else None
         self.out_features, self.in_features = codes.shape
         self.dtype = dtype
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(),
