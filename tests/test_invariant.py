@@ -10,6 +10,8 @@ with the mode off and asserts that rows differ there (fp32 with torch's kernels:
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,9 @@ from hdcli.engine.decode import Decoder
 from hdcli.engine.tree import Tree
 
 from conftest import tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from gpu_check import Oracle  # noqa: E402
 
 V = 64
 
@@ -118,10 +123,6 @@ def test_every_tree_row_equals_its_one_token_forward(invariant_model, nodes):
 def test_greedy_trees_equal_plain_decoding_bit_for_bit(invariant_model):
     """Speculative decoding with branchy drafts (a quarter of the tokens corrupted) against plain
     decoding in the same mode, token for token."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from gpu_check import Oracle
     rng = random.Random(3)
     for i in range(3):
         prompt = [rng.randrange(3, V) for _ in range(30)]
@@ -254,10 +255,6 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         for nodes in (6, 17):
             prefix = [rng.randrange(3, V) for _ in range(40)]
             assert all(rows_vs_one_token(model, branchy(rng, nodes), prefix)), nodes
-        import sys
-        from pathlib import Path
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-        from gpu_check import Oracle
         prompt = [rng.randrange(3, V) for _ in range(30)]
         ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=40).tokens
         oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=0)
@@ -433,10 +430,6 @@ def test_prompt_prefill_takes_causal_sdpa_only_for_a_plain_causal_mask(name, tmp
     # a prefill on a non-empty cache (more keys than rows) keeps its mask
     assert not invariant._whole_prompt_causal(torch.zeros(1, 1, 70, 80), 70, 80)
     ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=30).tokens
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from gpu_check import Oracle
     oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=1)
     assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=30).tokens == ref
     invariant.disable(model)

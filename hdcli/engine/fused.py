@@ -164,10 +164,16 @@ def attend_many(q: torch.Tensor, kvs, viss, scaling: float, owners=None) -> torc
         kts.append(None if kt is None else kt[0])
         froms.append(valid)
     out = _module.attend_many(q, [k for k, _ in kvs], kts, froms, [v for _, v in kvs], list(viss), float(scaling))
-    for owner, vis in zip(owners or [], viss):
-        if owner is not None:   # a layout pads one key to two: that second key is not written yet
-            owner.kt_len = min(vis.shape[1], owner.length)
+    _transposed_now(owners or [], viss)
     return out
+
+
+def _transposed_now(owners, viss) -> None:
+    """After a call: each owner's transposed copy holds the keys its sequence read (a layout
+    pads one key to two: that second key is not written yet)."""
+    for owner, vis in zip(owners, viss):
+        if owner is not None:
+            owner.kt_len = min(vis.shape[1], owner.length)
 
 
 def append_attend_many(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, owners, viss,
@@ -180,8 +186,7 @@ def append_attend_many(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     starts = [owner.claim(vis.shape[0], key, vis.shape[1]) for owner, vis in zip(owners, viss)]
     out = _module.append_attend_many(query, key, value, starts, [o.k32 for o in owners], [o.kt32 for o in owners],
                                      [o.kt_len for o in owners], [o.v32 for o in owners], viss, float(scaling))
-    for owner, vis in zip(owners, viss):   # a layout pads one key to two: that second key is not written yet
-        owner.kt_len = min(vis.shape[1], owner.length)
+    _transposed_now(owners, viss)
     return out
 
 

@@ -100,23 +100,26 @@ class _Layout:
         self.tail_bias = torch.zeros(m, self.t_pad, device=vis.device).masked_fill_(~valid, float("-inf"))
 
 
-_LAYOUTS: dict = {}  # (id(mask), n, g) -> (mask, layout); the mask is held so that its id stays its own
+_PER_MASK: dict = {}  # (id(mask), what, ...) -> (mask, value); the mask is held so that its id stays its own
+
+
+def _per_mask(mask, key: tuple, make):
+    """make(), computed once per mask object: every layer of a forward gets the same mask."""
+    key = (id(mask),) + key
+    got = _PER_MASK.get(key)
+    if got is not None and got[0] is mask:
+        return got[1]
+    if len(_PER_MASK) >= 8:
+        _PER_MASK.clear()
+    value = make()
+    _PER_MASK[key] = (mask, value)
+    return value
 
 
 def _layout(mask, m: int, n: int, g: int, device) -> _Layout:
-    key = (id(mask), n, g)
-    got = _LAYOUTS.get(key)
-    if got is not None and got[0] is mask:
-        return got[1]
-    if len(_LAYOUTS) >= 4:
-        _LAYOUTS.clear()
-    lay = _Layout(_visible(mask, m, n, device), g)
-    if mask is not None:
-        _LAYOUTS[key] = (mask, lay)
-    return lay
-
-
-_CAUSAL: dict = {}   # id(mask) -> (mask, whether it is a prompt's plain causal mask)
+    if mask is None:
+        return _Layout(_visible(mask, m, n, device), g)
+    return _per_mask(mask, ("layout", n, g), lambda: _Layout(_visible(mask, m, n, device), g))
 
 
 def _whole_prompt_causal(mask, m: int, n: int) -> bool:
@@ -124,15 +127,10 @@ def _whole_prompt_causal(mask, m: int, n: int) -> bool:
     window, no padding, nothing beyond causality. Checked once per mask (layers share it)."""
     if mask is None or m != n or mask.shape[-2:] != (m, n):
         return False
-    got = _CAUSAL.get(id(mask))
-    if got is not None and got[0] is mask:
-        return got[1]
-    if len(_CAUSAL) >= 4:
-        _CAUSAL.clear()
-    causal = torch.ones(m, n, dtype=torch.bool, device=mask.device).tril()
-    ok = bool(torch.equal(_visible(mask, m, n, mask.device), causal))
-    _CAUSAL[id(mask)] = (mask, ok)
-    return ok
+    def check() -> bool:
+        causal = torch.ones(m, n, dtype=torch.bool, device=mask.device).tril()
+        return bool(torch.equal(_visible(mask, m, n, mask.device), causal))
+    return _per_mask(mask, ("causal",), check)
 
 
 def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -180,7 +178,7 @@ def attend_kv(query, k, v1, lay: _Layout, scaling, owner=None) -> torch.Tensor:
     """attend() on keys and [V | 1] already in fp32_kv's form (at least lay.rows rows); owner: the
     kvcache layer they live in, if any (the fused attention keeps a copy of its own there)."""
     dtype = query.dtype
-    if fused.enabled() and query.device.type == "cpu":
+    if fused_on(query.device):
         return _fused(query, [(k, v1)], [lay], scaling, [owner])
     _, hq, m, d = query.shape
     hkv = k.shape[0]
@@ -201,8 +199,9 @@ def _fused(query, kvs, lays, scaling, owners) -> torch.Tensor:
     return fused.attend_many(q, kvs, [lay.vis for lay in lays], scaling, owners).to(query.dtype)[None]
 
 
-def appends_in_attention(device) -> bool:
-    """Whether the attention appends new keys itself (append_attend): the fused one on the CPU."""
+def fused_on(device) -> bool:
+    """Whether the attention on `device` is the compiled one (fused.py: on the CPU, where chosen);
+    it also appends new keys itself (append_attend)."""
     return fused.enabled() and torch.device(device).type == "cpu"
 
 
@@ -227,9 +226,8 @@ class Many:
     def __init__(self, lays, sizes, hq: int, hkv: int, device):
         self.lays, self.hkv = lays, hkv
         self.bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
-        on_cpu = torch.device(device).type == "cpu"
         # the fused attention (fused.py) takes all sequences in one call of its own: nothing to share
-        flat = [] if fused.enabled() and on_cpu else [i for i, lay in enumerate(lays) if lay.prefix_only]
+        flat = [] if fused_on(device) else [i for i, lay in enumerate(lays) if lay.prefix_only]
         self.flat = flat if len(flat) >= 2 else []
         if not self.flat:
             return
@@ -268,7 +266,7 @@ def attend_many(query, kvs, many: Many, scaling, owners=None) -> torch.Tensor:
     query's dtype."""
     dtype = query.dtype
     _, hq, m_all, d = query.shape
-    if fused.enabled() and query.device.type == "cpu":
+    if fused_on(query.device):
         return _fused(query, kvs, many.lays, scaling, owners)
     out = None
     if many.flat:

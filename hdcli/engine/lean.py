@@ -113,7 +113,7 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
     hq, hkv, d = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
     lays = [invariant.layout(p[3], k, past + k, hq // hkv, device) for p, past, k in zip(parts, pasts, sizes)]
     # the fused attention on invariant caches appends every part's keys in its own call
-    appends = invariant.appends_in_attention(device) and all(_owner(p[1], 0) is not None for p in parts)
+    appends = invariant.fused_on(device) and all(_owner(p[1], 0) is not None for p in parts)
     many = invariant.Many(lays, sizes, hq, hkv, device) if len(parts) > 1 and not appends else None
     for layer in layers:
         attn = layer.self_attn

@@ -64,12 +64,6 @@ static inline void block(const uint16_t* x, int64_t K, const float* s0, int64_t 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + cb * 16), (__m256i)_mm512_cvtneps_pbh(out[r]));
 }
 
-template <int TR>
-static void run(const uint16_t* x, int64_t K, const float* s0, int64_t G, const uint8_t* pk, const float* dl,
-                uint16_t* y, int64_t N, int64_t cb) {
-  block<TR>(x, K, s0, G, pk, dl, y, N, cb);
-}
-
 // x [M, K] bf16, packed and dl as above. Returns [M, N] bf16.
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, torch::Tensor dl) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "int4 GEMM: x must be [M, K] bf16");
@@ -108,14 +102,14 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, torch::Tensor dl) {
       const float* st = s0p + m0 * G;
       uint16_t* yt = yp + m0 * N;
       switch (rows) {
-        case 8: run<8>(xt, K, st, G, pk, dlp, yt, N, cb); break;
-        case 7: run<7>(xt, K, st, G, pk, dlp, yt, N, cb); break;
-        case 6: run<6>(xt, K, st, G, pk, dlp, yt, N, cb); break;
-        case 5: run<5>(xt, K, st, G, pk, dlp, yt, N, cb); break;
-        case 4: run<4>(xt, K, st, G, pk, dlp, yt, N, cb); break;
-        case 3: run<3>(xt, K, st, G, pk, dlp, yt, N, cb); break;
-        case 2: run<2>(xt, K, st, G, pk, dlp, yt, N, cb); break;
-        default: run<1>(xt, K, st, G, pk, dlp, yt, N, cb);
+        case 8: block<8>(xt, K, st, G, pk, dlp, yt, N, cb); break;
+        case 7: block<7>(xt, K, st, G, pk, dlp, yt, N, cb); break;
+        case 6: block<6>(xt, K, st, G, pk, dlp, yt, N, cb); break;
+        case 5: block<5>(xt, K, st, G, pk, dlp, yt, N, cb); break;
+        case 4: block<4>(xt, K, st, G, pk, dlp, yt, N, cb); break;
+        case 3: block<3>(xt, K, st, G, pk, dlp, yt, N, cb); break;
+        case 2: block<2>(xt, K, st, G, pk, dlp, yt, N, cb); break;
+        default: block<1>(xt, K, st, G, pk, dlp, yt, N, cb);
       }
     }
   return y;
