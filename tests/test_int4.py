@@ -99,7 +99,8 @@ def test_hd_gemm_rows_do_not_depend_on_the_row_count_and_use_the_gguf_weights():
 @pytest.mark.parametrize("gemm", ["hd", "torch"])
 def test_both_gemms_keep_greedy_trees_exact_on_an_int4_model(gemm, tmp_path, monkeypatch):
     """A tiny llama in the int4 set made with each GEMM: in the M-invariant mode every row of a
-    chain and of a tree equals its one-token forward, and a drafted tree decodes as plain."""
+    chain and of a tree equals its one-token forward, and greedy decoding with drafted trees gives
+    plain decoding's tokens."""
     if gemm == "hd":
         _hd_gemm_or_skip()
     import random
@@ -116,6 +117,13 @@ def test_both_gemms_keep_greedy_trees_exact_on_an_int4_model(gemm, tmp_path, mon
     prefix = [rng.randrange(3, 64) for _ in range(50)]
     assert all(rows_vs_one_token(model, chain([rng.randrange(3, 64) for _ in range(9)]), prefix))
     assert all(rows_vs_one_token(model, branchy(rng, 12), prefix))
+    # greedy speculative decoding with branchy, partly wrong drafts equals plain, token for token
+    from test_invariant import Oracle
+    from hdcli.engine.decode import Decoder
+    prompt = [rng.randrange(3, 64) for _ in range(30)]
+    ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=40).tokens
+    oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=64, seed=2)
+    assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
     invariant.disable(model)
 
 
