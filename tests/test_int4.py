@@ -70,7 +70,7 @@ def _hd_gemm_or_skip():
 
 
 def test_hd_gemm_rows_do_not_depend_on_the_row_count_and_use_the_gguf_weights():
-    """hd's GEMM (csrc/int4mm.cpp): every row of a product of M rows, M = 1..17 at any offset, is
+    """hd's GEMM (csrc/int4mm.cpp): every row of a product of M rows, M = 1..33 at any offset, is
     torch.equal to the same row among 40; the result is the product by the Q4 weights themselves
     (closer to them than torch's kernel with its bf16 block constants); a layer made with either
     GEMM says which. The check can fail: rows of torch's kernel at M = 1 and M = 40 are compared
@@ -79,21 +79,60 @@ def test_hd_gemm_rows_do_not_depend_on_the_row_count_and_use_the_gguf_weights():
     gen = torch.Generator().manual_seed(0)
     n, k = 96, 160
     codes = torch.randint(0, 16, (n, k), generator=gen)
-    scale, low = torch.rand(n, k // 32, generator=gen) / 16, -torch.rand(n, k // 32, generator=gen) / 2
+    # a GGUF's block constants are fp16 (hd's packing keeps them so)
+    scale = (torch.rand(n, k // 32, generator=gen) / 16).half().float()
+    low = (-torch.rand(n, k // 32, generator=gen) / 2).half().float()
     exact = (codes.float().view(n, k // 32, 32) * scale[..., None] + low[..., None]).view(n, k)
     hd = int4.Int4Linear(codes, scale, low, kernel="hd")
     theirs = int4.Int4Linear(codes, scale, low, kernel="torch")
     assert "hd GEMM" in repr(hd) and "torch GEMM" in repr(theirs)
+    # constants that no fp16 holds exactly cannot be packed: such a layer keeps torch's kernel
+    assert "torch GEMM" in repr(int4.Int4Linear(codes, scale + 1e-5, low, kernel="hd"))
     x = (torch.randn(40, k, generator=gen) * 2).bfloat16()
     y = hd(x)
-    for m in range(1, 18):
+    for m in list(range(1, 34)) + [40]:   # one tile of up to 16 rows, then tiles as even as they go
         for start in (0, 5, 40 - m):
-            assert torch.equal(hd(x[start:start + m]), y[start:start + m]), (m, start)
+            if start + m <= 40:
+                assert torch.equal(hd(x[start:start + m]), y[start:start + m]), (m, start)
     ref = x.float() @ exact.t()
     err_hd = (y.float() - ref).abs().max()
     assert err_hd <= ref.abs().max() * 2 ** -8   # one bf16 rounding of the output
     assert err_hd <= (theirs(x).float() - ref).abs().max()
     torch.testing.assert_close(hd.weight_matrix().float(), exact, atol=2 ** -7, rtol=2 ** -8)
+
+
+def test_joined_layers_give_each_layer_its_own_output_from_one_packing():
+    """int4.joined (q/k/v, gate/up in one call of hd's GEMM): each output torch.equal to its
+    layer's own at any row count; the layers' packings become views of the joined one (no copy);
+    a layer swapped afterwards makes a new join; inside prefill(), with bf16 copies kept, none."""
+    _hd_gemm_or_skip()
+    gen = torch.Generator().manual_seed(3)
+
+    def layer(n, k=96):
+        return int4.Int4Linear(torch.randint(0, 16, (n, k), generator=gen),
+                               (torch.rand(n, k // 32, generator=gen) / 16).half().float(),
+                               (-torch.rand(n, k // 32, generator=gen) / 2).half().float(), kernel="hd")
+
+    owner = torch.nn.Module()
+    owner.q, owner.k, owner.v = layer(64), layer(32), layer(32)
+    x = (torch.randn(1, 20, 96, generator=gen) * 2).bfloat16()
+    alone = [owner.q(x), owner.k(x), owner.v(x)]
+    j = int4.joined(owner, ("q", "k", "v"))
+    assert j is not None and int4.joined(owner, ("q", "k", "v")) is j
+    assert owner.k.hd.untyped_storage().data_ptr() == j.hd.untyped_storage().data_ptr()
+    for m in (1, 3, 16, 20):
+        outs = j(x[:, :m])
+        assert [o.shape[-1] for o in outs] == [64, 32, 32]
+        assert all(torch.equal(o, a[:, :m]) for o, a in zip(outs, alone))
+    assert all(torch.equal(f(x), a) for f, a in zip((owner.q, owner.k, owner.v), alone))   # views still right
+    owner.v = layer(32)
+    j2 = int4.joined(owner, ("q", "k", "v"))
+    assert j2 is not j and torch.equal(j2(x)[2], owner.v(x))
+    owner.v.__dict__["_hd_dense"] = torch.nn.Identity()
+    with int4.prefill():
+        assert int4.joined(owner, ("q", "k", "v")) is None
+    owner.k = torch.nn.Linear(96, 32)
+    assert int4.joined(owner, ("q", "k", "v")) is None
 
 
 @pytest.mark.parametrize("gemm", ["hd", "torch"])

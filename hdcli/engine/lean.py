@@ -35,10 +35,12 @@ import types
 
 import torch
 
-from . import invariant
+from . import int4, invariant
 from .kvcache import InvariantLayer
 
 SUPPORTED = ("LlamaForCausalLM",)
+# layers that read the same input: one GEMM call each group with hd's 4-bit GEMM (int4.joined)
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 
 def supported(model) -> bool:
@@ -118,9 +120,11 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
     for layer in layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(1, m, hq, d).transpose(1, 2)
-        k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
-        v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
+        qkv = int4.joined(attn, QKV)
+        q, k, v = qkv(h) if qkv is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+        q = q.view(1, m, hq, d).transpose(1, 2)
+        k = k.view(1, m, hkv, d).transpose(1, 2)
+        v = v.view(1, m, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         owners = [_owner(cache, attn.layer_idx) for _, cache, _, _ in parts]
         if appends:
@@ -135,7 +139,9 @@ def lean_forward_many(model, parts) -> list[torch.Tensor]:
         x = x + attn.o_proj(o)
         h = layer.post_attention_layernorm(x)
         mlp = layer.mlp
-        x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        gate_up = int4.joined(mlp, GATE_UP)
+        gate, up = gate_up(h) if gate_up is not None else (mlp.gate_proj(h), mlp.up_proj(h))
+        x = x + mlp.down_proj(mlp.act_fn(gate) * up)
     logits = model.lm_head(base.norm(x))[0]
     if len(parts) == 1:
         return [logits]
