@@ -270,13 +270,14 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
 
 
 def test_fused_attention_kernel_on_odd_head_sizes():
-    """The compiled function alone, on head sizes with a scalar tail (8, 24) and without (64, 256): the
-    softmax attention within float rounding, and each row alone torch.equal to it among others."""
+    """The compiled function alone, on head sizes with a scalar tail (8, 24), without (80) and those
+    it is compiled for (64, 128, 256): the softmax attention within float rounding, and each row
+    alone torch.equal to it among others."""
     from hdcli.engine import fused
     if fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     gen = torch.Generator().manual_seed(0)
-    for d in (8, 24, 64, 256):
+    for d in (8, 24, 64, 80, 128, 256):
         q, k = torch.randn(5, 4, d, generator=gen), torch.randn(2, 40, d, generator=gen)
         v1 = torch.randn(2, 40, d + 1, generator=gen)
         v1[..., d] = 1

@@ -23,6 +23,8 @@
 #include <vector>
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint8_t vb16 __attribute__((vector_size(16)));
 constexpr int KB = 16;       // keys a block
 constexpr int MAX_DV = 16;   // head size up to 16 * 16 + 15 = 271 (fused.py falls back above)
 
@@ -64,8 +66,11 @@ struct Args {
 };
 
 // Query rows x0 .. x0 + TR - 1 of kv head kv (row x: token x / g, head kv * g + x % g); rows past
-// `rows` repeat the last one and are not written. p: TR * nb * KB floats of scratch.
-template <int TR>
+// `rows` repeat the last one and are not written. p: TR * nb * KB floats of scratch. DV: the head
+// size in vectors of 16 where it is known at compile time (64, 128, 256), 0 for any other: with
+// it the TR x DV sums over the values stay in registers (without, they went through memory and
+// the call took 1.4-1.8x as long: 4 requests of 4 tokens, 72 against 123 us a layer, AMD EPYC).
+template <int TR, int DV>
 static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) {
   const int64_t tr = rows - x0 < TR ? rows - x0 : TR;
   const int64_t d = A.d, n = A.n, nb = A.nb;
@@ -79,7 +84,9 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
     orow[a] = A.out + ((A.row0 + r) * A.hq + h) * d;
   }
   float mx[TR];
-  for (int a = 0; a < TR; ++a) mx[a] = -INFINITY;
+  const v16 neg_inf = v16{} - INFINITY;
+  v16 vmx[TR];                                       // the max over whole blocks, lane by lane
+  for (int a = 0; a < TR; ++a) mx[a] = -INFINITY, vmx[a] = neg_inf;
   int64_t jlo = n, jhi = 0;                          // the keys any row of the tile sees
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * KB, hi = lo + KB < n ? lo + KB : n;
@@ -96,24 +103,36 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
     const float* kb = A.kt + kv * A.kts0 + b * d * KB;
     v16 acc[TR];
     for (int a = 0; a < TR; ++a) acc[a] = v16{};
-    for (int64_t i = 0; i < d; ++i) {                // each score: its d products summed in order
+    for (int64_t i = 0; i < (DV ? DV * 16 : d); ++i) {   // each score: its d products summed in order
       v16 kv16;
       std::memcpy(&kv16, kb + i * KB, sizeof(v16));
       for (int a = 0; a < TR; ++a) acc[a] += qr[a][i] * kv16;
     }
-    for (int a = 0; a < TR; ++a)
-      for (int64_t j = lo; j < hi; ++j) {
-        const float s = vr[a][j] ? acc[a][j - lo] * A.scale : -INFINITY;
-        p[a * nb * KB + j] = s;
-        mx[a] = s > mx[a] ? s : mx[a];
+    if (hi - lo == KB) {                             // a whole block: its 16 scores in vector ops
+      for (int a = 0; a < TR; ++a) {
+        vb16 seen;
+        std::memcpy(&seen, vr[a] + lo, sizeof(vb16));
+        const v16 s = __builtin_convertvector(seen, vi16) != 0 ? acc[a] * A.scale : neg_inf;
+        std::memcpy(p + a * nb * KB + lo, &s, sizeof(v16));
+        vmx[a] = s > vmx[a] ? s : vmx[a];
       }
+    } else {
+      for (int a = 0; a < TR; ++a)
+        for (int64_t j = lo; j < hi; ++j) {
+          const float s = vr[a][j] ? acc[a][j - lo] * A.scale : -INFINITY;
+          p[a * nb * KB + j] = s;
+          mx[a] = s > mx[a] ? s : mx[a];
+        }
+    }
   }
+  for (int a = 0; a < TR; ++a)                      // a max is the same in any order
+    for (int l = 0; l < KB; ++l) mx[a] = vmx[a][l] > mx[a] ? vmx[a][l] : mx[a];
   for (int a = 0; a < TR; ++a) {
     float* pa = p + a * nb * KB;
     for (int64_t j = jlo; j < jhi; ++j) pa[j] = exp_nonpositive(pa[j] - mx[a]);   // unseen: -inf -> 0
   }
-  const int64_t dv = d / 16, dt = d - dv * 16;       // whole vectors, then a scalar tail
-  v16 o[TR][MAX_DV];
+  const int64_t dv = DV ? DV : d / 16, dt = DV ? 0 : d - dv * 16;   // whole vectors, then a scalar tail
+  v16 o[TR][DV ? DV : MAX_DV];
   float ot[TR][16];
   float total[TR];
   for (int a = 0; a < TR; ++a) {
@@ -123,7 +142,7 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
   }
   for (int64_t j = jlo; j < jhi; ++j) {              // values in key order, the sum of p alike
     const float* vj = A.v + kv * A.vs0 + j * A.vs1;
-    v16 vv[MAX_DV];
+    v16 vv[DV ? DV : MAX_DV];
     for (int64_t c = 0; c < dv; ++c) std::memcpy(&vv[c], vj + c * 16, sizeof(v16));
     const float* vt = vj + dv * 16;
     for (int a = 0; a < TR; ++a) {
@@ -137,6 +156,14 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
     for (int64_t i = 0; i < dv * 16; ++i) orow[a][i] = o[a][i / 16][i % 16] / total[a];
     for (int64_t i = 0; i < dt; ++i) orow[a][dv * 16 + i] = ot[a][i] / total[a];
   }
+}
+
+template <int DV>
+static void run(int tr, const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) {
+  if (tr == 4) tile<4, DV>(A, kv, x0, rows, p);
+  else if (tr == 3) tile<3, DV>(A, kv, x0, rows, p);
+  else if (tr == 2) tile<2, DV>(A, kv, x0, rows, p);
+  else tile<1, DV>(A, kv, x0, rows, p);
 }
 
 // Several sequences' attention in one call (one parallel region, tiles of all of them shared out
@@ -239,10 +266,10 @@ torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::ve
       const Tile& T = tiles[t];
       const Args& A = seqs[T.s];
       const int64_t rows = A.m * A.g;
-      if (tr == 4) tile<4>(A, T.kv, T.x0, rows, p.data());
-      else if (tr == 3) tile<3>(A, T.kv, T.x0, rows, p.data());
-      else if (tr == 2) tile<2>(A, T.kv, T.x0, rows, p.data());
-      else tile<1>(A, T.kv, T.x0, rows, p.data());
+      if (d == 64) run<4>(tr, A, T.kv, T.x0, rows, p.data());
+      else if (d == 128) run<8>(tr, A, T.kv, T.x0, rows, p.data());
+      else if (d == 256) run<16>(tr, A, T.kv, T.x0, rows, p.data());
+      else run<0>(tr, A, T.kv, T.x0, rows, p.data());
     }
   }
   return out;
