@@ -331,7 +331,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v1, torch::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "M-invariant attention of one sequence: fixed arithmetic per (row, head)");
-  m.def("attend_many", &attend_many, "M-invariant attention of several sequences in one call");
-  m.def("append_attend_many", &append_attend_many, "attend_many after appending new keys and values");
+  m.def("attend", &attend, "M-invariant attention of one sequence: fixed arithmetic per (row, head)", py::call_guard<py::gil_scoped_release>());
+  m.def("attend_many", &attend_many, "M-invariant attention of several sequences in one call", py::call_guard<py::gil_scoped_release>());
+  m.def("append_attend_many", &append_attend_many, "attend_many after appending new keys and values", py::call_guard<py::gil_scoped_release>());
 }

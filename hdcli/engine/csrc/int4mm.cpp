@@ -146,6 +146,6 @@ bool supported() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mm", &mm, "4-bit weight-only GEMM with bf16 dot products, the same arithmetic for any row count");
+  m.def("mm", &mm, "4-bit weight-only GEMM with bf16 dot products, the same arithmetic for any row count", py::call_guard<py::gil_scoped_release>());
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
 }
