@@ -12,7 +12,8 @@ derives the attention layout once per forward.
 Same numerics: every op is the one transformers' LlamaModel runs, in the same order and dtype (the
 RMSNorm and rotary modules and `apply_rotary_pos_emb` are transformers' own), so its logits are
 torch.equal to the model's M-invariant forward (tests/test_lean.py); the M-invariant self-check
-runs through it.
+runs through it. With hd's 4-bit GEMM, q/k/v and gate/up each run as one call (int4.joined),
+every output column computed as its own layer computes it.
 
 Scope (anything else keeps transformers' forward):
   * LlamaForCausalLM (SmolLM2, Llama 2/3 and kin): no sliding windows, no attention bias kept
