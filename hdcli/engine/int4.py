@@ -51,8 +51,8 @@ Invariants
   * Int4Linear is a PackedLinear to the rest of hd: weight_matrix() (the kernel's bf16 weights,
     exactly: I @ W^T; with hd's GEMM its fp32 weights rounded to bf16), state_dict, deepcopy,
     parameter counts.
-  * With hd's GEMM a layer holds its packing (0.75 bytes a weight with the block constants) beside
-    torch's (0.5), which weight_matrix() and restore paths read.
+  * With hd's GEMM a layer holds its packing (0.625 bytes a weight with the fp16 block constants)
+    beside torch's (0.5), which nothing reads while hd's GEMM runs (not yet dropped).
   * convert() keeps each replaced layer (the packed bf16 original) so that restore() puts the
     model back exactly; drop_originals() frees them once the int4 set is kept.
   * CPU, bf16 only: the kernel's fp32 path is a slow reference (0.5 GB/s) and fp16 is not native
@@ -122,12 +122,13 @@ def hd_pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torc
     fp16 and Q4_0's low is -8 d), since the packing keeps them as fp16."""
     n, k = codes.shape
     consts = torch.stack([scale.float(), low.float()], 1)                        # [n, 2, k/32]
-    if not torch.equal(consts.half().float(), consts):
+    half = consts.half()
+    if not torch.equal(half.float(), consts):
         return None
     c = codes.to(torch.uint8).reshape(n // 16, 16, k // GROUP, 16, 2)          # block, column, group, pair, k
     lanes = c.permute(0, 2, 3, 1, 4).reshape(n // 16, k // GROUP, 16, 32)       # lane = column * 2 + k
     nibbles = (lanes[..., :16] | (lanes[..., 16:] << 4)).reshape(n // 16, k // GROUP, 256)
-    half = consts.half().reshape(n // 16, 16, 2, k // GROUP).permute(0, 3, 2, 1)   # block, group, d/lo, column
+    half = half.reshape(n // 16, 16, 2, k // GROUP).permute(0, 3, 2, 1)   # block, group, d/lo, column
     return torch.cat([nibbles, half.contiguous().view(torch.uint8).reshape(n // 16, k // GROUP, 64)], -1).contiguous()
 
 

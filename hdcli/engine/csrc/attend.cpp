@@ -284,6 +284,13 @@ torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::ve
 //          the layer's keys, [V | 1] and transposed keys; rows start[s] .. start[s] + m_s - 1 of
 //          k32 and v32 are written here (the ones column too), kt32 is valid for kt_len[s] keys.
 // Returns [1, M, hq, d] in the query's dtype.
+// t [1, h, M, d] as [M, h, d] fp32 contiguous, in one copy (.to() then .contiguous() made two).
+static torch::Tensor rows_fp32(const torch::Tensor& t) {
+  auto out = torch::empty({t.size(2), t.size(1), t.size(3)}, t.options().dtype(torch::kFloat));
+  out.copy_(t.select(0, 0).transpose(0, 1));
+  return out;
+}
+
 torch::Tensor append_attend_many(torch::Tensor query, torch::Tensor key, torch::Tensor value, std::vector<int64_t> start,
                                  std::vector<torch::Tensor> k32, std::vector<torch::Tensor> kt32,
                                  std::vector<int64_t> kt_len, std::vector<torch::Tensor> v32,
@@ -291,9 +298,9 @@ torch::Tensor append_attend_many(torch::Tensor query, torch::Tensor key, torch::
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && key.sizes() == value.sizes() && key.size(2) == query.size(2));
   const size_t ns = k32.size();
   TORCH_CHECK(start.size() == ns && kt32.size() == ns && kt_len.size() == ns && v32.size() == ns && vis.size() == ns);
-  auto q = query.select(0, 0).transpose(0, 1).to(torch::kFloat).contiguous();   // [M, hq, d]
-  auto kn = key.select(0, 0).transpose(0, 1).to(torch::kFloat).contiguous();    // [M, hkv, d]
-  auto vn = value.select(0, 0).transpose(0, 1).to(torch::kFloat).contiguous();
+  auto q = rows_fp32(query);   // [M, hq, d]
+  auto kn = rows_fp32(key);    // [M, hkv, d]
+  auto vn = rows_fp32(value);
   const int64_t hkv = kn.size(1), d = kn.size(2);
   std::vector<torch::Tensor> k(ns), v1(ns);
   std::vector<c10::optional<torch::Tensor>> kt(ns);
