@@ -59,3 +59,39 @@ def test_lean_forward_covers_llama_only(tmp_path, monkeypatch):
     model = tiny_gemma3(torch.float32)
     invariant.enable(model)
     assert invariant.is_enabled(model) and not lean.is_enabled(model)
+
+
+@pytest.mark.parametrize("dtype,kern", [(torch.float32, "torch"), (torch.bfloat16, "onednn"),
+                                        (torch.bfloat16, "int4")])
+def test_lean_prefill_fills_the_cache_as_the_stock_forward_does(dtype, kern, tmp_path, monkeypatch):
+    """lean.prefill (decode.Decoder._prefill's path) skips the last layer's attention, MLP and the
+    head, and the stock forward's machinery: every layer's keys and values are torch.equal to those
+    transformers' forward leaves, for prompts through the invariant attention (<= MAX_ROWS tokens)
+    and through SDPA (longer), and the next step's logits are too. It leaves a cache that is not
+    empty to the stock forward."""
+    from hdcli.engine import int4
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    model = tiny_llama(V, hidden=64, scale=4.0).to(dtype)
+    if kern != "torch":
+        if not kernels.available():
+            pytest.skip("torch without oneDNN")
+        kernels.pack(model)
+    if kern == "int4":
+        from test_int4 import to_int4
+        to_int4(model)
+    invariant.enable(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode(), int4.prefill():
+        for m in (1, 37, invariant.MAX_ROWS, invariant.MAX_ROWS + 1, 150):
+            ids = torch.randint(3, V, (1, m), generator=g)
+            mine, stock = new_cache(model), new_cache(model)
+            assert lean.prefill(model, ids, mine)
+            model(input_ids=ids, past_key_values=stock, use_cache=True)
+            for a, b in zip(mine.layers, stock.layers):
+                assert a.length == b.length == m
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), m
+            step = torch.tensor([[7]])
+            assert torch.equal(model(input_ids=step, past_key_values=mine, use_cache=True).logits,
+                               model(input_ids=step, past_key_values=stock, use_cache=True).logits), m
+            assert not lean.prefill(model, ids, mine)   # a cache with keys: not a prefill
+    invariant.disable(model)

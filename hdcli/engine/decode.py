@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import int4, invariant
+from . import int4, invariant, lean
 from .draft import Drafter
 from .stats import RunStats
 from .costs import CostCurve
@@ -64,6 +64,8 @@ class Decoder:
         Every prefill of plain, speculative and served decoding goes through here (int4.prefill)."""
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         with int4.prefill():   # 4-bit layers use their bf16 copies here, where those were kept
+            if lean.prefill(self.model, inp, cache):   # the same cache, without the stock machinery
+                return
             try:
                 self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)
             except TypeError:  # an older model class without logits_to_keep; the cache is untouched
