@@ -19,7 +19,8 @@ Scope (anything else keeps transformers' forward):
   * LlamaForCausalLM (SmolLM2, Llama 2/3 and kin): no sliding windows, no attention bias kept
     out of it (biases go through the Linear modules as they are);
   * forwards of at most invariant.MAX_ROWS tokens on a DynamicCache (decode steps and
-    verifications; prefills and batches keep transformers' forward and SDPA, as in the mode);
+    verifications; batches keep transformers' forward), and prefills of any length on an empty
+    invariant cache (prefill(): SDPA beyond MAX_ROWS tokens, as in the mode);
   * input_ids, optional position_ids and an optional additive mask [1, 1, M, N] (token trees).
 
 Invariants
