@@ -28,10 +28,8 @@ def steps(model) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("dtype,kern", [(torch.float32, "torch"), (torch.float32, "onednn"),
-                                        (torch.bfloat16, "onednn"), (torch.bfloat16, "int4")])
-def test_lean_forward_equals_the_transformers_forward_in_the_mode(dtype, kern, tmp_path, monkeypatch):
-    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+def tiny_in_the_mode(dtype, kern: str):
+    """A tiny llama in dtype with kernel set kern ("torch", "onednn", "int4"), in the M-invariant mode."""
     model = tiny_llama(V, hidden=64, scale=4.0).to(dtype)
     if kern != "torch":
         if not kernels.available():
@@ -41,6 +39,14 @@ def test_lean_forward_equals_the_transformers_forward_in_the_mode(dtype, kern, t
         from test_int4 import to_int4
         to_int4(model)
     invariant.enable(model)
+    return model
+
+
+@pytest.mark.parametrize("dtype,kern", [(torch.float32, "torch"), (torch.float32, "onednn"),
+                                        (torch.bfloat16, "onednn"), (torch.bfloat16, "int4")])
+def test_lean_forward_equals_the_transformers_forward_in_the_mode(dtype, kern, tmp_path, monkeypatch):
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    model = tiny_in_the_mode(dtype, kern)
     assert lean.is_enabled(model)
     with torch.inference_mode():
         fast = steps(model)
@@ -71,15 +77,7 @@ def test_lean_prefill_fills_the_cache_as_the_stock_forward_does(dtype, kern, tmp
     empty to the stock forward."""
     from hdcli.engine import int4
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
-    model = tiny_llama(V, hidden=64, scale=4.0).to(dtype)
-    if kern != "torch":
-        if not kernels.available():
-            pytest.skip("torch without oneDNN")
-        kernels.pack(model)
-    if kern == "int4":
-        from test_int4 import to_int4
-        to_int4(model)
-    invariant.enable(model)
+    model = tiny_in_the_mode(dtype, kern)
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode(), int4.prefill():
         for m in (1, 37, invariant.MAX_ROWS, invariant.MAX_ROWS + 1, 150):

@@ -212,6 +212,11 @@ def append_attend(query, key, value, owners, lays, scaling) -> torch.Tensor:
     return fused.append_attend_many(query, key, value, owners, [lay.vis for lay in lays], scaling)
 
 
+def row_bounds(sizes) -> list[tuple[int, int]]:
+    """Each sequence's rows (start, end) among the rows of all, in order."""
+    return [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+
+
 class Many:
     """How several sequences' rows share one attention (hdcli/engine/batch.py), derived once per
     forward from their layouts and row counts, used by every layer.
@@ -225,7 +230,7 @@ class Many:
 
     def __init__(self, lays, sizes, hq: int, hkv: int, device):
         self.lays, self.hkv = lays, hkv
-        self.bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+        self.bounds = row_bounds(sizes)
         # the fused attention (fused.py) takes all sequences in one call of its own: nothing to share
         flat = [] if fused_on(device) else [i for i, lay in enumerate(lays) if lay.prefix_only]
         self.flat = flat if len(flat) >= 2 else []

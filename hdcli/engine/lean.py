@@ -38,7 +38,7 @@ import types
 import torch
 
 from . import int4, invariant
-from .kvcache import InvariantLayer
+from .kvcache import InvariantLayer, is_invariant_cache
 
 SUPPORTED = ("LlamaForCausalLM",)
 # layers that read the same input: one GEMM call each group with hd's 4-bit GEMM (int4.joined)
@@ -93,7 +93,8 @@ def lean_forward(model, input_ids, cache, position_ids=None, mask=None):
 @torch.inference_mode()
 def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tensor]:
     """One forward over several sequences' tokens: parts [(input_ids [1, m], cache, position_ids
-    [1, m] or None, mask [1, 1, m, past + m] or None)], at most invariant.MAX_ROWS rows in all.
+    [1, m] or None, mask [1, 1, m, past + m] or None)], at most invariant.MAX_ROWS rows in all
+    (but a prefill's, below).
     Returns each part's logits [m, V]; each cache grows by its part's tokens.
 
     The rows of all parts go through every row-wise op (embedding, norms, rotary, every Linear,
@@ -101,8 +102,10 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
     ops depend only on their own input in the M-invariant mode, so a part's logits are
     torch.equal to its forward alone (tests/test_batch.py).
 
-    keys_only: fill the caches and stop (a prefill, prefill() above): the last layer computes its
-    keys and values alone, and [] is returned."""
+    keys_only: fill the caches and stop (a prefill, prefill() below): the last layer computes its
+    keys and values alone, and [] is returned. A prefill of one part wider than MAX_ROWS on an
+    empty cache attends by SDPA told the mask is causal, as invariant.attention does for a whole
+    prompt in transformers' forward."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     base = model.model
     sizes = [ids.shape[1] for ids, _, _, _ in parts]
@@ -118,7 +121,9 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
     layers = base.layers[: model.config.num_hidden_layers]
     attn0 = layers[0].self_attn
     hq, hkv, d = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
-    lays = [invariant.layout(p[3], k, past + k, hq // hkv, device) for p, past, k in zip(parts, pasts, sizes)]
+    whole_prompt = keys_only and len(parts) == 1 and m > invariant.MAX_ROWS   # prefill(): SDPA
+    lays = [] if whole_prompt else [invariant.layout(p[3], k, past + k, hq // hkv, device)
+                                    for p, past, k in zip(parts, pasts, sizes)]
     # the fused attention on invariant caches appends every part's keys in its own call
     appends = invariant.fused_on(device) and all(_owner(p[1], 0) is not None for p in parts)
     many = invariant.Many(lays, sizes, hq, hkv, device) if len(parts) > 1 and not appends else None
@@ -129,7 +134,7 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
             k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
             v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
             k = apply_rotary_pos_emb(k, k, cos, sin)[1]
-            for (_, cache, _, _), (a, b) in zip(parts, _bounds(sizes)):
+            for (_, cache, _, _), (a, b) in zip(parts, invariant.row_bounds(sizes)):
                 cache.layers[attn.layer_idx].append(k[:, :, a:b], v[:, :, a:b])
             return []
         qkv = int4.joined(attn, QKV)
@@ -139,7 +144,12 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
         v = v.view(1, m, hkv, d).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         owners = [_owner(cache, attn.layer_idx) for _, cache, _, _ in parts]
-        if appends:
+        if whole_prompt:
+            owners[0].append(k, v)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
+                                                                 enable_gqa=hkv != hq)
+            o = o.transpose(1, 2).contiguous().reshape(1, m, hq * d)
+        elif appends:
             o = invariant.append_attend(q, k, v, owners, lays, attn.scaling).reshape(1, m, hq * d)
         elif many is None:
             kv = _cached(parts[0][1], attn.layer_idx, k, v, lays[0].rows)
@@ -157,13 +167,7 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
     logits = model.lm_head(base.norm(x))[0]
     if len(parts) == 1:
         return [logits]
-    return [logits[a:b] for a, b in _bounds(sizes)]
-
-
-def _bounds(sizes) -> list[tuple[int, int]]:
-    """Each part's rows (start, end) among all rows."""
-    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-    return [(e - n, e) for e, n in zip(ends, sizes)]
+    return [logits[a:b] for a, b in invariant.row_bounds(sizes)]
 
 
 @torch.inference_mode()
@@ -175,49 +179,16 @@ def prefill(model, input_ids, cache) -> bool:
     Why: a prefill needs only the cache, so the last layer computes its keys and values alone (no
     q, attention, o_proj, MLP, final norm or head: 1/30 of the bundled model's prefill), and the
     stock forward's machinery (masks, module plumbing, outputs) is skipped: on the AMD EPYC the 16
-    Spec-Bench prompts of benchmarks/serve_load.py (40-769 tokens) took ~1.39 s before.
+    Spec-Bench prompts of benchmarks/serve_load.py (40-769 tokens) took 1.39 s instead of 1.48.
 
     Same numerics: every op is the stock forward's, on the same rows, in the same order: keys and
     values of up to invariant.MAX_ROWS tokens through the fused attention's append (or the invariant
     attention), longer prompts through SDPA told the mask is causal, as invariant.attention does for a
     whole prompt; so the cache is torch.equal to the stock forward's (tests/test_lean.py)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-    if not is_enabled(model) or not _empty_invariant(cache) or input_ids.shape[0] != 1:
+    if not is_enabled(model) or not is_invariant_cache(cache) or cache.get_seq_length() or input_ids.shape[0] != 1:
         return False
-    base = model.model
-    m = input_ids.shape[1]
-    if m <= invariant.MAX_ROWS:
-        lean_forward_many(model, [(input_ids, cache, None, None)], keys_only=True)
-        return True
-    device = input_ids.device
-    x = base.embed_tokens(input_ids)
-    cos, sin = base.rotary_emb(x, position_ids=torch.arange(m, device=device).unsqueeze(0))
-    layers = base.layers[: model.config.num_hidden_layers]
-    hq, hkv = model.config.num_attention_heads, model.config.num_key_value_heads
-    for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        d = attn.head_dim
-        h = layer.input_layernorm(x)
-        k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
-        v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
-        if i == len(layers) - 1:   # the last layer's output feeds only the head: its keys are all we need
-            cache.layers[attn.layer_idx].append(apply_rotary_pos_emb(k, k, cos, sin)[1], v)
-            break
-        q = attn.q_proj(h).view(1, m, hq, d).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        cache.layers[attn.layer_idx].append(k, v)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
-                                                             enable_gqa=hkv != hq)
-        x = x + attn.o_proj(o.transpose(1, 2).contiguous().reshape(1, m, hq * d))
-        h = layer.post_attention_layernorm(x)
-        mlp = layer.mlp
-        x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+    lean_forward_many(model, [(input_ids, cache, None, None)], keys_only=True)
     return True
-
-
-def _empty_invariant(cache) -> bool:
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(isinstance(layer, InvariantLayer) and layer.length == 0 for layer in layers)
 
 
 def _owner(cache, layer_idx: int):
