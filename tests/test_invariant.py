@@ -293,11 +293,11 @@ def test_fused_attention_kernel_on_odd_head_sizes():
 
 
 def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
-    """Rows are computed side by side in tiles of 1-4 rows (HD_FUSED_TILE forces a height) and
+    """Rows are computed side by side in tiles of 1-4 or 6 rows (HD_FUSED_TILE forces a height) and
     sequences share one call: every row is torch.equal whatever the tile height, whichever
-    sequences share the call, and whether the keys' transposed copy is kept or made afresh. And
-    the comparison can fail: a kept copy that is stale (keys changed, kt_len not lowered) gives
-    other rows."""
+    sequences share the call, whether the keys' transposed copy is kept or made afresh, and
+    whether keys and values are stored as bf16 or as their fp32 widening. And the comparison can
+    fail: a kept copy that is stale (keys changed, kt_len not lowered) gives other rows."""
     from hdcli.engine import fused
     if fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
@@ -311,7 +311,7 @@ def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
         seqs.append((torch.randn(m, 6, 64, generator=gen), k, v1, vis))
     alone = [fused.attend(q, k, v1, vis, 0.125) for q, k, v1, vis in seqs]
     q_all = torch.cat([s[0] for s in seqs]).contiguous()
-    for tile in ("1", "2", "3", "4"):
+    for tile in ("1", "2", "3", "4", "6"):
         monkeypatch.setenv("HD_FUSED_TILE", tile)
         together = fused._module.attend_many(q_all, [s[1] for s in seqs], [None] * 3, [0] * 3,
                                              [s[2] for s in seqs], [s[3] for s in seqs], 0.125)
@@ -323,6 +323,13 @@ def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
         again = fused._module.attend_many(q_all, [s[1] for s in seqs], kts, [s[3].shape[1] for s in seqs],
                                           [s[2] for s in seqs], [s[3] for s in seqs], 0.125)
         assert torch.equal(again, together)
+        # keys and values stored as bf16 are read as their exact fp32 widening
+        halves = [(s[1].bfloat16(), s[2].bfloat16()) for s in seqs]
+        as_bf16 = fused._module.attend_many(q_all, [k for k, _ in halves], [None] * 3, [0] * 3,
+                                            [v for _, v in halves], [s[3] for s in seqs], 0.125)
+        widened = fused._module.attend_many(q_all, [k.float() for k, _ in halves], [None] * 3, [0] * 3,
+                                            [v.float() for _, v in halves], [s[3] for s in seqs], 0.125)
+        assert torch.equal(as_bf16, widened) and not torch.equal(as_bf16, together)
     # a stale kept copy (keys changed after it was made, not marked) gives other rows: kt_len matters
     k2 = seqs[1][1].clone()
     k2[:, 10] += 1
@@ -360,8 +367,8 @@ def test_fused_attention_appends_keys_as_the_cache_does():
     out = fused.append_attend_many(query, key, value, mine, viss, 0.125)[0]
     for a, b, vis in zip(mine, ref, viss):
         assert a.length == b.length and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        cap = min(a.k32.shape[2], b.k32.shape[2])
-        assert torch.equal(a.k32[:, :, :cap], b.k32[:, :, :cap]) and torch.equal(a.v32[:, :, :cap], b.v32[:, :, :cap])
+        cap = min(a.kbuf.shape[2], b.kbuf.shape[2])
+        assert torch.equal(a.kbuf[:, :, :cap], b.kbuf[:, :, :cap]) and torch.equal(a.vbuf[:, :, :cap], b.vbuf[:, :, :cap])
     kvs = [tuple(t[0] for t in b.padded(vis.shape[1])) for b, vis in zip(ref, viss)]
     expect = fused.attend_many(query[0].transpose(0, 1).contiguous(), kvs, viss, 0.125)
     assert torch.equal(out, expect)

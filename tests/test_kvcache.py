@@ -38,10 +38,11 @@ def test_layer_holds_what_a_dynamic_cache_holds_and_zeros_past_its_length():
         assert ours.get_seq_length() == n == layer.length
         assert torch.equal(layer.keys.to(torch.bfloat16), plain.layers[0].keys)
         assert torch.equal(layer.values.to(torch.bfloat16), plain.layers[0].values)
-        assert torch.equal(layer.v32[:, :, :n, -1], torch.ones(1, 2, n))
-        assert not layer.k32[:, :, n:].any() and not layer.v32[:, :, n:].any()
-        assert layer.k32.shape[2] % invariant.CHUNK == 0 and layer.k32.shape[2] >= n
-    assert layer.k32.shape[2] > kvcache._MIN_CAPACITY
+        assert torch.equal(layer.vbuf[:, :, :n, -1], torch.ones(1, 2, n))
+        k_all, v_all = layer.padded(layer.capacity)   # what an attention reads past the length: zeros
+        assert not k_all[:, :, n:].any() and not v_all[:, :, n:].any()
+        assert layer.kbuf.shape[2] % invariant.CHUNK == 0 and layer.kbuf.shape[2] >= n
+    assert layer.kbuf.shape[2] > kvcache._MIN_CAPACITY
     k32, v1 = layer.padded(-(-n // invariant.CHUNK) * invariant.CHUNK)
     assert torch.equal(k32, invariant.fp32_kv(plain.layers[0].keys, plain.layers[0].values, k32.shape[2])[0][None])
     assert torch.equal(v1, invariant.fp32_kv(plain.layers[0].keys, plain.layers[0].values, v1.shape[2])[1][None])
@@ -65,9 +66,20 @@ def _steps(model, cache) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("dtype,kern", [(torch.float32, "torch"), (torch.bfloat16, "int4")])
-def test_lean_forward_on_the_invariant_cache_equals_it_on_a_dynamic_cache(dtype, kern, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype,kern,attention", [(torch.float32, "torch", "torch"), (torch.bfloat16, "int4", "torch"),
+                                                 (torch.float32, "torch", "fused"), (torch.bfloat16, "int4", "fused")])
+def test_lean_forward_on_the_invariant_cache_equals_it_on_a_dynamic_cache(dtype, kern, attention, tmp_path, monkeypatch):
+    """With the fused attention a bf16 model's cache stores bf16 (the attention widens it as it
+    reads): logits torch.equal all the same."""
+    from hdcli.engine import fused
+    if attention == "fused" and fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    with fused.pinned(attention):
+        _lean_on_both_caches(dtype, kern, attention)
+
+
+def _lean_on_both_caches(dtype, kern, attention):
     model = tiny_llama(V, hidden=64, scale=4.0).to(dtype)
     if kern == "int4":
         if not kernels.available():
@@ -80,7 +92,11 @@ def test_lean_forward_on_the_invariant_cache_equals_it_on_a_dynamic_cache(dtype,
     with torch.inference_mode():
         ours = _steps(model, cache)
         plain = _steps(model, DynamicCache(config=model.config))
-    assert cache.layers[0].k32.shape[2] > kvcache._MIN_CAPACITY   # it grew on the way
+    assert cache.layers[0].kbuf.shape[2] > kvcache._MIN_CAPACITY   # it grew on the way
+    stored = torch.bfloat16 if (attention, dtype) == ("fused", torch.bfloat16) else torch.float32
+    assert cache.layers[0].kbuf.dtype == stored
+    if attention == "fused":
+        assert cache.layers[0].ktbuf.dtype == stored
     for a, b in zip(ours, plain):
         assert torch.equal(a, b)
     invariant.disable(model)

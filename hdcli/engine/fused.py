@@ -158,13 +158,17 @@ def attend_many(q: torch.Tensor, kvs, viss, scaling: float, owners=None) -> torc
     kvs[i] = (k, v1) and viss[i] [m_i, n_i] as in attend(). owners[i], where given, is the
     kvcache.InvariantLayer the keys live in: its transposed copy of them (`transposed()`) is read
     and brought up to date in the call, instead of a scratch copy transposed whole."""
+    # a layer that stores bf16 hands the torch ops' attention fp32 copies (padded()): its kept copy
+    # is not the keys' dtype then, so a scratch copy serves
+    kept = [o if o is not None and o.kbuf.dtype == k.dtype else None
+            for o, (k, _) in zip(owners or [None] * len(kvs), kvs)]
     kts, froms = [], []
-    for owner in owners or [None] * len(kvs):
+    for owner in kept:
         kt, valid = owner.transposed() if owner is not None else (None, 0)
         kts.append(None if kt is None else kt[0])
         froms.append(valid)
     out = _module.attend_many(q, [k for k, _ in kvs], kts, froms, [v for _, v in kvs], list(viss), float(scaling))
-    _transposed_now(owners or [], viss)
+    _transposed_now(kept, viss)
     return out
 
 
@@ -184,8 +188,8 @@ def append_attend_many(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     Returns [1, M, hq, d] in the query's dtype. The per-sequence copies and the conversions a
     layer would make in Python otherwise were a quarter of a 4-request forward's time."""
     starts = [owner.claim(vis.shape[0], key, vis.shape[1]) for owner, vis in zip(owners, viss)]
-    out = _module.append_attend_many(query, key, value, starts, [o.k32 for o in owners], [o.kt32 for o in owners],
-                                     [o.kt_len for o in owners], [o.v32 for o in owners], viss, float(scaling))
+    out = _module.append_attend_many(query, key, value, starts, [o.kbuf for o in owners], [o.ktbuf for o in owners],
+                                     [o.kt_len for o in owners], [o.vbuf for o in owners], viss, float(scaling))
     _transposed_now(owners, viss)
     return out
 

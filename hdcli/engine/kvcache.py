@@ -14,26 +14,31 @@ form the attention reads: a forward writes its new rows, and the attention takes
 
 Same numerics: a bf16 key converted to fp32 is exact, so the attention sees the values it saw
 before, in the same order; rows are torch.equal to those on a DynamicCache (tests/test_kvcache.py).
+Where the fused attention (fused.py) reads them, a bf16 model's keys and values stay bf16 and are
+widened to fp32 as they are read (exact again): half the bytes, and with 4 requests on ~300-token
+caches the attention is bound by reading them. Elsewhere they are stored in fp32.
 
 Layout per layer (batch b, kv heads h, head dim d, capacity C a multiple of invariant.CHUNK):
-  k32 [b, h, C, d]       keys; rows >= length are zero
-  v32 [b, h, C, d + 1]   values and a ones column; rows >= length are zero
+  kbuf [b, h, C, d]       keys
+  vbuf [b, h, C, d + 1]   values and a ones column
 so the first ceil(n / CHUNK) * CHUNK rows are the zero-padded keys and [V | 1] of an n-token
-cache, as the attention wants them, without a copy.
+cache, as the attention wants them, without a copy (padded()).
 
 Invariants
   * It is a transformers DynamicCache (update / crop / get_seq_length / layers[i].keys and
     .values, the latter views of the live rows), so keep_path, crop, transformers' stock forward
     (prefills wider than a verification) and everything else that reads a cache work unchanged.
-    update() returns the keys and values in the dtype they came in (exact: fp32 holds them).
-  * Rows past the length are zero: crop zeroes what it removes, growth copies into zeros.
+    update() returns the keys and values in the dtype they came in (exact: the store holds them).
+  * Rows past the length are zero wherever they are read: padded() and claim() zero what crop
+    left (crop only lowers the length: `dirty` marks how far rows may be stale); growth copies
+    into zeros.
   * Its tensors are inference tensors (written in torch.inference_mode, as transformers' cache is
     in a no-grad forward); every method that writes them enters the mode itself.
   * Capacity grows by doubling (whole chunks), so a generation copies its cache O(log n) times.
-  * The fused attention (fused.py) keeps the keys transposed by blocks in kt32, valid for the
-    first kt_len keys; it writes the rest itself on each call. crop and rewritten() lower kt_len:
-    whoever writes rows through the views (tree.keep_path) calls rewritten(), else the fused
-    attention reads stale keys.
+  * The fused attention keeps the keys transposed by blocks in ktbuf, valid for the first kt_len
+    keys; it writes the rest itself on each call. crop and rewritten() lower kt_len: whoever
+    writes rows through the views (tree.keep_path) calls rewritten(), else the fused attention
+    reads stale keys.
   * With the fused attention the lean forward appends nothing itself: claim() counts the new rows
     and the compiled call writes them (fused.append_attend_many), one call a layer for all
     requests. On the AMD EPYC (bundled model, int4, interleaved) a forward of 4 one-token
@@ -60,63 +65,86 @@ class InvariantLayer(DynamicLayer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.k32 = self.v32 = None
+        self.kbuf = self.vbuf = None
         self.length = 0
-        self.kt32, self.kt_len = None, 0   # the fused attention's transposed keys (transposed())
+        self.capacity = 0                  # rows kbuf and vbuf hold
+        self.dirty = 0                     # rows below this past the length may be nonzero (crop)
+        self.ktbuf, self.kt_len = None, 0  # the fused attention's transposed keys (transposed())
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        # bf16 keys stay bf16 where the fused attention reads them (it widens them exactly as it
+        # reads): half the bytes a forward reads (module header)
+        store = (torch.bfloat16 if key_states.dtype == torch.bfloat16 and self.device.type == "cpu"
+                 and fused.enabled() else torch.float32)
         b, h, _, d = key_states.shape
-        self.k32 = torch.zeros(b, h, 0, d, device=self.device)
-        self.v32 = torch.zeros(b, h, 0, d + 1, device=self.device)
+        self.kbuf = torch.zeros(b, h, 0, d, device=self.device, dtype=store)
+        self.vbuf = torch.zeros(b, h, 0, d + 1, device=self.device, dtype=store)
         self.is_initialized = True
 
     @torch.inference_mode()
     def _reserve(self, n: int) -> None:
         """Room for n rows and the zero padding of their last chunk."""
         need = _round_up(max(n, 2))
-        cap = self.k32.shape[2]
-        if need <= cap:
+        if need <= self.capacity:
             return
-        cap = _round_up(max(need, 2 * cap, _MIN_CAPACITY))
-        b, h, _, d = self.k32.shape
-        k32 = self.k32.new_zeros(b, h, cap, d)
-        v32 = self.v32.new_zeros(b, h, cap, d + 1)
-        k32[:, :, :self.length] = self.k32[:, :, :self.length]
-        v32[:, :, :self.length] = self.v32[:, :, :self.length]
-        self.k32, self.v32 = k32, v32
+        cap = _round_up(max(need, 2 * self.capacity, _MIN_CAPACITY))
+        b, h, _, d = self.kbuf.shape
+        kbuf = self.kbuf.new_zeros(b, h, cap, d)
+        vbuf = self.vbuf.new_zeros(b, h, cap, d + 1)
+        kbuf[:, :, :self.length] = self.kbuf[:, :, :self.length]
+        vbuf[:, :, :self.length] = self.vbuf[:, :, :self.length]
+        self.kbuf, self.vbuf, self.capacity, self.dirty = kbuf, vbuf, cap, self.length
+        if self.ktbuf is not None:
+            self.transposed()
+
+    @torch.inference_mode()
+    def _zero_past(self, end: int) -> None:
+        """Rows from the length to `end` zero again (crop leaves them as they were)."""
+        end = min(end, self.dirty)
+        if end > self.length:
+            self.kbuf[:, :, self.length:end] = 0
+            self.vbuf[:, :, self.length:end] = 0
+            if end == self.dirty:
+                self.dirty = self.length
 
     # transformers' view of the cache (DynamicLayer.keys / .values), made when read: a decode
     # step appends to every layer and seldom reads them.
     @property
     def keys(self):
-        return None if self.k32 is None else self.k32[:, :, :self.length]
+        return None if self.kbuf is None else self.kbuf[:, :, :self.length]
 
     @keys.setter
     def keys(self, value) -> None:
         if value is not None:
-            raise AttributeError("InvariantLayer.keys is a view of its fp32 keys: append() to it")
+            raise AttributeError("InvariantLayer.keys is a view of its stored keys: append() to it")
 
     @property
     def values(self):
-        return None if self.v32 is None else self.v32[:, :, :self.length, :-1]
+        return None if self.vbuf is None else self.vbuf[:, :, :self.length, :-1]
 
     @values.setter
     def values(self, value) -> None:
         if value is not None:
-            raise AttributeError("InvariantLayer.values is a view of its fp32 values: append() to it")
+            raise AttributeError("InvariantLayer.values is a view of its stored values: append() to it")
 
     def claim(self, m: int, like: torch.Tensor, keys: int = 0) -> int:
         """Room for m new rows, counted in the length, left for the caller to write (the fused
-        attention writes them, fused.append_attend_many), and for reading `keys` keys (k32,
-        v32 and the transposed copy kt32 cover them); like: new keys [b, h, m', d] (their dtype,
-        device and shape are read, not their values). Returns where the m rows start."""
+        attention writes them, fused.append_attend_many), and for reading `keys` keys (kbuf,
+        vbuf and the transposed copy ktbuf cover them; rows read past the new length are zero);
+        like: new keys [b, h, m', d] (their dtype, device and shape are read, not their values).
+        Returns where the m rows start. Called per layer per forward: the usual case is a few
+        integer operations."""
         if not self.is_initialized:
             self.lazy_initialization(like, like)
         n = self.length
-        self._reserve(max(n + m, keys))
+        if max(n + m, keys, 2) > self.capacity:
+            self._reserve(max(n + m, keys))
+        if self.ktbuf is None:
+            self.transposed()
         self.length = n + m
-        self.transposed()
+        if keys > n + m and self.dirty > n + m:   # a layout pads one key to two: it reads zeros
+            self._zero_past(keys)
         return n
 
     @torch.inference_mode()
@@ -126,9 +154,9 @@ class InvariantLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, m = self.length, key_states.shape[-2]
         self._reserve(n + m)
-        self.k32[:, :, n:n + m] = key_states
-        self.v32[:, :, n:n + m, :-1] = value_states
-        self.v32[:, :, n:n + m, -1] = 1.0
+        self.kbuf[:, :, n:n + m] = key_states
+        self.vbuf[:, :, n:n + m, :-1] = value_states
+        self.vbuf[:, :, n:n + m, -1] = 1.0
         self.length = n + m
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -140,20 +168,23 @@ class InvariantLayer(DynamicLayer):
         return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
 
     def padded(self, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys [b, h, n_pad, d], [V | 1] [b, h, n_pad, d + 1]) fp32 views, zero past the length;
-        n_pad up to the length rounded up to whole chunks."""
+        """(keys [b, h, n_pad, d], [V | 1] [b, h, n_pad, d + 1]) in fp32, zero past the length;
+        n_pad up to the length rounded up to whole chunks. Views where the layer stores fp32,
+        copies where it stores bf16 (the torch ops' attention reads them: not the fused one)."""
         self._reserve(n_pad)
-        return self.k32[:, :, :n_pad], self.v32[:, :, :n_pad]
+        self._zero_past(n_pad)
+        return self.kbuf[:, :, :n_pad].float(), self.vbuf[:, :, :n_pad].float()
 
     def transposed(self) -> tuple[torch.Tensor, int]:
         """The fused attention's copy of the keys, transposed by blocks (fused.py, csrc/attend.cpp):
-        [b, h, ceil(C / 16), d, 16] fp32, and how many keys in it are valid. The attention writes
-        the rest and records it in kt_len; crop lowers kt_len, growth starts a new copy."""
-        b, h, cap, d = self.k32.shape
+        [b, h, ceil(C / 16), d, 16] in the keys' dtype, and how many keys in it are valid. The
+        attention writes the rest and records it in kt_len; crop lowers kt_len, growth starts a
+        new copy."""
+        b, h, cap, d = self.kbuf.shape
         blocks = -(-cap // fused.KEY_BLOCK)
-        if self.kt32 is None or self.kt32.shape[2] < blocks:
-            self.kt32, self.kt_len = self.k32.new_zeros(b, h, blocks, d, fused.KEY_BLOCK), 0
-        return self.kt32, self.kt_len
+        if self.ktbuf is None or self.ktbuf.shape[2] < blocks:
+            self.ktbuf, self.kt_len = self.kbuf.new_zeros(b, h, blocks, d, fused.KEY_BLOCK), 0
+        return self.ktbuf, self.kt_len
 
     def rewritten(self, start: int) -> None:
         """Rows from `start` on were written through the views (tree.keep_path): the transposed
@@ -169,16 +200,17 @@ class InvariantLayer(DynamicLayer):
     def get_max_length(self) -> int:
         return -1
 
-    @torch.inference_mode()
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last -tokens_to_remove rows (a negative count, as DynamicLayer takes it)."""
+        """Remove the last -tokens_to_remove rows (a negative count, as DynamicLayer takes it).
+        The rows are zeroed when something reads past the length (padded, claim), not here: a
+        verification crops every layer of every request, and two tensor writes a layer were a
+        fifth of a 4-request step's bookkeeping."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         n = max(0, self.length + tokens_to_remove)
-        self.k32[:, :, n:self.length] = 0
-        self.v32[:, :, n:self.length] = 0
+        self.dirty = max(self.dirty, self.length)
         self.length = n
         self.kt_len = min(self.kt_len, n)
 

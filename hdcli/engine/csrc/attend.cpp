@@ -9,6 +9,10 @@
 // and unseen keys add exact zeros: a row's result is the same in any tile, for any number of
 // rows, and alone. That is what makes it M-invariant, for chains, trees and sliding windows alike.
 //
+// Keys and values are stored as fp32 or as bf16 (a bf16 model's keys and values are bf16 to begin
+// with, so keeping them so is exact and halves what the attention reads); either is widened to
+// fp32 as it is read, so a row's arithmetic is the same whichever way its keys are stored.
+//
 // Built with -ffp-contract=off and no -ffast-math: a product and a sum round separately, in
 // vector and scalar code alike, and no sum is reordered. Vectors are GCC/Clang vector extensions
 // (16 floats), which the compiler maps to what -march=native has: one AVX-512 register, two AVX
@@ -25,6 +29,7 @@
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef uint8_t vb16 __attribute__((vector_size(16)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
 constexpr int KB = 16;       // keys a block
 constexpr int MAX_DV = 16;   // head size up to 16 * 16 + 15 = 271 (fused.py falls back above)
 
@@ -56,9 +61,39 @@ static inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
-// One sequence's attention: its rows of q and out start at row0.
+// Stored keys and values: float, or bf16 as its 16 bits (uint16_t). Widening bf16 to fp32 is
+// exact (the bits move up 16 places); narrowing rounds to nearest even, as torch does, and is
+// exact for values that came from bf16.
+static inline v16 load16(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof(v16));
+  return x;
+}
+static inline v16 load16(const uint16_t* p) {
+  vh16 h;
+  std::memcpy(&h, p, sizeof(vh16));
+  const vi16 w = __builtin_convertvector(h, vi16) << 16;
+  v16 x;
+  std::memcpy(&x, &w, sizeof(v16));
+  return x;
+}
+static inline float widen(float x) { return x; }
+static inline float widen(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &w, 4);
+  return x;
+}
+template <typename S> static inline S narrow(float x);
+template <> inline float narrow<float>(float x) { return x; }
+template <> inline uint16_t narrow<uint16_t>(float x) { return c10::BFloat16(x).x; }
+
+// One sequence's attention: its rows of q and out start at row0. k, kt and v are stored as
+// float or, where bf16, as uint16_t (one type a sequence).
 struct Args {
-  const float *q, *k, *kt, *v;   // q [M, hq, d]; k [hkv, >= n, d]; kt [hkv, >= nb, d, KB]: keys transposed by block; v [hkv, >= n, d + 1]
+  const float* q;            // [M, hq, d]
+  const void *k, *kt, *v;    // k [hkv, >= n, d]; kt [hkv, >= nb, d, KB]: keys transposed by block; v [hkv, >= n, d + 1]
+  bool bf16;
   const bool* vis;           // [m, n]
   float* out;                // [M, hq, d]
   int64_t row0, m, hq, d, hkv, g, n, nb, ks0, ks1, kts0, vs0, vs1, kt_from;
@@ -70,7 +105,7 @@ struct Args {
 // size in vectors of 16 where it is known at compile time (64, 128, 256), 0 for any other: with
 // it the TR x DV sums over the values stay in registers (without, they went through memory and
 // the call took 1.4-1.8x as long: 4 requests of 4 tokens, 72 against 123 us a layer, AMD EPYC).
-template <int TR, int DV>
+template <int TR, int DV, typename S>
 static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) {
   const int64_t tr = rows - x0 < TR ? rows - x0 : TR;
   const int64_t d = A.d, n = A.n, nb = A.nb;
@@ -100,12 +135,11 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
     }
     jlo = lo < jlo ? lo : jlo;
     jhi = hi;
-    const float* kb = A.kt + kv * A.kts0 + b * d * KB;
+    const S* kb = static_cast<const S*>(A.kt) + kv * A.kts0 + b * d * KB;
     v16 acc[TR];
     for (int a = 0; a < TR; ++a) acc[a] = v16{};
     for (int64_t i = 0; i < (DV ? DV * 16 : d); ++i) {   // each score: its d products summed in order
-      v16 kv16;
-      std::memcpy(&kv16, kb + i * KB, sizeof(v16));
+      const v16 kv16 = load16(kb + i * KB);
       for (int a = 0; a < TR; ++a) acc[a] += qr[a][i] * kv16;
     }
     if (hi - lo == KB) {                             // a whole block: its 16 scores in vector ops
@@ -141,15 +175,15 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
     for (int64_t i = 0; i < dt; ++i) ot[a][i] = 0.0f;
   }
   for (int64_t j = jlo; j < jhi; ++j) {              // values in key order, the sum of p alike
-    const float* vj = A.v + kv * A.vs0 + j * A.vs1;
+    const S* vj = static_cast<const S*>(A.v) + kv * A.vs0 + j * A.vs1;
     v16 vv[DV ? DV : MAX_DV];
-    for (int64_t c = 0; c < dv; ++c) std::memcpy(&vv[c], vj + c * 16, sizeof(v16));
-    const float* vt = vj + dv * 16;
+    for (int64_t c = 0; c < dv; ++c) vv[c] = load16(vj + c * 16);
+    const S* vt = vj + dv * 16;
     for (int a = 0; a < TR; ++a) {
       const float pj = p[a * nb * KB + j];
       total[a] += pj;
       for (int64_t c = 0; c < dv; ++c) o[a][c] += pj * vv[c];
-      for (int64_t i = 0; i < dt; ++i) ot[a][i] += pj * vt[i];
+      for (int64_t i = 0; i < dt; ++i) ot[a][i] += pj * widen(vt[i]);
     }
   }
   for (int a = 0; a < tr; ++a) {
@@ -158,77 +192,70 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
   }
 }
 
-template <int DV>
+template <int DV, typename S>
 static void run(int tr, const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) {
-  if (tr == 4) tile<4, DV>(A, kv, x0, rows, p);
-  else if (tr == 3) tile<3, DV>(A, kv, x0, rows, p);
-  else if (tr == 2) tile<2, DV>(A, kv, x0, rows, p);
-  else tile<1, DV>(A, kv, x0, rows, p);
+  if (tr == 6) tile<6, DV, S>(A, kv, x0, rows, p);
+  else if (tr == 4) tile<4, DV, S>(A, kv, x0, rows, p);
+  else if (tr == 3) tile<3, DV, S>(A, kv, x0, rows, p);
+  else if (tr == 2) tile<2, DV, S>(A, kv, x0, rows, p);
+  else tile<1, DV, S>(A, kv, x0, rows, p);
 }
 
-// Several sequences' attention in one call (one parallel region, tiles of all of them shared out
-// dynamically among the threads). q [M, hq, d] fp32 contiguous: sequence s's m_s rows follow the
-// rows of the sequences before it. Per sequence s:
-//   k[s]   [hkv, >= n, d] fp32, rows contiguous: its keys;
-//   kt[s]  [hkv, >= ceil(n / KB), d, KB] fp32 contiguous: the same keys transposed by block, valid
-//          for the first kt_len[s] keys; this call writes keys kt_len[s] .. n - 1 into it (the
-//          caller then holds n valid). An undefined kt[s]: a scratch copy, transposed whole;
-//   v1[s]  [hkv, >= n, d + 1] fp32, rows contiguous: [V | 1];
-//   vis[s] [m_s, n] bool contiguous: the keys each row sees (every row sees one at least).
-// Returns [M, hq, d] fp32.
-torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::vector<c10::optional<torch::Tensor>> kt,
-                          std::vector<int64_t> kt_len, std::vector<torch::Tensor> v1, std::vector<torch::Tensor> vis,
-                          double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat && q.is_contiguous() && q.dim() == 3);
-  const size_t ns = k.size();
-  TORCH_CHECK(kt.size() == ns && kt_len.size() == ns && v1.size() == ns && vis.size() == ns);
+template <typename S>
+static void run_any(int tr, const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) {
+  if (A.d == 64) run<4, S>(tr, A, kv, x0, rows, p);
+  else if (A.d == 128) run<8, S>(tr, A, kv, x0, rows, p);
+  else if (A.d == 256) run<16, S>(tr, A, kv, x0, rows, p);
+  else run<0, S>(tr, A, kv, x0, rows, p);
+}
+
+// kt[kv][b][i][l] = k[kv][b * KB + l][i] for the keys from kt_from on, 0 past n.
+template <typename S>
+static void transpose_block(const Args& A, int64_t kv, int64_t b) {
+  const int64_t d = A.d;
+  S* dst = const_cast<S*>(static_cast<const S*>(A.kt)) + kv * A.kts0 + b * d * KB;
+  const int64_t lo = b * KB > A.kt_from ? b * KB : A.kt_from;
+  for (int64_t j = lo; j < (b + 1) * KB; ++j) {
+    const int64_t l = j - b * KB;
+    const S* row = static_cast<const S*>(A.k) + kv * A.ks0 + j * A.ks1;
+    for (int64_t i = 0; i < d; ++i) dst[i * KB + l] = j < A.n ? row[i] : S(0);
+  }
+}
+
+// The sequences' attention, their Args filled in (all but q, out, row0): one parallel region,
+// the transposed copies brought up to date first, then tiles of all sequences shared out
+// dynamically among the threads. q [M, hq, d] fp32 contiguous; returns [M, hq, d] fp32.
+static torch::Tensor attend_seqs(const torch::Tensor& q, std::vector<Args>& seqs) {
   const int64_t hq = q.size(1), d = q.size(2);
   TORCH_CHECK(d <= 16 * MAX_DV + 15, "fused attention: head size above 271");
   auto out = torch::empty_like(q);
-  std::vector<Args> seqs(ns);
-  std::vector<torch::Tensor> scratch(ns);
   struct Job { int64_t s, kv, b; };                 // a block of keys to transpose
   std::vector<Job> moves;
   int64_t row0 = 0;
-  for (size_t s = 0; s < ns; ++s) {
+  for (size_t s = 0; s < seqs.size(); ++s) {
     Args& A = seqs[s];
-    TORCH_CHECK(k[s].dtype() == torch::kFloat && v1[s].dtype() == torch::kFloat && vis[s].dtype() == torch::kBool);
-    TORCH_CHECK(k[s].stride(2) == 1 && v1[s].stride(2) == 1 && vis[s].is_contiguous());
-    A.m = vis[s].size(0); A.n = vis[s].size(1); A.hq = hq; A.d = d;
-    A.hkv = k[s].size(0); A.g = hq / A.hkv; A.nb = (A.n + KB - 1) / KB;
-    TORCH_CHECK(k[s].size(1) >= A.n && v1[s].size(1) >= A.n && k[s].size(2) == d && v1[s].size(2) == d + 1);
-    int64_t from = kt_len[s];
-    torch::Tensor t;
-    if (kt[s].has_value() && kt[s]->defined()) {
-      t = *kt[s];
-      TORCH_CHECK(t.dtype() == torch::kFloat && t.is_contiguous() && t.size(0) == A.hkv && t.size(1) >= A.nb
-                  && t.size(2) == d && t.size(3) == KB);
-    } else {
-      t = torch::zeros({A.hkv, A.nb, d, KB}, q.options());
-      from = 0;
-    }
-    scratch[s] = t;
-    from = from < 0 ? 0 : (from > A.n ? A.n : from);
+    A.q = q.data_ptr<float>(); A.out = out.data_ptr<float>(); A.row0 = row0; A.hq = hq; A.d = d;
+    A.g = hq / A.hkv; A.nb = (A.n + KB - 1) / KB;
+    A.kt_from = A.kt_from < 0 ? 0 : (A.kt_from > A.n ? A.n : A.kt_from);
     for (int64_t kv = 0; kv < A.hkv; ++kv)
-      for (int64_t b = from / KB; b < A.nb; ++b) moves.push_back({(int64_t)s, kv, b});
-    A.kt = t.data_ptr<float>(); A.kts0 = t.stride(0);
-    A.q = q.data_ptr<float>(); A.v = v1[s].data_ptr<float>(); A.vis = vis[s].data_ptr<bool>();
-    A.out = out.data_ptr<float>(); A.vs0 = v1[s].stride(0); A.vs1 = v1[s].stride(1);
-    A.scale = static_cast<float>(scale); A.row0 = row0;
-    A.kt_from = from;
-    A.k = k[s].data_ptr<float>(); A.ks0 = k[s].stride(0); A.ks1 = k[s].stride(1);
+      for (int64_t b = A.kt_from / KB; b < A.nb; ++b) moves.push_back({(int64_t)s, kv, b});
     row0 += A.m;
   }
   TORCH_CHECK(row0 == q.size(0), "fused attention: q's rows are not the sequences' rows");
-  // tile height: of 4, 3, 2, 1 rows, among those that make a tile for each thread at least, the
-  // one that repeats the fewest rows to fill its tiles, the taller on a tie (one token: g rows a
-  // kv head, 3 in the bundled model). It changes how rows share the loops, never a row's
-  // arithmetic: HD_FUSED_TILE=1..4 forces a height, for tests (tests/test_invariant.py) and timing.
+  // tile height: of 6 (head size up to 64: its 6 x 4 sums over the values fit the registers), 4,
+  // 3, 2, 1 rows, among those that make a tile for each thread at least, the one that repeats the
+  // fewest rows to fill its tiles, the taller on a tie (one token: g rows a kv head, 3 in the
+  // bundled model; 2 tokens: 6). A tile reads its kv head's keys and values once, so taller tiles
+  // read less: 4 requests of 2 tokens (bundled model, AMD EPYC) 85 us a layer in tiles of 3, 68 in
+  // tiles of 6. It changes how rows share the loops, never a row's arithmetic: HD_FUSED_TILE
+  // forces a height, for tests (tests/test_invariant.py) and timing.
   const int64_t threads = at::get_num_threads();
   int tr = 1;
   int64_t least = -1;
   const char* force = std::getenv("HD_FUSED_TILE");
-  for (int c = 4; c >= 1; --c) {
+  const int tallest = d <= 64 ? 6 : 4;
+  for (int c = tallest; c >= 1; --c) {
+    if (c == 5) continue;
     int64_t count = 0, waste = 0;
     for (auto& A : seqs) {
       const int64_t t = (A.m * A.g + c - 1) / c;
@@ -237,10 +264,10 @@ torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::ve
     }
     if ((count >= threads || c == 1) && (least < 0 || waste < least)) { tr = c; least = waste; }
   }
-  if (force != nullptr && std::atoi(force) >= 1 && std::atoi(force) <= 4) tr = std::atoi(force);
+  if (force != nullptr && std::atoi(force) >= 1 && std::atoi(force) <= tallest && std::atoi(force) != 5) tr = std::atoi(force);
   struct Tile { int64_t s, kv, x0; };
   std::vector<Tile> tiles;
-  for (size_t s = 0; s < ns; ++s)
+  for (size_t s = 0; s < seqs.size(); ++s)
     for (int64_t kv = 0; kv < seqs[s].hkv; ++kv)
       for (int64_t x0 = 0; x0 < seqs[s].m * seqs[s].g; x0 += tr) tiles.push_back({(int64_t)s, kv, x0});
   const int64_t nmoves = moves.size(), ntiles = tiles.size();
@@ -249,30 +276,73 @@ torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::ve
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < nmoves; ++t) {          // kt[kv][b][i][l] = k[kv][b * KB + l][i], 0 past n
+    for (int64_t t = 0; t < nmoves; ++t) {
       const Job& J = moves[t];
       const Args& A = seqs[J.s];
-      float* dst = const_cast<float*>(A.kt) + J.kv * A.kts0 + J.b * d * KB;
-      const int64_t lo = J.b * KB > A.kt_from ? J.b * KB : A.kt_from;
-      for (int64_t j = lo; j < (J.b + 1) * KB; ++j) {
-        const int64_t l = j - J.b * KB;
-        const float* row = A.k + J.kv * A.ks0 + j * A.ks1;
-        for (int64_t i = 0; i < d; ++i) dst[i * KB + l] = j < A.n ? row[i] : 0.0f;
-      }
+      if (A.bf16) transpose_block<uint16_t>(A, J.kv, J.b);
+      else transpose_block<float>(A, J.kv, J.b);
     }
-    std::vector<float> p(4 * pmax * KB);
+    std::vector<float> p(6 * pmax * KB);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < ntiles; ++t) {
       const Tile& T = tiles[t];
       const Args& A = seqs[T.s];
-      const int64_t rows = A.m * A.g;
-      if (d == 64) run<4>(tr, A, T.kv, T.x0, rows, p.data());
-      else if (d == 128) run<8>(tr, A, T.kv, T.x0, rows, p.data());
-      else if (d == 256) run<16>(tr, A, T.kv, T.x0, rows, p.data());
-      else run<0>(tr, A, T.kv, T.x0, rows, p.data());
+      if (A.bf16) run_any<uint16_t>(tr, A, T.kv, T.x0, A.m * A.g, p.data());
+      else run_any<float>(tr, A, T.kv, T.x0, A.m * A.g, p.data());
     }
   }
   return out;
+}
+
+static bool stored_bf16(const torch::Tensor& t) {
+  TORCH_CHECK(t.dtype() == torch::kFloat || t.dtype() == torch::kBFloat16, "fused attention: keys and values are fp32 or bf16");
+  return t.dtype() == torch::kBFloat16;
+}
+
+// Several sequences' attention in one call. q [M, hq, d] fp32 contiguous: sequence s's m_s rows
+// follow the rows of the sequences before it. Per sequence s, in one dtype (fp32 or bf16):
+//   k[s]   [hkv, >= n, d], rows contiguous: its keys;
+//   kt[s]  [hkv, >= ceil(n / KB), d, KB] contiguous: the same keys transposed by block, valid
+//          for the first kt_len[s] keys; this call writes keys kt_len[s] .. n - 1 into it (the
+//          caller then holds n valid). An undefined kt[s]: a scratch copy, transposed whole;
+//   v1[s]  [hkv, >= n, d + 1], rows contiguous: [V | 1];
+//   vis[s] [m_s, n] bool contiguous: the keys each row sees (every row sees one at least).
+// Returns [M, hq, d] fp32.
+torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::vector<c10::optional<torch::Tensor>> kt,
+                          std::vector<int64_t> kt_len, std::vector<torch::Tensor> v1, std::vector<torch::Tensor> vis,
+                          double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat && q.is_contiguous() && q.dim() == 3);
+  const size_t ns = k.size();
+  TORCH_CHECK(kt.size() == ns && kt_len.size() == ns && v1.size() == ns && vis.size() == ns);
+  const int64_t d = q.size(2);
+  std::vector<Args> seqs(ns);
+  std::vector<torch::Tensor> scratch(ns);
+  for (size_t s = 0; s < ns; ++s) {
+    Args& A = seqs[s];
+    A.bf16 = stored_bf16(k[s]);
+    TORCH_CHECK(v1[s].dtype() == k[s].dtype() && vis[s].dtype() == torch::kBool);
+    TORCH_CHECK(k[s].stride(2) == 1 && v1[s].stride(2) == 1 && vis[s].is_contiguous());
+    A.m = vis[s].size(0); A.n = vis[s].size(1); A.hkv = k[s].size(0);
+    TORCH_CHECK(k[s].size(1) >= A.n && v1[s].size(1) >= A.n && k[s].size(2) == d && v1[s].size(2) == d + 1);
+    const int64_t nb = (A.n + KB - 1) / KB;
+    A.kt_from = kt_len[s];
+    torch::Tensor t;
+    if (kt[s].has_value() && kt[s]->defined()) {
+      t = *kt[s];
+      TORCH_CHECK(t.dtype() == k[s].dtype() && t.is_contiguous() && t.size(0) == A.hkv && t.size(1) >= nb
+                  && t.size(2) == d && t.size(3) == KB);
+    } else {
+      t = torch::zeros({A.hkv, nb, d, KB}, k[s].options());
+      A.kt_from = 0;
+    }
+    scratch[s] = t;
+    A.kt = t.data_ptr(); A.kts0 = t.stride(0);
+    A.k = k[s].data_ptr(); A.ks0 = k[s].stride(0); A.ks1 = k[s].stride(1);
+    A.v = v1[s].data_ptr(); A.vs0 = v1[s].stride(0); A.vs1 = v1[s].stride(1);
+    A.vis = vis[s].data_ptr<bool>();
+    A.scale = static_cast<float>(scale);
+  }
+  return attend_seqs(q, seqs);
 }
 
 // attend_many after writing each sequence's new keys and values into its cache, for the lean
@@ -280,9 +350,10 @@ torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::ve
 // sequences in place of per-sequence copies and conversions in Python.
 //   query [1, hq, M, d], key and value [1, hkv, M, d], any float dtype: every sequence's new rows
 //          in order (sequence s's are vis[s]'s m_s rows);
-//   k32[s] [1, hkv, C, d], v32[s] [1, hkv, C, d + 1], kt32[s] [1, hkv, >= ceil(C / KB), d, KB] fp32:
-//          the layer's keys, [V | 1] and transposed keys; rows start[s] .. start[s] + m_s - 1 of
-//          k32 and v32 are written here (the ones column too), kt32 is valid for kt_len[s] keys.
+//   k[s] [1, hkv, C, d], v1[s] [1, hkv, C, d + 1], kt[s] [1, hkv, >= ceil(C / KB), d, KB], in one
+//          dtype a sequence (fp32 or bf16): the layer's keys, [V | 1] and transposed keys; rows
+//          start[s] .. start[s] + m_s - 1 of k and v1 are written here (the ones column too), kt is
+//          valid for kt_len[s] keys.
 // Returns [1, M, hq, d] in the query's dtype.
 // t [1, h, M, d] as [M, h, d] fp32 contiguous, in one copy (.to() then .contiguous() made two).
 static torch::Tensor rows_fp32(const torch::Tensor& t) {
@@ -291,45 +362,64 @@ static torch::Tensor rows_fp32(const torch::Tensor& t) {
   return out;
 }
 
+// m new rows (fp32 src [m, hkv, d]) into a layer's keys or [V | 1] (ones: write the ones column).
+template <typename S>
+static void write_rows(void* dst, int64_t s0, int64_t s1, const float* src, int64_t m, int64_t hkv, int64_t d,
+                       int64_t start, bool ones) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t h = 0; h < hkv; ++h) {
+      S* row = static_cast<S*>(dst) + h * s0 + (start + r) * s1;
+      const float* from = src + (r * hkv + h) * d;
+      for (int64_t i = 0; i < d; ++i) row[i] = narrow<S>(from[i]);
+      if (ones) row[d] = narrow<S>(1.0f);
+    }
+}
+
 torch::Tensor append_attend_many(torch::Tensor query, torch::Tensor key, torch::Tensor value, std::vector<int64_t> start,
-                                 std::vector<torch::Tensor> k32, std::vector<torch::Tensor> kt32,
-                                 std::vector<int64_t> kt_len, std::vector<torch::Tensor> v32,
+                                 std::vector<torch::Tensor> k, std::vector<torch::Tensor> kt,
+                                 std::vector<int64_t> kt_len, std::vector<torch::Tensor> v1,
                                  std::vector<torch::Tensor> vis, double scale) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && key.sizes() == value.sizes() && key.size(2) == query.size(2));
-  const size_t ns = k32.size();
-  TORCH_CHECK(start.size() == ns && kt32.size() == ns && kt_len.size() == ns && v32.size() == ns && vis.size() == ns);
+  const size_t ns = k.size();
+  TORCH_CHECK(start.size() == ns && kt.size() == ns && kt_len.size() == ns && v1.size() == ns && vis.size() == ns);
   auto q = rows_fp32(query);   // [M, hq, d]
   auto kn = rows_fp32(key);    // [M, hkv, d]
   auto vn = rows_fp32(value);
   const int64_t hkv = kn.size(1), d = kn.size(2);
-  std::vector<torch::Tensor> k(ns), v1(ns);
-  std::vector<c10::optional<torch::Tensor>> kt(ns);
+  std::vector<Args> seqs(ns);
   int64_t row0 = 0;
   for (size_t s = 0; s < ns; ++s) {
-    k[s] = k32[s].select(0, 0);
-    v1[s] = v32[s].select(0, 0);
-    kt[s] = kt32[s].select(0, 0);
-    const int64_t m = vis[s].size(0);
-    TORCH_CHECK(k[s].dtype() == torch::kFloat && v1[s].dtype() == torch::kFloat && k[s].size(0) == hkv
-                && k[s].size(2) == d && v1[s].size(2) == d + 1 && k[s].stride(2) == 1 && v1[s].stride(2) == 1
-                && start[s] >= 0 && start[s] + m <= k[s].size(1) && start[s] + m <= v1[s].size(1)
-                && row0 + m <= kn.size(0), "fused attention: no room for the new keys");
-    float* kp = k[s].data_ptr<float>();
-    float* vp = v1[s].data_ptr<float>();
-    const float* ksrc = kn.data_ptr<float>();
-    const float* vsrc = vn.data_ptr<float>();
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t h = 0; h < hkv; ++h) {
-        const int64_t j = start[s] + r, src = ((row0 + r) * hkv + h) * d;
-        std::memcpy(kp + h * k[s].stride(0) + j * k[s].stride(1), ksrc + src, d * sizeof(float));
-        float* vrow = vp + h * v1[s].stride(0) + j * v1[s].stride(1);
-        std::memcpy(vrow, vsrc + src, d * sizeof(float));
-        vrow[d] = 1.0f;
-      }
-    row0 += m;
+    Args& A = seqs[s];
+    const torch::Tensor &K = k[s], &V = v1[s], &T = kt[s];
+    A.bf16 = stored_bf16(K);
+    A.m = vis[s].size(0); A.n = vis[s].size(1); A.hkv = hkv;
+    TORCH_CHECK(V.dtype() == K.dtype() && T.dtype() == K.dtype() && vis[s].dtype() == torch::kBool && vis[s].is_contiguous()
+                && K.dim() == 4 && V.dim() == 4 && T.dim() == 5 && T.is_contiguous()
+                && K.size(1) == hkv && K.size(3) == d && V.size(3) == d + 1 && K.stride(3) == 1 && V.stride(3) == 1
+                && T.size(1) == hkv && T.size(3) == d && T.size(4) == KB && T.size(2) * KB >= A.n
+                && K.size(2) >= A.n && V.size(2) >= A.n
+                && start[s] >= 0 && start[s] + A.m <= K.size(2) && start[s] + A.m <= V.size(2)
+                && row0 + A.m <= kn.size(0), "fused attention: no room for the new keys");
+    A.k = K.data_ptr(); A.ks0 = K.stride(1); A.ks1 = K.stride(2);
+    A.v = V.data_ptr(); A.vs0 = V.stride(1); A.vs1 = V.stride(2);
+    A.kt = T.data_ptr(); A.kts0 = T.stride(1); A.kt_from = kt_len[s];
+    A.vis = vis[s].data_ptr<bool>();
+    A.scale = static_cast<float>(scale);
+    const float* ksrc = kn.data_ptr<float>() + row0 * hkv * d;
+    const float* vsrc = vn.data_ptr<float>() + row0 * hkv * d;
+    void* kp = const_cast<void*>(A.k);
+    void* vp = const_cast<void*>(A.v);
+    if (A.bf16) {
+      write_rows<uint16_t>(kp, A.ks0, A.ks1, ksrc, A.m, hkv, d, start[s], false);
+      write_rows<uint16_t>(vp, A.vs0, A.vs1, vsrc, A.m, hkv, d, start[s], true);
+    } else {
+      write_rows<float>(kp, A.ks0, A.ks1, ksrc, A.m, hkv, d, start[s], false);
+      write_rows<float>(vp, A.vs0, A.vs1, vsrc, A.m, hkv, d, start[s], true);
+    }
+    row0 += A.m;
   }
   TORCH_CHECK(row0 == kn.size(0), "fused attention: the new keys are not the sequences' rows");
-  return attend_many(q, k, kt, kt_len, v1, vis, scale).to(query.scalar_type()).unsqueeze(0);
+  return attend_seqs(q, seqs).to(query.scalar_type()).unsqueeze(0);
 }
 
 // One sequence, its keys transposed into scratch: attend_many of one.
