@@ -121,7 +121,9 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
     layers = base.layers[: model.config.num_hidden_layers]
     attn0 = layers[0].self_attn
     hq, hkv, d = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
-    whole_prompt = keys_only and len(parts) == 1 and m > invariant.MAX_ROWS   # prefill(): SDPA
+    # prefill() of a prompt wider than a verification: the fused attention takes it as it is, SDPA
+    # elsewhere (invariant.attention attends a whole prompt alike)
+    whole_prompt = keys_only and len(parts) == 1 and m > invariant.MAX_ROWS and not invariant.fused_on(device)
     lays = [] if whole_prompt else [invariant.layout(p[3], k, past + k, hq // hkv, device)
                                     for p, past, k in zip(parts, pasts, sizes)]
     # the fused attention on invariant caches appends every part's keys in its own call

@@ -126,13 +126,26 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * KB, hi = lo + KB < n ? lo + KB : n;
     bool any = false;
-    for (int a = 0; a < TR; ++a)
-      for (int64_t j = lo; j < hi; ++j) any |= vr[a][j];
-    if (!any) {                                      // a block no row of the tile sees
+    if (hi - lo == KB) {
+      vb16 seen = vb16{};
+      for (int a = 0; a < TR; ++a) {
+        vb16 r;
+        std::memcpy(&r, vr[a] + lo, sizeof(vb16));
+        seen |= r;
+      }
+      uint64_t w[2];
+      std::memcpy(w, &seen, sizeof(w));
+      any = (w[0] | w[1]) != 0;
+    } else {
       for (int a = 0; a < TR; ++a)
-        for (int64_t j = lo; j < hi; ++j) p[a * nb * KB + j] = -INFINITY;
-      continue;
+        for (int64_t j = lo; j < hi; ++j) any |= vr[a][j];
     }
+    if (!any) continue;                              // a block no row of the tile sees
+    // blocks no row saw between seen ones (token trees) score -inf; those before the first seen
+    // block and after the last are never read (a prompt's rows see a prefix of its keys: most
+    // of a long prompt's blocks are past a tile's rows)
+    for (int64_t j = jhi > 0 ? jhi : lo; j < lo; ++j)
+      for (int a = 0; a < TR; ++a) p[a * nb * KB + j] = -INFINITY;
     jlo = lo < jlo ? lo : jlo;
     jhi = hi;
     const S* kb = static_cast<const S*>(A.kt) + kv * A.kts0 + b * d * KB;
