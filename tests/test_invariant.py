@@ -409,13 +409,23 @@ def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypat
     assert set(ms) == {"fused", "torch"} and min(ms.values()) > 0
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
-def test_prompt_prefill_takes_causal_sdpa_only_for_a_plain_causal_mask(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,attention", [("llama", "torch"), ("gemma3", "torch"), ("llama", "fused"),
+                                            ("gemma3", "fused")])
+def test_prompt_prefill_takes_causal_sdpa_only_for_a_plain_causal_mask(name, attention, tmp_path, monkeypatch):
     """A prompt wider than a verification on an empty cache, in the mode: SDPA is told the mask is
-    causal (it skips the keys above the diagonal) where the mask is exactly that. Gemma 3's
-    sliding window layer and a prefill on a non-empty cache keep the mask. Logits stay within
-    rounding of the masked SDPA's, and speculative greedy output equals plain after such a prompt."""
+    causal (it skips the keys above the diagonal) where the mask is exactly that, and with the
+    fused attention on, that attention takes the whole prompt instead. Gemma 3's sliding window
+    layer and a prefill on a non-empty cache keep the mask. Logits stay within rounding of the
+    masked SDPA's, and speculative greedy output equals plain after such a prompt."""
+    from hdcli.engine import fused
+    if attention == "fused" and fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    with fused.pinned(attention):
+        _prompt_prefill(name, attention, tmp_path, monkeypatch)
+
+
+def _prompt_prefill(name, attention, tmp_path, monkeypatch):
     model = build(name, torch.float32, "torch")
     invariant.enable(model)
     seen = []
@@ -431,7 +441,8 @@ def test_prompt_prefill_takes_causal_sdpa_only_for_a_plain_causal_mask(name, tmp
         masked = model(input_ids=torch.tensor([prompt]), use_cache=False).logits
         assert seen and not any(seen)
     # llama: both layers causal; gemma3: the sliding window layer keeps its mask
-    assert causal_calls == ([True, True] if name == "llama" else [False, True])
+    whole = [] if attention == "fused" else [True]   # the fused attention calls no SDPA
+    assert causal_calls == (whole * 2 if name == "llama" else [False] + whole)
     assert torch.allclose(fast, masked, atol=1e-4)
     monkeypatch.undo()
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
