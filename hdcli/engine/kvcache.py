@@ -1,4 +1,4 @@
-"""The KV cache of the M-invariant lean forward: fp32 keys and values in preallocated buffers, laid
+"""The KV cache of the M-invariant lean forward: keys and values in preallocated buffers, laid
 out the way the invariant attention reads them.
 
 Why: the invariant attention (invariant.py) computes in fp32 over keys padded to whole chunks and
@@ -203,8 +203,9 @@ class InvariantLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last -tokens_to_remove rows (a negative count, as DynamicLayer takes it).
         The rows are zeroed when something reads past the length (padded, claim), not here: a
-        verification crops every layer of every request, and two tensor writes a layer were a
-        fifth of a 4-request step's bookkeeping."""
+        verification crops every layer of every request, and zeroing took ~5.6 us a layer (AMD
+        EPYC), 0.7 ms a step of 4 requests on the bundled model; the decode loop's acceptance at 4
+        requests went from 0.23 to 0.14-0.16 s a pass of benchmarks/scheduler_widths.py."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
         if tokens_to_remove == 0 or not self.is_initialized:

@@ -20,7 +20,8 @@ Scope (anything else keeps transformers' forward):
     out of it (biases go through the Linear modules as they are);
   * forwards of at most invariant.MAX_ROWS tokens on a DynamicCache (decode steps and
     verifications; batches keep transformers' forward), and prefills of any length on an empty
-    invariant cache (prefill(): SDPA beyond MAX_ROWS tokens, as in the mode);
+    invariant cache (prefill(): the fused attention takes a whole prompt where it is on, SDPA
+    beyond MAX_ROWS tokens elsewhere, as invariant.attention does in the mode);
   * input_ids, optional position_ids and an optional additive mask [1, 1, M, N] (token trees).
 
 Invariants
@@ -28,8 +29,8 @@ Invariants
     the instance attribute, so the model is again exactly transformers' module.
   * The cache stays a transformers DynamicCache (update/crop/get_seq_length), so keep_path, crop
     and everything else that reads it work unchanged. tree.new_cache gives a model in the mode
-    one with kvcache.InvariantLayer layers: fp32 keys and [V | 1] kept as the attention reads
-    them, so no layer copies the whole cache (any other DynamicCache works too, converted).
+    one with kvcache.InvariantLayer layers: keys and [V | 1] kept as the attention reads
+    them (bf16 where the fused attention reads a bf16 model's, fp32 elsewhere), so no layer copies the whole cache (any other DynamicCache works too, converted).
 """
 from __future__ import annotations
 
@@ -104,8 +105,8 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
 
     keys_only: fill the caches and stop (a prefill, prefill() below): the last layer computes its
     keys and values alone, and [] is returned. A prefill of one part wider than MAX_ROWS on an
-    empty cache attends by SDPA told the mask is causal, as invariant.attention does for a whole
-    prompt in transformers' forward."""
+    empty cache attends as invariant.attention does a whole prompt in transformers' forward: by
+    the fused attention where it is on, else by SDPA told the mask is causal."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     base = model.model
     sizes = [ids.shape[1] for ids, _, _, _ in parts]
@@ -183,10 +184,11 @@ def prefill(model, input_ids, cache) -> bool:
     stock forward's machinery (masks, module plumbing, outputs) is skipped: on the AMD EPYC the 16
     Spec-Bench prompts of benchmarks/serve_load.py (40-769 tokens) took 1.39 s instead of 1.48.
 
-    Same numerics: every op is the stock forward's, on the same rows, in the same order: keys and
-    values of up to invariant.MAX_ROWS tokens through the fused attention's append (or the invariant
-    attention), longer prompts through SDPA told the mask is causal, as invariant.attention does for a
-    whole prompt; so the cache is torch.equal to the stock forward's (tests/test_lean.py)."""
+    Same numerics: every op is the stock forward's, on the same rows, in the same order: the keys
+    and values through the fused attention's append where it is on (any length), else those of up
+    to invariant.MAX_ROWS tokens through the invariant attention and longer prompts through SDPA
+    told the mask is causal, as invariant.attention does for a whole prompt; so the cache is
+    torch.equal to the stock forward's (tests/test_lean.py)."""
     if not is_enabled(model) or not is_invariant_cache(cache) or cache.get_seq_length() or input_ids.shape[0] != 1:
         return False
     lean_forward_many(model, [(input_ids, cache, None, None)], keys_only=True)
