@@ -30,6 +30,11 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr int64_t BYTES = 320;   // a (column block, group): 256 bytes of codes, 16 fp16 d, 16 fp16 lo
+// Blocks ahead to ask the cache for: a tile of many rows computes long enough on a block that the
+// hardware prefetcher alone left it waiting for the next one (AMD EPYC, the bundled model's 120
+// GEMMs of a forward with every weight from memory: 16 rows 6.30 -> 4.87 ms, 8 rows 3.54 -> 2.99,
+// 1 and 4 rows unchanged; 4 blocks ahead 4.91 ms at 16 rows, 16 ahead 5.24).
+constexpr int64_t PREFETCH = 8;
 
 // TR rows of one column block of 16. A VDPBF16PS takes 6 cycles to give its sum and two can
 // start a cycle (AMD EPYC), so the TR rows' independent sums are what keeps the unit busy; a
@@ -52,6 +57,8 @@ static inline void block(const uint16_t* x, int64_t K, const float* s0, int64_t 
   }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* pg = pk + (cb * G + g) * BYTES;
+    for (int l = 0; l < 5; ++l)   // its 320 bytes: 5 cache lines (past the end: a hint, never a fault)
+      _mm_prefetch(reinterpret_cast<const char*>(pg + PREFETCH * BYTES + 64 * l), _MM_HINT_T0);
     __m512 s1[TR];
     for (int r = 0; r < TR; ++r) s1[r] = _mm512_setzero_ps();
     for (int p = 0; p < 16; ++p) {
