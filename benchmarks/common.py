@@ -34,6 +34,27 @@ from hdcli.engine import costs
 from hdcli.engine.tree import build_tree, reached
 
 
+# ---------------------------------------------------------------- results
+
+def command_line(script: str, args) -> str:
+    """The command that reproduces a run from its parsed arguments, as recorded in its JSON:
+    unset (None, False, empty list) options left out, a True flag alone, a list's values spaced."""
+    parts = [f"python benchmarks/{script}"]
+    for k, v in vars(args).items():
+        if v is None or v is False or v == []:
+            continue
+        flag = f"--{k.replace('_', '-')}"
+        parts.append(flag if v is True else f"{flag} {' '.join(map(str, v)) if isinstance(v, list) else v}")
+    return " ".join(parts)
+
+
+def write_result(path: Path | None, doc: dict) -> None:
+    """A run's JSON document at `path` (its folder made), where one was asked for."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 # ---------------------------------------------------------------- machine
 
 def machine() -> dict:

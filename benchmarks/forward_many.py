@@ -10,7 +10,6 @@ cache (engine/kvcache.py) and the batched attention (invariant.Many) are what it
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from hdcli import api
 from hdcli.engine import batch
 from hdcli.engine.tree import Tree, new_cache
 
-from common import machine
+from common import command_line, machine, write_result
 
 
 def caches(model, n: int, context: int) -> list:
@@ -86,11 +85,8 @@ def main() -> None:
             print(f"{kind:5} k={k} streams={s}: {ms:.1f} ms", flush=True)
     doc = {"machine": machine(), "model": args.model, "dtype": lm.dtype, "kernels": lm.kernels,
            "invariant": bool(lm.invariant), "rows": rows,
-           "command": "python benchmarks/forward_many.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+           "command": command_line("forward_many.py", args)}
+    write_result(args.out, doc)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ with --ablate what the attention costs at all (it is replaced by a no-op that re
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from hdcli import api
 from hdcli.engine import fused, invariant
 
-from common import machine
+from common import command_line, machine, write_result
 from forward_many import caches, median_ms, shape
 
 CASES = [(1, 1, "chain"), (1, 8, "tree"), (1, 16, "chain"), (4, 1, "chain"), (4, 3, "chain"), (4, 4, "tree")]
@@ -56,12 +55,8 @@ def main() -> None:
         print(row, flush=True)
     doc = {"machine": machine(), "model": args.model, "dtype": lm.dtype, "kernels": lm.kernels,
            "context": args.context, "decision": fused.decide(model), "forwards": rows,
-           "command": "python benchmarks/fused_attention.py " + " ".join(
-               f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-               for k, v in vars(args).items() if v not in (None, False))}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+           "command": command_line("fused_attention.py", args)}
+    write_result(args.out, doc)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ not depend on their values).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from hdcli.engine import int4
 
-from common import machine
+from common import command_line, machine, write_result
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))   # (out, in) of one layer's GEMMs
 
@@ -69,11 +68,8 @@ def main() -> None:
         print(f"{m:3} rows: {memory:.2f} ms from memory, {cached:.2f} ms from cache "
               f"({flop / memory / 1e6:.0f} GFLOP/s)", flush=True)
     doc = {"machine": machine(), "shapes": SHAPES, "layers": args.layers, "rows": rows,
-           "command": "python benchmarks/int4_gemm.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+           "command": command_line("int4_gemm.py", args)}
+    write_result(args.out, doc)
 
 
 if __name__ == "__main__":

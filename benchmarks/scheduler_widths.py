@@ -11,7 +11,6 @@ step. Each pass is a fresh Server (fresh shared recycled predictions) on the sam
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from hdcli.engine.verify import Sampling
 from hdcli.serve import Server
 from hdcli.serve.scheduler import Job
 
-from common import load_questions, machine, requests_from
+from common import command_line, load_questions, machine, requests_from, write_result
 
 
 def one_pass(cfg, lm, prompts, width: int, n: int) -> dict:
@@ -84,12 +83,8 @@ def main() -> None:
     doc = {"machine": machine(), "model": args.model, "dtype": lm.dtype, "kernels": lm.kernels,
            "invariant": bool(lm.invariant), "requests": len(prompts), "max_tokens": args.max_tokens,
            "summary": summary, "runs": runs,
-           "command": "python benchmarks/scheduler_widths.py " + " ".join(
-               f"--{k.replace('_', '-')} {v if not isinstance(v, list) else ' '.join(v)}"
-               for k, v in vars(args).items() if v not in (None, []))}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+           "command": command_line("scheduler_widths.py", args)}
+    write_result(args.out, doc)
 
 
 if __name__ == "__main__":
