@@ -29,8 +29,9 @@ Invariants
     the instance attribute, so the model is again exactly transformers' module.
   * The cache stays a transformers DynamicCache (update/crop/get_seq_length), so keep_path, crop
     and everything else that reads it work unchanged. tree.new_cache gives a model in the mode
-    one with kvcache.InvariantLayer layers: keys and [V | 1] kept as the attention reads
-    them (bf16 where the fused attention reads a bf16 model's, fp32 elsewhere), so no layer copies the whole cache (any other DynamicCache works too, converted).
+    one with kvcache.InvariantLayer layers: keys and [V | 1] kept as the attention reads them
+    (bf16 where the fused attention reads a bf16 model's, fp32 elsewhere), so no layer copies the
+    whole cache (any other DynamicCache works too, converted).
 """
 from __future__ import annotations
 
@@ -149,9 +150,7 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
         owners = [_owner(cache, attn.layer_idx) for _, cache, _, _ in parts]
         if whole_prompt:
             owners[0].append(k, v)
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
-                                                                 enable_gqa=hkv != hq)
-            o = o.transpose(1, 2).contiguous().reshape(1, m, hq * d)
+            o = invariant.causal_prompt_sdpa(q, k, v, attn.scaling).reshape(1, m, hq * d)
         elif appends:
             o = invariant.append_attend(q, k, v, owners, lays, attn.scaling).reshape(1, m, hq * d)
         elif many is None:
