@@ -266,9 +266,11 @@ static torch::Tensor attend_seqs(const torch::Tensor& q, std::vector<Args>& seqs
   int tr = 1;
   int64_t least = -1;
   const char* force = std::getenv("HD_FUSED_TILE");
+  const int forced = force != nullptr ? std::atoi(force) : 0;
   const int tallest = d <= 64 ? 6 : 4;
-  for (int c = tallest; c >= 1; --c) {
-    if (c == 5) continue;
+  for (int c : {6, 4, 3, 2, 1}) {                   // the heights run() has
+    if (c > tallest) continue;
+    if (c == forced) { tr = c; break; }
     int64_t count = 0, waste = 0;
     for (auto& A : seqs) {
       const int64_t t = (A.m * A.g + c - 1) / c;
@@ -277,7 +279,6 @@ static torch::Tensor attend_seqs(const torch::Tensor& q, std::vector<Args>& seqs
     }
     if ((count >= threads || c == 1) && (least < 0 || waste < least)) { tr = c; least = waste; }
   }
-  if (force != nullptr && std::atoi(force) >= 1 && std::atoi(force) <= tallest && std::atoi(force) != 5) tr = std::atoi(force);
   struct Tile { int64_t s, kv, x0; };
   std::vector<Tile> tiles;
   for (size_t s = 0; s < seqs.size(); ++s)
