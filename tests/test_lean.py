@@ -67,17 +67,25 @@ def test_lean_forward_covers_llama_only(tmp_path, monkeypatch):
     assert invariant.is_enabled(model) and not lean.is_enabled(model)
 
 
+@pytest.mark.parametrize("attention", ["torch", "fused"])
 @pytest.mark.parametrize("dtype,kern", [(torch.float32, "torch"), (torch.bfloat16, "onednn"),
                                         (torch.bfloat16, "int4")])
-def test_lean_prefill_fills_the_cache_as_the_stock_forward_does(dtype, kern, tmp_path, monkeypatch):
+def test_lean_prefill_fills_the_cache_as_the_stock_forward_does(dtype, kern, attention, tmp_path, monkeypatch):
     """lean.prefill (decode.Decoder._prefill's path) skips the last layer's attention, MLP and the
     head, and the stock forward's machinery: every layer's keys and values are torch.equal to those
-    transformers' forward leaves, for prompts through the invariant attention (<= MAX_ROWS tokens)
-    and through SDPA (longer), and the next step's logits are too. It leaves a cache that is not
-    empty to the stock forward."""
-    from hdcli.engine import int4
+    transformers' forward leaves, and the next step's logits are too: with the torch ops'
+    attention through the invariant attention (<= MAX_ROWS tokens) and SDPA (longer), with the
+    fused one through it at every length. It leaves a cache that is not empty to the stock forward."""
+    from hdcli.engine import fused
+    if attention == "fused" and fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
-    model = tiny_in_the_mode(dtype, kern)
+    with fused.pinned(attention):
+        _prefill_as_the_stock_forward(tiny_in_the_mode(dtype, kern))
+
+
+def _prefill_as_the_stock_forward(model):
+    from hdcli.engine import int4
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode(), int4.prefill():
         for m in (1, 37, invariant.MAX_ROWS, invariant.MAX_ROWS + 1, 150):
