@@ -48,6 +48,7 @@ def test_lean_forward_equals_the_transformers_forward_in_the_mode(dtype, kern, t
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     model = tiny_in_the_mode(dtype, kern)
     assert lean.is_enabled(model)
+    assert model._hd_inline_norm   # the norms run inlined (lean._rms_norm), checked below
     with torch.inference_mode():
         fast = steps(model)
         lean.disable(model)
@@ -57,6 +58,17 @@ def test_lean_forward_equals_the_transformers_forward_in_the_mode(dtype, kern, t
         assert torch.equal(a, b)
     invariant.disable(model)
     assert not lean.is_enabled(model)
+
+
+def test_norm_kept_as_a_module_where_the_inlined_one_differs(tmp_path, monkeypatch):
+    """A norm forward unlike transformers' (a hub kernel, another version) is not inlined."""
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    real = lean._rms_norm
+    monkeypatch.setattr(lean, "_rms_norm", lambda norm, x: real(norm, x) * 1.001)
+    model = tiny_in_the_mode(torch.float32, "torch")
+    assert lean.is_enabled(model) and not model._hd_inline_norm
+    lean.disable(model)
+    assert "_hd_inline_norm" not in model.__dict__
 
 
 def test_lean_forward_covers_llama_only(tmp_path, monkeypatch):

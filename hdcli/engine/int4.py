@@ -266,8 +266,11 @@ class Joined:
             at += l.out_features // 16
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        y = _gemm_module.mm(x.reshape(-1, x.shape[-1]), self.hd).reshape(*x.shape[:-1], -1)
-        return list(y.split(self.widths, -1))
+        return list(self.all(x).split(self.widths, -1))
+
+    def all(self, x: torch.Tensor) -> torch.Tensor:
+        """The layers' outputs side by side [..., sum of widths], in their order."""
+        return _gemm_module.mm(x.reshape(-1, x.shape[-1]), self.hd).reshape(*x.shape[:-1], -1)
 
 
 def joined(owner, names: tuple[str, ...]) -> Joined | None:
