@@ -114,7 +114,7 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
     keys and values alone, and [] is returned. A prefill of one part wider than MAX_ROWS on an
     empty cache attends as invariant.attention does a whole prompt in transformers' forward: by
     the fused attention where it is on, else by SDPA told the mask is causal."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     base = model.model
     sizes = [ids.shape[1] for ids, _, _, _ in parts]
     m = sum(sizes)
@@ -126,7 +126,6 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
     pos = pos[0] if len(parts) == 1 else torch.cat(pos, 1)
     x = base.embed_tokens(ids)
     cos, sin = base.rotary_emb(x, position_ids=pos)
-    cos1, sin1 = cos.unsqueeze(1), sin.unsqueeze(1)   # as apply_rotary_pos_emb broadcasts them
     layers = base.layers[: model.config.num_hidden_layers]
     attn0 = layers[0].self_attn
     hq, hkv, d = model.config.num_attention_heads, model.config.num_key_value_heads, attn0.head_dim
@@ -142,30 +141,15 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
     for i, layer in enumerate(layers):
         mods = layer._modules
         attn, mlp = mods["self_attn"], mods["mlp"]
-        am = attn._modules
         h = rms(mods["input_layernorm"], x)
         if keys_only and i == len(layers) - 1:
-            k = am["k_proj"](h).view(1, m, hkv, d).transpose(1, 2)
-            v = am["v_proj"](h).view(1, m, hkv, d).transpose(1, 2)
+            k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
+            v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
             k = apply_rotary_pos_emb(k, k, cos, sin)[1]
             for (_, cache, _, _), (a, b) in zip(parts, invariant.row_bounds(sizes)):
                 cache.layers[attn.layer_idx].append(k[:, :, a:b], v[:, :, a:b])
             return []
-        qkv = int4.joined(attn, QKV)
-        if qkv is not None:
-            # q and k are side by side in the joined output: one rotary over both (elementwise,
-            # so each element is what apply_rotary_pos_emb makes of it)
-            y = qkv.all(h)
-            qk = y[..., :(hq + hkv) * d].view(1, m, hq + hkv, d).transpose(1, 2)
-            qk = (qk * cos1) + (rotate_half(qk) * sin1)
-            q, k = qk[:, :hq], qk[:, hq:]
-            v = y[..., (hq + hkv) * d:].view(1, m, hkv, d).transpose(1, 2)
-        else:
-            q, k, v = am["q_proj"](h), am["k_proj"](h), am["v_proj"](h)
-            q = q.view(1, m, hq, d).transpose(1, 2)
-            k = k.view(1, m, hkv, d).transpose(1, 2)
-            v = v.view(1, m, hkv, d).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = _rotated_qkv(attn, h, (m, hq, hkv, d), cos, sin)
         li = attn.layer_idx
         owners = [_owner(p[1], li) for p in parts]
         if whole_prompt:
@@ -180,7 +164,7 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
             kvs = [_cached(cache, li, k[:, :, a:b], v[:, :, a:b], many.key_rows(j))
                    for j, ((_, cache, _, _), (a, b)) in enumerate(zip(parts, many.bounds))]
             o = invariant.attend_many(q, kvs, many, attn.scaling, owners).reshape(1, m, hq * d)
-        x = x + am["o_proj"](o)
+        x = x + attn._modules["o_proj"](o)
         h = rms(mods["post_attention_layernorm"], x)
         mm = mlp._modules
         gate_up = int4.joined(mlp, GATE_UP)
@@ -230,6 +214,25 @@ def _cached(cache, layer_idx: int, k, v, rows: int) -> tuple[torch.Tensor, torch
         return k32[0], v32[0]
     k, v = cache.update(k, v, layer_idx)
     return invariant.fp32_kv(k, v, rows)
+
+
+def _rotated_qkv(attn, h, shape, cos, sin):
+    """q, k (rotary applied) and v [1, heads, m, d] of one layer's attention for its input h."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half   # ~0.5 us after the first
+    m, hq, hkv, d = shape
+    qkv = int4.joined(attn, QKV)
+    if qkv is None:
+        am = attn._modules
+        q = am["q_proj"](h).view(1, m, hq, d).transpose(1, 2)
+        k = am["k_proj"](h).view(1, m, hkv, d).transpose(1, 2)
+        v = am["v_proj"](h).view(1, m, hkv, d).transpose(1, 2)
+        return (*apply_rotary_pos_emb(q, k, cos, sin), v)
+    # q and k are side by side in the joined output: one rotary over both (elementwise, so each
+    # element is what apply_rotary_pos_emb makes of it, cos and sin broadcast as it does)
+    y = qkv.all(h)
+    qk = y[..., :(hq + hkv) * d].view(1, m, hq + hkv, d).transpose(1, 2)
+    qk = (qk * cos.unsqueeze(1)) + (rotate_half(qk) * sin.unsqueeze(1))
+    return qk[:, :hq], qk[:, hq:], y[..., (hq + hkv) * d:].view(1, m, hkv, d).transpose(1, 2)
 
 
 def _module_norm(norm, x):
