@@ -114,7 +114,7 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
     keys and values alone, and [] is returned. A prefill of one part wider than MAX_ROWS on an
     empty cache attends as invariant.attention does a whole prompt in transformers' forward: by
     the fused attention where it is on, else by SDPA told the mask is causal."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.llama import modeling_llama as llama   # once a forward, not a layer
     base = model.model
     sizes = [ids.shape[1] for ids, _, _, _ in parts]
     m = sum(sizes)
@@ -145,11 +145,11 @@ def lean_forward_many(model, parts, keys_only: bool = False) -> list[torch.Tenso
         if keys_only and i == len(layers) - 1:
             k = attn.k_proj(h).view(1, m, hkv, d).transpose(1, 2)
             v = attn.v_proj(h).view(1, m, hkv, d).transpose(1, 2)
-            k = apply_rotary_pos_emb(k, k, cos, sin)[1]
+            k = llama.apply_rotary_pos_emb(k, k, cos, sin)[1]
             for (_, cache, _, _), (a, b) in zip(parts, invariant.row_bounds(sizes)):
                 cache.layers[attn.layer_idx].append(k[:, :, a:b], v[:, :, a:b])
             return []
-        q, k, v = _rotated_qkv(attn, h, (m, hq, hkv, d), cos, sin)
+        q, k, v = _rotated_qkv(attn, h, (m, hq, hkv, d), cos, sin, llama)
         li = attn.layer_idx
         owners = [_owner(p[1], li) for p in parts]
         if whole_prompt:
@@ -216,9 +216,9 @@ def _cached(cache, layer_idx: int, k, v, rows: int) -> tuple[torch.Tensor, torch
     return invariant.fp32_kv(k, v, rows)
 
 
-def _rotated_qkv(attn, h, shape, cos, sin):
-    """q, k (rotary applied) and v [1, heads, m, d] of one layer's attention for its input h."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half   # ~0.5 us after the first
+def _rotated_qkv(attn, h, shape, cos, sin, llama):
+    """q, k (rotary applied) and v [1, heads, m, d] of one layer's attention for its input h;
+    llama: transformers' modeling_llama, whose rotary functions these are."""
     m, hq, hkv, d = shape
     qkv = int4.joined(attn, QKV)
     if qkv is None:
@@ -226,12 +226,12 @@ def _rotated_qkv(attn, h, shape, cos, sin):
         q = am["q_proj"](h).view(1, m, hq, d).transpose(1, 2)
         k = am["k_proj"](h).view(1, m, hkv, d).transpose(1, 2)
         v = am["v_proj"](h).view(1, m, hkv, d).transpose(1, 2)
-        return (*apply_rotary_pos_emb(q, k, cos, sin), v)
+        return (*llama.apply_rotary_pos_emb(q, k, cos, sin), v)
     # q and k are side by side in the joined output: one rotary over both (elementwise, so each
     # element is what apply_rotary_pos_emb makes of it, cos and sin broadcast as it does)
     y = qkv.all(h)
     qk = y[..., :(hq + hkv) * d].view(1, m, hq + hkv, d).transpose(1, 2)
-    qk = (qk * cos.unsqueeze(1)) + (rotate_half(qk) * sin.unsqueeze(1))
+    qk = (qk * cos.unsqueeze(1)) + (llama.rotate_half(qk) * sin.unsqueeze(1))
     return qk[:, :hq], qk[:, hq:], y[..., (hq + hkv) * d:].view(1, m, hkv, d).transpose(1, 2)
 
 
