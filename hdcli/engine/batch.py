@@ -30,7 +30,7 @@ from .tree import Tree, attention_mask, tree_forward
 
 def can_batch(model) -> bool:
     """Whether forward_many verifies several items in one forward for this model."""
-    return invariant.is_enabled(model) and lean.is_enabled(model)
+    return invariant.is_enabled(model) and (lean.is_enabled(model) or hasattr(model, "forward_many"))
 
 
 def groups(sizes: Sequence[int], max_rows: int = invariant.MAX_ROWS) -> list[list[int]]:
@@ -66,5 +66,6 @@ def forward_many(model, items: Sequence[tuple[Tree, int, object]]) -> list[torch
             parts.append((ids, cache, pos, attention_mask(model, tree, past, cache)))
     out: list[torch.Tensor] = []
     for group in groups([p[0].shape[1] for p in parts]):
-        out.extend(lean.lean_forward_many(model, [parts[i] for i in group]))
+        many = getattr(model, "forward_many", None)   # hd's own forward, else the lean one
+        out.extend(many([parts[i] for i in group]) if many else lean.lean_forward_many(model, [parts[i] for i in group]))
     return out

@@ -430,7 +430,7 @@ def min_rows_for(layer: torch.nn.Module, in_features: int, dtype: torch.dtype, s
     gen = torch.Generator().manual_seed(seed)
     n = rows_per_m + 64
     x = torch.nn.functional.silu(3 * torch.randn(n, in_features, generator=gen))
-    x = (x * torch.randn(n, in_features, generator=gen)).to(dtype)
+    x = (x * torch.randn(n, in_features, generator=gen)).to(_device(layer), dtype)
     ref = torch.cat([layer(x[s:s + 16]) for s in range(0, n, 16)])
     bad = set()
     for rows in PROBE_ROWS:
@@ -444,6 +444,13 @@ def min_rows_for(layer: torch.nn.Module, in_features: int, dtype: torch.dtype, s
         if not any(b >= r for b in bad):
             return r
     return None
+
+
+def _device(layer: torch.nn.Module) -> torch.device:
+    """Where a layer's weights are (the probe goes there: a CUDA model's too)."""
+    for t in list(layer.parameters()) + list(layer.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def _linears(model: torch.nn.Module) -> list:
@@ -624,3 +631,52 @@ def _read(key: str | None) -> dict | None:
 def _write(key: str | None, info: dict) -> None:
     if key is not None:
         costs.write_json(_path(key), {"key": key, "format": FORMAT, **info})
+
+
+# ---------------------------------------------------------------- hd's own forwards (hdcli/models/)
+
+def enable_owned(model, cache_key: str | None = None) -> dict:
+    """The M-invariant mode of an owned forward: each Linear's least row count calibrated per
+    shape and kernel (Linear.min_rows; 1 where the kernel's per-row arithmetic is fixed, as hd's
+    GGUF GEMMs are: calibrated all the same, the check is what proves it), then the self-check
+    through the forward itself. Cached like enable()'s record; raises NotInvariant."""
+    cache_key = None if cache_key is None else f"{cache_key}|owned|attention:{fused.name()}"
+    record = _read(cache_key)
+    measured = record is None
+    layers = model.linears()
+    if measured:
+        found: dict = {}
+        for lin in layers:
+            key = lin.shape_key()
+            if key not in found:
+                found[key] = min_rows_for(lin.kernel, lin.in_features, lin.dtype)
+        record = {"linear_min_rows": found, "self_check": None}
+    why = _why_not(record)
+    if why is None:
+        rows = record["linear_min_rows"]
+        for lin in layers:
+            lin.min_rows = int(rows.get(lin.shape_key()) or 1)
+        model.numerics.min_rows = {k: v for k, v in rows.items()}
+        model.numerics.invariant = True
+        model.hd_invariant = {}
+        if record["self_check"] is None:
+            record["self_check"], measured = list(self_check(model)), True
+        why = _why_not(record)
+    if measured:
+        _write(cache_key, record)
+    if why is not None:
+        model.numerics.invariant = False
+        model.hd_invariant = None
+        for lin in layers:
+            lin.min_rows = 1
+        raise NotInvariant(why)
+    model.hd_invariant = {"attention": NAME, "chunk": CHUNK, "kernel": fused.name(), **record}
+    return model.hd_invariant
+
+
+def try_enable_owned(model, cache_key: str | None) -> dict:
+    """enable_owned(), or {"off": why} where the mode does not hold."""
+    try:
+        return enable_owned(model, cache_key)
+    except NotInvariant as exc:
+        return {"off": str(exc)}

@@ -235,3 +235,22 @@ def new_cache(model):
 def is_invariant_cache(cache) -> bool:
     layers = getattr(cache, "layers", None)
     return bool(layers) and isinstance(layers[0], InvariantLayer)
+
+
+class Cache:
+    """hd's own cache for an owned forward (hdcli/models/): one InvariantLayer a decoder layer, and
+    the few methods the decode loop and tree.keep_path use (get_seq_length, crop, layers)."""
+
+    def __init__(self, n_layers: int):
+        self.layers = [InvariantLayer() for _ in range(n_layers)]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+    def crop(self, max_length: int) -> None:
+        """As DynamicCache.crop: to max_length tokens, or remove -max_length tokens when negative."""
+        n = self.get_seq_length()
+        remove = -max_length if max_length < 0 else n - max_length
+        if remove > 0:
+            for layer in self.layers:
+                layer.crop(-remove)

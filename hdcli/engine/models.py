@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -328,6 +329,10 @@ def _check_folder(kind: str, folder: str) -> None:
 def load_tokenizer(name: str = DEFAULT_MODEL):
     """The tokenizer of a model, without loading its weights (for building DBs)."""
     from transformers import AutoTokenizer
+    kind, source = resolve(name)
+    if kind == "gguf":
+        from ..models.gguf import GGUFFile, tokenizer
+        return tokenizer(GGUFFile(source), cache_dir())
     kind, _, folder, _ = _local_folder(name)
     _check_folder(kind, folder)
     offline = _offline_kwargs(kind)
@@ -352,6 +357,9 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     dev = resolve_device(device)
     if invariant not in INVARIANT:
         raise HdError(f"--invariant must be one of {', '.join(INVARIANT)}, not '{invariant}'")
+    kind, source = resolve(name)
+    if kind == "gguf" and owned_family(source) is not None:   # hd's own forward, in the file's bits
+        return load_owned(name, source, dtype, dev, kernels, invariant, quiet)
     if dtype == "auto" and dev == "cpu" and invariant != "off" and native_bf16():
         return _fastest_exact(name, kernels, drafting, quiet, invariant)
     dt = resolve_dtype(dtype, dev)
@@ -410,3 +418,100 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                        load_seconds=time.perf_counter() - t0, kernels=kn, from_cache=from_cache,
                        info=info, invariant=on)
 
+
+
+# ---------------------------------------------------------------- GGUF files into hd's own forward
+
+def owned_family(source: str) -> str | None:
+    """The owned forward (hdcli/models/) that runs a GGUF file, or None (transformers' forward)."""
+    from ..models import family_of
+    from ..models.gguf import GGUFFile
+    return family_of(GGUFFile(source).arch)
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (Linux: VmHWM)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def load_owned(name: str, source: str, dtype: str, device: str, kernels: str, invariant: str,
+               quiet: bool) -> LoadedModel:
+    """A GGUF file into hd's own forward, in the file's own bits (hdcli/models/): no fp32 copy of
+    the model, no converted copy on disk. dtype "auto": bf16 (fp32 only where asked: every weight
+    dequantized to fp32). kernels "auto"/"int4"/"gguf": the file's blocks where hd has a kernel
+    for their type; "onednn"/"torch": dense. invariant as in load()."""
+    import torch
+    from ..models import build
+    from ..models.gguf import GGUFFile, tokenizer
+    from ..models.numerics import Numerics
+    from . import fused, invariant as inv
+    from .kernels import KERNELS
+    t0 = time.perf_counter()
+    if kernels not in KERNELS + ("gguf",):
+        raise HdError(f"--kernels must be one of {', '.join(KERNELS)}, not '{kernels}'")
+    dt = "bf16" if dtype == "auto" else dtype
+    if dt == "fp16":
+        raise HdError("--dtype fp16: hd's forward of a GGUF runs in bf16 or fp32; pass --dtype bf16 or fp32")
+    kn = "gguf" if kernels in ("auto", "int4", "gguf") else kernels
+    if kn == "onednn" and device != "cpu":
+        raise HdError("--kernels onednn needs a CPU model; use --kernels torch")
+    gf = GGUFFile(source)
+    tok = tokenizer(gf, cache_dir())
+    num = Numerics(dtype=dt, device=device, kernels=kn, invariant=invariant != "off")
+    cfg = gf.config()
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.num_hidden_layers, desc=f"loading {Path(source).name}", unit=" layers",
+               file=sys.stderr, disable=quiet, mininterval=0.5, leave=False)
+    with torch.inference_mode(), bar:
+        model = build(gf, cfg, num, progress=bar.update)
+    model.eval()
+    info: dict = {"forward": f"hd ({model.family})", "file_types": gf.type_counts()}
+    on = False
+    if invariant != "off":
+        fused.decide(model, quiet=quiet)
+        from . import costs
+        key = costs.curve_key(source, dt, device, kn)
+        got = inv.try_enable_owned(model, key)
+        info["invariant"] = got
+        on = inv.holds(got)
+        if invariant == "on" and not on:
+            raise HdError(f"--invariant on: the M-invariant forward does not hold for {name} in {dt} with "
+                          f"{kn} kernels here ({got['off']}); use --invariant off or another --dtype/--kernels")
+    num.invariant = on
+    num.attention = fused.name() if on else "sdpa"
+    info["numerics"] = num.record()
+    lm = LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dt, device=device,
+                     load_seconds=time.perf_counter() - t0, kernels=kn, invariant=on, info=info)
+    info["peak_rss_bytes"] = peak_rss_bytes()
+    return lm
+
+
+def load_reference(name: str, dtype: str, device: str):
+    """transformers' own model of `name` (its stock forward), for the baselines users have
+    (transformers' generate) and as the reference forward in tests. A GGUF is read by
+    transformers itself, in memory (it dequantizes the whole model to the dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    kind, source = resolve(name)
+    t0 = time.perf_counter()
+    if kind != "gguf":
+        return load(name, dtype=dtype, device=device, kernels="torch", quiet=True, invariant="off")
+    path = Path(source)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch_dtype(dtype))
+    except Exception as exc:  # transformers raises many kinds for a file it cannot read
+        raise HdError(f"could not read GGUF {path} with transformers: {str(exc).splitlines()[0]}") from None
+    model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dtype, device=device,
+                       load_seconds=time.perf_counter() - t0, kernels="torch", invariant=False)

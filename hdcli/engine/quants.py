@@ -1,0 +1,304 @@
+"""A GGUF's quantized weights kept (nearly) in their own bits: exact dequantization, and
+weight-only GEMMs on the blocks (csrc/qmm.cpp) for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K.
+
+Why: one decode step reads every weight once, so bytes per weight bound its speed. int4.py keeps
+Q4_0/Q4_1 weights 4-bit; GGUFs of other quantisations (Q8_0, the K-quants of llama.cpp's
+Q4_K_M/Q5_K_M/Q6_K files) were dequantized to bf16 (16 bits a weight, against 4.5-8.5 in the file).
+Here every such type is split into integer codes, one scale and (for some) one low per group of
+GK weights along K, W = scale * code + low, which csrc/qmm.cpp multiplies by the bf16 activations
+with bf16 dot products on the integer codes (int4mm.cpp's arithmetic, generalised):
+
+  type   GK  codes            scale          low          kernel format (bytes a weight)
+  Q4_0   32  q in 0..15       d              -8 d         q4h: 4-bit, fp16 constants  (0.625)
+  Q4_1   32  q in 0..15       d              m            q4h                         (0.625)
+  Q8_0   32  q in -128..127   d              -            q8s: int8, fp32 scale       (1.125)
+  Q4_K   32  q in 0..15       d sc           -dmin m      q4f: 4-bit, fp32 constants  (0.75)
+  Q5_K   32  q in 0..31       d sc           -dmin m      q8f: int8, fp32 constants   (1.25)
+  Q6_K   16  q - 32 in -32..31  d sc (sc int8)  -         q8s                         (1.25)
+
+d, dmin and m are the block's fp16 numbers, sc and m the K-quants' 6-bit (Q6_K: int8) sub-block
+scales: every scale and low is exact in fp32 (an fp16 times an integer of at most 8 bits), and
+in fp16 for Q4_0/Q4_1 (int4mm's layout, byte for byte), so the kernel multiplies by the file's
+weights exactly; each output is then sum over groups of fma(s1, scale) and fma(s0, low) in fp32,
+rounded once to bf16 (csrc/qmm.cpp's header). Its arithmetic per row does not depend on the row
+count or the row's place, so the M-invariant forward (engine/invariant.py) can use it.
+
+Dequantization (`dequantize`, `dequantize_f32`) computes each type's weights with the op order of
+gguf-py's reference (gguf.quants.dequantize): the fp32 values are equal bit for bit (tests/
+test_quants.py), then rounded to bf16 to nearest even, a chunk of rows at a time.
+
+Invariants
+  * QLinear.weight_matrix() (I @ W^T through the kernel) equals dequantize()'s bf16 weights as
+    values (torch.equal); a zero's sign may differ (the kernel's sums start from +0).
+  * A QLinear holds only its packing (and bias): no second copy of the weights.
+  * Where the kernel is not built (no compiler, no AVX512-BF16: `kernel_available()`), QLinear
+    raises RuntimeError and the caller keeps dequantized bf16 weights; where a tensor's shape does
+    not fit the packing (N % 16, K % the type's block), `pack` returns None and QLinear raises
+    ValueError (`fits()` says beforehand).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+FLOATS = ("F32", "F16", "BF16")
+QK_K = 256
+# weights and bytes of a GGUF block
+BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
+         "Q6_K": (QK_K, 210)}
+GROUP = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}   # weights a scale
+FORMAT = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q4_K": "q4f", "Q5_K": "q8f", "Q6_K": "q8s"}
+CHUNK = 1 << 22        # weights dequantized at a time (16 MB in fp32, 8 MB of bf16 output)
+
+SOURCE = Path(__file__).with_name("csrc") / "qmm.cpp"
+_module = None
+_failed: str | None = None
+
+
+def gemm_module(quiet: bool = True):
+    """The compiled GEMM (csrc/qmm.cpp), or None where it cannot be built or this CPU lacks
+    AVX512-BF16 (why: `failure()`)."""
+    global _module, _failed
+    if _module is None and _failed is None:
+        from . import fused
+        _module, _failed = fused.compile_extension(SOURCE, fused.extension_name(SOURCE, "hd_qmm_"),
+                                                   "the GGUF GEMM", quiet)
+        if _module is not None and not _module.supported():
+            _module, _failed = None, "this CPU has no AVX512-BF16"
+    return _module
+
+
+def kernel_available(quiet: bool = True) -> bool:
+    """Whether QLinear can be made here (the GEMM compiled and this CPU has AVX512-BF16)."""
+    return gemm_module(quiet) is not None
+
+
+def failure() -> str | None:
+    """Why the GEMM is not available (None: available, or not tried yet)."""
+    return _failed
+
+
+# ------------------------------------------------------------------ the GGUF blocks
+
+def _bytes(raw: np.ndarray, n: int) -> np.ndarray:
+    """A tensor's data as bytes [n, bytes a row] (GGUFReader gives F32/F16 as typed arrays)."""
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
+
+
+def _f16(b: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of each block [..., bytes], as fp32 [...]."""
+    return b[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's 4-bit runs: each 32 bytes [..., c, 32] hold sub-blocks 2c (low nibbles) and 2c + 1
+    (high nibbles) of 32 weights, element i in byte i. Returns [..., 2 c, 32]."""
+    return np.stack([qs & 0x0F, qs >> 4], -2).reshape(*qs.shape[:-2], -1, 32)
+
+
+def _scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The K-quants' 12 bytes [..., 12] of 6-bit sub-block scales and mins, each [..., 8]: bytes
+    0-3 hold scales 0-3 in their low 6 bits, 4-7 mins 0-3; bytes 8-11 hold the low 4 bits of
+    scales 4-7 (low nibble) and mins 4-7 (high nibble), whose top 2 bits are the top bits of bytes
+    0-3 (scales) and 4-7 (mins)."""
+    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], -1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], -1)
+    return sc, mn
+
+
+def _q4_0(b):   # Q4_0/Q4_1: one run of 16 bytes (element i in byte i's low nibble, i + 16 its high one)
+    d = _f16(b, 0)
+    return np.concatenate([b[..., 2:] & 0x0F, b[..., 2:] >> 4], -1), d, -8 * d
+
+
+def _q4_1(b):
+    return np.concatenate([b[..., 4:] & 0x0F, b[..., 4:] >> 4], -1), _f16(b, 0), _f16(b, 2)
+
+
+def _q8_0(b):
+    return b[..., 2:].view(np.int8), _f16(b, 0), None
+
+
+def _q4_k(b):
+    d, dmin = _f16(b, 0)[..., None], _f16(b, 2)[..., None]
+    sc, mn = _scale_min(b[..., 4:16])
+    codes = _nibbles(b[..., 16:144].reshape(*b.shape[:-1], 4, 32))
+    return codes, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _q5_k(b):
+    d, dmin = _f16(b, 0)[..., None], _f16(b, 2)[..., None]
+    sc, mn = _scale_min(b[..., 4:16])
+    high = (b[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1   # bit s of byte i: sub-block s, element i
+    codes = _nibbles(b[..., 48:176].reshape(*b.shape[:-1], 4, 32)) | (high << 4)
+    return codes.view(np.int8), d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _q6_k(b):
+    lead = b.shape[:-1]
+    # low 4 bits: two halves of 128 weights, each 64 bytes: element 64 s + j of a half in byte j, nibble s
+    low = (b[..., 0:128].reshape(*lead, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0x0F
+    # high 2 bits: each half 32 bytes: element 32 t + i of a half in byte i, bits 2t and 2t + 1
+    high = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03
+    codes = (low.reshape(*lead, QK_K) | (high.reshape(*lead, QK_K) << 4)).view(np.int8) - np.int8(32)
+    return codes, _f16(b, 208)[..., None] * b[..., 192:208].view(np.int8).astype(np.float32), None
+
+
+_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def unpack(type_name: str, raw: np.ndarray, n: int, k: int):
+    """(codes [n, k] uint8 or int8, scale [n, k/GK] fp32, low [n, k/GK] fp32 or None, GK) of a
+    tensor's raw GGUF bytes [n rows (outputs), bytes a row]: W = scale * codes + low per group of
+    GK along K (the table in the module docstring)."""
+    size, nbytes = BLOCK[type_name]
+    if k % size:
+        raise ValueError(f"{type_name}: K = {k} is not a whole number of its {size}-weight blocks")
+    b = _bytes(raw, n)
+    if b.shape[1] != k // size * nbytes:
+        raise ValueError(f"{type_name}: {b.shape[1]} bytes a row, not {k // size * nbytes} for K = {k}")
+    codes, scale, low = _UNPACK[type_name](b.reshape(n, k // size, nbytes))
+    gk = GROUP[type_name]
+    return (codes.reshape(n, k), scale.reshape(n, k // gk),
+            None if low is None else low.reshape(n, k // gk), gk)
+
+
+def _weights(type_name: str, codes, scale, low, gk: int) -> np.ndarray:
+    """fp32 weights [n, k] with gguf-py's op order (the same fp32 bits): Q4_0 d (q - 8), Q8_0 and
+    Q6_K q d, Q4_1 d q + m, Q4_K and Q5_K d q - dmin m (= d q + low: x - y is x + (-y))."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // gk, gk).astype(np.float32)
+    s = scale[..., None]
+    if type_name == "Q4_0":
+        w = s * (c - np.float32(8))
+    elif low is None:
+        w = c * s
+    else:
+        w = s * c + low[..., None]
+    return w.reshape(n, k)
+
+
+def _rows_of(raw: np.ndarray, n: int, rows) -> np.ndarray:
+    b = _bytes(raw, n)
+    return b if rows is None else b[np.asarray(rows, dtype=np.int64)]
+
+
+def dequantize_f32(type_name: str, raw: np.ndarray, n: int, k: int, rows=None) -> np.ndarray:
+    """fp32 weights [n or len(rows), k] of a tensor's raw GGUF data (TYPES or F32, F16, BF16), equal
+    bit for bit to gguf.quants.dequantize's. rows: only those rows (an index array). All at once:
+    for big tensors, `dequantize` goes by chunks."""
+    b = _rows_of(raw, n, rows)
+    m = b.shape[0]
+    if type_name == "F32":
+        return b.view(np.float32).reshape(m, k)
+    if type_name == "F16":
+        return b.view(np.float16).reshape(m, k).astype(np.float32)
+    if type_name == "BF16":
+        return (b.view(np.uint16).reshape(m, k).astype(np.uint32) << 16).view(np.float32)
+    if type_name not in TYPES:
+        raise NotImplementedError(f"dequantizing {type_name} is not implemented (types: {', '.join(TYPES + FLOATS)})")
+    codes, scale, low, gk = unpack(type_name, b, m, k)
+    return _weights(type_name, codes, scale, low, gk)
+
+
+def dequantize(type_name: str, raw: np.ndarray, n: int, k: int, rows=None) -> torch.Tensor:
+    """bf16 weights [n or len(rows), k]: dequantize_f32's, rounded to nearest even, CHUNK weights
+    at a time (a big tensor is never whole in fp32). rows: only those rows (an embedding lookup)."""
+    b = _rows_of(raw, n, rows)
+    m = b.shape[0]
+    out = torch.empty((m, k), dtype=torch.bfloat16)
+    if type_name == "BF16":   # already bf16: its bits
+        out.view(torch.int16).copy_(torch.from_numpy(np.ascontiguousarray(b).view(np.int16).reshape(m, k)))
+        return out
+    step = max(1, CHUNK // max(k, 1))
+    for a in range(0, m, step):
+        out[a:a + step] = torch.from_numpy(dequantize_f32(type_name, b[a:a + step], min(step, m - a), k))
+    return out
+
+
+# ------------------------------------------------------------------ the kernel's packing
+
+def fits(type_name: str, n: int, k: int) -> bool:
+    """Whether a [n, k] tensor of this type packs for the kernel (N % 16, K a whole number of blocks)."""
+    return type_name in TYPES and n > 0 and k > 0 and n % 16 == 0 and k % BLOCK[type_name][0] == 0
+
+
+def _lanes(codes: np.ndarray, gk: int) -> np.ndarray:
+    """codes [n, k] as [n/16, k/gk, gk/2, 32]: block, group, pair, lane L = (column L / 2, k 2 p + L % 2)."""
+    n, k = codes.shape
+    c = codes.view(np.uint8).reshape(n // 16, 16, k // gk, gk // 2, 2)   # block, column, group, pair, k
+    return c.transpose(0, 2, 3, 1, 4).reshape(n // 16, k // gk, gk // 2, 32)
+
+
+def _consts(a: np.ndarray, dtype) -> np.ndarray:
+    """scale or low [n, G] as [n/16, G, bytes]: each block's 16 columns side by side."""
+    n, g = a.shape
+    return np.ascontiguousarray(a.astype(dtype).reshape(n // 16, 16, g).transpose(0, 2, 1)).view(np.uint8)
+
+
+def pack(type_name: str, raw: np.ndarray, n: int, k: int):
+    """(packed [n/16, k/GK, bytes] uint8 tensor, fmt) for csrc/qmm.cpp, or None where the shape
+    does not fit (`fits`). Q4_0/Q4_1 blocks whose constants are not exact in fp16 (-8 d past the
+    fp16 range) go to q4f."""
+    if not fits(type_name, n, k):
+        return None
+    codes, scale, low, gk = unpack(type_name, raw, n, k)
+    fmt = FORMAT[type_name]
+    if fmt == "q4h":
+        both = np.stack([scale, low])
+        if not np.array_equal(both.astype(np.float16).astype(np.float32), both):
+            fmt = "q4f"
+    lanes = _lanes(codes, gk)
+    if fmt in ("q4h", "q4f"):   # byte j of a pair: lane j in its low nibble, lane j + 16 in its high one
+        lanes = lanes[..., :16] | (lanes[..., 16:] << 4)
+    const = np.float16 if fmt == "q4h" else np.float32
+    parts = [lanes.reshape(n // 16, k // gk, -1), _consts(scale, const)]
+    if low is not None:
+        parts.append(_consts(low, const))
+    return torch.from_numpy(np.concatenate(parts, -1)), fmt
+
+
+class QLinear(torch.nn.Module):
+    """y = x @ W^T + bias with W a GGUF tensor's blocks, multiplied by csrc/qmm.cpp's GEMM."""
+
+    def __init__(self, type_name: str, raw: np.ndarray, n_out: int, k_in: int, bias: torch.Tensor | None = None):
+        """raw: the tensor's GGUF bytes [n_out, bytes a row] (GGUFReader's tensor.data); bias [n_out]
+        or None. RuntimeError where the kernel is not available here, ValueError where the shape
+        does not fit its packing (`fits`): the caller then dequantizes to bf16."""
+        super().__init__()
+        if gemm_module() is None:
+            raise RuntimeError(f"the GGUF GEMM is not available here ({_failed}): dequantize to bf16 instead")
+        got = pack(type_name, raw, n_out, k_in)
+        if got is None:
+            raise ValueError(f"a {type_name} tensor [{n_out}, {k_in}] does not fit the GGUF GEMM's packing "
+                             f"(N % 16, K % {BLOCK.get(type_name, ('?',))[0]})")
+        self.packed, self.fmt = got
+        self.qtype = type_name
+        self.out_features, self.in_features = n_out, k_in
+        self.dtype = torch.bfloat16
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds: the packing and the bias."""
+        return self.packed.numel() + (0 if self.bias is None else 2 * self.bias.numel())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = _module.mm(rows, self.packed, self.fmt)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def weight_matrix(self) -> torch.Tensor:
+        """The bf16 weights [out, in] the kernel multiplies by, exactly: I @ W^T through it."""
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        return _module.mm(eye, self.packed, self.fmt).t().contiguous()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} "
+                f"({self.fmt}, {self.nbytes / (self.in_features * self.out_features):.3f} bytes a weight)")

@@ -1,0 +1,31 @@
+"""hd's own forwards, one module per model family, built from a GGUF file in its own bits.
+
+  llama.py   Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2, Qwen3 (GGUF architectures below)
+  gguf.py    the file: metadata as a ModelConfig, tensors as the file holds them, the tokenizer
+  layers.py  Linear by kernel, the embedding read from the file, RMSNorm
+  rope.py    rotary embeddings
+  numerics.py  the Numerics record: every choice that changes the bits a forward computes
+
+Other architectures run on transformers' forward (engine/models.py says so in one line).
+"""
+from __future__ import annotations
+
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+
+
+def family_of(arch: str) -> str | None:
+    return FAMILIES.get(arch)
+
+
+def build(gf, cfg, num, progress=None):
+    """The owned model of a GGUF file (gguf.GGUFFile), by family."""
+    family = family_of(gf.arch)
+    if family == "llama":
+        from .llama import LlamaForward
+        return LlamaForward(gf, cfg, num, progress)
+    raise ValueError(f"no owned forward for architecture {gf.arch}")
+
+
+def is_owned(model) -> bool:
+    """Whether `model` is one of hd's own forwards (else a transformers model)."""
+    return getattr(model, "numerics", None) is not None and hasattr(model, "forward_many")

@@ -1,0 +1,255 @@
+"""hd's own forward for the llama family (Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2/Qwen3), from a
+GGUF file, in the file's own bits.
+
+One decoder layer: x += o(attention(rope(q(norm(x))), rope(k(norm(x))), v(norm(x))));
+x += down(silu(gate(norm(x))) * up(norm(x))); then the final norm and the head. Qwen2's q/k/v
+biases and Qwen3's per-head q/k norms are read where the file has them; rope scaling as the
+file's metadata states it (transformers' rope functions compute the frequencies).
+
+Same numerics as transformers' LlamaModel, op by op, where it matters for the reference tests
+(tests/test_owned.py): norms in fp32 then the model dtype times the weight, rope as
+x * cos + rotate(x) * sin with the frequencies computed in fp32, attention in fp32 in the
+M-invariant mode (engine/invariant.py). Two things differ by design:
+  * q and k stay in the file's row order. llama.cpp's converter interleaves each head's rotary
+    halves for `llama`; transformers un-permutes them on load, hd rotates the pairs (2i, 2i + 1)
+    instead (the same rotation of the same numbers, elementwise; a score sums the head's
+    products in another order). Qwen2/3 files keep halves and rotate halves.
+  * Linear layers are whatever kernel holds the file's tensor (engine/quants.QLinear for the
+    GGUF types hd multiplies directly, else a bf16 or fp32 layer dequantized one tensor at a
+    time): the kernel is part of the model's numerics, recorded in its Numerics (numerics.py).
+
+Call it as `model.forward_many(parts)` (the decode loop, tree verification and the batched
+forward of hd serve all do, through engine/tree.py and engine/batch.py) or as transformers
+models are called (`model(input_ids=..., past_key_values=..., position_ids=..., attention_mask=...)`,
+returning `.logits`), which the cost measurement and the self-check use.
+
+Invariants
+  * A forward's rows depend only on their own tokens and path in the M-invariant mode: every
+    row-wise op works row by row, every Linear kernel has a fixed per-row arithmetic or is padded
+    to its calibrated least row count (Numerics.min_rows), and the attention is invariant.py's.
+  * The cache is kvcache.Cache (keys and [V | 1] preallocated, grown by doubling); forward_many
+    appends each part's rows to its own cache.
+  * Nothing here holds a weight in a wider dtype than the model's dtype, and the quantized ones
+    stay as the file's blocks (a repacked copy the kernel streams, of about the file's size).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..engine import fused, invariant, kvcache
+from .layers import Embedding, Linear, rms_norm
+from .numerics import Numerics
+from .rope import Rope
+
+
+class Block(nn.Module):
+    """One decoder layer's weights."""
+
+    def __init__(self, i: int, gf, cfg, num: Numerics):
+        super().__init__()
+        p = f"blk.{i}."
+        self.attn_norm = nn.Parameter(num.vector(gf, p + "attn_norm.weight"), requires_grad=False)
+        self.ffn_norm = nn.Parameter(num.vector(gf, p + "ffn_norm.weight"), requires_grad=False)
+        bias = {n: num.vector(gf, f"{p}attn_{n}.bias") if gf.has(f"{p}attn_{n}.bias") else None for n in "qkv"}
+        self.q = num.linear(gf, p + "attn_q.weight", bias["q"])
+        self.k = num.linear(gf, p + "attn_k.weight", bias["k"])
+        self.v = num.linear(gf, p + "attn_v.weight", bias["v"])
+        self.o = num.linear(gf, p + "attn_output.weight")
+        self.gate = num.linear(gf, p + "ffn_gate.weight")
+        self.up = num.linear(gf, p + "ffn_up.weight")
+        self.down = num.linear(gf, p + "ffn_down.weight")
+        # Qwen3: RMSNorm of each head's q and k before the rotation
+        self.q_norm = (nn.Parameter(num.vector(gf, p + "attn_q_norm.weight"), requires_grad=False)
+                       if gf.has(p + "attn_q_norm.weight") else None)
+        self.k_norm = (nn.Parameter(num.vector(gf, p + "attn_k_norm.weight"), requires_grad=False)
+                       if gf.has(p + "attn_k_norm.weight") else None)
+
+
+class GenerationConfig:
+    """What hd reads of a generation config: the end-of-sequence ids."""
+
+    def __init__(self, eos_token_id):
+        self.eos_token_id = eos_token_id
+
+
+class Output:
+    def __init__(self, logits, past_key_values):
+        self.logits, self.past_key_values = logits, past_key_values
+
+
+class LlamaForward(nn.Module):
+    """The model: embedding, blocks, final norm, head. `numerics` says how it computes."""
+
+    family = "llama"
+
+    def __init__(self, gf, cfg, num: Numerics, progress=None):
+        super().__init__()
+        self.config, self.numerics = cfg, num
+        self.generation_config = GenerationConfig(cfg.eos_token_id)
+        self.embed = Embedding(gf, "token_embd.weight", num)
+        blocks = []
+        for i in range(cfg.num_hidden_layers):
+            blocks.append(Block(i, gf, cfg, num))
+            gf.release()
+            if progress is not None:
+                progress(1)
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.Parameter(num.vector(gf, "output_norm.weight"), requires_grad=False)
+        self.head = num.linear(gf, "output.weight" if gf.has("output.weight") else "token_embd.weight")
+        gf.release()
+        self.rope = Rope(cfg, num.device)
+        self.scaling = cfg.head_dim ** -0.5
+
+    # ------------------------------------------------------------ what the rest of hd reads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.numerics.torch_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
+    def new_cache(self) -> kvcache.Cache:
+        return kvcache.Cache(self.config.num_hidden_layers)
+
+    def linears(self) -> list:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def truncated(self, k: int) -> "LlamaForward":
+        """A model of the first k blocks, the final norm and the head, sharing their weights (the
+        `self:layers=K` draft model): no copy."""
+        import copy
+        small = copy.copy(self)
+        small._modules = dict(self._modules)
+        small._parameters = dict(self._parameters)
+        small.blocks = nn.ModuleList(list(self.blocks)[:k])
+        small.config = copy.copy(self.config)
+        small.config.num_hidden_layers = k
+        small.numerics = self.numerics.replace(invariant=False)
+        return small
+
+    # ------------------------------------------------------------ forwards
+
+    def forward(self, input_ids=None, past_key_values=None, position_ids=None, attention_mask=None,
+                use_cache=True, logits_to_keep=0, **kwargs) -> Output:
+        """transformers' calling convention (one sequence): logits [1, M, V]; a cache of another
+        kind than kvcache.Cache, or none, is replaced by a new one."""
+        if kwargs.get("inputs_embeds") is not None or input_ids.shape[0] != 1:
+            raise ValueError("hd's forward takes one sequence of input_ids")
+        cache = past_key_values if isinstance(past_key_values, kvcache.Cache) else self.new_cache()
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
+        m = input_ids.shape[1]
+        if m <= invariant.MAX_ROWS or cache.get_seq_length() == 0:
+            logits = self.forward_many([(input_ids, cache, position_ids, mask)])[0]
+        else:  # longer than a verification, on a filled cache: causal pieces in turn
+            assert mask is None and position_ids is None, "a wide forward on a filled cache must be causal"
+            logits = torch.cat([self.forward_many([(input_ids[:, a:a + invariant.MAX_ROWS], cache, None, None)])[0]
+                                for a in range(0, m, invariant.MAX_ROWS)])
+        if logits_to_keep:
+            logits = logits[-logits_to_keep:]
+        return Output(logits[None], cache)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids, cache) -> None:
+        """Fill an empty cache with a prompt's keys and values, and nothing else (no logits)."""
+        self.forward_many([(input_ids, cache, None, None)], keys_only=True)
+
+    @torch.inference_mode()
+    def forward_many(self, parts, keys_only: bool = False) -> list[torch.Tensor]:
+        """One forward over several sequences' tokens: parts [(input_ids [1, m], cache,
+        position_ids [1, m] or None, mask [1, 1, m, past + m] or None)]. Returns each part's
+        logits [m, V]; each cache grows by its part's tokens. A part's logits are torch.equal to
+        its forward alone in the M-invariant mode (row-wise ops, invariant attention per part).
+
+        More than invariant.MAX_ROWS rows only as one part on an empty cache (a prompt), which
+        attends causally: the fused attention where it is on, else SDPA told it is causal (the
+        keys of a prompt are the same in plain and speculative decoding). keys_only: fill the
+        caches and stop; the last layer computes its keys and values alone."""
+        cfg, num = self.config, self.numerics
+        sizes = [p[0].shape[1] for p in parts]
+        m = sum(sizes)
+        pasts = [p[1].get_seq_length() for p in parts]
+        ids = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], 1)
+        device = ids.device
+        pos = [p[2] if p[2] is not None else torch.arange(past, past + k, device=device).unsqueeze(0)
+               for p, past, k in zip(parts, pasts, sizes)]
+        pos = pos[0] if len(parts) == 1 else torch.cat(pos, 1)
+        x = self.embed(ids[0])                                   # [m, D]
+        cos, sin = self.rope(pos[0], x.dtype)                    # [m, head_dim]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        inv = num.invariant
+        fused_on = inv and invariant.fused_on(device)
+        whole = len(parts) == 1 and m > invariant.MAX_ROWS and not fused_on
+        lays = [] if whole or not inv else [invariant.layout(p[3], k, past + k, hq // hkv, device)
+                                            for p, past, k in zip(parts, pasts, sizes)]
+        many = invariant.Many(lays, sizes, hq, hkv, device) if inv and len(parts) > 1 and not fused_on else None
+        bounds = invariant.row_bounds(sizes)
+        eps = cfg.rms_norm_eps
+        last = len(self.blocks) - 1
+        for i, blk in enumerate(self.blocks):
+            h = rms_norm(x, blk.attn_norm, eps)
+            if keys_only and i == last:
+                k = self._heads(blk.k(h), hkv, d, blk.k_norm)
+                v = blk.v(h).view(m, hkv, d).transpose(0, 1)
+                k = self.rope.apply(k, cos, sin)
+                for (_, cache, _, _), (a, b) in zip(parts, bounds):
+                    cache.layers[i].append(k[None, :, a:b], v[None, :, a:b])
+                return []
+            q = self.rope.apply(self._heads(blk.q(h), hq, d, blk.q_norm), cos, sin)[None]   # [1, hq, m, d]
+            k = self.rope.apply(self._heads(blk.k(h), hkv, d, blk.k_norm), cos, sin)[None]
+            v = blk.v(h).view(m, hkv, d).transpose(0, 1)[None]
+            layers = [p[1].layers[i] for p in parts]
+            if not inv:
+                o = self._stock_attention(q, k, v, parts, layers, bounds)
+            elif whole:
+                layers[0].append(k, v)
+                o = invariant.causal_prompt_sdpa(q, k, v, self.scaling)
+            elif fused_on:
+                o = invariant.append_attend(q, k, v, layers, lays, self.scaling)
+            elif many is None:
+                layers[0].append(k, v)
+                kv = layers[0].padded(lays[0].rows)
+                o = invariant.attend_kv(q, kv[0][0], kv[1][0], lays[0], self.scaling, layers[0])
+            else:
+                kvs = []
+                for j, (layer, (a, b)) in enumerate(zip(layers, bounds)):
+                    layer.append(k[:, :, a:b], v[:, :, a:b])
+                    kk, vv = layer.padded(many.key_rows(j))
+                    kvs.append((kk[0], vv[0]))
+                o = invariant.attend_many(q, kvs, many, self.scaling, layers)
+            x = x + blk.o(o.reshape(m, hq * d))
+            h = rms_norm(x, blk.ffn_norm, eps)
+            x = x + blk.down(nn.functional.silu(blk.gate(h)) * blk.up(h))
+        logits = self.head(rms_norm(x, self.norm, eps))
+        if len(parts) == 1:
+            return [logits]
+        return [logits[a:b] for a, b in bounds]
+
+    @staticmethod
+    def _heads(y, heads: int, d: int, norm) -> torch.Tensor:
+        """[m, heads * d] -> [heads, m, d], each head's RMSNorm first where the model has one."""
+        y = y.view(y.shape[0], heads, d)
+        if norm is not None:
+            y = rms_norm(y, norm, 1e-6)
+        return y.transpose(0, 1)
+
+    def _stock_attention(self, q, k, v, parts, layers, bounds) -> torch.Tensor:
+        """Outside the M-invariant mode: SDPA over each part's cache (no row-count guarantee)."""
+        outs = []
+        for (ids, cache, pos, mask), layer, (a, b) in zip(parts, layers, bounds):
+            layer.append(k[:, :, a:b], v[:, :, a:b])
+            keys, values = layer.keys, layer.values
+            mq = b - a
+            n = keys.shape[2]
+            if mask is not None:
+                attn = mask[..., -n:] if mask.dtype != torch.bool else mask
+                attn = attn.to(q.dtype) if attn.dtype != torch.bool else attn
+            else:
+                attn = torch.ones(mq, n, dtype=torch.bool, device=q.device).tril(n - mq)
+            o = nn.functional.scaled_dot_product_attention(
+                q[:, :, a:b], keys.to(q.dtype), values.to(q.dtype), attn_mask=attn, scale=self.scaling,
+                enable_gqa=keys.shape[1] != q.shape[1])
+            outs.append(o.transpose(1, 2))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)

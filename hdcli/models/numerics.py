@@ -1,0 +1,81 @@
+"""Numerics: everything that decides the bits an owned forward computes, in one record.
+
+Resolved once when a model loads (engine/models.py), recorded in `hd generate --json` (the
+loaded model's "numerics"), and read by the forward; nothing of it lives in a process global.
+Every field changes the numbers a forward gives, so two runs with equal records compute alike:
+  dtype       the activations' and dense weights' dtype (bf16, fp32);
+  device      cpu or cuda;
+  kernels     "gguf": each weight multiplied in the file's own blocks where hd has a kernel for its
+              type (engine/quants.py; the rest dequantized to `dtype`, one tensor at a time),
+              "onednn": every weight dequantized to `dtype` and oneDNN-packed, "torch": dense,
+              torch's own Linear;
+  invariant   the M-invariant mode (engine/invariant.py): verified rows bit-equal one-token rows;
+  attention   which invariant attention (fused.name(): the compiled one, with a hash of its source,
+              or torch ops);
+  min_rows    per Linear shape and kernel, the row count calls are padded to (calibrated);
+  layers      per kernel and file type, how many Linear layers use it (what ran, for the record).
+Prefills use the same kernels as every other forward: no choice made by timing changes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass
+class Numerics:
+    dtype: str = "bf16"
+    device: str = "cpu"
+    kernels: str = "gguf"
+    invariant: bool = True
+    attention: str = "torch"
+    min_rows: dict = field(default_factory=dict)
+    layers: dict = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes) -> "Numerics":
+        return dataclasses.replace(self, **changes)
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------ building weights
+
+    def vector(self, gf, name: str) -> torch.Tensor:
+        """A 1-D tensor (norm weight, bias) in the model dtype: as transformers loads it, the file's
+        values cast to the dtype."""
+        from .layers import dequantize
+        qtype, raw, shape = gf.raw(name)
+        return dequantize(qtype, raw.reshape(1, -1), 1, shape[-1], self.torch_dtype).reshape(-1).to(self.device)
+
+    def linear(self, gf, name: str, bias: torch.Tensor | None = None):
+        """The Linear layer of the file's tensor `name` ([N, K] in torch order) by these numerics."""
+        from ..engine import kernels, quants
+        from .layers import Linear
+        qtype, raw, (n, k) = gf.raw(name)
+        if (self.kernels == "gguf" and self.device == "cpu" and self.dtype == "bf16"
+                and qtype in quants.TYPES and quants.fits(qtype, n, k) and quants.kernel_available()):
+            layer = Linear(quants.QLinear(qtype, raw, n, k, bias=bias), "gguf", qtype)
+        else:
+            from .layers import dequantize
+            weight = dequantize(qtype, raw, n, k, self.torch_dtype).to(self.device)
+            dense = torch.nn.Linear(k, n, bias=bias is not None, device="meta")
+            dense.weight = torch.nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                dense.bias = torch.nn.Parameter(bias, requires_grad=False)
+            kind = "torch"
+            if self.kernels in ("gguf", "onednn") and self.device == "cpu" and kernels.available() \
+                    and self.dtype in ("bf16", "fp32"):
+                with torch.inference_mode():
+                    dense, kind = kernels.PackedLinear(dense), "onednn"
+            layer = Linear(dense, kind, qtype)
+        tag = f"{layer.kind}:{qtype}"
+        self.layers[tag] = self.layers.get(tag, 0) + 1
+        return layer

