@@ -34,14 +34,26 @@ def test_missing_bundled_package_names_the_install(monkeypatch):
 
 
 @pytest.mark.bundled
-def test_converted_cache_has_the_gguf_weights(bundled_lm):
-    """The safetensors cache must hold exactly what transformers dequantizes from the GGUF."""
+def test_owned_weights_are_the_gguf_weights_transformers_reads(bundled_lm):
+    """hd's own forward of the bundled GGUF (fp32, dense) holds exactly the weights transformers
+    dequantizes from it (q and k rows in the file's interleaved order: transformers un-permutes
+    them)."""
     from transformers import AutoModelForCausalLM
+    from hdcli.engine.int4 import _llama_qk_rows
     gguf = models.resolve("smollm2-135m")[1]
     direct = AutoModelForCausalLM.from_pretrained(str(models.Path(gguf).parent),
                                                   gguf_file=models.Path(gguf).name, dtype=torch.float32)
-    cached = bundled_lm.model.state_dict()
-    for name, tensor in direct.state_dict().items():
-        assert torch.equal(tensor, cached[name]), name
-    again = models.load("smollm2-135m", dtype="fp32")
-    assert again.from_cache
+    own = models.load("smollm2-135m", dtype="fp32", kernels="torch", invariant="off", quiet=True).model
+    cfg = direct.config
+    for i in (0, cfg.num_hidden_layers - 1):
+        ref, blk = direct.model.layers[i], own.blocks[i]
+        pairs = {"v": ref.self_attn.v_proj, "o": ref.self_attn.o_proj, "gate": ref.mlp.gate_proj,
+                 "up": ref.mlp.up_proj, "down": ref.mlp.down_proj}
+        for name, lin in pairs.items():
+            assert torch.equal(getattr(blk, name).kernel.weight, lin.weight), (i, name)
+        for name, lin, heads in (("q", ref.self_attn.q_proj, cfg.num_attention_heads),
+                                 ("k", ref.self_attn.k_proj, cfg.num_key_value_heads)):
+            perm = torch.from_numpy(_llama_qk_rows(lin.weight.shape[0], heads))
+            assert torch.equal(getattr(blk, name).kernel.weight[perm], lin.weight), (i, name)
+        assert torch.equal(blk.attn_norm, ref.input_layernorm.weight)
+    assert torch.equal(own.head.kernel.weight, direct.lm_head.weight)

@@ -123,8 +123,12 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
             kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
                 else dict(do_sample=False)
             with torch.inference_mode():
-                out = model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                     pad_token_id=pad, **kw)
+                if hasattr(model, "forward_many"):   # hd's own forward: each prompt decoded by hd
+                    out = _decode_each(lm, ids, width, pad, max_new_tokens, temperature, top_p,
+                                       seed * 1_000_003 + b)
+                else:
+                    out = model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                         pad_token_id=pad, **kw)
             for row, i in enumerate(idx):
                 gen = out[row, width:].tolist()
                 cut = next((j for j, t in enumerate(gen) if t in eos), len(gen))
@@ -157,3 +161,19 @@ def index(samples_path: str | Path, out: str | Path, tokenizer, model_name: str,
     return statsdb.build(sample_tokens(samples_path), out, tokenizer, model_name, tokenized=True,
                          kind="model", overwrite=overwrite,
                          extra_header={"samples": str(samples_path), **(header or {})}, **params)
+
+
+def _decode_each(lm, ids, width: int, pad: int, max_new_tokens: int, temperature: float, top_p: float,
+                 seed: int) -> torch.Tensor:
+    """transformers' generate's output shape ([rows, width + new], prompts left-padded, answers
+    padded after EOS) from hd's own decode loop, one prompt at a time (plain decoding: the model
+    DB holds what the target writes)."""
+    from ..engine.decode import Decoder
+    from ..engine.verify import Sampling
+    sampling = Sampling(temperature=temperature, top_p=top_p) if temperature > 0 else Sampling()
+    dec = Decoder(lm.model, lm.eos_ids)
+    rows = []
+    for i, x in enumerate(ids):
+        got = dec.generate(x, max_new_tokens, sampling, seed=seed + i).tokens
+        rows.append([pad] * (width - len(x)) + list(x) + got + [pad] * (max_new_tokens - len(got)))
+    return torch.tensor(rows)

@@ -36,10 +36,12 @@ def _count(model) -> int:
 
 def truncated(model, k: int):
     """A copy of a decoder-only model keeping its first k layers (and embeddings, norm, head)."""
-    cfg = copy.deepcopy(model.config)
-    n = int(cfg.num_hidden_layers)
+    n = int(model.config.num_hidden_layers)
     if not 1 <= k < n:
         raise HdError(f"self:layers={k}: the target has {n} layers, pass 1 <= K < {n}")
+    if hasattr(model, "truncated"):   # hd's own forward: its first k blocks, shared, not copied
+        return model.truncated(k)
+    cfg = copy.deepcopy(model.config)
     cfg.num_hidden_layers = k
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = list(cfg.layer_types)[:k]
@@ -61,15 +63,20 @@ def truncated(model, k: int):
     return small
 
 
-def int8(model):
+def int8(model, target=None):
     """Dynamic int8 quantisation of the Linear layers (weights int8, activations quantised on the
-    fly). CPU only; the copy computes in fp32 whatever the target's dtype."""
+    fly). CPU only; the copy computes in fp32 whatever the target's dtype. An owned forward's
+    copy is loaded from its file with dense fp32 weights, one tensor at a time, then quantised."""
     if next(model.parameters()).device.type != "cpu":
         raise HdError("self:int8 is CPU only (torch dynamic quantisation); use self:layers=K on CUDA")
     try:
         from torch.ao.quantization import quantize_dynamic
     except ImportError:  # pragma: no cover
         raise HdError("self:int8 needs torch.ao.quantization, missing from this torch") from None
+    from ..models import is_owned
+    if is_owned(model):
+        dense = models.load(target.name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True).model
+        return quantize_dynamic(dense, {torch.nn.Linear}, dtype=torch.qint8).eval()
     base = copy.deepcopy(model)
     invariant.disable(base)
     kernels.unpack(base)  # torch.ao quantises nn.Linear layers only
@@ -88,7 +95,7 @@ def load(name: str, target: models.LoadedModel) -> DraftModel:
     if name.startswith("self:"):
         spec = name[5:]
         if spec == "int8":
-            m = int8(target.model)
+            m = int8(target.model, target)
         elif spec.startswith("layers="):
             try:
                 k = int(spec[7:])

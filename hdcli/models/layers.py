@@ -19,6 +19,10 @@ def dequantize(qtype: str, raw, n: int, k: int, dtype: torch.dtype, rows=None) -
     """A tensor of the file (or some of its rows) in `dtype`: the values gguf-py's dequantize
     gives, rounded to bf16 or kept in fp32 (quants.py, chunk by chunk)."""
     from ..engine import quants
+    if qtype not in quants.TYPES + ("F32", "F16", "BF16"):   # e.g. Q5_0: gguf-py's dequantization
+        import gguf
+        values = gguf.quants.dequantize(raw if rows is None else raw[rows], gguf.GGMLQuantizationType[qtype])
+        return torch.from_numpy(values.reshape(-1, k)).to(dtype)
     if dtype == torch.bfloat16:
         return quants.dequantize(qtype, raw, n, k, rows=rows)
     values = quants.dequantize_f32(qtype, raw, n, k, rows=rows)

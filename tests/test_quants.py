@@ -1,0 +1,208 @@
+"""GGUF-quantized weights (hdcli/engine/quants.py, csrc/qmm.cpp): dequantization equal bit for bit
+to gguf-py's reference for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (and F32/F16/BF16), the packing of
+Q4_0/Q4_1 equal to int4mm's, and the GEMM on the blocks: close to the dequantized product, its
+weight matrix the dequantized weights exactly, and each row's result independent of the row count
+and of the row's place (the M-invariant forward relies on it), with a control that the check can fail."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hdcli.engine import int4, quants
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf import quants as gq  # noqa: E402
+
+SMALL = {"Q4_0": (48, 64), "Q4_1": (48, 64), "Q8_0": (48, 64), "Q4_K": (48, 512), "Q5_K": (48, 512), "Q6_K": (48, 512)}
+REAL = {"Q4_0": (1536, 576), "Q4_1": (1536, 576), "Q8_0": (1536, 576), "Q4_K": (512, 1024), "Q5_K": (512, 1024),
+        "Q6_K": (512, 1024)}
+SHAPES = [(t, s) for t in quants.TYPES for s in ("small", "real")]
+
+
+def shape(t: str, size: str) -> tuple[int, int]:
+    return (SMALL if size == "small" else REAL)[t]
+
+
+def make(t: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF bytes [n, bytes a row] of valid blocks: gguf-py's quantizer where it has one (Q4_0,
+    Q4_1, Q8_0), else random bytes with small random fp16 d (and dmin)."""
+    rng = np.random.default_rng(seed)
+    if t in ("Q4_0", "Q4_1", "Q8_0"):
+        w = rng.standard_normal((n, k)) * rng.random((n, 1)) + 0.1 * rng.standard_normal((n, 1))
+        return gq.quantize(w.astype(np.float32), T[t])
+    size, nbytes = quants.BLOCK[t]
+    b = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // size, 2)) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, k // size, 4)
+    if t == "Q6_K":
+        b[..., 208:210] = d[..., :2]
+    else:
+        b[..., 0:4] = d
+    return b.reshape(n, -1)
+
+
+def reference(t: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    return gq.dequantize(raw, T[t]).reshape(n, k)
+
+
+def bits(a) -> np.ndarray:
+    a = a.numpy() if isinstance(a, torch.Tensor) else a
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+# ------------------------------------------------------------------ dequantization
+
+@pytest.mark.parametrize("t,size", SHAPES)
+def test_dequantize_equals_gguf_py_bit_for_bit(t, size):
+    n, k = shape(t, size)
+    raw = make(t, n, k)
+    ref = reference(t, raw, n, k)
+    ours = quants.dequantize_f32(t, raw, n, k)
+    assert ours.dtype == np.float32 and ours.shape == (n, k)
+    assert np.array_equal(bits(ours), bits(ref))
+    bf = quants.dequantize(t, raw, n, k)
+    assert bf.dtype == torch.bfloat16 and bf.shape == (n, k)
+    assert np.array_equal(bits(bf.view(torch.int16)), bits(torch.from_numpy(ref).bfloat16().view(torch.int16)))
+    rows = np.array([5, 0, n - 1, 5, 17])
+    assert np.array_equal(bits(quants.dequantize_f32(t, raw, n, k, rows=rows)), bits(ref[rows]))
+    assert torch.equal(quants.dequantize(t, raw, n, k, rows=rows).view(torch.int16), bf[rows].view(torch.int16))
+    codes, scale, low, gk = quants.unpack(t, raw, n, k)
+    lo, hi = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q8_0": (-128, 127), "Q4_K": (0, 15), "Q5_K": (0, 31),
+              "Q6_K": (-32, 31)}[t]
+    assert codes.shape == (n, k) and lo <= codes.min() and codes.max() <= hi
+    assert scale.shape == (n, k // gk) and (low is None) == (t in ("Q8_0", "Q6_K"))
+
+
+def test_dequantize_goes_by_chunks(monkeypatch):
+    t, (n, k) = "Q6_K", REAL["Q6_K"]
+    raw = make(t, n, k, seed=1)
+    whole = quants.dequantize(t, raw, n, k)
+    monkeypatch.setattr(quants, "CHUNK", 3 * k + 5)     # 3 rows a chunk, a last chunk of fewer
+    assert torch.equal(quants.dequantize(t, raw, n, k).view(torch.int16), whole.view(torch.int16))
+    assert torch.equal(whole.view(torch.int16), torch.from_numpy(reference(t, raw, n, k)).bfloat16().view(torch.int16))
+
+
+@pytest.mark.parametrize("t", ["F32", "F16", "BF16"])
+def test_float_tensors(t):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    raw = gq.quantize(w, T[t])    # F32, F16 typed arrays as GGUFReader gives them; BF16 bytes
+    ref = gq.dequantize(raw, T[t]).reshape(24, 40)
+    assert np.array_equal(bits(quants.dequantize_f32(t, raw, 24, 40)), bits(ref))
+    assert torch.equal(quants.dequantize(t, raw, 24, 40), torch.from_numpy(ref).bfloat16())
+    assert torch.equal(quants.dequantize(t, raw, 24, 40, rows=[3, 1]), torch.from_numpy(ref[[3, 1]]).bfloat16())
+
+
+# ------------------------------------------------------------------ packing
+
+@pytest.mark.parametrize("t", ["Q4_0", "Q4_1"])
+def test_q4h_is_int4mms_packing(t):
+    n, k = 64, 256
+    raw = make(t, n, k)
+    packed, fmt = quants.pack(t, raw, n, k)
+    codes, scale, low, _ = quants.unpack(t, raw, n, k)
+    theirs = int4.hd_pack(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scale, low)))
+    assert fmt == "q4h" and torch.equal(packed, theirs)
+    if quants.kernel_available() and int4.gemm_module() is not None:   # and the same arithmetic
+        x = torch.randn(7, k).bfloat16()
+        assert torch.equal(quants.gemm_module().mm(x, packed, fmt), int4.gemm_module().mm(x, theirs))
+
+
+def test_shapes_that_do_not_fit():
+    raw = make("Q4_0", 40, 64)
+    assert not quants.fits("Q4_0", 40, 64) and quants.pack("Q4_0", raw, 40, 64) is None
+    assert quants.fits("Q4_0", 48, 64) and not quants.fits("Q4_K", 48, 64) and not quants.fits("Q3_K", 48, 256)
+    if quants.kernel_available():
+        with pytest.raises(ValueError):
+            quants.QLinear("Q4_0", raw, 40, 64)
+
+
+def test_no_kernel_no_qlinear(monkeypatch):
+    monkeypatch.setattr(quants, "gemm_module", lambda quiet=True: None)
+    with pytest.raises(RuntimeError):
+        quants.QLinear("Q8_0", make("Q8_0", 48, 64), 48, 64)
+
+
+# ------------------------------------------------------------------ the GEMM
+
+def kernel():
+    if not quants.kernel_available():
+        pytest.skip(f"the GGUF GEMM is not available here: {quants.failure()}")
+
+
+@pytest.mark.parametrize("t,size", SHAPES)
+def test_qlinear_multiplies_by_the_dequantized_weights(t, size):
+    kernel()
+    n, k = shape(t, size)
+    raw = make(t, n, k)
+    lin = quants.QLinear(t, raw, n, k)
+    assert (lin.in_features, lin.out_features, lin.dtype, lin.qtype) == (k, n, torch.bfloat16, t)
+    assert lin.fmt == quants.FORMAT[t] and lin.nbytes == lin.packed.numel()
+    w = torch.from_numpy(quants.dequantize_f32(t, raw, n, k))
+    assert torch.equal(lin.weight_matrix(), quants.dequantize(t, raw, n, k))   # the file's weights, rounded once
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, k, generator=gen).bfloat16()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 5, n)
+    ref = x.float() @ w.T
+    scale = x.float().abs() @ w.abs().T
+    # bf16 output: half an ulp (2^-9 relative) and fp32 sums in another order
+    assert ((y.float() - ref).abs() <= ref.abs() / 256 + 1e-4 * scale).all()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    with_bias = quants.QLinear(t, raw, n, k, bias=bias)
+    assert torch.equal(with_bias(x), y + bias) and with_bias.nbytes == lin.nbytes + 2 * n
+
+
+def first_mismatch(f, x: torch.Tensor, ms=tuple(range(1, 21)) + (32, 48, 64), starts=(0, 7)):
+    """(M, start) of the first call f(x[start:start + M]) whose rows are not torch.equal to the same
+    rows of one-row calls and of 16-row calls (x[16 j:16 j + 16]), or None."""
+    one = torch.cat([f(x[i:i + 1]) for i in range(len(x))])
+    sixteen = torch.cat([f(x[i:i + 16]) for i in range(0, len(x), 16)])
+    if not torch.equal(one, sixteen):
+        return 16, "the 16-row references"
+    for s in starts:
+        for m in ms:
+            if s + m > len(x):
+                continue
+            y = f(x[s:s + m])
+            if not (torch.equal(y, one[s:s + m]) and torch.equal(y, sixteen[s:s + m])):
+                return m, s
+    return None
+
+
+@pytest.mark.parametrize("t", quants.TYPES)
+def test_rows_do_not_depend_on_the_row_count(t):
+    kernel()
+    n, k = REAL[t]
+    lin = quants.QLinear(t, make(t, n, k), n, k)
+    x = torch.randn(71, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert first_mismatch(lin, x) is None
+    small = SMALL[t]
+    lin = quants.QLinear(t, make(t, *small), *small)
+    assert first_mismatch(lin, x[:, :small[1]].contiguous()) is None
+
+
+def test_the_row_check_can_fail():
+    """Controls for the test above: the same check flags a function whose rows see other rows, and
+    torch's matmuls where their rows depend on M on this machine (printed: on the AMD EPYC fp32
+    from 2 rows, bf16 not at these shapes); a change in one row's input changes that row's output
+    and no other; and another arithmetic (fp32 products rounded to bf16) differs from the kernel's
+    somewhere."""
+    kernel()
+    t, (n, k) = "Q8_0", REAL["Q8_0"]
+    raw = make(t, n, k)
+    lin = quants.QLinear(t, raw, n, k)
+    w = quants.dequantize(t, raw, n, k)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    caught = {name: first_mismatch(f, x, ms=tuple(range(1, 17))) for name, f in
+              (("bf16", lambda a: a @ w.t()), ("fp32", lambda a: a.float() @ w.float().t()))}
+    print("torch matmuls whose rows depend on M here:", {k_: v for k_, v in caught.items() if v})
+    assert first_mismatch(lambda a: lin(a.roll(1, 0)), x, ms=tuple(range(1, 17))) is not None
+    y = lin(x[:16])
+    x2 = x[:16].clone()
+    x2[5, 3] = x2[5, 3] * 1.5 + 1
+    y2 = lin(x2)
+    changed = (y2 != y).any(-1)
+    assert changed[5] and not changed[:5].any() and not changed[6:].any()
+    assert not torch.equal((x[:16].float() @ w.float().t()).bfloat16(), y)
