@@ -35,7 +35,7 @@ test: setup
 
 # What a GPU machine of the `device` tool lacks (Python 3.12, torch and transformers there), as
 # wheels in .whl/ to carry: docs/gpu.md. transformers is pinned to the version CI tests with.
-GPU_WHEELS := lmdb==3.0.0 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 transformers==5.23.0
+GPU_WHEELS := lmdb==3.0.0 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 transformers==5.24.0
 gpu-wheels:
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

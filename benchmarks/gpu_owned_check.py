@@ -1,4 +1,4 @@
-"""hd's own forward (hdcli/models/) on a GPU: does the M-invariant mode hold there, and is
+"""hd's own forward (hdcli/engine/forward/) on a GPU: does the M-invariant mode hold there, and is
 speculative greedy output plain decoding's, token for token?
 
     python benchmarks/gpu_owned_check.py --gguf tiny.gguf --out owned.json   # tiny: synth_gguf.py --shape tiny --mix all

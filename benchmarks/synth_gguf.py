@@ -93,7 +93,7 @@ MIXES: dict[str, dict] = {
     "all": dict(ftype=gguf.LlamaFileType.GUESSED,
                 about="tests: 2-D weights cycle through every type written here"),
 }
-ALL_CYCLE = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
+ALL_CYCLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
 # llama.cpp's fallback for a row length its block does not divide (then F16 if 32 does not either)
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 

@@ -52,7 +52,7 @@ LAYER_NAMES = registry.names()
 def load_model_for(cfg: DecodingConfig, quiet: bool = False) -> models.LoadedModel:
     """The target of a configuration, with its dtype, device and kernels."""
     return models.load(cfg.model, dtype=cfg.dtype, device=cfg.device, kernels=cfg.kernels,
-                       drafting=cfg.drafting, quiet=quiet, invariant=cfg.invariant)
+                       drafting=cfg.drafting, quiet=quiet, invariant=cfg.invariant, attention=cfg.attention)
 
 
 def check_seed(seed: int | None) -> None:

@@ -177,6 +177,8 @@ _RUN = {
     "device": typer.Option("auto", help="auto|cpu|cuda."),
     "kernels": typer.Option("auto", help=KERNELS_HELP),
     "invariant": typer.Option("auto", help=INVARIANT_HELP),
+    "attention": typer.Option("auto", help="auto|fused|torch: the M-invariant attention's kernel (auto: the "
+                              "faster here, timed once; runs record it, and --config repeats it)."),
 }
 
 
@@ -214,6 +216,7 @@ def generate(
     device: str = _RUN["device"],
     kernels: str = _RUN["kernels"],
     invariant: str = _RUN["invariant"],
+    attention: str = _RUN["attention"],
     compare: bool = typer.Option(False, help="Also run plain decoding and report speedup and identity."),
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object to stdout, nothing else."),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour drafted tokens by layer."),
@@ -266,6 +269,7 @@ def serve(
     device: str = _RUN["device"],
     kernels: str = _RUN["kernels"],
     invariant: str = _RUN["invariant"],
+    attention: str = _RUN["attention"],
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, "--port", help="Port (0: any free one; the chosen port is printed)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="HD_API_KEY", help="Bearer token "

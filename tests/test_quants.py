@@ -15,8 +15,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants as gq  # noqa: E402
 
-SMALL = {"Q4_0": (48, 64), "Q4_1": (48, 64), "Q8_0": (48, 64), "Q4_K": (48, 512), "Q5_K": (48, 512), "Q6_K": (48, 512)}
-REAL = {"Q4_0": (1536, 576), "Q4_1": (1536, 576), "Q8_0": (1536, 576), "Q4_K": (512, 1024), "Q5_K": (512, 1024),
+SMALL = {"Q4_0": (48, 64), "Q4_1": (48, 64), "Q5_0": (48, 64), "Q5_1": (48, 64), "Q8_0": (48, 64), "Q4_K": (48, 512), "Q5_K": (48, 512), "Q6_K": (48, 512)}
+REAL = {"Q4_0": (1536, 576), "Q4_1": (1536, 576), "Q5_0": (1536, 576), "Q5_1": (1536, 576), "Q8_0": (1536, 576), "Q4_K": (512, 1024), "Q5_K": (512, 1024),
         "Q6_K": (512, 1024)}
 SHAPES = [(t, s) for t in quants.TYPES for s in ("small", "real")]
 
@@ -29,7 +29,7 @@ def make(t: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """Raw GGUF bytes [n, bytes a row] of valid blocks: gguf-py's quantizer where it has one (Q4_0,
     Q4_1, Q8_0), else random bytes with small random fp16 d (and dmin)."""
     rng = np.random.default_rng(seed)
-    if t in ("Q4_0", "Q4_1", "Q8_0"):
+    if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         w = rng.standard_normal((n, k)) * rng.random((n, 1)) + 0.1 * rng.standard_normal((n, 1))
         return gq.quantize(w.astype(np.float32), T[t])
     size, nbytes = quants.BLOCK[t]
@@ -68,10 +68,10 @@ def test_dequantize_equals_gguf_py_bit_for_bit(t, size):
     assert np.array_equal(bits(quants.dequantize_f32(t, raw, n, k, rows=rows)), bits(ref[rows]))
     assert torch.equal(quants.dequantize(t, raw, n, k, rows=rows).view(torch.int16), bf[rows].view(torch.int16))
     codes, scale, low, gk = quants.unpack(t, raw, n, k)
-    lo, hi = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q8_0": (-128, 127), "Q4_K": (0, 15), "Q5_K": (0, 31),
+    lo, hi = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31), "Q8_0": (-128, 127), "Q4_K": (0, 15), "Q5_K": (0, 31),
               "Q6_K": (-32, 31)}[t]
     assert codes.shape == (n, k) and lo <= codes.min() and codes.max() <= hi
-    assert scale.shape == (n, k // gk) and (low is None) == (t in ("Q8_0", "Q6_K"))
+    assert scale.shape == (n, k // gk) and (low is None) == (t in ("Q5_0", "Q8_0", "Q6_K"))
 
 
 def test_dequantize_goes_by_chunks(monkeypatch):

@@ -70,7 +70,7 @@ def test_read_back(files, key):
             assert 0.7 < std < 1.5, (name, ty, std)
     assert counts == res["types"]
     if mix == "all":
-        assert set(counts) == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"}
+        assert set(counts) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"}
     else:   # tiny: 2 layers, not tied; use_more_bits(i, 2): i >= 7*2//8 = 1 -> layer 1
         assert counts == {"F32": 5, "Q4_K": 13, "Q6_K": 3}
         assert {t.name for t in r.tensors if t.tensor_type.name == "Q6_K"} == {

@@ -13,7 +13,7 @@ from ..engine.verify import Sampling
 def stock_model(lm: models.LoadedModel) -> models.LoadedModel:
     """The same model with torch's own kernels and its stock forward, as transformers ships it: lm
     itself where it already is, else loaded once more (from the converted-weights cache, ~1-2 s)."""
-    from ..models import is_owned
+    from ..engine.forward import is_owned
     if is_owned(lm.model):   # hd's own forward: transformers' model of the same file
         return models.load_reference(lm.name, lm.dtype, lm.device)
     if lm.kernels == "torch" and not lm.invariant:

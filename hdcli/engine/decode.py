@@ -63,7 +63,7 @@ class Decoder:
         transformers' generate() does: for a 400-token prompt that saves 400 rows of the head.
         Every prefill of plain, speculative and served decoding goes through here (int4.prefill)."""
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        if hasattr(self.model, "prefill"):   # hd's own forward (hdcli/models/): its keys and values only
+        if hasattr(self.model, "prefill"):   # hd's own forward (hdcli/engine/forward/): its keys and values only
             self.model.prefill(inp, cache)
             return
         with int4.prefill():   # 4-bit layers use their bf16 copies here, where those were kept

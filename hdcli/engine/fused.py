@@ -135,6 +135,22 @@ def pinned(kind: str):
         use(saved[1])
 
 
+def require(kind: str) -> None:
+    """Make `kind` ("fused" or "torch") the process's attention whatever timing would choose: a
+    configuration that records it (DecodingConfig.attention) runs with the numerics it recorded.
+    Raises HdError where "fused" does not compile here."""
+    global _decision
+    from ..errors import HdError
+    if kind not in ("fused", "torch"):
+        raise HdError(f"--attention must be auto, fused or torch, not '{kind}'")
+    if kind == "fused" and load(quiet=False) is None:
+        raise HdError(f"--attention fused: the fused attention does not compile here ({failure()}); "
+                      "the run it comes from computed with it, so its tokens cannot be repeated here; "
+                      "use --attention torch for this machine's own run")
+    _decision = {"attention": kind, "by": "configuration"}
+    use(kind == "fused")
+
+
 def enabled() -> bool:
     return _on
 

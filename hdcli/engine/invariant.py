@@ -633,7 +633,7 @@ def _write(key: str | None, info: dict) -> None:
         costs.write_json(_path(key), {"key": key, "format": FORMAT, **info})
 
 
-# ---------------------------------------------------------------- hd's own forwards (hdcli/models/)
+# ---------------------------------------------------------------- hd's own forwards (hdcli/engine/forward/)
 
 def enable_owned(model, cache_key: str | None = None) -> dict:
     """The M-invariant mode of an owned forward: each Linear's least row count calibrated per

@@ -238,7 +238,7 @@ def is_invariant_cache(cache) -> bool:
 
 
 class Cache:
-    """hd's own cache for an owned forward (hdcli/models/): one InvariantLayer a decoder layer, and
+    """hd's own cache for an owned forward (hdcli/engine/forward/): one InvariantLayer a decoder layer, and
     the few methods the decode loop and tree.keep_path use (get_seq_length, crop, layers)."""
 
     def __init__(self, n_layers: int):

@@ -331,7 +331,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
     from transformers import AutoTokenizer
     kind, source = resolve(name)
     if kind == "gguf":
-        from ..models.gguf import GGUFFile, tokenizer
+        from .forward.gguf import GGUFFile, tokenizer
         return tokenizer(GGUFFile(source), cache_dir())
     kind, _, folder, _ = _local_folder(name)
     _check_folder(kind, folder)
@@ -344,7 +344,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 
 def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
          kernels: str = "auto", drafting: bool = True, quiet: bool = False,
-         invariant: str = "auto") -> LoadedModel:
+         invariant: str = "auto", attention: str = "auto") -> LoadedModel:
     """Load a target model by bundled name, .gguf path, folder or hub id. kernels: "auto" keeps
     whichever of torch's and oneDNN's packed kernels (hdcli/engine/kernels.py) measures faster on this
     machine for this model (for speculative decoding, or for plain decoding when drafting is
@@ -357,6 +357,9 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
     dev = resolve_device(device)
     if invariant not in INVARIANT:
         raise HdError(f"--invariant must be one of {', '.join(INVARIANT)}, not '{invariant}'")
+    if attention != "auto":   # a recorded run's attention: the same numerics, or a clear refusal
+        from . import fused
+        fused.require(attention)
     kind, source = resolve(name)
     if kind == "gguf" and owned_family(source) is not None:   # hd's own forward, in the file's bits
         return load_owned(name, source, dtype, dev, kernels, invariant, quiet)
@@ -423,9 +426,9 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
 # ---------------------------------------------------------------- GGUF files into hd's own forward
 
 def owned_family(source: str) -> str | None:
-    """The owned forward (hdcli/models/) that runs a GGUF file, or None (transformers' forward)."""
-    from ..models import family_of
-    from ..models.gguf import GGUFFile
+    """The owned forward (hdcli/engine/forward/) that runs a GGUF file, or None (transformers' forward)."""
+    from .forward import family_of
+    from .forward.gguf import GGUFFile
     return family_of(GGUFFile(source).arch)
 
 
@@ -442,14 +445,14 @@ def peak_rss_bytes() -> int | None:
 
 def load_owned(name: str, source: str, dtype: str, device: str, kernels: str, invariant: str,
                quiet: bool) -> LoadedModel:
-    """A GGUF file into hd's own forward, in the file's own bits (hdcli/models/): no fp32 copy of
+    """A GGUF file into hd's own forward, in the file's own bits (hdcli/engine/forward/): no fp32 copy of
     the model, no converted copy on disk. dtype "auto": bf16 (fp32 only where asked: every weight
     dequantized to fp32). kernels "auto"/"int4"/"gguf": the file's blocks where hd has a kernel
     for their type; "onednn"/"torch": dense. invariant as in load()."""
     import torch
-    from ..models import build
-    from ..models.gguf import GGUFFile, tokenizer
-    from ..models.numerics import Numerics
+    from .forward import build
+    from .forward.gguf import GGUFFile, tokenizer
+    from .forward.numerics import Numerics
     from . import fused, invariant as inv
     from .kernels import KERNELS
     t0 = time.perf_counter()

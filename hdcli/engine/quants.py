@@ -11,6 +11,8 @@ with bf16 dot products on the integer codes (int4mm.cpp's arithmetic, generalise
   type   GK  codes            scale          low          kernel format (bytes a weight)
   Q4_0   32  q in 0..15       d              -8 d         q4h: 4-bit, fp16 constants  (0.625)
   Q4_1   32  q in 0..15       d              m            q4h                         (0.625)
+  Q5_0   32  q - 16, q 0..31  d              -            q8s                         (1.125)
+  Q5_1   32  q in 0..31       d              m            q8f: int8, fp32 constants   (1.25)
   Q8_0   32  q in -128..127   d              -            q8s: int8, fp32 scale       (1.125)
   Q4_K   32  q in 0..15       d sc           -dmin m      q4f: 4-bit, fp32 constants  (0.75)
   Q5_K   32  q in 0..31       d sc           -dmin m      q8f: int8, fp32 constants   (1.25)
@@ -50,14 +52,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FLOATS = ("F32", "F16", "BF16")
 QK_K = 256
 # weights and bytes of a GGUF block
-BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
+BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
          "Q6_K": (QK_K, 210)}
-GROUP = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}   # weights a scale
-FORMAT = {"Q4_0": "q4h", "Q4_1": "q4h", "Q8_0": "q8s", "Q4_K": "q4f", "Q5_K": "q8f", "Q6_K": "q8s"}
+GROUP = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}   # weights a scale
+FORMAT = {"Q4_0": "q4h", "Q4_1": "q4h", "Q5_0": "q8s", "Q5_1": "q8f", "Q8_0": "q8s", "Q4_K": "q4f", "Q5_K": "q8f", "Q6_K": "q8s"}
 CHUNK = 1 << 22        # weights dequantized at a time (16 MB in fp32, 8 MB of bf16 output)
 
 SOURCE = Path(__file__).with_name("csrc") / "qmm.cpp"
@@ -126,6 +128,22 @@ def _q4_1(b):
     return np.concatenate([b[..., 4:] & 0x0F, b[..., 4:] >> 4], -1), _f16(b, 0), _f16(b, 2)
 
 
+def _q5(b, at: int):
+    """Q5_0/Q5_1 codes 0..31: the 32 high bits (a little-endian uint32 at byte `at`: bit i is
+    element i's), then 16 bytes of low nibbles as Q4_0's."""
+    high = (b[..., at:at + 4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    qs = b[..., at + 4:]
+    return np.concatenate([qs & 0x0F, qs >> 4], -1) | (high.astype(np.uint8) << 4)
+
+
+def _q5_0(b):   # d (q - 16): codes q - 16, no low (gguf-py: d * (q - 16))
+    return (_q5(b, 2).view(np.int8) - np.int8(16)), _f16(b, 0), None
+
+
+def _q5_1(b):   # d q + m
+    return _q5(b, 4).view(np.int8), _f16(b, 0), _f16(b, 2)
+
+
 def _q8_0(b):
     return b[..., 2:].view(np.int8), _f16(b, 0), None
 
@@ -155,7 +173,7 @@ def _q6_k(b):
     return codes, _f16(b, 208)[..., None] * b[..., 192:208].view(np.int8).astype(np.float32), None
 
 
-_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def unpack(type_name: str, raw: np.ndarray, n: int, k: int):
@@ -202,8 +220,8 @@ def dequantize_f32(type_name: str, raw: np.ndarray, n: int, k: int, rows=None) -
     for big tensors, `dequantize` goes by chunks."""
     b = _rows_of(raw, n, rows)
     m = b.shape[0]
-    if type_name == "F32":
-        return b.view(np.float32).reshape(m, k)
+    if type_name == "F32":   # a copy: the file's map is read-only
+        return b.view(np.float32).reshape(m, k).copy()
     if type_name == "F16":
         return b.view(np.float16).reshape(m, k).astype(np.float32)
     if type_name == "BF16":

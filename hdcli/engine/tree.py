@@ -248,7 +248,7 @@ def new_cache(model):
     A model on the M-invariant lean forward gets the cache that forward reads (kvcache.py)."""
     from transformers import DynamicCache
     from . import kvcache, lean
-    if hasattr(model, "new_cache"):   # hd's own forward (hdcli/models/): its own cache
+    if hasattr(model, "new_cache"):   # hd's own forward (hdcli/engine/forward/): its own cache
         return model.new_cache()
     if lean.is_enabled(model):
         return kvcache.new_cache(model)

@@ -73,7 +73,7 @@ def int8(model, target=None):
         from torch.ao.quantization import quantize_dynamic
     except ImportError:  # pragma: no cover
         raise HdError("self:int8 needs torch.ao.quantization, missing from this torch") from None
-    from ..models import is_owned
+    from ..engine.forward import is_owned
     if is_owned(model):
         dense = models.load(target.name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True).model
         return quantize_dynamic(dense, {torch.nn.Linear}, dtype=torch.qint8).eval()

@@ -7,7 +7,7 @@ for a type without one, dequantized one tensor at a time. The embedding stays in
 only the rows a forward looks up are dequantized.
 
 Names. Tensors are read by their GGUF names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...),
-the ones llama.cpp writes for every architecture hd owns a forward for (hdcli/models/).
+the ones llama.cpp writes for every architecture hd owns a forward for (hdcli/engine/forward/).
 Shapes: gguf-py gives a 2-D tensor's shape as [K, N] (ggml order) and its data as [N, bytes per
 row]: rows are output features.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import HdError
+from ...errors import HdError
 
 
 @dataclass

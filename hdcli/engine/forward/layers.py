@@ -18,7 +18,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def dequantize(qtype: str, raw, n: int, k: int, dtype: torch.dtype, rows=None) -> torch.Tensor:
     """A tensor of the file (or some of its rows) in `dtype`: the values gguf-py's dequantize
     gives, rounded to bf16 or kept in fp32 (quants.py, chunk by chunk)."""
-    from ..engine import quants
+    from .. import quants
     if qtype not in quants.TYPES + ("F32", "F16", "BF16"):   # e.g. Q5_0: gguf-py's dequantization
         import gguf
         values = gguf.quants.dequantize(raw if rows is None else raw[rows], gguf.GGMLQuantizationType[qtype])
@@ -79,7 +79,7 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [m] -> [m, dim] in the model dtype, on the model device."""
-        from ..engine import quants
+        from .. import quants
         idx = ids.detach().to("cpu", torch.long).numpy()
         if (idx < 0).any() or (idx >= self.rows).any():
             raise IndexError(f"token id out of range 0..{self.rows - 1}")

@@ -1,6 +1,7 @@
 """hd's own forwards, one module per model family, built from a GGUF file in its own bits.
 
   llama.py   Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2, Qwen3 (GGUF architectures below)
+  gemma3.py  Gemma 3 text models: sliding windows, (1 + w) norms, two ropes
   gguf.py    the file: metadata as a ModelConfig, tensors as the file holds them, the tokenizer
   layers.py  Linear by kernel, the embedding read from the file, RMSNorm
   rope.py    rotary embeddings
@@ -10,7 +11,7 @@ Other architectures run on transformers' forward (engine/models.py says so in on
 """
 from __future__ import annotations
 
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma3": "gemma3"}
 
 
 def family_of(arch: str) -> str | None:
@@ -23,6 +24,9 @@ def build(gf, cfg, num, progress=None):
     if family == "llama":
         from .llama import LlamaForward
         return LlamaForward(gf, cfg, num, progress)
+    if family == "gemma3":
+        from .gemma3 import Gemma3Forward
+        return Gemma3Forward(gf, cfg, num, progress)
     raise ValueError(f"no owned forward for architecture {gf.arch}")
 
 

@@ -57,7 +57,7 @@ class Numerics:
 
     def linear(self, gf, name: str, bias: torch.Tensor | None = None):
         """The Linear layer of the file's tensor `name` ([N, K] in torch order) by these numerics."""
-        from ..engine import kernels, quants
+        from .. import kernels, quants
         from .layers import Linear
         qtype, raw, (n, k) = gf.raw(name)
         if (self.kernels == "gguf" and self.device == "cpu" and self.dtype == "bf16"

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engine import fused, invariant, kvcache
+from .. import fused, invariant, kvcache
 from .layers import Embedding, Linear, rms_norm
 from .numerics import Numerics
 from .rope import Rope
@@ -82,6 +82,7 @@ class LlamaForward(nn.Module):
     """The model: embedding, blocks, final norm, head. `numerics` says how it computes."""
 
     family = "llama"
+    block_class = Block
 
     def __init__(self, gf, cfg, num: Numerics, progress=None):
         super().__init__()
@@ -90,7 +91,7 @@ class LlamaForward(nn.Module):
         self.embed = Embedding(gf, "token_embd.weight", num)
         blocks = []
         for i in range(cfg.num_hidden_layers):
-            blocks.append(Block(i, gf, cfg, num))
+            blocks.append(self.block_class(i, gf, cfg, num))
             gf.release()
             if progress is not None:
                 progress(1)
@@ -167,89 +168,179 @@ class LlamaForward(nn.Module):
         attends causally: the fused attention where it is on, else SDPA told it is causal (the
         keys of a prompt are the same in plain and speculative decoding). keys_only: fill the
         caches and stop; the last layer computes its keys and values alone."""
-        cfg, num = self.config, self.numerics
-        sizes = [p[0].shape[1] for p in parts]
-        m = sum(sizes)
-        pasts = [p[1].get_seq_length() for p in parts]
-        ids = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], 1)
-        device = ids.device
-        pos = [p[2] if p[2] is not None else torch.arange(past, past + k, device=device).unsqueeze(0)
-               for p, past, k in zip(parts, pasts, sizes)]
-        pos = pos[0] if len(parts) == 1 else torch.cat(pos, 1)
-        x = self.embed(ids[0])                                   # [m, D]
-        cos, sin = self.rope(pos[0], x.dtype)                    # [m, head_dim]
-        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        inv = num.invariant
-        fused_on = inv and invariant.fused_on(device)
-        whole = len(parts) == 1 and m > invariant.MAX_ROWS and not fused_on
-        lays = [] if whole or not inv else [invariant.layout(p[3], k, past + k, hq // hkv, device)
-                                            for p, past, k in zip(parts, pasts, sizes)]
-        many = invariant.Many(lays, sizes, hq, hkv, device) if inv and len(parts) > 1 and not fused_on else None
-        bounds = invariant.row_bounds(sizes)
-        eps = cfg.rms_norm_eps
+        ctx = Step(self, parts)
+        x = self.embed_rows(ctx.ids)
         last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
-            h = rms_norm(x, blk.attn_norm, eps)
             if keys_only and i == last:
-                k = self._heads(blk.k(h), hkv, d, blk.k_norm)
-                v = blk.v(h).view(m, hkv, d).transpose(0, 1)
-                k = self.rope.apply(k, cos, sin)
-                for (_, cache, _, _), (a, b) in zip(parts, bounds):
-                    cache.layers[i].append(k[None, :, a:b], v[None, :, a:b])
+                self.keys_only(i, blk, x, ctx)
                 return []
-            q = self.rope.apply(self._heads(blk.q(h), hq, d, blk.q_norm), cos, sin)[None]   # [1, hq, m, d]
-            k = self.rope.apply(self._heads(blk.k(h), hkv, d, blk.k_norm), cos, sin)[None]
-            v = blk.v(h).view(m, hkv, d).transpose(0, 1)[None]
-            layers = [p[1].layers[i] for p in parts]
-            if not inv:
-                o = self._stock_attention(q, k, v, parts, layers, bounds)
-            elif whole:
-                layers[0].append(k, v)
-                o = invariant.causal_prompt_sdpa(q, k, v, self.scaling)
-            elif fused_on:
-                o = invariant.append_attend(q, k, v, layers, lays, self.scaling)
+            x = self.block(i, blk, x, ctx)
+        logits = self.head(self.final_norm(x))
+        if len(parts) == 1:
+            return [logits]
+        return [logits[a:b] for a, b in ctx.bounds]
+
+    # ------------------------------------------------------------ the family's own parts
+
+    def rope_for(self, kind: str) -> Rope:
+        return self.rope
+
+    def window(self, kind: str) -> int | None:
+        """The sliding window of a layer kind (keys at most window - 1 positions back), or None."""
+        return None
+
+    def embed_rows(self, ids) -> torch.Tensor:
+        return self.embed(ids)
+
+    def final_norm(self, x) -> torch.Tensor:
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def layer_kind(self, i: int) -> str:
+        """Which attention layer i has: "full" (or "sliding", Gemma 3)."""
+        return "full"
+
+    def qkv(self, i: int, blk, h, ctx):
+        """q [1, hq, m, d], k and v [1, hkv, m, d] of layer i, rotated."""
+        cfg = self.config
+        hq, hkv, d, m = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, h.shape[0]
+        cos, sin = ctx.rope(self.layer_kind(i))
+        q = self.rope.apply(self._heads(blk.q(h), hq, d, blk.q_norm), cos, sin)[None]
+        k = self.rope.apply(self._heads(blk.k(h), hkv, d, blk.k_norm), cos, sin)[None]
+        v = blk.v(h).view(m, hkv, d).transpose(0, 1)[None]
+        return q, k, v
+
+    def block(self, i: int, blk, x, ctx) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        h = rms_norm(x, blk.attn_norm, eps)
+        o = ctx.attend(i, *self.qkv(i, blk, h, ctx))
+        x = x + blk.o(o)
+        h = rms_norm(x, blk.ffn_norm, eps)
+        return x + blk.down(nn.functional.silu(blk.gate(h)) * blk.up(h))
+
+    def keys_only(self, i: int, blk, x, ctx) -> None:
+        """The last layer of a prefill: its keys and values only."""
+        cfg = self.config
+        h = self.attn_input(blk, x)
+        k = self._heads(blk.k(h), cfg.num_key_value_heads, cfg.head_dim, blk.k_norm)
+        v = blk.v(h).view(h.shape[0], cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)
+        k = self.rope.apply(k, *ctx.rope(self.layer_kind(i)))
+        for (_, cache, _, _), (a, b) in zip(ctx.parts, ctx.bounds):
+            cache.layers[i].append(k[None, :, a:b], v[None, :, a:b])
+
+    def attn_input(self, blk, x) -> torch.Tensor:
+        return rms_norm(x, blk.attn_norm, self.config.rms_norm_eps)
+
+    def head_norm(self, y, norm) -> torch.Tensor:
+        """A head's q or k norm (Qwen3)."""
+        return rms_norm(y, norm, self.config.rms_norm_eps)
+
+    def _heads(self, y, heads: int, d: int, norm) -> torch.Tensor:
+        """[m, heads * d] -> [heads, m, d], each head's norm first where the model has one."""
+        y = y.view(y.shape[0], heads, d)
+        if norm is not None:
+            y = self.head_norm(y, norm)
+        return y.transpose(0, 1)
+
+
+class Step:
+    """What one forward over some parts derives once and every layer reads: rows, positions,
+    the rope of each attention kind, each part's attention layout by kind, and the attention."""
+
+    def __init__(self, model: LlamaForward, parts):
+        cfg, num = model.config, model.numerics
+        self.model, self.parts = model, parts
+        self.sizes = sizes = [p[0].shape[1] for p in parts]
+        self.m = m = sum(sizes)
+        self.pasts = pasts = [p[1].get_seq_length() for p in parts]
+        self.ids = (parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], 1))[0]
+        device = self.ids.device
+        pos = [p[2] if p[2] is not None else torch.arange(past, past + k, device=device).unsqueeze(0)
+               for p, past, k in zip(parts, pasts, sizes)]
+        self.positions = pos
+        self.pos = (pos[0] if len(parts) == 1 else torch.cat(pos, 1))[0]
+        self.bounds = invariant.row_bounds(sizes)
+        self.hq, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.inv = num.invariant
+        self.fused = self.inv and invariant.fused_on(device)
+        # a prompt wider than a verification on an empty cache: causal SDPA (the fused attention
+        # takes it as it is)
+        self.whole = len(parts) == 1 and m > invariant.MAX_ROWS and not self.fused and pasts[0] == 0
+        self._rope, self._lays, self._many = {}, {}, {}
+
+    def rope(self, kind: str):
+        if kind not in self._rope:
+            self._rope[kind] = self.model.rope_for(kind)(self.pos, self.model.dtype)
+        return self._rope[kind]
+
+    def visible(self, j: int, kind: str) -> torch.Tensor | None:
+        """Part j's [m_j, past + m_j] bool visibility for a layer of `kind` (None: causal, full)."""
+        ids, cache, pos, mask = self.parts[j]
+        window = self.model.window(kind)
+        if mask is None and window is None:
+            return None
+        m, past = self.sizes[j], self.pasts[j]
+        vis = invariant._visible(mask, m, past + m, self.ids.device)
+        if window is not None:   # positions of the keys: the cache's are its slots, the part's its own
+            kpos = torch.cat([torch.arange(past, device=vis.device), self.positions[j][0]])
+            vis = vis & ((self.positions[j][0][:, None] - kpos[None, :]) < window)
+        return vis
+
+    def lays(self, kind: str):
+        if kind not in self._lays:
+            g = self.hq // self.hkv
+            self._lays[kind] = [invariant.layout(self.visible(j, kind), k, past + k, g, self.ids.device)
+                                for j, (past, k) in enumerate(zip(self.pasts, self.sizes))]
+            self._many[kind] = (invariant.Many(self._lays[kind], self.sizes, self.hq, self.hkv, self.ids.device)
+                                if len(self.parts) > 1 and not self.fused else None)
+        return self._lays[kind], self._many[kind]
+
+    def attend(self, i: int, q, k, v) -> torch.Tensor:
+        """Layer i's attention of q [1, hq, m, d] over each part's cache and its new k, v (appended
+        here). Returns [m, hq * d]."""
+        model, m = self.model, self.m
+        kind = model.layer_kind(i)
+        layers = [p[1].layers[i] for p in self.parts]
+        scaling = model.scaling
+        if not self.inv:
+            o = self._stock(q, k, v, layers, kind)
+        elif self.whole:
+            layers[0].append(k, v)
+            vis = self.visible(0, kind)
+            if vis is None:
+                o = invariant.causal_prompt_sdpa(q, k, v, scaling)
+            else:
+                o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=vis, scale=scaling,
+                                                               enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
+        else:
+            lays, many = self.lays(kind)
+            if self.fused:
+                o = invariant.append_attend(q, k, v, layers, lays, scaling)
             elif many is None:
                 layers[0].append(k, v)
-                kv = layers[0].padded(lays[0].rows)
-                o = invariant.attend_kv(q, kv[0][0], kv[1][0], lays[0], self.scaling, layers[0])
+                kk, vv = layers[0].padded(lays[0].rows)
+                o = invariant.attend_kv(q, kk[0], vv[0], lays[0], scaling, layers[0])
             else:
                 kvs = []
-                for j, (layer, (a, b)) in enumerate(zip(layers, bounds)):
+                for j, (layer, (a, b)) in enumerate(zip(layers, self.bounds)):
                     layer.append(k[:, :, a:b], v[:, :, a:b])
                     kk, vv = layer.padded(many.key_rows(j))
                     kvs.append((kk[0], vv[0]))
-                o = invariant.attend_many(q, kvs, many, self.scaling, layers)
-            x = x + blk.o(o.reshape(m, hq * d))
-            h = rms_norm(x, blk.ffn_norm, eps)
-            x = x + blk.down(nn.functional.silu(blk.gate(h)) * blk.up(h))
-        logits = self.head(rms_norm(x, self.norm, eps))
-        if len(parts) == 1:
-            return [logits]
-        return [logits[a:b] for a, b in bounds]
+                o = invariant.attend_many(q, kvs, many, scaling, layers)
+        return o.reshape(m, -1)
 
-    @staticmethod
-    def _heads(y, heads: int, d: int, norm) -> torch.Tensor:
-        """[m, heads * d] -> [heads, m, d], each head's RMSNorm first where the model has one."""
-        y = y.view(y.shape[0], heads, d)
-        if norm is not None:
-            y = rms_norm(y, norm, 1e-6)
-        return y.transpose(0, 1)
-
-    def _stock_attention(self, q, k, v, parts, layers, bounds) -> torch.Tensor:
+    def _stock(self, q, k, v, layers, kind) -> torch.Tensor:
         """Outside the M-invariant mode: SDPA over each part's cache (no row-count guarantee)."""
         outs = []
-        for (ids, cache, pos, mask), layer, (a, b) in zip(parts, layers, bounds):
+        for j, (layer, (a, b)) in enumerate(zip(layers, self.bounds)):
             layer.append(k[:, :, a:b], v[:, :, a:b])
             keys, values = layer.keys, layer.values
-            mq = b - a
-            n = keys.shape[2]
-            if mask is not None:
-                attn = mask[..., -n:] if mask.dtype != torch.bool else mask
-                attn = attn.to(q.dtype) if attn.dtype != torch.bool else attn
-            else:
-                attn = torch.ones(mq, n, dtype=torch.bool, device=q.device).tril(n - mq)
+            vis = self.visible(j, kind)
+            n, mq = keys.shape[2], b - a
+            if vis is None:
+                vis = torch.ones(mq, n, dtype=torch.bool, device=q.device).tril(n - mq)
             o = nn.functional.scaled_dot_product_attention(
-                q[:, :, a:b], keys.to(q.dtype), values.to(q.dtype), attn_mask=attn, scale=self.scaling,
+                q[:, :, a:b], keys.to(q.dtype), values.to(q.dtype), attn_mask=vis, scale=self.model.scaling,
                 enable_gqa=keys.shape[1] != q.shape[1])
             outs.append(o.transpose(1, 2))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
