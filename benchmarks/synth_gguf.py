@@ -375,6 +375,7 @@ def write(path: str | os.PathLike, shape: str | dict, mix: str, seed: int = 0,
         raise ValueError("heads must be a multiple of kv_heads")
     p = plan(s, mix)
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
 
     w = GGUFWriter(str(path), "llama")

@@ -240,7 +240,7 @@ def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tmp_path)
     first = run("-p", "hi", "-n", "12", "--dtype", "bf16", flip="1")
     assert first["config"]["attention"] == "fused"
     (tmp_path / "run.json").write_text(json.dumps(first))
-    again = run("--config", str(tmp_path / "run.json"), flip="0")
+    again = run("-p", "hi", "--config", str(tmp_path / "run.json"), flip="0")
     assert again["config"]["attention"] == "fused" and again["tokens"] == first["tokens"]
     other = run("-p", "hi", "-n", "12", "--dtype", "bf16", flip="0")   # the other choice is recorded too
     assert other["config"]["attention"] == "torch"

@@ -508,11 +508,14 @@ def load_reference(name: str, dtype: str, device: str):
     t0 = time.perf_counter()
     if kind != "gguf":
         return load(name, dtype=dtype, device=device, kernels="torch", quiet=True, invariant="off")
+    import contextlib
+    import io
     path = Path(source)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=torch_dtype(dtype))
+    try:   # its own progress bar for the GGUF's tensors takes no switch: kept off the terminal
+        with contextlib.redirect_stderr(io.StringIO()):
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         dtype=torch_dtype(dtype))
     except Exception as exc:  # transformers raises many kinds for a file it cannot read
         raise HdError(f"could not read GGUF {path} with transformers: {str(exc).splitlines()[0]}") from None
     model.to(device).eval()

@@ -239,7 +239,7 @@ def dequantize(type_name: str, raw: np.ndarray, n: int, k: int, rows=None) -> to
     m = b.shape[0]
     out = torch.empty((m, k), dtype=torch.bfloat16)
     if type_name == "BF16":   # already bf16: its bits
-        out.view(torch.int16).copy_(torch.from_numpy(np.ascontiguousarray(b).view(np.int16).reshape(m, k)))
+        out.view(torch.int16).copy_(torch.from_numpy(np.array(b).view(np.int16).reshape(m, k)))   # a copy: the map is read-only
         return out
     step = max(1, CHUNK // max(k, 1))
     for a in range(0, m, step):
