@@ -267,18 +267,50 @@ def _consts(a: np.ndarray, dtype) -> np.ndarray:
     return np.ascontiguousarray(a.astype(dtype).reshape(n // 16, 16, g).transpose(0, 2, 1)).view(np.uint8)
 
 
+PACK_ROWS = 1024   # rows packed at a time: the transient arrays of a big tensor (an 8B model's
+                   # 128256-row head) stay tens of MB, not GB
+
+
 def pack(type_name: str, raw: np.ndarray, n: int, k: int):
     """(packed [n/16, k/GK, bytes] uint8 tensor, fmt) for csrc/qmm.cpp, or None where the shape
-    does not fit (`fits`). Q4_0/Q4_1 blocks whose constants are not exact in fp16 (-8 d past the
-    fp16 range) go to q4f."""
+    does not fit (`fits`), PACK_ROWS rows at a time, the two halves of a big tensor on two
+    threads (numpy releases the GIL in its copies). Q4_0/Q4_1 blocks whose constants are not
+    exact in fp16 (-8 d past the fp16 range) go to q4f, the whole tensor alike."""
     if not fits(type_name, n, k):
         return None
-    codes, scale, low, gk = unpack(type_name, raw, n, k)
+    b = _bytes(raw, n)
+    if n <= PACK_ROWS:
+        return _pack_rows(type_name, b, n, k)
     fmt = FORMAT[type_name]
-    if fmt == "q4h":
+    if fmt == "q4h" and any(_pack_rows(type_name, b[a:a + PACK_ROWS], min(PACK_ROWS, n - a), k, check_only=True)
+                            for a in range(0, n, PACK_ROWS)):
+        fmt = "q4f"
+    first = _pack_rows(type_name, b[:PACK_ROWS], PACK_ROWS, k, fmt)[0]
+    out = torch.empty((n // 16,) + tuple(first.shape[1:]), dtype=torch.uint8)
+    out[:PACK_ROWS // 16] = first
+
+    def part(a: int) -> None:
+        m = min(PACK_ROWS, n - a)
+        out[a // 16:(a + m) // 16] = _pack_rows(type_name, b[a:a + m], m, k, fmt)[0]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(part, range(PACK_ROWS, n, PACK_ROWS)))
+    return out, fmt
+
+
+def _pack_rows(type_name: str, raw: np.ndarray, n: int, k: int, fmt: str | None = None, check_only: bool = False):
+    """pack() of n rows (a multiple of 16) in format fmt (None: the type's, q4f where q4h's fp16
+    constants would not be exact); check_only: only whether q4h would not be exact."""
+    codes, scale, low, gk = unpack(type_name, raw, n, k)
+    if check_only:
         both = np.stack([scale, low])
-        if not np.array_equal(both.astype(np.float16).astype(np.float32), both):
-            fmt = "q4f"
+        return not np.array_equal(both.astype(np.float16).astype(np.float32), both)
+    if fmt is None:
+        fmt = FORMAT[type_name]
+        if fmt == "q4h":
+            both = np.stack([scale, low])
+            if not np.array_equal(both.astype(np.float16).astype(np.float32), both):
+                fmt = "q4f"
     lanes = _lanes(codes, gk)
     if fmt in ("q4h", "q4f"):   # byte j of a pair: lane j in its low nibble, lane j + 16 in its high one
         lanes = lanes[..., :16] | (lanes[..., 16:] << 4)
