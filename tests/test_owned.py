@@ -244,3 +244,27 @@ def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tmp_path)
     assert again["config"]["attention"] == "fused" and again["tokens"] == first["tokens"]
     other = run("-p", "hi", "-n", "12", "--dtype", "bf16", flip="0")   # the other choice is recorded too
     assert other["config"]["attention"] == "torch"
+
+
+def test_the_header_parser_reads_what_gguf_py_reads(tiny_gguf, tmp_path):
+    """engine/forward/gguf.py parses the header itself (gguf-py's reader took ~25 s on a 128k
+    vocabulary): every tensor's type, shape and bytes and every scalar field as GGUFReader gives
+    them; a truncated file is one clear error."""
+    import gguf
+    import numpy as np
+    from hdcli.engine.forward.gguf import GGUFFile
+    from hdcli.errors import HdError
+    mine, ref = GGUFFile(tiny_gguf), gguf.GGUFReader(str(tiny_gguf))
+    assert len(mine.tensors) == len(ref.tensors)
+    for t in ref.tensors:
+        got = mine.tensors[t.name]
+        assert got.tensor_type == t.tensor_type and got.shape == [int(x) for x in t.shape]
+        assert np.array_equal(np.asarray(got.data).reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1))
+    for key, f in ref.fields.items():
+        v = f.contents()
+        if not key.startswith("GGUF.") and not (isinstance(v, list) and (len(v) > 4096 or isinstance(v[0], str))):
+            assert mine.fields[key] == pytest.approx(v), key
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(tiny_gguf).read_bytes()[: Path(tiny_gguf).stat().st_size // 2])
+    with pytest.raises(HdError, match="truncated"):
+        GGUFFile(cut)

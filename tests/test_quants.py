@@ -206,3 +206,15 @@ def test_the_row_check_can_fail():
     changed = (y2 != y).any(-1)
     assert changed[5] and not changed[:5].any() and not changed[6:].any()
     assert not torch.equal((x[:16].float() @ w.float().t()).bfloat16(), y)
+
+
+def test_a_big_tensor_packs_alike_in_pieces_and_inside_inference_mode():
+    """pack() goes PACK_ROWS rows at a time on two threads: byte-identical to one piece, also
+    when the caller is in inference mode (a model load is)."""
+    n, k = 4 * quants.PACK_ROWS + 48, 256
+    for t in ("Q4_0", "Q6_K"):
+        raw = make(t, n, k, seed=5)
+        whole = quants._pack_rows(t, quants._bytes(raw, n), n, k)
+        with torch.inference_mode():
+            got = quants.pack(t, raw, n, k)
+        assert got[1] == whole[1] and torch.equal(got[0], whole[0])

@@ -289,9 +289,12 @@ def pack(type_name: str, raw: np.ndarray, n: int, k: int):
     out = torch.empty((n // 16,) + tuple(first.shape[1:]), dtype=torch.uint8)
     out[:PACK_ROWS // 16] = first
 
+    mode = torch.is_inference_mode_enabled()   # thread-local: the workers write `out` as the caller would
+
     def part(a: int) -> None:
         m = min(PACK_ROWS, n - a)
-        out[a // 16:(a + m) // 16] = _pack_rows(type_name, b[a:a + m], m, k, fmt)[0]
+        with torch.inference_mode(mode):
+            out[a // 16:(a + m) // 16] = _pack_rows(type_name, b[a:a + m], m, k, fmt)[0]
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(part, range(PACK_ROWS, n, PACK_ROWS)))
