@@ -466,6 +466,9 @@ def load_owned(name: str, source: str, dtype: str, device: str, kernels: str, in
         raise HdError("--kernels onednn needs a CPU model; use --kernels torch")
     gf = GGUFFile(source)
     tok = tokenizer(gf, cache_dir())
+    if kn == "gguf" and device == "cpu" and dt == "bf16":
+        from . import quants
+        quants.kernel_available(quiet=quiet)   # compiled once per machine (~30 s): said, not silent
     num = Numerics(dtype=dt, device=device, kernels=kn, invariant=invariant != "off")
     cfg = gf.config()
     from tqdm import tqdm
