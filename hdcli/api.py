@@ -295,14 +295,14 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
     if remeasure:
         source = models.resolve(model)[1]
         for dt in ("bf16", "fp32") if measured_dtype else (models.resolve_dtype(dtype, dev),):
-            for k in kern.candidates(source, dev, dt):
+            for k in kern.candidates(source, dev, dt) + ("gguf",):   # gguf: hd's own forward of a GGUF
                 for on in (False, True):
                     costs.forget(costs.curve_key(source, dt, dev, k, on))
         models.dtype_choice_file(model, kernels, True, invariant)[1].unlink(missing_ok=True)
     lm = load_model(model, dtype=dtype, device=dev, kernels=kernels, quiet=quiet, invariant=invariant)
     dt = lm.dtype
     kn = kern.resolve(kernels, dev, dt, lm.source)
-    if kn == "measure":
+    if kn == "measure" and "kernel_choice" in lm.info:   # (hd's own forward of a GGUF chooses none)
         choice = lm.info["kernel_choice"]
         curves = lm.info["curves"]
     else:

@@ -268,3 +268,10 @@ def test_the_header_parser_reads_what_gguf_py_reads(tiny_gguf, tmp_path):
     cut.write_bytes(Path(tiny_gguf).read_bytes()[: Path(tiny_gguf).stat().st_size // 2])
     with pytest.raises(HdError, match="truncated"):
         GGUFFile(cut)
+
+
+def test_hd_costs_on_a_gguf_reports_its_own_forward(tiny_gguf):
+    from hdcli import api
+    rep = api.cost_report(str(tiny_gguf), dtype="auto", device="cpu", kernels="auto", quiet=True)
+    assert rep["kernels"] == "gguf" and rep["choice"] is None
+    assert rep["curves"]["gguf"]["cost"] and rep["curves"]["gguf"]["one_token_ms"] > 0

@@ -199,6 +199,18 @@ def plausible(curve: CostCurve, model) -> bool:
     return curve(curve.widths[-1]) >= FLAT_LIMIT
 
 
+BIG_PARAMS = 1_000_000_000   # from here a forward over 64 tokens takes seconds on a few cores
+BIG_BUDGET = (64, 2)         # (context, rounds) for such a model
+
+
+def budget_for(model) -> tuple[int, int]:
+    """(context, rounds) of a measurement: a model of BIG_PARAMS+ parameters gets a 64-token
+    context and 2 rounds (five caches of 256 tokens and 7 rounds over 10 widths are minutes of
+    whole-model forwards at 8B on 2 cores, longer than the answers they speed up; the time it
+    takes is in docs/benchmarks.md). Least times of 2 rounds still reject one loaded round."""
+    return BIG_BUDGET if _n_params(model) >= BIG_PARAMS else (256, ROUNDS)
+
+
 def measure(model, context: int = 256, repeats: int = ROUNDS, widths=WIDTHS, quiet: bool = True,
             desc: str = "measuring forward cost") -> CostCurve:
     """The cost curve of `model`: least times over interleaved rounds, relative to w = 1, checked
@@ -365,7 +377,8 @@ def cached_curve(key: str, model, remeasure: bool = False, quiet: bool = False,
             return got
     if not measure_missing:
         return None
-    curve = _CURVES[key] = measure(model, quiet=quiet, desc=desc)
+    context, rounds = budget_for(model)
+    curve = _CURVES[key] = measure(model, context=context, repeats=rounds, quiet=quiet, desc=desc)
     if curve.info.get("plausible", True):
         _write(key, curve)
     return curve
