@@ -119,12 +119,10 @@ def main(argv=None) -> int:
             log(json.dumps({k: row[k] for k in ("shape", "mix", "peak_rss_over_file", "hd_over_llama_cpp")}))
             results.append(row)
     out = {"machine": machine(), "tokens": args.tokens, "prompt": PROMPT, "results": results}
-    text = json.dumps(out, indent=1)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    else:
-        print(text)
+    from common import write_result
+    write_result(Path(args.out) if args.out else None, out)
+    if not args.out:
+        print(json.dumps(out, indent=1))
     return 0
 
 

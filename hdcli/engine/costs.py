@@ -120,16 +120,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-_QUANT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-
-
 def _n_params(model) -> int:
+    from .quants import TYPES   # a GGUF tensor's blocks (quants.QLinear) hold no Parameter
     n = 0
     for m in model.modules():
         for p in m.parameters(recurse=False):
             n += p.numel()
         packed = getattr(m, "packed", None)  # kernels.PackedLinear holds an opaque tensor
-        if packed is not None or (getattr(m, "qtype", None) in _QUANT and hasattr(m, "in_features") and not hasattr(m, "kernel")):   # or GGUF blocks
+        if packed is not None or (getattr(m, "qtype", None) in TYPES and hasattr(m, "in_features") and not hasattr(m, "kernel")):   # or GGUF blocks
             n += m.in_features * m.out_features
     return n
 

@@ -361,8 +361,9 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
         from . import fused
         fused.require(attention)
     kind, source = resolve(name)
-    if kind == "gguf" and owned_family(source) is not None:   # hd's own forward, in the file's bits
-        return load_owned(name, source, dtype, dev, kernels, invariant, quiet)
+    owned = _owned(name, source, dtype, dev, kernels, invariant, quiet) if kind == "gguf" else None
+    if owned is not None:   # hd's own forward, in the file's bits
+        return owned
     if dtype == "auto" and dev == "cpu" and invariant != "off" and native_bf16():
         return _fastest_exact(name, kernels, drafting, quiet, invariant)
     dt = resolve_dtype(dtype, dev)
@@ -425,11 +426,14 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
 
 # ---------------------------------------------------------------- GGUF files into hd's own forward
 
-def owned_family(source: str) -> str | None:
-    """The owned forward (hdcli/engine/forward/) that runs a GGUF file, or None (transformers' forward)."""
+def _owned(name: str, source: str, dtype: str, device: str, kernels: str, invariant: str,
+           quiet: bool) -> LoadedModel | None:
+    """A GGUF on hd's own forward (load_owned, the file opened once), or None where its
+    architecture has none (transformers' forward then)."""
     from .forward import family_of
     from .forward.gguf import GGUFFile
-    return family_of(GGUFFile(source).arch)
+    gf = GGUFFile(source)
+    return load_owned(name, gf, dtype, device, kernels, invariant, quiet) if family_of(gf.arch) else None
 
 
 def peak_rss_bytes() -> int | None:
@@ -443,15 +447,16 @@ def peak_rss_bytes() -> int | None:
     return None
 
 
-def load_owned(name: str, source: str, dtype: str, device: str, kernels: str, invariant: str,
+def load_owned(name: str, gf, dtype: str, device: str, kernels: str, invariant: str,
                quiet: bool) -> LoadedModel:
     """A GGUF file into hd's own forward, in the file's own bits (hdcli/engine/forward/): no fp32 copy of
     the model, no converted copy on disk. dtype "auto": bf16 (fp32 only where asked: every weight
     dequantized to fp32). kernels "auto"/"int4"/"gguf": the file's blocks where hd has a kernel
-    for their type; "onednn"/"torch": dense. invariant as in load()."""
+    for their type; "onednn"/"torch": dense. invariant as in load(). gf: the opened file
+    (forward.gguf.GGUFFile)."""
     import torch
     from .forward import build
-    from .forward.gguf import GGUFFile, tokenizer
+    from .forward.gguf import tokenizer
     from .forward.numerics import Numerics
     from . import fused, invariant as inv
     from .kernels import KERNELS
@@ -464,7 +469,7 @@ def load_owned(name: str, source: str, dtype: str, device: str, kernels: str, in
     kn = "gguf" if kernels in ("auto", "int4", "gguf") else kernels
     if kn == "onednn" and device != "cpu":
         raise HdError("--kernels onednn needs a CPU model; use --kernels torch")
-    gf = GGUFFile(source)
+    source = str(gf.path)
     tok = tokenizer(gf, cache_dir())
     if kn == "gguf" and device == "cpu" and dt == "bf16":
         from . import quants
@@ -502,7 +507,6 @@ def load_reference(name: str, dtype: str, device: str):
     """transformers' own model of `name` (its stock forward), for the baselines users have
     (transformers' generate) and as the reference forward in tests. A GGUF is read by
     transformers itself, in memory (it dequantizes the whole model to the dtype)."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()

@@ -3,7 +3,6 @@ least row count in the M-invariant mode), the embedding (rows dequantized as the
 and RMSNorm (transformers' LlamaRMSNorm, op for op)."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -79,7 +78,6 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [m] -> [m, dim] in the model dtype, on the model device."""
-        from .. import quants
         idx = ids.detach().to("cpu", torch.long).numpy()
         if (idx < 0).any() or (idx >= self.rows).any():
             raise IndexError(f"token id out of range 0..{self.rows - 1}")

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import fused, invariant, kvcache
+from .. import invariant, kvcache
 from .layers import Embedding, Linear, rms_norm
 from .numerics import Numerics
 from .rope import Rope
