@@ -1,6 +1,6 @@
 """GGUF-quantized weights (hdcli/engine/quants.py, csrc/qmm.cpp): dequantization equal bit for bit
 to gguf-py's reference for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (and F32/F16/BF16), the packing of
-Q4_0/Q4_1 equal to int4mm's, and the GEMM on the blocks: close to the dequantized product, its
+every type in about the file's bytes, and the GEMM on the blocks: close to the dequantized product, its
 weight matrix the dequantized weights exactly, and each row's result independent of the row count
 and of the row's place (the M-invariant forward relies on it), with a control that the check can fail."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hdcli.engine import int4, quants
+from hdcli.engine import quants
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
@@ -96,17 +96,39 @@ def test_float_tensors(t):
 
 # ------------------------------------------------------------------ packing
 
-@pytest.mark.parametrize("t", ["Q4_0", "Q4_1"])
-def test_q4h_is_int4mms_packing(t):
-    n, k = 64, 256
+# bytes a weight of the file's blocks and the most the packing may take (its share of the file)
+FILE_BYTES = {t: nbytes / size for t, (size, nbytes) in quants.BLOCK.items()}
+PACKED_OVER_FILE = {"Q4_0": 1.0, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 1.03, "Q6_K": 1.001, "Q5_0": 1.55, "Q5_1": 1.67, "Q5_K": 1.82}
+
+
+@pytest.mark.parametrize("t", quants.TYPES)
+def test_the_packing_takes_about_the_files_bytes(t):
+    """One decode step reads every weight once: the repacked layout costs the file's bytes (the
+    K-quants' per-column constants a few percent more), not the 0.75-1.25 bytes a weight of the
+    fp32-constant layouts it replaced."""
+    kernel()
+    n, k = REAL[t]
     raw = make(t, n, k)
     packed, fmt = quants.pack(t, raw, n, k)
-    codes, scale, low, _ = quants.unpack(t, raw, n, k)
-    theirs = int4.hd_pack(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scale, low)))
-    assert fmt == "q4h" and torch.equal(packed, theirs)
-    if quants.kernel_available() and int4.gemm_module() is not None:   # and the same arithmetic
-        x = torch.randn(7, k).bfloat16()
-        assert torch.equal(quants.gemm_module().mm(x, packed, fmt), int4.gemm_module().mm(x, theirs))
+    assert fmt == quants.FORMAT[t] and packed.dtype == torch.uint8 and packed.shape[0] == n // 16
+    assert packed.numel() <= PACKED_OVER_FILE[t] * FILE_BYTES[t] * n * k
+
+
+def test_pack_reads_the_files_map_as_it_lies(tmp_path):
+    """The packer reads a read-only map of the file in place (what GGUFFile.raw gives): the same
+    bytes as from a copy in memory, also inside inference mode (a model load is)."""
+    kernel()
+    t, (n, k) = "Q4_K", REAL["Q4_K"]
+    raw = make(t, n, k, seed=5)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 64 + raw.tobytes())
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=64, shape=raw.shape)
+    with torch.inference_mode():
+        got = quants.pack(t, mapped, n, k)
+    want = quants.pack(t, raw.copy(), n, k)
+    assert got[1] == want[1] and torch.equal(got[0], want[0])
+    with pytest.raises(ValueError):   # the bytes a row must be the type's for K
+        quants.pack(t, raw[:, :-144], n, k)
 
 
 def test_shapes_that_do_not_fit():
@@ -206,15 +228,3 @@ def test_the_row_check_can_fail():
     changed = (y2 != y).any(-1)
     assert changed[5] and not changed[:5].any() and not changed[6:].any()
     assert not torch.equal((x[:16].float() @ w.float().t()).bfloat16(), y)
-
-
-def test_a_big_tensor_packs_alike_in_pieces_and_inside_inference_mode():
-    """pack() goes PACK_ROWS rows at a time on two threads: byte-identical to one piece, also
-    when the caller is in inference mode (a model load is)."""
-    n, k = 4 * quants.PACK_ROWS + 48, 256
-    for t in ("Q4_0", "Q6_K"):
-        raw = make(t, n, k, seed=5)
-        whole = quants._pack_rows(t, quants._bytes(raw, n), n, k)
-        with torch.inference_mode():
-            got = quants.pack(t, raw, n, k)
-        assert got[1] == whole[1] and torch.equal(got[0], whole[0])

@@ -1,36 +1,41 @@
-"""A GGUF's quantized weights kept (nearly) in their own bits: exact dequantization, and
-weight-only GEMMs on the blocks (csrc/qmm.cpp) for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K.
+"""A GGUF's quantized weights kept in about their own bytes: exact dequantization, and
+weight-only GEMMs on the blocks (csrc/qmm.cpp) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
 
-Why: one decode step reads every weight once, so bytes per weight bound its speed. int4.py keeps
-Q4_0/Q4_1 weights 4-bit; GGUFs of other quantisations (Q8_0, the K-quants of llama.cpp's
-Q4_K_M/Q5_K_M/Q6_K files) were dequantized to bf16 (16 bits a weight, against 4.5-8.5 in the file).
-Here every such type is split into integer codes, one scale and (for some) one low per group of
-GK weights along K, W = scale * code + low, which csrc/qmm.cpp multiplies by the bf16 activations
-with bf16 dot products on the integer codes (int4mm.cpp's arithmetic, generalised):
+Why: one decode step reads every weight once, so bytes per weight bound its speed (2 cores stream
+~33 GB/s on the AMD EPYC). Every type is split into integer codes, one scale and (for some) one
+low per group of GK weights along K, W = scale * code + low, which csrc/qmm.cpp multiplies by the
+bf16 activations with bf16 dot products on the integer codes. The repacked layouts keep the file's
+own constants (fp16 d, 6-bit scales) and compute each group's scale and low in the kernel, so they
+cost about the file's bytes (a weight, the file's in brackets):
 
-  type   GK  codes            scale          low          kernel format (bytes a weight)
-  Q4_0   32  q in 0..15       d              -8 d         q4h: 4-bit, fp16 constants  (0.625)
-  Q4_1   32  q in 0..15       d              m            q4h                         (0.625)
-  Q5_0   32  q - 16, q 0..31  d              -            q8s                         (1.125)
-  Q5_1   32  q in 0..31       d              m            q8f: int8, fp32 constants   (1.25)
-  Q8_0   32  q in -128..127   d              -            q8s: int8, fp32 scale       (1.125)
-  Q4_K   32  q in 0..15       d sc           -dmin m      q4f: 4-bit, fp32 constants  (0.75)
-  Q5_K   32  q in 0..31       d sc           -dmin m      q8f: int8, fp32 constants   (1.25)
-  Q6_K   16  q in -32..31     d sc           -            q8s                         (1.25)
+  type   GK  codes            scale          low          kernel format
+  Q4_0   32  q in 0..15       d              -8 d         q4z: 4-bit, fp16 d          0.5625 (0.5625)
+  Q4_1   32  q in 0..15       d              m            q4h: 4-bit, fp16 d, m       0.625  (0.625)
+  Q5_0   32  q - 16, q 0..31  d              -            q8h: int8, fp16 d           1.0625 (0.6875)
+  Q5_1   32  q in 0..31       d              m            q8f: int8, fp32 constants   1.25   (0.75)
+  Q8_0   32  q in -128..127   d              -            q8h                         1.0625 (1.0625)
+  Q4_K   32  q in 0..15       d sc           -dmin m      q4k: 4-bit, fp16 d, dmin a super-block,
+                                                               6-bit sc, m a group   0.578  (0.5625)
+  Q5_K   32  q in 0..31       d sc           -dmin m      q8f                         1.25   (0.6875)
+  Q6_K   16  q in -32..31     d sc           -            q6k: 6-bit, fp16 d a super-block,
+                                                               int8 sc a group       0.820  (0.8203)
 
 d, dmin and Q4_1's m are a block's fp16 numbers; a K-quant's sc and m are its sub-blocks' 6-bit
-scales and mins (Q6_K's sc: int8). Every scale and low is exact in fp32 (an fp16 times an integer
-of at most 8 bits), and in fp16 for Q4_0/Q4_1 (int4mm's layout, byte for byte), so the kernel
-multiplies by the file's weights exactly; each output is then a sum over groups of fma(s1, scale)
-and fma(s0, low) in fp32, rounded once to bf16 (csrc/qmm.cpp's header). Its arithmetic per row
-does not depend on the row count or the row's place, so the M-invariant forward
-(engine/invariant.py) can use it. (Q6_K's codes are the file's 6-bit q less 32.)
+scales and mins (Q6_K's sc: int8). Every scale and low is an exact fp32 product (an fp16 times an
+integer of at most 8 bits), so the kernel multiplies by the file's weights exactly; each output is
+then a sum over groups of fma(s1, scale) and fma(s0, low) in fp32, rounded once to bf16
+(csrc/qmm.cpp's header). Its arithmetic per row does not depend on the row count or the row's
+place, so the M-invariant forward (engine/invariant.py) can use it. (Q6_K's codes are the file's
+6-bit q less 32; Q5_0, Q5_1 and Q5_K, rare in the files users have, take int8 codes.)
+
+The repacking is C++ too (qmm.cpp's `pack`), reading the blocks where the file's map has them, one
+column block of 16 rows at a time on torch's threads.
 
 Speed (2-core AMD EPYC, N = K = 2048, 2 threads, another process busy on the machine, least of
-rounds; weights in cache): 1 / 4 / 16 rows, Q4_0 (q4h) 70 / 124 / 393 us against int4mm's
-78 / 126 / 812 (its rows K apart in one L1 set: qmm.cpp copies a tile's rows together), Q8_0 90 /
-139 / 366, Q4_K 69 / 124 / 394, Q5_K 93 / 149 / 396, Q6_K 91 / 143 / 389. One row reads bytes:
-the 4-bit formats are the fastest there, all are alike from 16 rows.
+rounds; weights in cache; measured on the wider formats this replaced, whose arithmetic is the
+same): 1 / 4 / 16 rows, Q4_0 70 / 124 / 393 us, Q8_0 90 / 139 / 366, Q4_K 69 / 124 / 394,
+Q5_K 93 / 149 / 396, Q6_K 91 / 143 / 389. One row reads bytes: the 4-bit formats are the fastest
+there, all are alike from 16 rows.
 
 Dequantization (`dequantize`, `dequantize_f32`) computes each type's weights with the op order of
 gguf-py's reference (gguf.quants.dequantize): the fp32 values are equal bit for bit
@@ -59,7 +64,7 @@ QK_K = 256
 BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
          "Q6_K": (QK_K, 210)}
 GROUP = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}   # weights a scale
-FORMAT = {"Q4_0": "q4h", "Q4_1": "q4h", "Q5_0": "q8s", "Q5_1": "q8f", "Q8_0": "q8s", "Q4_K": "q4f", "Q5_K": "q8f", "Q6_K": "q8s"}
+FORMAT = {"Q4_0": "q4z", "Q4_1": "q4h", "Q5_0": "q8h", "Q5_1": "q8f", "Q8_0": "q8h", "Q4_K": "q4k", "Q5_K": "q8f", "Q6_K": "q6k"}
 CHUNK = 1 << 22        # weights dequantized at a time (16 MB in fp32, 8 MB of bf16 output)
 
 SOURCE = Path(__file__).with_name("csrc") / "qmm.cpp"
@@ -254,74 +259,22 @@ def fits(type_name: str, n: int, k: int) -> bool:
     return type_name in TYPES and n > 0 and k > 0 and n % 16 == 0 and k % BLOCK[type_name][0] == 0
 
 
-def _lanes(codes: np.ndarray, gk: int) -> np.ndarray:
-    """codes [n, k] as [n/16, k/gk, gk/2, 32]: block, group, pair, lane L = (column L / 2, k 2 p + L % 2)."""
-    n, k = codes.shape
-    c = codes.view(np.uint8).reshape(n // 16, 16, k // gk, gk // 2, 2)   # block, column, group, pair, k
-    return c.transpose(0, 2, 3, 1, 4).reshape(n // 16, k // gk, gk // 2, 32)
-
-
-def _consts(a: np.ndarray, dtype) -> np.ndarray:
-    """scale or low [n, G] as [n/16, G, bytes]: each block's 16 columns side by side."""
-    n, g = a.shape
-    return np.ascontiguousarray(a.astype(dtype).reshape(n // 16, 16, g).transpose(0, 2, 1)).view(np.uint8)
-
-
-PACK_ROWS = 1024   # rows packed at a time: the transient arrays of a big tensor (an 8B model's
-                   # 128256-row head) stay tens of MB, not GB
-
-
 def pack(type_name: str, raw: np.ndarray, n: int, k: int):
-    """(packed [n/16, k/GK, bytes] uint8 tensor, fmt) for csrc/qmm.cpp, or None where the shape
-    does not fit (`fits`), PACK_ROWS rows at a time, the two halves of a big tensor on two
-    threads (numpy releases the GIL in its copies). Q4_0/Q4_1 blocks whose constants are not
-    exact in fp16 (-8 d past the fp16 range) go to q4f, the whole tensor alike."""
+    """(packed [n/16, super-blocks, bytes] uint8 tensor, fmt) for csrc/qmm.cpp's GEMM, or None where
+    the shape does not fit (`fits`). The C++ packer reads the file's blocks where they lie (the
+    map) on torch's threads: an 8B model's 4.5 GB repack in seconds, not the half minute numpy
+    took. RuntimeError where the extension is not built here."""
     if not fits(type_name, n, k):
         return None
+    module = gemm_module()
+    if module is None:
+        raise RuntimeError(f"the GGUF GEMM is not available here ({_failed})")
     b = _bytes(raw, n)
-    if n <= PACK_ROWS:
-        return _pack_rows(type_name, b, n, k)
-    fmt = FORMAT[type_name]
-    if fmt == "q4h" and any(_pack_rows(type_name, b[a:a + PACK_ROWS], min(PACK_ROWS, n - a), k, check_only=True)
-                            for a in range(0, n, PACK_ROWS)):
-        fmt = "q4f"
-    first = _pack_rows(type_name, b[:PACK_ROWS], PACK_ROWS, k, fmt)[0]
-    out = torch.empty((n // 16,) + tuple(first.shape[1:]), dtype=torch.uint8)
-    out[:PACK_ROWS // 16] = first
-
-    mode = torch.is_inference_mode_enabled()   # thread-local: the workers write `out` as the caller would
-
-    def part(a: int) -> None:
-        m = min(PACK_ROWS, n - a)
-        with torch.inference_mode(mode):
-            out[a // 16:(a + m) // 16] = _pack_rows(type_name, b[a:a + m], m, k, fmt)[0]
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(part, range(PACK_ROWS, n, PACK_ROWS)))
-    return out, fmt
-
-
-def _pack_rows(type_name: str, raw: np.ndarray, n: int, k: int, fmt: str | None = None, check_only: bool = False):
-    """pack() of n rows (a multiple of 16) in format fmt (None: the type's, q4f where q4h's fp16
-    constants would not be exact); check_only: only whether q4h would not be exact."""
-    codes, scale, low, gk = unpack(type_name, raw, n, k)
-    if check_only:
-        both = np.stack([scale, low])
-        return not np.array_equal(both.astype(np.float16).astype(np.float32), both)
-    if fmt is None:
-        fmt = FORMAT[type_name]
-        if fmt == "q4h":
-            both = np.stack([scale, low])
-            if not np.array_equal(both.astype(np.float16).astype(np.float32), both):
-                fmt = "q4f"
-    lanes = _lanes(codes, gk)
-    if fmt in ("q4h", "q4f"):   # byte j of a pair: lane j in its low nibble, lane j + 16 in its high one
-        lanes = lanes[..., :16] | (lanes[..., 16:] << 4)
-    const = np.float16 if fmt == "q4h" else np.float32
-    parts = [lanes.reshape(n // 16, k // gk, -1), _consts(scale, const)]
-    if low is not None:
-        parts.append(_consts(low, const))
-    return torch.from_numpy(np.concatenate(parts, -1)), fmt
+    size, nbytes = BLOCK[type_name]
+    if b.shape[1] != k // size * nbytes:
+        raise ValueError(f"{type_name}: {b.shape[1]} bytes a row, not {k // size * nbytes} for K = {k}")
+    packed, fmt = module.pack(b.ctypes.data, n, b.shape[1], k, type_name)   # b stays alive: the call reads it
+    return packed, fmt
 
 
 class QLinear(torch.nn.Module):

@@ -1,18 +1,23 @@
-// Weight-only GEMMs on a GGUF's quantized weights, kept in (nearly) their own bits: see
-// hdcli/engine/quants.py. csrc/int4mm.cpp generalised from Q4_0/Q4_1 to Q8_0 and the K-quants
-// Q4_K, Q5_K and Q6_K.
+// Weight-only GEMMs on a GGUF's quantized weights, repacked in about the file's own bytes, and the
+// repacking itself: see hdcli/engine/quants.py.
 //
 // y[m, n] = sum over groups g of GK k: scale[n, g] * (sum over k in g of x[m, k] * q[n, k])
 //                                      + low[n, g] * (sum over k in g of x[m, k])
 // which is sum over k of x[m, k] * (scale q + low): the GGUF's weights exactly (q an integer of
-// at most 8 bits, which a bf16 holds exactly; scale and low exact in fp32), the activations as
-// they come (bf16). The formats (quants.py's `pack` makes them):
-//   "q4h"  4-bit codes 0..15, fp16 scale and low, GK 32 (Q4_0: d, -8 d; Q4_1: d, m): int4mm's
-//          layout and arithmetic, byte for byte;
-//   "q4f"  the same codes, fp32 scale and low, GK 32 (Q4_K: d sc and -dmin m, exact in fp32 but
-//          not in fp16);
-//   "q8s"  int8 codes, fp32 scale, no low, GK 32 (Q8_0: d) or 16 (Q6_K: q - 32 in -32..31, d sc);
-//   "q8f"  int8 codes, fp32 scale and low, GK 32 (Q5_K: 0..31, d sc and -dmin m).
+// at most 8 bits, which a bf16 holds exactly; scale and low computed here in fp32 from the file's
+// numbers, exact products), the activations as they come (bf16). The formats (`pack` makes them
+// from the GGUF blocks; bytes a weight, the file's in brackets):
+//   "q4z" Q4_0  4-bit codes 0..15, the block's fp16 d; scale d, low -8 d            0.5625 (0.5625)
+//   "q4h" Q4_1  4-bit codes 0..15, fp16 d and m; scale d, low m                      0.625  (0.625)
+//   "q4k" Q4_K  4-bit codes 0..15, each column's fp16 d and dmin a super-block of 256, a 6-bit
+//               scale sc and min mn a group of 32; scale d sc, low -(dmin mn)        0.578  (0.5625)
+//   "q6k" Q6_K  6-bit codes 0..63 (the file's q; the kernel's table subtracts 32), fp16 d a
+//               super-block, an int8 scale sc a group of 16; scale d sc, no low      0.820  (0.8203)
+//   "q8h" Q8_0  int8 codes, fp16 d; scale d, no low (and Q5_0: codes q - 16)        1.0625 (1.0625)
+//   "q8f" Q5_1, Q5_K  int8 codes 0..31, fp32 scale and low (as Q5_1: d, m; Q5_K: d sc, -(dmin mn))
+//                                                                                    1.25 (0.75, 0.6875)
+// Every scale and low is an exact fp32 product of the file's numbers (fp16 times an integer of at
+// most 8 bits), so where it is computed does not change a bit.
 //
 // Per output the arithmetic is fixed, whatever the number of rows M and wherever the row sits:
 //   s1 = 0; for k-pairs p of the group in order: s1 = dpbf16(s1, (x[2p], x[2p+1]), (q, q'))
@@ -27,11 +32,14 @@
 // (engine/invariant.py) exact. Needs AVX512-BF16; without it the extension has no GEMM
 // (`supported()` false) and quants.py dequantizes to bf16 instead.
 //
-// Layout: packed [N/16][K/GK][BYTES] uint8, a block of 16 columns by a group of GK k, so that a
-// block's weights are one stream read front to back: GK/2 pairs of codes, lane L of a pair =
-// (column L / 2 of the block, k = GK g + 2 p + L % 2), then the 16 columns' scales, then (if the
-// format has one) their lows. A 4-bit pair is 16 bytes, byte j holding lane j in its low nibble
-// and lane j + 16 in its high one (int4mm's); an 8-bit pair is 32 bytes, byte L lane L.
+// Layout: packed [N/16][K/(GK GS)][SB] uint8: a column block of 16 columns, then its super-blocks
+// of GS groups of GK k in order (a column block is one stream read front to back). A super-block
+// is HEAD bytes of per-column constants (q4k: d[16], dmin[16] fp16; q6k: d[16] fp16; others none)
+// and GS groups of GROUP bytes: GK/2 pairs of codes, then the group's per-column constants. Lane L
+// of a pair = (column L / 2, k = GK g + 2 p + L % 2). A 4-bit pair is 16 bytes, byte j holding
+// lane j in its low nibble and lane j + 16 in its high one; an 8-bit pair is 32 bytes, byte L lane
+// L; a 6-bit pair is the 4-bit pair of the low 4 bits, then 8 bytes of the high 2 bits, byte j
+// holding lanes j, j + 8, j + 16, j + 24 in bits 0-1, 2-3, 4-5, 6-7.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -40,37 +48,82 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// Blocks ahead to ask the cache for (int4mm's measurement: a tile of many rows computes long
-// enough on a block that the hardware prefetcher alone left it waiting for the next one).
-constexpr int64_t PREFETCH = 8;
+// ------------------------------------------------------------------ formats
 
-// A format: W bits a code (4 or 8), GK k a group, the block constants of type C (uint16_t: fp16
-// bits, or float), with or without a low.
-template <int W_, int GK_, typename C_, bool LOW_>
-struct Fmt {
-  static constexpr int W = W_, GK = GK_;
-  using C = C_;
+// W bits a code, GK k a group, GS groups a super-block, HEAD bytes of super-block constants,
+// CONSTS bytes of group constants after the codes; LOW: whether the format has a low.
+template <int W_, int GK_, int GS_, int HEAD_, int CONSTS_, bool LOW_>
+struct Layout {
+  static constexpr int W = W_, GK = GK_, GS = GS_;
+  static constexpr int64_t HEAD = HEAD_, CONSTS = CONSTS_;
   static constexpr bool LOW = LOW_;
   static constexpr int PAIRS = GK / 2;
-  static constexpr int PAIR_BYTES = W == 4 ? 16 : 32;
+  static constexpr int PAIR_BYTES = W == 4 ? 16 : W == 6 ? 24 : 32;
   static constexpr int64_t CODES = PAIRS * PAIR_BYTES;
-  static constexpr int64_t CONSTS = 16 * static_cast<int64_t>(sizeof(C));
-  static constexpr int64_t BYTES = CODES + CONSTS * (LOW ? 2 : 1);
-  static_assert(BYTES % 64 == 0, "a block is whole cache lines");
+  static constexpr int64_t GROUP = CODES + CONSTS;
+  static constexpr int64_t SB = HEAD + GS * GROUP;
 };
 
-// 16 constants of a block as fp32 (fp16 ones are exact in fp32)
-template <typename C>
-static inline __m512 consts(const uint8_t* p) {
-  if constexpr (sizeof(C) == 2)
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  else
-    return _mm512_loadu_ps(p);
+struct Q4Z : Layout<4, 32, 1, 0, 32, true> {};     // + d[16] fp16
+struct Q4H : Layout<4, 32, 1, 0, 64, true> {};     // + d[16], m[16] fp16
+struct Q4K : Layout<4, 32, 8, 64, 32, true> {};    // head d[16], dmin[16] fp16; + sc[16], mn[16] uint8
+struct Q6K : Layout<6, 16, 16, 32, 16, false> {};  // head d[16] fp16; + sc[16] int8
+struct Q8H : Layout<8, 32, 1, 0, 32, false> {};    // + d[16] fp16
+struct Q8F : Layout<8, 32, 1, 0, 128, true> {};    // + scale[16], low[16] fp32
+
+static inline const uint8_t* super_at(const uint8_t* pk, int64_t sb_bytes, int64_t supers, int64_t cb, int64_t s) {
+  return pk + (cb * supers + s) * sb_bytes;
 }
 
-// A pair's 32 codes as bf16 (exact: integers of at most 8 significant bits), lane L of the pair
-// in lane L.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Bytes ahead to ask the cache for (int4mm's measurement: a tile of many rows computes long enough
+// on a group that the hardware prefetcher alone left it waiting for the next one).
+constexpr int64_t PREFETCH_BYTES = 8 * 320;
+
+static inline __m512 f16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m512 negated(__m512 v) {   // -v as numpy's negation: the sign bit flipped
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+}
+
+// The 16 columns' scale and low of a group: its super-block's head, the group's bytes.
+template <typename F>
+static inline void consts(const uint8_t* head, const uint8_t* grp, __m512& scale, __m512& low) {
+  const uint8_t* c = grp + F::CODES;
+  if constexpr (std::is_same_v<F, Q4Z>) {
+    scale = f16x16(c);
+    low = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
+  } else if constexpr (std::is_same_v<F, Q4H>) {
+    scale = f16x16(c);
+    low = f16x16(c + 32);
+  } else if constexpr (std::is_same_v<F, Q4K>) {
+    scale = _mm512_mul_ps(f16x16(head), u8x16(c));
+    low = negated(_mm512_mul_ps(f16x16(head + 32), u8x16(c + 16)));
+  } else if constexpr (std::is_same_v<F, Q6K>) {
+    scale = _mm512_mul_ps(f16x16(head), i8x16(c));
+  } else if constexpr (std::is_same_v<F, Q8H>) {
+    scale = f16x16(c);
+  } else {
+    scale = _mm512_loadu_ps(c);
+    low = _mm512_loadu_ps(c + 64);
+  }
+}
+
+// The 4-bit lanes of a pair (16 bytes) as 32 words 0..15, lane L in word L.
+static inline __m512i nibbles(const uint8_t* pair) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, _mm256_set1_epi16(0x0F))),
+                            _mm256_srli_epi16(w, 4), 1);
+}
+
+// A pair's 32 codes as bf16 (exact: integers of at most 8 significant bits), lane L in lane L.
 template <typename F>
 static inline __m512bh codes(const uint8_t* pair) {
   if constexpr (F::W == 4) {
@@ -78,10 +131,25 @@ static inline __m512bh codes(const uint8_t* pair) {
     const __m512i table = _mm512_set_epi16(
         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, _mm256_set1_epi16(0x0F))),
-                                         _mm256_srli_epi16(w, 4), 1);
-    return (__m512bh)_mm512_permutexvar_epi16(q, table);
+    return (__m512bh)_mm512_permutexvar_epi16(nibbles(pair), table);
+  } else if constexpr (F::W == 6) {
+    // q = low | high << 4 in 0..63; bf16 bits of q - 32 from two tables of 32 (VPERMI2W)
+    const __m512i t0 = _mm512_set_epi16(   // -1 .. -32 from lane 31 down
+        (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080, (short)0xC0A0, (short)0xC0C0, (short)0xC0E0, (short)0xC100,
+        (short)0xC110, (short)0xC120, (short)0xC130, (short)0xC140, (short)0xC150, (short)0xC160, (short)0xC170, (short)0xC180,
+        (short)0xC188, (short)0xC190, (short)0xC198, (short)0xC1A0, (short)0xC1A8, (short)0xC1B0, (short)0xC1B8, (short)0xC1C0,
+        (short)0xC1C8, (short)0xC1D0, (short)0xC1D8, (short)0xC1E0, (short)0xC1E8, (short)0xC1F0, (short)0xC1F8, (short)0xC200);
+    const __m512i t1 = _mm512_set_epi16(   // 31 .. 0 from lane 31 down
+        0x41F8, 0x41F0, 0x41E8, 0x41E0, 0x41D8, 0x41D0, 0x41C8, 0x41C0, 0x41B8, 0x41B0, 0x41A8, 0x41A0, 0x4198, 0x4190, 0x4188, 0x4180,
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+    const __m512i shift = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4,
+                                           2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    int64_t h;
+    std::memcpy(&h, pair + 16, 8);
+    const __m512i hw = _mm512_cvtepu8_epi16(_mm256_set1_epi64x(h));   // lane L: byte L % 8
+    const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(hw, shift), _mm512_set1_epi16(3));
+    const __m512i q = _mm512_or_si512(nibbles(pair), _mm512_slli_epi16(high, 4));
+    return (__m512bh)_mm512_permutex2var_epi16(t0, q, t1);
   } else {
     // int8 -> int32 -> fp32 -> bf16, each step exact; VCVTNE2PS2BF16 puts its second operand in lanes 0..15
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair))));
@@ -90,23 +158,33 @@ static inline __m512bh codes(const uint8_t* pair) {
   }
 }
 
+// Where the GEMM reads: the packing, its super-blocks a column block, the groups a row.
+struct Packed {
+  const uint8_t* pk;
+  int64_t supers, G;
+};
+
 // GI groups g.. of TR rows of column block cb, added to the rows' running outputs (out: in
 // registers, or outm: in L1). Each group's s1 is its own chain of VDPBF16PS, so GI groups side by
 // side are GI x TR independent sums in flight; the outputs still take the groups in order.
 template <typename F, int TR, int GI, bool REG>
-static inline __attribute__((always_inline)) void groups(const uint16_t* x, const float* s0, int64_t G,
-                                                         const uint8_t* pk, int64_t cb, int64_t g,
-                                                         __m512* out, float* outm) {
+static inline __attribute__((always_inline)) void groups(const uint16_t* x, const float* s0, const Packed& P,
+                                                         int64_t cb, int64_t g, __m512* out, float* outm) {
   constexpr int GK = F::GK;
-  const uint8_t* pg = pk + (cb * G + g) * F::BYTES;
-  for (int l = 0; l < GI * F::BYTES / 64; ++l)   // past the end: a hint, never a fault
-    _mm_prefetch(reinterpret_cast<const char*>(pg + PREFETCH * F::BYTES + 64 * l), _MM_HINT_T0);
+  const uint8_t* head[GI];
+  const uint8_t* grp[GI];
+  for (int i = 0; i < GI; ++i) {
+    head[i] = super_at(P.pk, F::SB, P.supers, cb, (g + i) / F::GS);
+    grp[i] = head[i] + F::HEAD + ((g + i) % F::GS) * F::GROUP;
+  }
+  for (int64_t l = 0; l < GI * F::GROUP; l += 64)   // past the end: a hint, never a fault
+    _mm_prefetch(reinterpret_cast<const char*>(grp[0] + PREFETCH_BYTES + l), _MM_HINT_T0);
   __m512 s1[GI][TR];
   for (int i = 0; i < GI; ++i)
     for (int r = 0; r < TR; ++r) s1[i][r] = _mm512_setzero_ps();
   for (int p = 0; p < F::PAIRS; ++p)
     for (int i = 0; i < GI; ++i) {
-      const __m512bh wb = codes<F>(pg + i * F::BYTES + p * F::PAIR_BYTES);
+      const __m512bh wb = codes<F>(grp[i] + p * F::PAIR_BYTES);
       for (int r = 0; r < TR; ++r) {
         uint32_t pair;
         std::memcpy(&pair, x + ((g + i) * TR + r) * GK + 2 * p, 4);
@@ -114,15 +192,13 @@ static inline __attribute__((always_inline)) void groups(const uint16_t* x, cons
       }
     }
   for (int i = 0; i < GI; ++i) {
-    const uint8_t* pc = pg + i * F::BYTES + F::CODES;
-    const __m512 dv = consts<typename F::C>(pc);
-    __m512 lv = _mm512_setzero_ps();
-    if constexpr (F::LOW) lv = consts<typename F::C>(pc + F::CONSTS);
+    __m512 dv, lv = _mm512_setzero_ps();
+    consts<F>(head[i], grp[i], dv, lv);
     for (int r = 0; r < TR; ++r) {
       __m512 o;
       if constexpr (REG) o = out[r]; else o = _mm512_load_ps(outm + r * 16);
       o = _mm512_fmadd_ps(s1[i][r], dv, o);
-      if constexpr (F::LOW) o = _mm512_fmadd_ps(_mm512_set1_ps(s0[r * G + g + i]), lv, o);
+      if constexpr (F::LOW) o = _mm512_fmadd_ps(_mm512_set1_ps(s0[r * P.G + g + i]), lv, o);
       if constexpr (REG) out[r] = o; else _mm512_store_ps(outm + r * 16, o);
     }
   }
@@ -132,14 +208,14 @@ static inline __attribute__((always_inline)) void groups(const uint16_t* x, cons
 // two can start a cycle (AMD EPYC), so a tile's TR rows and GI groups are what keeps the unit
 // busy. Two groups for up to 4 rows (N = K = 2048, one thread, 1 row: Q4_0 149 -> 130 us, Q5_K
 // 180 -> 181, 4 rows: Q4_0 234 -> 223 us; four groups for 1-2 rows were no faster for 4-bit codes
-// and slower for 8-bit ones, Q5_K 192 us; 8 rows and more no faster).
+// and slower for 8-bit ones; 8 rows and more no faster). GS is even or 1, so two groups side by
+// side from an even g never straddle a super-block's end... except where GS is 1, which is alike.
 constexpr int interleave(int TR) { return TR <= 4 ? 2 : 1; }
 
 // TR rows of one column block of 16. x: the tile's rows interleaved by group, [G][TR][GK] (`run`);
 // s0 [TR][G].
 template <typename F, int TR>
-static inline void block(const uint16_t* x, const float* s0, int64_t G, const uint8_t* pk,
-                         uint16_t* y, int64_t N, int64_t cb) {
+static inline void block(const uint16_t* x, const float* s0, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
   constexpr bool REG = TR <= 8;          // the running outputs in registers, else in L1 (32 registers in all)
   constexpr int GI = interleave(TR);
   __m512 out[REG ? TR : 1];
@@ -150,8 +226,8 @@ static inline void block(const uint16_t* x, const float* s0, int64_t G, const ui
     std::memset(outm, 0, sizeof(outm));
   }
   int64_t g = 0;
-  for (; g + GI <= G; g += GI) groups<F, TR, GI, REG>(x, s0, G, pk, cb, g, out, outm);
-  for (; g < G; ++g) groups<F, TR, 1, REG>(x, s0, G, pk, cb, g, out, outm);
+  for (; g + GI <= P.G; g += GI) groups<F, TR, GI, REG>(x, s0, P, cb, g, out, outm);
+  for (; g < P.G; ++g) groups<F, TR, 1, REG>(x, s0, P, cb, g, out, outm);
   for (int r = 0; r < TR; ++r) {   // to bf16, rounded to nearest even
     __m512 o;
     if constexpr (REG) o = out[r]; else o = _mm512_load_ps(outm + r * 16);
@@ -161,23 +237,22 @@ static inline void block(const uint16_t* x, const float* s0, int64_t G, const ui
 
 // block<rows> for rows 1..16
 template <typename F, int TR = 1>
-static inline void tile(int rows, const uint16_t* x, const float* s0, int64_t G, const uint8_t* pk,
-                        uint16_t* y, int64_t N, int64_t cb) {
+static inline void tile(int rows, const uint16_t* x, const float* s0, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
   if constexpr (TR < 16) {
-    if (rows > TR) return tile<F, TR + 1>(rows, x, s0, G, pk, y, N, cb);
+    if (rows > TR) return tile<F, TR + 1>(rows, x, s0, P, y, N, cb);
   }
-  block<F, TR>(x, s0, G, pk, y, N, cb);
+  block<F, TR>(x, s0, P, y, N, cb);
 }
 
 template <typename F>
 static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
   constexpr int GK = F::GK;
   const int64_t M = x.size(0), K = x.size(1), G = K / GK, N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(2) == F::BYTES, "GGUF GEMM: the packing's blocks are ", packed.size(2),
-              " bytes, the format's ", F::BYTES);
+  TORCH_CHECK(packed.size(2) == F::SB && packed.size(1) * F::GS * GK == K, "GGUF GEMM: the packing's super-blocks are ",
+              packed.size(2), " bytes, ", packed.size(1), " a column block; the format's ", F::SB, " bytes, K / ", F::GS * GK);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto y = torch::empty({M, N}, x.options());
-  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  const Packed P{packed.data_ptr<uint8_t>(), packed.size(1), G};
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // Tiles of up to 16 rows, as even as they go: each streams the weights once (int4mm's choice).
   const int64_t tiles = (M + 15) / 16, NB = N / 16;
@@ -228,27 +303,25 @@ static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
     for (int64_t cb = 0; cb < NB; ++cb)
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
-        tile<F>(static_cast<int>(m1 - m0), xtp + m0 * K, s0p + m0 * G, G, pk, yp + m0 * N, N, cb);
+        tile<F>(static_cast<int>(m1 - m0), xtp + m0 * K, s0p + m0 * G, P, yp + m0 * N, N, cb);
       }
   }
   return y;
 }
 
-// x [M, K] bf16, packed [N/16, K/GK, BYTES] uint8 in format fmt (above). Returns [M, N] bf16.
+// x [M, K] bf16, packed [N/16, K/(GK GS), SB] uint8 in format fmt (above). Returns [M, N] bf16.
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "GGUF GEMM: x must be [M, K] bf16");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
-              "GGUF GEMM: packed must be [N/16, K/GK, bytes] uint8, contiguous");
-  const int64_t K = x.size(1), G = packed.size(1);
-  TORCH_CHECK(G > 0 && K % G == 0, "GGUF GEMM: K = ", K, " is not a whole number of the packing's ", G, " groups");
-  const int64_t GK = K / G;
+              "GGUF GEMM: packed must be [N/16, super-blocks, bytes] uint8, contiguous");
   auto xs = x.contiguous();
-  if (fmt == "q4h" && GK == 32) return run<Fmt<4, 32, uint16_t, true>>(xs, packed);
-  if (fmt == "q4f" && GK == 32) return run<Fmt<4, 32, float, true>>(xs, packed);
-  if (fmt == "q8s" && GK == 32) return run<Fmt<8, 32, float, false>>(xs, packed);
-  if (fmt == "q8s" && GK == 16) return run<Fmt<8, 16, float, false>>(xs, packed);
-  if (fmt == "q8f" && GK == 32) return run<Fmt<8, 32, float, true>>(xs, packed);
-  TORCH_CHECK(false, "GGUF GEMM: no format ", fmt, " with groups of ", GK);
+  if (fmt == "q4z") return run<Q4Z>(xs, packed);
+  if (fmt == "q4h") return run<Q4H>(xs, packed);
+  if (fmt == "q4k") return run<Q4K>(xs, packed);
+  if (fmt == "q6k") return run<Q6K>(xs, packed);
+  if (fmt == "q8h") return run<Q8H>(xs, packed);
+  if (fmt == "q8f") return run<Q8F>(xs, packed);
+  TORCH_CHECK(false, "GGUF GEMM: no format ", fmt);
   return x;
 }
 #else
@@ -266,8 +339,193 @@ bool supported() {
 #endif
 }
 
+// ------------------------------------------------------------------ the packing
+
+static inline uint16_t u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+static inline float f16(const uint8_t* p) {   // exact: every fp16 is an fp32
+  const uint16_t h = u16(p);
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  uint32_t bits;
+  if (e == 0x1F) {
+    bits = sign | 0x7F800000u | (m << 13);
+  } else if (e != 0) {
+    bits = sign | ((e + 112) << 23) | (m << 13);
+  } else if (m == 0) {
+    bits = sign;
+  } else {   // subnormal: normalise
+    int shift = 0;
+    uint32_t mm = m;
+    while (!(mm & 0x400)) { mm <<= 1; ++shift; }
+    bits = sign | ((113 - shift) << 23) | ((mm & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+static inline void put_f32(uint8_t* p, float v) { std::memcpy(p, &v, 4); }
+
+// ggml's K-quant 6-bit scale and min of sub-block j from the block's 12 bytes
+static inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The format's bytes for column c of a column block: codes and constants.
+template <typename F>
+struct Writer {
+  uint8_t* out;     // the column block's first super-block
+  int c;
+  uint8_t* super(int64_t s) const { return out + s * F::SB; }
+  uint8_t* group(int64_t g) const { return super(g / F::GS) + F::HEAD + (g % F::GS) * F::GROUP; }
+  // code v of this column at k = GK g + kk (4-bit: 0..15, 6-bit: 0..63, 8-bit: an int8)
+  void code(int64_t g, int kk, int v) const {
+    uint8_t* pair = group(g) + (kk / 2) * F::PAIR_BYTES;
+    const int L = 2 * c + kk % 2;
+    if constexpr (F::W == 8) {
+      pair[L] = static_cast<uint8_t>(v);
+    } else {
+      pair[L % 16] |= static_cast<uint8_t>((v & 0x0F) << (4 * (L / 16)));
+      if constexpr (F::W == 6) pair[16 + L % 8] |= static_cast<uint8_t>(((v >> 4) & 3) << (2 * (L / 8)));
+    }
+  }
+  uint8_t* gconst(int64_t g, int64_t at) const { return group(g) + F::CODES + at; }
+  uint8_t* hconst(int64_t s, int64_t at) const { return super(s) + at; }
+};
+
+// One GGUF row (output column n = 16 cb + c) into its column block: per type, its blocks' codes
+// (as quants.py's unpack reads them) and constants in the format's places.
+static void pack_q4_0(const uint8_t* row, int64_t K, const Writer<Q4Z>& w) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 18;
+    std::memcpy(w.gconst(b, 2 * w.c), blk, 2);
+    for (int e = 0; e < 32; ++e) w.code(b, e, e < 16 ? blk[2 + e] & 0x0F : blk[2 + e - 16] >> 4);
+  }
+}
+static void pack_q4_1(const uint8_t* row, int64_t K, const Writer<Q4H>& w) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 20;
+    std::memcpy(w.gconst(b, 2 * w.c), blk, 2);
+    std::memcpy(w.gconst(b, 32 + 2 * w.c), blk + 2, 2);
+    for (int e = 0; e < 32; ++e) w.code(b, e, e < 16 ? blk[4 + e] & 0x0F : blk[4 + e - 16] >> 4);
+  }
+}
+static void pack_q8_0(const uint8_t* row, int64_t K, const Writer<Q8H>& w) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 34;
+    std::memcpy(w.gconst(b, 2 * w.c), blk, 2);
+    for (int e = 0; e < 32; ++e) w.code(b, e, static_cast<int8_t>(blk[2 + e]));
+  }
+}
+static inline int q5_code(const uint8_t* qs, uint32_t qh, int e) {   // Q5_0/Q5_1: 0..31
+  return (e < 16 ? qs[e] & 0x0F : qs[e - 16] >> 4) | (((qh >> e) & 1) << 4);
+}
+static void pack_q5_0(const uint8_t* row, int64_t K, const Writer<Q8H>& w) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 22;
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    std::memcpy(w.gconst(b, 2 * w.c), blk, 2);
+    for (int e = 0; e < 32; ++e) w.code(b, e, q5_code(blk + 6, qh, e) - 16);
+  }
+}
+static void pack_q5_1(const uint8_t* row, int64_t K, const Writer<Q8F>& w) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 24;
+    uint32_t qh;
+    std::memcpy(&qh, blk + 4, 4);
+    put_f32(w.gconst(b, 4 * w.c), f16(blk));
+    put_f32(w.gconst(b, 64 + 4 * w.c), f16(blk + 2));
+    for (int e = 0; e < 32; ++e) w.code(b, e, q5_code(blk + 8, qh, e));
+  }
+}
+static void pack_q4_k(const uint8_t* row, int64_t K, const Writer<Q4K>& w) {
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* blk = row + s * 144;
+    std::memcpy(w.hconst(s, 2 * w.c), blk, 2);
+    std::memcpy(w.hconst(s, 32 + 2 * w.c), blk + 2, 2);
+    for (int j = 0; j < 8; ++j) {   // sub-block j: low (j even) or high nibbles of 32 bytes
+      int sc, mn;
+      scale_min_k4(j, blk + 4, sc, mn);
+      const int64_t g = 8 * s + j;
+      *w.gconst(g, w.c) = static_cast<uint8_t>(sc);
+      *w.gconst(g, 16 + w.c) = static_cast<uint8_t>(mn);
+      const uint8_t* qs = blk + 16 + 32 * (j / 2);
+      for (int l = 0; l < 32; ++l) w.code(g, l, (qs[l] >> (4 * (j % 2))) & 0x0F);
+    }
+  }
+}
+static void pack_q5_k(const uint8_t* row, int64_t K, const Writer<Q8F>& w) {
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* blk = row + s * 176;
+    const float d = f16(blk), dmin = f16(blk + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(j, blk + 4, sc, mn);
+      const int64_t g = 8 * s + j;
+      put_f32(w.gconst(g, 4 * w.c), d * static_cast<float>(sc));
+      put_f32(w.gconst(g, 64 + 4 * w.c), -(dmin * static_cast<float>(mn)));
+      const uint8_t* qs = blk + 48 + 32 * (j / 2);
+      for (int l = 0; l < 32; ++l)
+        w.code(g, l, ((qs[l] >> (4 * (j % 2))) & 0x0F) | (((blk[16 + l] >> j) & 1) << 4));
+    }
+  }
+}
+static void pack_q6_k(const uint8_t* row, int64_t K, const Writer<Q6K>& w) {
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* blk = row + s * 210;
+    std::memcpy(w.hconst(s, 2 * w.c), blk + 208, 2);
+    for (int j = 0; j < 16; ++j) *w.gconst(16 * s + j, w.c) = blk[192 + j];
+    for (int e = 0; e < 256; ++e) {   // a half h of 128: low nibble s of byte e % 64, high bits 2t of byte e % 32
+      const int h = e / 128, i = e % 128;
+      const int low = (blk[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F;
+      const int high = (blk[128 + 32 * h + i % 32] >> (2 * (i / 32))) & 0x03;
+      w.code(16 * s + e / 16, e % 16, low | (high << 4));
+    }
+  }
+}
+
+template <typename F, typename P>
+static torch::Tensor pack_all(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t K, P one_row) {
+  const int64_t supers = K / (F::GK * F::GS);
+  torch::Tensor out = torch::zeros({N / 16, supers, static_cast<int64_t>(F::SB)}, torch::kUInt8);
+  uint8_t* o = out.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t cb = 0; cb < N / 16; ++cb)
+    for (int c = 0; c < 16; ++c) one_row(raw + (16 * cb + c) * row_bytes, K, Writer<F>{o + cb * supers * F::SB, c});
+  return out;
+}
+
+// (packed, fmt) of a GGUF tensor's rows: `address` of N rows of row_bytes bytes (the file's map,
+// read only here), K weights a row. The caller checks the shape (quants.fits).
+std::tuple<torch::Tensor, std::string> pack(int64_t address, int64_t N, int64_t row_bytes, int64_t K, const std::string& type) {
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(address);
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "GGUF pack: N % 16 and K % 32 must be 0");
+  if (type == "Q4_0") return {pack_all<Q4Z>(raw, N, row_bytes, K, pack_q4_0), "q4z"};
+  if (type == "Q4_1") return {pack_all<Q4H>(raw, N, row_bytes, K, pack_q4_1), "q4h"};
+  if (type == "Q8_0") return {pack_all<Q8H>(raw, N, row_bytes, K, pack_q8_0), "q8h"};
+  if (type == "Q5_0") return {pack_all<Q8H>(raw, N, row_bytes, K, pack_q5_0), "q8h"};
+  if (type == "Q5_1") return {pack_all<Q8F>(raw, N, row_bytes, K, pack_q5_1), "q8f"};
+  TORCH_CHECK(K % 256 == 0, "GGUF pack: K % 256 must be 0 for a K-quant");
+  if (type == "Q4_K") return {pack_all<Q4K>(raw, N, row_bytes, K, pack_q4_k), "q4k"};
+  if (type == "Q5_K") return {pack_all<Q8F>(raw, N, row_bytes, K, pack_q5_k), "q8f"};
+  if (type == "Q6_K") return {pack_all<Q6K>(raw, N, row_bytes, K, pack_q6_k), "q6k"};
+  TORCH_CHECK(false, "GGUF pack: no packing for ", type);
+  return {torch::Tensor(), ""};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "weight-only GEMM on GGUF-quantized weights with bf16 dot products, the same arithmetic for any row count",
         py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
+  m.def("pack", &pack, "a GGUF tensor's rows repacked for mm: (packed, fmt)", py::arg("address"), py::arg("n"),
+        py::arg("row_bytes"), py::arg("k"), py::arg("type"), py::call_guard<py::gil_scoped_release>());
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
 }
