@@ -35,11 +35,12 @@
 // Layout: packed [N/16][K/(GK GS)][SB] uint8: a column block of 16 columns, then its super-blocks
 // of GS groups of GK k in order (a column block is one stream read front to back). A super-block
 // is HEAD bytes of per-column constants (q4k: d[16], dmin[16] fp16; q6k: d[16] fp16; others none)
-// and GS groups of GROUP bytes: GK/2 pairs of codes, then the group's per-column constants. Lane L
-// of a pair = (column L / 2, k = GK g + 2 p + L % 2). A 4-bit pair is 16 bytes, byte j holding
-// lane j in its low nibble and lane j + 16 in its high one; an 8-bit pair is 32 bytes, byte L lane
-// L; a 6-bit pair is the 4-bit pair of the low 4 bits, then 8 bytes of the high 2 bits, byte j
-// holding lanes j, j + 8, j + 16, j + 24 in bits 0-1, 2-3, 4-5, 6-7.
+// and GS groups of GROUP bytes: GK/4 units of two pairs of codes, then the group's per-column
+// constants. Lane L of pair p = (column L / 2, k = GK g + 2 p + L % 2). A unit of pairs a = 2 u
+// and b = 2 u + 1: 4-bit, 32 bytes, byte L holding lane L of a in its low nibble and of b in its
+// high one; 6-bit, those 32 bytes of the low 4 bits, then 16 bytes of the high 2 bits, byte j
+// holding lanes j and j + 16 of b in bits 0-1 and 2-3 and of a in bits 4-5 and 6-7; 8-bit, 64
+// bytes, byte 32 h + L lane L of pair h.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -57,9 +58,9 @@ struct Layout {
   static constexpr int W = W_, GK = GK_, GS = GS_;
   static constexpr int64_t HEAD = HEAD_, CONSTS = CONSTS_;
   static constexpr bool LOW = LOW_;
-  static constexpr int PAIRS = GK / 2;
-  static constexpr int PAIR_BYTES = W == 4 ? 16 : W == 6 ? 24 : 32;
-  static constexpr int64_t CODES = PAIRS * PAIR_BYTES;
+  static constexpr int UNITS = GK / 4;     // a unit: two pairs of k, decoded together
+  static constexpr int UNIT_BYTES = W == 4 ? 32 : W == 6 ? 48 : 64;
+  static constexpr int64_t CODES = UNITS * UNIT_BYTES;
   static constexpr int64_t GROUP = CODES + CONSTS;
   static constexpr int64_t SB = HEAD + GS * GROUP;
 };
@@ -116,45 +117,53 @@ static inline void consts(const uint8_t* head, const uint8_t* grp, __m512& scale
   }
 }
 
-// The 4-bit lanes of a pair (16 bytes) as 32 words 0..15, lane L in word L.
-static inline __m512i nibbles(const uint8_t* pair) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, _mm256_set1_epi16(0x0F))),
-                            _mm256_srli_epi16(w, 4), 1);
-}
-
-// A pair's 32 codes as bf16 (exact: integers of at most 8 significant bits), lane L in lane L.
+// A unit's two pairs of codes as bf16 (exact: integers of at most 8 significant bits), lane L of
+// each pair in lane L. One load and one widening serve both pairs of a 4- or 6-bit unit: a decode
+// step (one row) spends more on turning codes into bf16 than on the products.
 template <typename F>
-static inline __m512bh codes(const uint8_t* pair) {
-  if constexpr (F::W == 4) {
-    // bf16 bits of 0..15, twice (one table a 256-bit half), picked by VPERMW
-    const __m512i table = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-    return (__m512bh)_mm512_permutexvar_epi16(nibbles(pair), table);
-  } else if constexpr (F::W == 6) {
-    // q = low | high << 4 in 0..63; bf16 bits of q - 32 from two tables of 32 (VPERMI2W)
-    const __m512i t0 = _mm512_set_epi16(   // -1 .. -32 from lane 31 down
-        (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080, (short)0xC0A0, (short)0xC0C0, (short)0xC0E0, (short)0xC100,
-        (short)0xC110, (short)0xC120, (short)0xC130, (short)0xC140, (short)0xC150, (short)0xC160, (short)0xC170, (short)0xC180,
-        (short)0xC188, (short)0xC190, (short)0xC198, (short)0xC1A0, (short)0xC1A8, (short)0xC1B0, (short)0xC1B8, (short)0xC1C0,
-        (short)0xC1C8, (short)0xC1D0, (short)0xC1D8, (short)0xC1E0, (short)0xC1E8, (short)0xC1F0, (short)0xC1F8, (short)0xC200);
-    const __m512i t1 = _mm512_set_epi16(   // 31 .. 0 from lane 31 down
-        0x41F8, 0x41F0, 0x41E8, 0x41E0, 0x41D8, 0x41D0, 0x41C8, 0x41C0, 0x41B8, 0x41B0, 0x41A8, 0x41A0, 0x4198, 0x4190, 0x4188, 0x4180,
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-    const __m512i shift = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4,
-                                           2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-    int64_t h;
-    std::memcpy(&h, pair + 16, 8);
-    const __m512i hw = _mm512_cvtepu8_epi16(_mm256_set1_epi64x(h));   // lane L: byte L % 8
-    const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(hw, shift), _mm512_set1_epi16(3));
-    const __m512i q = _mm512_or_si512(nibbles(pair), _mm512_slli_epi16(high, 4));
-    return (__m512bh)_mm512_permutex2var_epi16(t0, q, t1);
+static inline void codes(const uint8_t* unit, __m512bh& a, __m512bh& b) {
+  if constexpr (F::W == 4 || F::W == 6) {
+    // byte L of the unit: lane L of pair a (low nibble) and of pair b (high nibble)
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
+    __m512i qa = _mm512_and_si512(w, _mm512_set1_epi16(0x0F)), qb = _mm512_srli_epi16(w, 4);
+    if constexpr (F::W == 4) {
+      // bf16 bits of 0..15, twice (VPERMW indexes 32 words: one table a 256-bit half)
+      const __m512i table = _mm512_set_epi16(
+          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+      a = (__m512bh)_mm512_permutexvar_epi16(qa, table);
+      b = (__m512bh)_mm512_permutexvar_epi16(qb, table);
+    } else {
+      // the high 2 bits, 16 bytes after the nibbles: byte j holds lane j of pair b in bits 0-1,
+      // lane j + 16 of b in bits 2-3, lane j of a in bits 4-5, lane j + 16 of a in bits 6-7
+      const __m512i hw = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 32))));
+      const __m512i right = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __m512i left = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4);
+      const __m512i bits45 = _mm512_set1_epi16(0x30);
+      qa = _mm512_ternarylogic_epi32(qa, _mm512_srlv_epi16(hw, right), bits45, 0xF8);   // qa | (hw >> r & 0x30)
+      qb = _mm512_ternarylogic_epi32(qb, _mm512_sllv_epi16(hw, left), bits45, 0xF8);
+      // q in 0..63; bf16 bits of q - 32 from two tables of 32 (VPERMI2W)
+      const __m512i t0 = _mm512_set_epi16(   // -1 .. -32 from lane 31 down
+          (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080, (short)0xC0A0, (short)0xC0C0, (short)0xC0E0, (short)0xC100,
+          (short)0xC110, (short)0xC120, (short)0xC130, (short)0xC140, (short)0xC150, (short)0xC160, (short)0xC170, (short)0xC180,
+          (short)0xC188, (short)0xC190, (short)0xC198, (short)0xC1A0, (short)0xC1A8, (short)0xC1B0, (short)0xC1B8, (short)0xC1C0,
+          (short)0xC1C8, (short)0xC1D0, (short)0xC1D8, (short)0xC1E0, (short)0xC1E8, (short)0xC1F0, (short)0xC1F8, (short)0xC200);
+      const __m512i t1 = _mm512_set_epi16(   // 31 .. 0 from lane 31 down
+          0x41F8, 0x41F0, 0x41E8, 0x41E0, 0x41D8, 0x41D0, 0x41C8, 0x41C0, 0x41B8, 0x41B0, 0x41A8, 0x41A0, 0x4198, 0x4190, 0x4188, 0x4180,
+          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+      a = (__m512bh)_mm512_permutex2var_epi16(t0, qa, t1);
+      b = (__m512bh)_mm512_permutex2var_epi16(t0, qb, t1);
+    }
   } else {
-    // int8 -> int32 -> fp32 -> bf16, each step exact; VCVTNE2PS2BF16 puts its second operand in lanes 0..15
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair))));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    // int8 -> int32 -> fp32 -> bf16, each step exact; VCVTNE2PS2BF16 puts its second operand in
+    // lanes 0..15. Pair a in bytes 0..31, b in 32..63, byte L lane L.
+    auto one = [](const uint8_t* pair) {
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16))));
+      return _mm512_cvtne2ps_pbh(hi, lo);
+    };
+    a = one(unit);
+    b = one(unit + 32);
   }
 }
 
@@ -182,14 +191,16 @@ static inline __attribute__((always_inline)) void groups(const uint16_t* x, cons
   __m512 s1[GI][TR];
   for (int i = 0; i < GI; ++i)
     for (int r = 0; r < TR; ++r) s1[i][r] = _mm512_setzero_ps();
-  for (int p = 0; p < F::PAIRS; ++p)
+  for (int u = 0; u < F::UNITS; ++u)
     for (int i = 0; i < GI; ++i) {
-      const __m512bh wb = codes<F>(grp[i] + p * F::PAIR_BYTES);
-      for (int r = 0; r < TR; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, x + ((g + i) * TR + r) * GK + 2 * p, 4);
-        s1[i][r] = _mm512_dpbf16_ps(s1[i][r], wb, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
-      }
+      __m512bh wb[2];
+      codes<F>(grp[i] + u * F::UNIT_BYTES, wb[0], wb[1]);
+      for (int h = 0; h < 2; ++h)   // pair 2 u + h
+        for (int r = 0; r < TR; ++r) {
+          uint32_t pair;
+          std::memcpy(&pair, x + ((g + i) * TR + r) * GK + 4 * u + 2 * h, 4);
+          s1[i][r] = _mm512_dpbf16_ps(s1[i][r], wb[h], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+        }
     }
   for (int i = 0; i < GI; ++i) {
     __m512 dv, lv = _mm512_setzero_ps();
@@ -388,13 +399,14 @@ struct Writer {
   uint8_t* group(int64_t g) const { return super(g / F::GS) + F::HEAD + (g % F::GS) * F::GROUP; }
   // code v of this column at k = GK g + kk (4-bit: 0..15, 6-bit: 0..63, 8-bit: an int8)
   void code(int64_t g, int kk, int v) const {
-    uint8_t* pair = group(g) + (kk / 2) * F::PAIR_BYTES;
-    const int L = 2 * c + kk % 2;
+    uint8_t* unit = group(g) + (kk / 4) * F::UNIT_BYTES;
+    const int L = 2 * c + kk % 2, h = (kk / 2) % 2;   // lane L of pair h of the unit
     if constexpr (F::W == 8) {
-      pair[L] = static_cast<uint8_t>(v);
+      unit[32 * h + L] = static_cast<uint8_t>(v);
     } else {
-      pair[L % 16] |= static_cast<uint8_t>((v & 0x0F) << (4 * (L / 16)));
-      if constexpr (F::W == 6) pair[16 + L % 8] |= static_cast<uint8_t>(((v >> 4) & 3) << (2 * (L / 8)));
+      unit[L] |= static_cast<uint8_t>((v & 0x0F) << (4 * h));
+      if constexpr (F::W == 6)   // pair a (h 0): bits 4-5 (L < 16) or 6-7; pair b: bits 0-1 or 2-3
+        unit[32 + L % 16] |= static_cast<uint8_t>(((v >> 4) & 3) << (2 * (L / 16) + 4 * (1 - h)));
     }
   }
   uint8_t* gconst(int64_t g, int64_t at) const { return group(g) + F::CODES + at; }
