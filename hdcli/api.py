@@ -52,7 +52,7 @@ LAYER_NAMES = registry.names()
 def load_model_for(cfg: DecodingConfig, quiet: bool = False) -> models.LoadedModel:
     """The target of a configuration, with its dtype, device and kernels."""
     return models.load(cfg.model, dtype=cfg.dtype, device=cfg.device, kernels=cfg.kernels,
-                       drafting=cfg.drafting, quiet=quiet, invariant=cfg.invariant, attention=cfg.attention)
+                       quiet=quiet, invariant=cfg.invariant, attention=cfg.attention)
 
 
 def check_seed(seed: int | None) -> None:
@@ -194,13 +194,10 @@ def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
         lm = load_model_for(cfg)
         mode = ", M-invariant: verified rows bit-equal plain decoding's" if lm.invariant else ""
         on_status(f"loaded {lm.source} ({lm.dtype}, {lm.device}, {lm.kernels} kernels{mode}) in "
-                  f"{lm.load_seconds:.1f}s{' from cache' if lm.from_cache else ''}")
+                  f"{lm.load_seconds:.1f}s")
         why = lm.info.get("invariant", {}).get("off")
         if why:
             on_status(f"M-invariant forward off: {why}")
-        choice = lm.info.get("dtype_choice")
-        if choice:
-            on_status("--dtype auto: " + dtype_choice_line(choice))
     check_tokenizers(dbs, lm)
     if plan is not None:
         read_plan(cfg.plan, lm)  # made for this target and dtype
@@ -233,8 +230,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     res = generate(lm, prompt, config=cfg, drafter=run.drafter, on_text=on_text)
     used = resolved(cfg, lm, run.dbs)
     data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
-            "kernels": lm.kernels, "int4_gemm": lm.info.get("int4_gemm"), "invariant": lm.info.get("invariant"),
-            "dtype_choice": lm.info.get("dtype_choice"), "load_seconds": lm.load_seconds,
+            "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
             "forward": lm.info.get("forward", "transformers"), "numerics": lm.info.get("numerics"),
             "peak_rss_bytes": models.peak_rss_bytes(),
             "layers": used.layers,
@@ -274,47 +270,23 @@ def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Res
 # ---------------------------------------------------------------------------------------------
 # hd costs
 
-def dtype_choice_line(choice: dict) -> str:
-    """One line saying which dtype `--dtype auto` took on this machine, and why."""
-    c = choice["candidates"]
-    exact = " (exact: M-invariant)" if c[choice["dtype"]]["invariant"] else " (the M-invariant forward holds in neither)"
-    return (f"{choice['dtype']}{exact}; {choice['by']}: " +
-            ", ".join(f"{dt} {v['score_ms']:.1f} ms{'' if v['invariant'] else ' (not invariant)'}" for dt, v in c.items()))
-
-
 def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                 kernels: str = "auto", remeasure: bool = False, quiet: bool = False,
                 invariant: str = "auto") -> dict:
-    """What `hd costs` shows: the forward-cost curve of each kernel set `kernels` allows for this
-    model on this machine (cached, or measured now; all measured again with remeasure) and which
-    set `auto` keeps."""
+    """What `hd costs` shows: the forward-cost curve of the model as it loads with these options
+    on this machine (cached, or measured now; measured again with remeasure)."""
     import torch
-    from .engine import kernels as kern
-    dev = models.resolve_device(device)
-    measured_dtype = dtype == "auto" and dev == "cpu" and models.native_bf16()
-    if remeasure:
-        source = models.resolve(model)[1]
-        for dt in ("bf16", "fp32") if measured_dtype else (models.resolve_dtype(dtype, dev),):
-            for k in kern.candidates(source, dev, dt) + ("gguf",):   # gguf: hd's own forward of a GGUF
-                for on in (False, True):
-                    costs.forget(costs.curve_key(source, dt, dev, k, on))
-        models.dtype_choice_file(model, kernels, True, invariant)[1].unlink(missing_ok=True)
-    lm = load_model(model, dtype=dtype, device=dev, kernels=kernels, quiet=quiet, invariant=invariant)
+    from .engine import fused
+    lm = load_model(model, dtype=dtype, device=device, kernels=kernels, quiet=quiet, invariant=invariant)
     dt = lm.dtype
-    kn = kern.resolve(kernels, dev, dt, lm.source)
-    if kn == "measure" and "kernel_choice" in lm.info:   # (hd's own forward of a GGUF chooses none)
-        choice = lm.info["kernel_choice"]
-        curves = lm.info["curves"]
-    else:
-        choice = None
-        curves = {lm.kernels: costs.curve_for(lm, quiet=quiet)}
-    out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": dev, "cpu": costs.cpu_name(),
-           "threads": torch.get_num_threads(), "kernels": lm.kernels, "int4_gemm": lm.info.get("int4_gemm"),
+    curves = {lm.kernels: costs.curve_for(lm, remeasure=remeasure, quiet=quiet)}
+    out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": lm.device, "cpu": costs.cpu_name(),
+           "threads": torch.get_num_threads(), "kernels": lm.kernels, "forward": lm.info.get("forward"),
            "invariant": lm.invariant,
-           # which attention the M-invariant forward uses, and the times it was chosen by
-           "attention": (lm.info.get("invariant") or {}).get("kernel") if lm.invariant else None,
-           "dtype_choice": lm.info.get("dtype_choice"),
-           "choice": choice, "curves": {},
+           # which attention the M-invariant forward uses, and the times it was chosen by (decided
+           # once per process, when the model loaded)
+           "attention": fused.decide(lm.model) if lm.invariant else None,
+           "curves": {},
            "cache": str(costs.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}
     for k, c in curves.items():
         if c is None:
@@ -448,7 +420,7 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
             "kernels": lm.kernels, "invariant": lm.invariant, "data": str(path), "questions": len(questions),
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
             "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "machine": bench.machine(),
-            "kernel_choice": lm.info.get("kernel_choice"), "methods_run": names,
+            "forward": lm.info.get("forward"), "numerics": lm.info.get("numerics"), "methods_run": names,
             "config": resolved(cfg, lm, dbs).to_dict()}
     if "suffix" in names:
         from .drafting import suffix

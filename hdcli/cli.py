@@ -26,8 +26,9 @@ from .db.stores import check_output_path
 from .drafting import registry
 from .errors import HdError
 
-KERNELS_HELP = ("auto|onednn|torch|int4: auto keeps whichever of torch's, oneDNN-packed and (a GGUF's "
-                "4-bit layers in bf16) int4 kernels measures fastest here (hd costs; docs/dtype.md).")
+KERNELS_HELP = ("auto|gguf|onednn|torch (int4: an alias of gguf). auto: a GGUF's own blocks (gguf) where "
+                "hd has a kernel for their type, else oneDNN-packed dense layers where oneDNN is usable, "
+                "else torch's (docs/dtype.md).")
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="hd: lossless speculative decoding from a hierarchy of drafting sources.")
 
@@ -83,9 +84,8 @@ def _stats_table(title: str, runs: dict) -> Table:
 
 # `hd generate` options that are DecodingConfig fields under another name
 _PARAM_OF_FIELD = {"stats_dbs": "stats_db"}
-DTYPE_HELP = ("auto|bf16|fp16|fp32. auto: on a CPU with native bf16, the faster of bf16 and fp32 "
-              "among those where the M-invariant forward holds (measured once, cached); else fp32 on "
-              "CPU, bf16 on CUDA.")
+DTYPE_HELP = ("auto|bf16|fp16|fp32. auto: bf16 for a GGUF, on CUDA and on a CPU with native bf16; "
+              "else fp32. hd's own forward runs in bf16 or fp32 (docs/dtype.md).")
 INVARIANT_HELP = ("auto|on|off: the M-invariant forward, in which every verified row is bit-identical "
                   "to a one-token forward (auto: where it holds on this machine; docs/dtype.md).")
 
@@ -340,7 +340,7 @@ def costs_cmd(
     remeasure: bool = typer.Option(False, "--remeasure", help="Drop the cached curves and measure again."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Show the measured forward cost by width (what caps draft trees and picks the kernels)."""
+    """Show the measured forward cost by width (what caps draft trees)."""
     rep = api.cost_report(model, dtype=dtype, device=device, kernels=kernels, remeasure=remeasure,
                           invariant=invariant)
     if as_json:
@@ -365,12 +365,6 @@ def costs_cmd(
     con.print(t)
     con.print("tree+: added per row of a tree that branches; stream+: added per request beyond the first "
               "in one batched forward (hd serve)")
-    ch = rep["choice"]
-    if ch:
-        con.print(f"kept: [bold]{ch['chosen']}[/bold] (* above), lower {ch['by']}: " +
-                  ", ".join(f"{k} {ch[k]['score_ms']:.1f} ms" for k in ch if k not in ("chosen", "by")))
-    if rep.get("dtype_choice"):
-        con.print("--dtype auto: " + api.dtype_choice_line(rep["dtype_choice"]))
     con.print("M-invariant forward: " + ("on (verified rows bit-equal one-token rows)" if rep["invariant"] else "off"))
     att = rep.get("attention")
     if att:

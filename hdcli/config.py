@@ -42,7 +42,7 @@ class DecodingConfig:
     model: str = DEFAULT_MODEL          # bundled name, .gguf file, model folder or Hugging Face id
     dtype: str = "auto"                 # auto|bf16|fp16|fp32
     device: str = "auto"                # auto|cpu|cuda
-    kernels: str = "auto"               # auto|onednn|torch|int4 (CPU)
+    kernels: str = "auto"               # auto|gguf|onednn|torch (int4: an alias of gguf)
     invariant: str = "auto"             # auto|on|off: the M-invariant forward (engine/invariant.py)
     attention: str = "auto"             # auto|fused|torch: the invariant attention's kernel (fused.py);
                                         # auto times both once per machine; a run records its choice
@@ -161,7 +161,7 @@ class DecodingConfig:
 
     @property
     def drafting(self) -> bool:
-        """Whether the run drafts at all (picks the kernels' score, see engine.kernels.choose)."""
+        """Whether the run drafts at all (hd serve: whether requests draft)."""
         return self.layers is None or bool(self.layers or self.draft_models or self.plan)
 
     def replace(self, **changes) -> "DecodingConfig":

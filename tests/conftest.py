@@ -47,13 +47,13 @@ def tiny_gemma3(vocab_size: int, seed: int = 0, window: int = 8, scale: float = 
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """What the suite measures (cost curves, calibrations, dtype choices: records keyed by tmp
-    paths) goes to a fresh folder instead of the user's ~/.cache/hdcli. Converted GGUF weights are
-    shared with the user's cache: they hold only the file's weights, and converting takes ~15 s."""
+    """What the suite measures (cost curves, calibrations: records keyed by tmp paths) goes to a
+    fresh folder instead of the user's ~/.cache/hdcli. Assembled bundled GGUFs are shared with the
+    user's cache: they hold only the package's file."""
     from hdcli.engine import models
     user = models.cache_dir()
     root = tmp_path_factory.mktemp("hd-cache")
-    for shared in ("converted", "gguf"):
+    for shared in ("gguf",):
         (user / shared).mkdir(parents=True, exist_ok=True)
         (root / shared).symlink_to(user / shared, target_is_directory=True)
     mp = pytest.MonkeyPatch()
@@ -62,8 +62,11 @@ def private_cache(tmp_path_factory):
     mp.undo()
 
 
-def save_tiny_model(path, hidden: int = 32):
-    """A saved model folder (config.json, safetensors, tokenizer with chat template)."""
+VOCAB = len(SPECIALS) + len(WORDS)
+
+
+def word_tokenizer():
+    """A word-level tokenizer of WORDS, with a chat template (VOCAB ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
@@ -73,9 +76,22 @@ def save_tiny_model(path, hidden: int = 32):
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
                                   eos_token="</s>", pad_token="<unk>")
     tok.chat_template = CHAT_TEMPLATE
-    tiny_llama(len(vocab), seed=0, scale=8.0, hidden=hidden).save_pretrained(path)
-    tok.save_pretrained(path)
+    return tok
+
+
+def save_with_tokenizer(model, path):
+    """A transformers model saved as a model folder (config.json, safetensors) with word_tokenizer()."""
+    import contextlib
+    import io
+    with contextlib.redirect_stderr(io.StringIO()):   # save_pretrained's progress bar
+        model.save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
     return path
+
+
+def save_tiny_model(path, hidden: int = 32):
+    """A saved model folder (config.json, safetensors, tokenizer with chat template)."""
+    return save_with_tokenizer(tiny_llama(VOCAB, seed=0, scale=8.0, hidden=hidden), path)
 
 
 @pytest.fixture(scope="session")
@@ -105,3 +121,12 @@ def bundled_lm():
     require_bundled()
     from hdcli.engine import models
     return models.load("smollm2-135m", dtype="fp32", device="cpu")
+
+
+def owned_copy(model, folder, dtype: str = "fp32", kernels: str = "torch", invariant: str = "off"):
+    """hd's own forward of a transformers model: saved as a checkpoint folder (with
+    word_tokenizer()) and loaded as hd loads any folder (engine/models.py). Returns the
+    LoadedModel."""
+    from hdcli.engine import models
+    save_with_tokenizer(model, folder)
+    return models.load(str(folder), dtype=dtype, device="cpu", kernels=kernels, invariant=invariant, quiet=True)

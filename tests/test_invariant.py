@@ -1,34 +1,39 @@
-"""The M-invariant forward (hdcli/engine/invariant.py): every row of a k-token verification
-forward is bit-identical (torch.equal) to the same token's one-token forward, for chains of every
-width hd sends and for token trees, after a cached prefix, in fp32 and bf16 (and bf16 with 4-bit
-weights, the int4 kernel set), on a tiny llama and a tiny Gemma 3 past its sliding window; and greedy output in bf16 equals plain decoding on real
-questions.
+"""The M-invariant forward (hdcli/engine/invariant.py, a property of hd's own forward): every row
+of a k-token verification forward is bit-identical (torch.equal) to the same token's one-token
+forward, for chains of every width hd sends and for token trees, after a cached prefix, in fp32
+and bf16 (dense torch or oneDNN layers, and bf16 with a GGUF's own blocks: the gguf kernels), on
+a tiny llama and a tiny Gemma 3 past its sliding window (checkpoints saved by transformers and
+loaded on hd's forward); and greedy output in bf16 equals plain decoding on real questions.
 
-That these tests can fail: `test_the_stock_forward_is_not_invariant` runs the same per-row check
+That these tests can fail: `test_the_plain_forward_is_not_invariant` runs the same per-row check
 with the mode off and asserts that rows differ there (fp32 with torch's kernels: no row of an
 8-token forward equals its one-token forward on the EPYC this was written on; bf16 differs too)."""
 from __future__ import annotations
 
+import itertools
 import random
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from hdcli.engine import invariant, kernels
+from hdcli.engine import invariant, kernels, models, quants
 from hdcli.engine.decode import Decoder
 from hdcli.engine.tree import Tree
 
-from conftest import tiny_llama
+from conftest import owned_copy, tiny_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from gpu_check import Oracle  # noqa: E402
 
 V = 64
+_FOLDERS = tempfile.TemporaryDirectory(prefix="hd-invariant-")   # models of this module, saved once
+_SEQ = itertools.count()
 
 
-def tiny_gemma3(dtype, head_dim: int = 16):
+def tiny_gemma3(dtype=torch.float32, head_dim: int = 16):
     """Sliding window 8, then a full-attention layer. head_dim 16: with head_dim 8 the score GEMM
     (K = 8) rounded rows differently by their place in the call on the EPYC, which the self-check
     caught (NotInvariant); real models have head_dim >= 64."""
@@ -41,16 +46,23 @@ def tiny_gemma3(dtype, head_dim: int = 16):
     return Gemma3ForCausalLM(cfg).to(dtype).eval()
 
 
-def build(name: str, dtype, kern: str):
-    model = tiny_llama(V, hidden=64, scale=4.0).to(dtype) if name == "llama" else tiny_gemma3(dtype)
-    if kern in ("onednn", "int4"):
-        if not kernels.available():
-            pytest.skip("torch without oneDNN")
-        kernels.pack(model)
-    if kern == "int4":
-        from test_int4 import to_int4
-        to_int4(model)
-    return model
+def build(name: str, dtype, kern: str, invariant_mode: str = "off"):
+    """hd's own forward of a tiny model in dtype with kernels kern ("torch", "onednn", or "gguf":
+    a synthetic GGUF of every supported block type), the M-invariant mode as asked."""
+    dt = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    if kern == "onednn" and not kernels.available():
+        pytest.skip("torch without oneDNN")
+    folder = Path(_FOLDERS.name) / f"{name}-{next(_SEQ)}"
+    if kern == "gguf":
+        if not quants.kernel_available():
+            pytest.skip("hd's GGUF GEMM needs AVX512-BF16")
+        import synth_gguf
+        folder.mkdir()
+        synth_gguf.write(folder / "tiny.gguf", "tiny", "all", seed=0)
+        return models.load(str(folder / "tiny.gguf"), dtype=dt, device="cpu", kernels="gguf",
+                           invariant=invariant_mode, quiet=True).model
+    hf = tiny_llama(V, hidden=64, scale=4.0) if name == "llama" else tiny_gemma3()
+    return owned_copy(hf, folder, dtype=dt, kernels=kern, invariant=invariant_mode).model
 
 
 def chain(tokens) -> Tree:
@@ -74,7 +86,7 @@ def rows_vs_one_token(model, tree: Tree, prefix: list[int]) -> list[bool]:
 
 
 CASES = [("llama", torch.float32, "onednn"), ("llama", torch.float32, "torch"),
-         ("llama", torch.bfloat16, "onednn"), ("llama", torch.bfloat16, "int4"), ("gemma3", torch.float32, "torch"),
+         ("llama", torch.bfloat16, "onednn"), ("llama", torch.bfloat16, "gguf"), ("gemma3", torch.float32, "torch"),
          ("gemma3", torch.bfloat16, "torch")]
 
 
@@ -134,9 +146,10 @@ def test_greedy_trees_equal_plain_decoding_bit_for_bit(invariant_model):
 
 
 @pytest.mark.parametrize("dtype,kern", [(torch.float32, "torch"), (torch.bfloat16, "onednn")])
-def test_the_stock_forward_is_not_invariant(dtype, kern):
+def test_the_plain_forward_is_not_invariant(dtype, kern):
     """The same check with the mode off fails: so the tests above can fail."""
     model = build("llama", dtype, kern)
+    assert not invariant.is_enabled(model)
     rng = random.Random(0)
     rows = []
     for prefix_len in (40, 75):
@@ -170,27 +183,22 @@ def test_a_linear_whose_rows_depend_on_m_is_padded():
 
 
 def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_model_dir):
-    """A broken attention fails the self-check: the mode is refused and the model is left in its
-    stock forward; `--invariant on` is a one-line error. Broken twice, as each forward calls it:
-    the stock SDPA under the invariant name (transformers' forward) and, for the lean forward, an
-    attention whose rows shift with the number of rows."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from hdcli.engine import lean, models
+    """An attention whose rows shift with the number of rows fails the self-check: the mode is
+    refused and the model is left out of it; `--invariant on` is a one-line error."""
+    from hdcli.engine import fused
     from hdcli.errors import HdError
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(invariant, "attention", sdpa_attention_forward)
     real = invariant.attend_kv
     monkeypatch.setattr(invariant, "attend_kv", lambda q, *a: real(q, *a) + 1e-3 * q.shape[2])
-    model = build("llama", torch.float32, "torch")
-    with pytest.raises(invariant.NotInvariant, match="self-check"):
-        invariant.enable(model)
-    assert not invariant.is_enabled(model) and model.config._attn_implementation == "sdpa"
-    assert not lean.is_enabled(model)
+    with fused.pinned("torch"):
+        model = build("llama", torch.float32, "torch")
+        with pytest.raises(invariant.NotInvariant, match="self-check"):
+            invariant.enable(model)
+    assert not invariant.is_enabled(model) and not model.numerics.min_rows
+    assert all(lin.min_rows == 1 for lin in model.linears())
     monkeypatch.setattr(invariant, "try_enable", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
     with pytest.raises(HdError, match="--invariant on"):
         models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="torch", invariant="on", quiet=True)
-    AttentionInterface.register(invariant.NAME, invariant.attention)
 
 
 def spec_bench_questions(rows: slice) -> list[dict]:
@@ -231,7 +239,7 @@ def test_bf16_greedy_output_equals_plain_on_spec_bench_questions(bundled_lm):
 
 
 @pytest.mark.parametrize("name,dtype,kern", [("llama", torch.float32, "torch"), ("gemma3", torch.bfloat16, "torch"),
-                                             ("llama", torch.bfloat16, "int4")])
+                                             ("llama", torch.bfloat16, "gguf")])
 def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, monkeypatch):
     """The fused attention (engine/fused.py, csrc/attend.cpp): chain and tree rows
     torch.equal their one-token forwards and greedy trees equal plain decoding, with every
@@ -259,8 +267,7 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=40).tokens
         oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=0)
         assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
-        from hdcli.engine import lean   # the lean forward's attention appends the keys too
-        assert calls and ("append_attend_many" in calls) == lean.is_enabled(model)
+        assert "append_attend_many" in calls   # the fused attention appends the keys itself
         # the check can fail: a loop whose result depended on the row count would differ here
         for f in real:
             monkeypatch.setattr(fused, f, lambda q, *a, f=f: real[f](q, *a) * (1 + 1e-2 * (q.shape[-2 if q.dim() == 4 else 0] > 1)))
@@ -361,7 +368,7 @@ def test_fused_attention_appends_keys_as_the_cache_does():
         viss.append(torch.ones(m, n, dtype=torch.bool).tril(n - m))
         mine.append(a)
         ref.append(b)
-    query = torch.randn(1, 6, 6, 64, generator=gen)   # [1, hq, M, d], as the lean forward has it
+    query = torch.randn(1, 6, 6, 64, generator=gen)   # [1, hq, M, d], as hd's forward has it
     key = torch.cat([k for k, _ in news], 2)
     value = torch.cat([v for _, v in news], 2)
     out = fused.append_attend_many(query, key, value, mine, viss, 0.125)[0]
@@ -413,19 +420,19 @@ def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypat
                                             ("gemma3", "fused")])
 def test_prompt_prefill_takes_causal_sdpa_only_for_a_plain_causal_mask(name, attention, tmp_path, monkeypatch):
     """A prompt wider than a verification on an empty cache, in the mode: SDPA is told the mask is
-    causal (it skips the keys above the diagonal) where the mask is exactly that, and with the
-    fused attention on, that attention takes the whole prompt instead. Gemma 3's sliding window
-    layer and a prefill on a non-empty cache keep the mask. Logits stay within rounding of the
-    masked SDPA's, and speculative greedy output equals plain after such a prompt."""
+    causal (it skips the keys above the diagonal) in full-attention layers, and with the fused
+    attention on, that attention takes the whole prompt instead. Gemma 3's sliding window layer
+    keeps its mask. Logits stay within rounding of a masked SDPA's, and speculative greedy output
+    equals plain after such a prompt."""
     from hdcli.engine import fused
     if attention == "fused" and fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     with fused.pinned(attention):
-        _prompt_prefill(name, attention, tmp_path, monkeypatch)
+        _prompt_prefill(name, attention, monkeypatch)
 
 
-def _prompt_prefill(name, attention, tmp_path, monkeypatch):
+def _prompt_prefill(name, attention, monkeypatch):
     model = build(name, torch.float32, "torch")
     invariant.enable(model)
     seen = []
@@ -435,19 +442,20 @@ def _prompt_prefill(name, attention, tmp_path, monkeypatch):
     rng = random.Random(3)
     prompt = [rng.randrange(3, V) for _ in range(invariant.MAX_ROWS + 20)]
     with torch.inference_mode():
-        fast = model(input_ids=torch.tensor([prompt]), use_cache=False).logits
+        fast = model(input_ids=torch.tensor([prompt])).logits
         causal_calls, seen[:] = list(seen), []
-        monkeypatch.setattr(invariant, "_whole_prompt_causal", lambda *a: False)
-        masked = model(input_ids=torch.tensor([prompt]), use_cache=False).logits
-        assert seen and not any(seen)
-    # llama: both layers causal; gemma3: the sliding window layer keeps its mask
-    whole = [] if attention == "fused" else [True]   # the fused attention calls no SDPA
-    assert causal_calls == (whole * 2 if name == "llama" else [False] + whole)
+
+        def masked_sdpa(q, k, v, scaling):   # the same attention given its causal mask
+            vis = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+            return real(q, k, v, attn_mask=vis, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
+        monkeypatch.setattr(invariant, "causal_prompt_sdpa", masked_sdpa)
+        masked = model(input_ids=torch.tensor([prompt])).logits
+    # llama: both layers causal; gemma3: the sliding window layer keeps its mask; the fused
+    # attention calls no SDPA
+    expect = [] if attention == "fused" else [True, True] if name == "llama" else [False, True]
+    assert causal_calls == expect
     assert torch.allclose(fast, masked, atol=1e-4)
     monkeypatch.undo()
-    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
-    # a prefill on a non-empty cache (more keys than rows) keeps its mask
-    assert not invariant._whole_prompt_causal(torch.zeros(1, 1, 70, 80), 70, 80)
     ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=30).tokens
     oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=1)
     assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=30).tokens == ref

@@ -8,7 +8,7 @@ import torch
 
 from hdcli import api
 from hdcli.hsd import draft_models as draftmodels
-from hdcli.engine import kernels
+from hdcli.engine import kernels, models
 from hdcli.engine.decode import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.errors import HdError
@@ -63,22 +63,24 @@ def test_packed_model_decodes_exactly(make):
 
 def test_onednn_packs_and_torch_opts_out(tiny_model_dir, tiny_lm):
     assert tiny_lm.kernels == "onednn" and kernels.is_packed(tiny_lm.model)  # the suite runs packed
+    assert tiny_lm.info["numerics"]["kernels"] == "onednn"
     plain = api.load_model(str(tiny_model_dir), dtype="fp32", kernels="torch")
     assert plain.kernels == "torch" and not kernels.is_packed(plain.model)
     with pytest.raises(HdError, match="--kernels must be one of"):
-        kernels.resolve("fast", "cpu", "fp32")
-    with pytest.raises(HdError, match="CPU model in fp32 or bf16"):
-        kernels.resolve("onednn", "cpu", "fp16")
-    assert kernels.resolve("auto", "cuda", "bf16") == "torch"
-    assert kernels.resolve("auto", "cpu", "fp32") == "measure"
+        kernels.resolve("fast")
+    assert kernels.resolve("int4") == "gguf"   # the older name of the GGUF kernels
+    assert models.owned_kernels("auto", "cuda", "bf16", gguf=False) == "torch"
+    assert models.owned_kernels("auto", "cpu", "fp32", gguf=False) == "onednn"
+    assert models.owned_kernels("auto", "cpu", "bf16", gguf=True) == "gguf"
+    with pytest.raises(HdError, match="needs a CPU model"):
+        models.owned_kernels("onednn", "cuda", "bf16", gguf=False)
 
 
 def test_self_drafts_of_a_packed_target(tiny_lm):
-    """self:layers copies the packed target's weights exactly; self:int8 still quantises."""
+    """self:layers shares the packed target's layers; self:int8 still quantises."""
     small = draftmodels.load("self:layers=1", tiny_lm).model
-    assert kernels.is_packed(small)
+    assert kernels.is_packed(small) and len(small.blocks) == 1
     q = draftmodels.load("self:int8", tiny_lm).model
     assert any("quantized" in type(m).__module__ for m in q.modules())
     assert not kernels.is_packed(q)
-    head = next(m for n, m in small.named_modules() if n == "lm_head")
-    assert torch.equal(head.weight_matrix(), tiny_lm.model.lm_head.weight_matrix())
+    assert small.head is tiny_lm.model.head

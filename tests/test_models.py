@@ -1,4 +1,4 @@
-"""Model resolution and the converted-GGUF cache."""
+"""Model resolution, default dtypes, and the owned forward's weights against transformers'."""
 from __future__ import annotations
 
 import pytest
@@ -21,9 +21,16 @@ def test_resolve_kinds(tiny_model_dir, tmp_path):
         models.resolve(str(tmp_path / "empty"))
 
 
-def test_dtype_and_device_defaults():
-    assert models.resolve_dtype("auto", "cpu") == "fp32"
+def test_dtype_and_device_defaults(monkeypatch):
+    assert models.resolve_dtype("auto", "cpu") == "fp32"     # transformers' forward
     assert models.resolve_dtype("auto", "cuda") == "bf16"
+    for native in (True, False):                              # hd's own forward
+        monkeypatch.setattr(models, "native_bf16", lambda: native)
+        assert models.owned_dtype("auto", "cpu", gguf=False) == ("bf16" if native else "fp32")
+        assert models.owned_dtype("auto", "cpu", gguf=True) == "bf16"
+        assert models.owned_dtype("auto", "cuda", gguf=False) == "bf16"
+    with pytest.raises(HdError, match="--dtype fp16"):
+        models.owned_dtype("fp16", "cpu", gguf=False)
     assert models.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -38,8 +45,14 @@ def test_owned_weights_are_the_gguf_weights_transformers_reads(bundled_lm):
     """hd's own forward of the bundled GGUF (fp32, dense) holds exactly the weights transformers
     dequantizes from it (q and k rows in the file's interleaved order: transformers un-permutes
     them)."""
+    import numpy as np
     from transformers import AutoModelForCausalLM
-    from hdcli.engine.int4 import _llama_qk_rows
+
+    def _llama_qk_rows(n: int, heads: int):
+        """transformers' GGUF loader un-permutes llama q/k rows (the GGUF stores rotary halves
+        interleaved): HF row r is GGUF row perm[r]."""
+        half = n // heads // 2
+        return np.arange(n).reshape(heads, half, 2).swapaxes(1, 2).reshape(n)
     gguf = models.resolve("smollm2-135m")[1]
     direct = AutoModelForCausalLM.from_pretrained(str(models.Path(gguf).parent),
                                                   gguf_file=models.Path(gguf).name, dtype=torch.float32)

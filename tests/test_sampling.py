@@ -17,7 +17,7 @@ from hdcli.engine.decode import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.engine.verify import Sampling, sample_point_masses, target_probs
 
-from conftest import tiny_llama
+from conftest import owned_copy, tiny_llama
 
 ALPHA = 1e-3
 V = 8
@@ -127,11 +127,11 @@ def test_greedy_sampling_settings():
 def invariant_model(tmp_path_factory):
     """A tiny llama in the M-invariant mode, where streams share one forward (batch.py); hidden 64
     as in tests/test_invariant.py (at 16 the fp32 GEMMs' rows are not M-invariant: the mode refuses)."""
-    from hdcli.engine import batch, invariant
+    from hdcli.engine import batch
     mp = pytest.MonkeyPatch()
     mp.setenv("HD_CACHE_DIR", str(tmp_path_factory.mktemp("hdcache")))
-    m = tiny_llama(vocab_size=V, seed=3, hidden=64, scale=3.0)
-    invariant.enable(m)
+    m = owned_copy(tiny_llama(vocab_size=V, seed=3, hidden=64, scale=3.0), tmp_path_factory.mktemp("sampling-llama"),
+                   invariant="on").model
     assert batch.can_batch(m)
     yield m
     mp.undo()

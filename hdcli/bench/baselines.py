@@ -12,14 +12,11 @@ from ..engine.verify import Sampling
 
 def stock_model(lm: models.LoadedModel) -> models.LoadedModel:
     """The same model with torch's own kernels and its stock forward, as transformers ships it: lm
-    itself where it already is, else loaded once more (from the converted-weights cache, ~1-2 s)."""
+    itself where it already is, else transformers' model of the same file or folder."""
     from ..engine.forward import is_owned
-    if is_owned(lm.model):   # hd's own forward: transformers' model of the same file
-        return models.load_reference(lm.name, lm.dtype, lm.device)
-    if lm.kernels == "torch" and not lm.invariant:
+    if not is_owned(lm.model) and lm.kernels == "torch":
         return lm
-    return models.load(lm.name, dtype=lm.dtype, device=lm.device, kernels="torch", quiet=True,
-                       invariant="off")
+    return models.load_reference(lm.name, lm.dtype, lm.device)
 
 
 def hf_generate(lm: models.LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int,

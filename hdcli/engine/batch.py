@@ -7,14 +7,14 @@ curve, hdcli/engine/costs.py). A server (hdcli/serve) steps its requests through
 
 Exactness: in the M-invariant mode (hdcli/engine/invariant.py) every row-wise op (embedding,
 norms, rotary, Linear layers, head) gives each row the value it has in any forward of any width
-up to invariant.MAX_ROWS, and each stream's attention runs on its own cache and layout
-(hdcli/engine/lean.py, lean_forward_many). So a stream's logits are torch.equal to its forward
-alone, whatever else is verified beside it (tests/test_batch.py).
+up to invariant.MAX_ROWS, and each stream's attention runs on its own cache and layout (hd's own
+forward's forward_many, hdcli/engine/forward/llama.py). So a stream's logits are torch.equal to
+its forward alone, whatever else is verified beside it (tests/test_batch.py).
 
 Parameters and invariants
-  * forward_many(model, items) batches only where the model is in the mode and its lean forward
-    covers it; otherwise (another architecture, the mode off) it runs the items one forward each,
-    which is exact too but saves nothing.
+  * forward_many(model, items) batches only where the model is hd's own forward in the mode;
+    otherwise (transformers' forward, the mode off) it runs the items one forward each, which
+    is exact too but saves nothing.
   * A group never exceeds invariant.MAX_ROWS rows, the widest forward the mode is calibrated
     for: items are packed in order into groups that fit.
 """
@@ -24,13 +24,13 @@ from typing import Sequence
 
 import torch
 
-from . import invariant, lean
+from . import invariant
 from .tree import Tree, attention_mask, tree_forward
 
 
 def can_batch(model) -> bool:
     """Whether forward_many verifies several items in one forward for this model."""
-    return invariant.is_enabled(model) and (lean.is_enabled(model) or hasattr(model, "forward_many"))
+    return invariant.is_enabled(model) and hasattr(model, "forward_many")
 
 
 def groups(sizes: Sequence[int], max_rows: int = invariant.MAX_ROWS) -> list[list[int]]:
@@ -66,6 +66,5 @@ def forward_many(model, items: Sequence[tuple[Tree, int, object]]) -> list[torch
             parts.append((ids, cache, pos, attention_mask(model, tree, past, cache)))
     out: list[torch.Tensor] = []
     for group in groups([p[0].shape[1] for p in parts]):
-        many = getattr(model, "forward_many", None)   # hd's own forward, else the lean one
-        out.extend(many([parts[i] for i in group]) if many else lean.lean_forward_many(model, [parts[i] for i in group]))
+        out.extend(model.forward_many([parts[i] for i in group]))
     return out

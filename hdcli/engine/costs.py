@@ -2,8 +2,8 @@
 
 cost(w) is the time of one forward over w new tokens on top of a KV cache, divided by the time
 of a one-token forward (so cost(1) = 1 and plain decoding costs 1 per token). It caps the draft
-tree (hdcli/engine/tree.py), picks the drafting defaults (CostCurve.verifies_cheaply), picks the CPU
-kernels (hdcli/engine/kernels.py, `--kernels auto`) and feeds the planner. The curve depends on the
+tree (hdcli/engine/tree.py), picks the drafting defaults (CostCurve.verifies_cheaply) and feeds
+the planner. The curve depends on the
 model, dtype, kernels, device, thread count, torch version and CPU, so it is measured once per
 such combination (a few seconds) and cached as JSON under HD_CACHE_DIR (default
 ~/.cache/hdcli/costs); `hd costs` shows and re-measures it. Between measured widths it is
@@ -12,7 +12,7 @@ interpolated linearly; beyond the last it grows linearly with the last slope.
 Two more measured terms price what a chain of w tokens does not have (CostCurve.forward):
   * branch: per row of a tree that branches, over a chain of as many rows. In the M-invariant
     forward a tree's rows gather their own keys (engine/invariant.py): measured on the bundled
-    model in int4 on an AMD EPYC, an 8-row tree cost 0.9 one-token forwards more than an 8-row
+    model with 4-bit kernels on an AMD EPYC, an 8-row tree cost 0.9 one-token forwards more than an 8-row
     chain, so the chain curve alone made the cap keep branches that did not pay;
   * stream: per stream beyond the first in one batched forward (engine/batch.py: its own cache,
     its own attention). 4 one-token streams cost 1.77 one-token forwards there, a 4-token chain
@@ -310,11 +310,8 @@ def _cache_path(key: str) -> Path:
 def curve_key(source: str, dtype: str, device: str, kernels: str, invariant: bool = False) -> str:
     """What a curve depends on; the M-invariant forward (engine/invariant.py) is another forward."""
     from . import fused
-    # 2: with the lean forward (engine/lean.py); the attention's implementation sets its speed and numerics
-    mode = f"|invariant:2-{fused.name()}" if invariant else ""
-    if kernels == "int4":   # which 4-bit GEMM: another speed and other numerics
-        from . import int4
-        kernels = f"int4-{int4.gemm_name()}"
+    # 3: on hd's own forward (engine/forward/); the attention's implementation sets its speed and numerics
+    mode = f"|invariant:3-{fused.name()}" if invariant else ""
     return (f"{source}|{dtype}|{device}|{kernels}{mode}|{torch.get_num_threads()}|{torch.__version__}|"
             f"{cpu_name() if device == 'cpu' else torch.cuda.get_device_name() if torch.cuda.is_available() else device}")
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import int4, invariant, lean
+from . import invariant
 from .draft import Drafter
 from .stats import RunStats
 from .costs import CostCurve
@@ -59,20 +59,18 @@ class Decoder:
 
     def _prefill(self, ids: Sequence[int], cache) -> None:
         """Fill the cache with ids. No logits are needed (the last prompt token is fed with the
-        first step), so the head runs on one row only where the model takes `logits_to_keep`, as
-        transformers' generate() does: for a 400-token prompt that saves 400 rows of the head.
-        Every prefill of plain, speculative and served decoding goes through here (int4.prefill)."""
+        first step): hd's own forward computes the keys and values only; a transformers model runs
+        its head on one row where it takes `logits_to_keep`, as its generate() does (for a
+        400-token prompt that saves 400 rows of the head). Every prefill of plain, speculative and
+        served decoding goes through here."""
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        if hasattr(self.model, "prefill"):   # hd's own forward (hdcli/engine/forward/): its keys and values only
+        if hasattr(self.model, "prefill"):   # hd's own forward (hdcli/engine/forward/)
             self.model.prefill(inp, cache)
             return
-        with int4.prefill():   # 4-bit layers use their bf16 copies here, where those were kept
-            if lean.prefill(self.model, inp, cache):   # the same cache, without the stock machinery
-                return
-            try:
-                self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            except TypeError:  # an older model class without logits_to_keep; the cache is untouched
-                self.model(input_ids=inp, past_key_values=cache, use_cache=True)
+        try:
+            self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        except TypeError:  # an older model class without logits_to_keep; the cache is untouched
+            self.model(input_ids=inp, past_key_values=cache, use_cache=True)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,

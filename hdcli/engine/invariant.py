@@ -6,11 +6,12 @@ Why rows differ otherwise (measured op by op and shape by shape; benchmarks/inva
     torch's (MKL) rows agree only for M in {4, 8} or M >= 12; oneDNN-packed rows agree for every
     M >= 2 but M = 1 (a GEMV) differs at K = 1536. Rows of one kernel configuration never depend
     on the other rows, so padding every call to at least `min_rows` rows fixes it. min_rows is
-    measured per weight shape, dtype and kernel set on the machine at hand (`calibrate`).
+    measured per weight shape, dtype and kernel on the machine at hand (`enable`, min_rows_for)
+    and kept in each layer (forward/layers.py: Linear) and in the model's Numerics record.
   * Attention (the first op that differs with packed fp32 Linear layers). SDPA reduces a row's
     softmax and its weighted sum of values in an order that depends on the number of keys and
     where they sit: a tree node's ancestors sit at cache slots past + node id, in its one-token
-    forward at past + depth. `attention` below computes each row over its own visible keys in
+    forward at past + depth. `attend_kv` below computes each row over its own visible keys in
     their order (the cache, then its ancestors) in fixed chunks of CHUNK keys counted from its
     first visible key:
         scores  one GEMM of the query rows (padded to >= MIN_ROWS) by the keys; a score is one
@@ -25,6 +26,10 @@ Why rows differ otherwise (measured op by op and shape by shape; benchmarks/inva
     (the row's own ancestors) are gathered per row. Computed in fp32 whatever the model dtype.
   * RMSNorm, rotary embeddings, activations and the embedding lookup work row by row: found
     invariant, and checked with the rest by the per-row test (tests/test_invariant.py).
+
+The mode is a property of hd's own forward (hdcli/engine/forward/): its Numerics record says
+whether it is on (`is_enabled`), each of its Linear layers holds its row padding, and its Step
+calls the attention here. transformers' models never run in it (engine/models.py).
 
 Invariants
   * With the mode on, a forward's row for a token depends only on that token's own path (its
@@ -110,39 +115,6 @@ class _Layout:
         return bias.repeat(self._g, 1)
 
 
-_PER_MASK: dict = {}  # (id(mask), what, ...) -> (mask, value); the mask is held so that its id stays its own
-
-
-def _per_mask(mask, key: tuple, make):
-    """make(), computed once per mask object: every layer of a forward gets the same mask."""
-    key = (id(mask),) + key
-    got = _PER_MASK.get(key)
-    if got is not None and got[0] is mask:
-        return got[1]
-    if len(_PER_MASK) >= 8:
-        _PER_MASK.clear()
-    value = make()
-    _PER_MASK[key] = (mask, value)
-    return value
-
-
-def _layout(mask, m: int, n: int, g: int, device) -> _Layout:
-    if mask is None:
-        return _Layout(_visible(mask, m, n, device), g)
-    return _per_mask(mask, ("layout", n, g), lambda: _Layout(_visible(mask, m, n, device), g))
-
-
-def _whole_prompt_causal(mask, m: int, n: int) -> bool:
-    """Whether mask [1, 1, m, n] is the causal mask of m tokens on an empty cache (m == n): no
-    window, no padding, nothing beyond causality. Checked once per mask (layers share it)."""
-    if mask is None or m != n or mask.shape[-2:] != (m, n):
-        return False
-    def check() -> bool:
-        causal = torch.ones(m, n, dtype=torch.bool, device=mask.device).tril()
-        return bool(torch.equal(_visible(mask, m, n, mask.device), causal))
-    return _per_mask(mask, ("causal",), check)
-
-
 def causal_prompt_sdpa(query, key, value, scaling) -> torch.Tensor:
     """SDPA told the mask is causal: a whole prompt's attention where the fused one is off (query
     [1, Hq, M, D], key/value [1, Hkv, M, D]). Returns [1, M, Hq, D]."""
@@ -151,49 +123,16 @@ def causal_prompt_sdpa(query, key, value, scaling) -> torch.Tensor:
     return out.transpose(1, 2).contiguous()
 
 
-def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """A transformers attention function (AttentionInterface): query [1, Hq, M, D], key/value
-    [1, Hkv, N, D], attention_mask additive [1, 1, M, N]. Returns ([1, M, Hq, D], None)."""
-    if query.shape[0] == 1 and query.shape[2] > MAX_ROWS and not dropout and \
-            _whole_prompt_causal(attention_mask, query.shape[2], key.shape[2]):
-        # a prompt's prefill. The fused attention takes it whole where it is on: rows of any
-        # number, each over the keys it sees (bundled model, AMD EPYC: a 769-token prompt 5.0 ms
-        # a layer against SDPA's 6.1, 210 tokens 0.42 against 0.76). Elsewhere SDPA told it is
-        # causal, which skips the keys above the diagonal it computes and masks when given the
-        # mask (769 tokens: 5.9 ms a layer instead of 8.0). Every prefill of a prompt comes here
-        # alike, and the lean forward's prefill (lean.prefill) attends as this does.
-        if fused_on(query.device):   # the layout, made once per mask, is the causal one (checked)
-            m = query.shape[2]
-            lay = _layout(attention_mask, m, m, query.shape[1] // key.shape[1], query.device)
-            return attend(query, key, value, lay, scaling), None
-        return causal_prompt_sdpa(query, key, value, scaling), None
-    if query.shape[0] != 1 or query.shape[2] > MAX_ROWS:
-        # batches (model DB sampling) and prefills (wider than any verification) verify nothing:
-        # the stock kernel. A prefill's keys are the same in plain and speculative decoding.
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
-    _, hq, m, _ = query.shape
-    hkv, n = key.shape[1], key.shape[2]
-    return attend(query, key, value, _layout(attention_mask, m, n, hq // hkv, query.device), scaling), None
-
-
 def layout(mask, m: int, n: int, g: int, device) -> _Layout:
     """Where each of m query rows' keys are among n (mask: additive or bool [.., m, n], None:
     causal), for g query heads per kv head: derived once per forward, shared by its layers."""
     return _Layout(_visible(mask, m, n, device), g)
 
 
-def attend(query, key, value, lay: _Layout, scaling) -> torch.Tensor:
-    """The M-invariant attention of query [1, Hq, M, D] over key/value [1, Hkv, N, D] laid out by
-    `lay`. Returns [1, M, Hq, D] in the query's dtype."""
-    return attend_kv(query, *fp32_kv(key, value, lay.rows), lay, scaling)
-
-
 def fp32_kv(key, value, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What the attention reads: keys [Hkv, rows, D] and [V | 1] [Hkv, rows, D + 1] (the ones
     column's weighted sum is the softmax sum, by the same arithmetic), fp32, zero rows past the
-    N keys. The lean forward's cache (kvcache.py) keeps them in this form."""
+    N keys. The cache (kvcache.py) keeps them in this form."""
     return _pad_rows(key[0].float(), rows, 1), _values_with_ones(value[0].float(), rows)
 
 
@@ -380,45 +319,6 @@ def _gathered_rows(q, k, v1, lay: _Layout, scaling) -> torch.Tensor:
     return _in_order(parts, 2)                                   # [hkv, m, g, d + 1]
 
 
-def register() -> None:
-    """Make NAME an attention implementation transformers models can be set to; its masks are the
-    eager (always materialised, additive) ones, so every row's visible keys are explicit."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-    AttentionInterface.register(NAME, attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, eager_mask)
-
-
-# ---------------------------------------------------------------- Linear layers
-
-def pad_linear(layer: torch.nn.Module, min_rows: int) -> None:
-    """Call `layer` (a Linear) with at least min_rows rows: zeros are added below the real rows
-    and their outputs dropped. Done by hooks, so the module tree, state_dict and deepcopy stay
-    those of the stock model."""
-    def pre(module, args):
-        x = args[0]
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] >= min_rows:
-            return None
-        module._hd_rows = (rows.shape[0], x.shape[:-1])
-        return (_pad_rows(rows, min_rows, 0),) + tuple(args[1:])
-
-    def post(module, args, out):
-        got = module.__dict__.pop("_hd_rows", None)
-        if got is None:
-            return None
-        m, lead = got
-        return out[:m].reshape(*lead, out.shape[-1])
-    layer._hd_row_pad = (min_rows, layer.register_forward_pre_hook(pre), layer.register_forward_hook(post))
-
-
-def _unpad_rows(layer: torch.nn.Module) -> None:
-    got = layer.__dict__.pop("_hd_row_pad", None)
-    if got is not None:
-        got[1].remove()
-        got[2].remove()
-
-
 @torch.inference_mode()
 def min_rows_for(layer: torch.nn.Module, in_features: int, dtype: torch.dtype, seed: int = 0,
                  rows_per_m: int = 256) -> int | None:
@@ -451,29 +351,6 @@ def _device(layer: torch.nn.Module) -> torch.device:
     for t in list(layer.parameters()) + list(layer.buffers()):
         return t.device
     return torch.device("cpu")
-
-
-def _linears(model: torch.nn.Module) -> list:
-    from .kernels import PackedLinear
-    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
-
-
-def _dtype(lin) -> torch.dtype:
-    return getattr(lin, "dtype", None) or lin.weight.dtype  # PackedLinear keeps no plain weight
-
-
-def _shape_key(lin) -> str:
-    return f"{lin.in_features}x{lin.out_features} {str(_dtype(lin)).replace('torch.', '')} {type(lin).__name__}"
-
-
-def calibrate(model: torch.nn.Module) -> dict[str, int | None]:
-    """min_rows per Linear shape ('in x out dtype kernel'), measured on this machine."""
-    found: dict = {}
-    for lin in _linears(model):
-        key = _shape_key(lin)
-        if key not in found:
-            found[key] = min_rows_for(lin, lin.in_features, _dtype(lin))
-    return found
 
 
 @torch.inference_mode()
@@ -523,17 +400,6 @@ class NotInvariant(Exception):
     M-invariant, or the self-check found a row that differs."""
 
 
-def disable(model: torch.nn.Module) -> None:
-    """Back to the stock forward: Linear layers unpadded, the attention the model had."""
-    from . import lean
-    lean.disable(model)
-    for lin in _linears(model):
-        _unpad_rows(lin)
-    if model.config._attn_implementation == NAME:
-        model.set_attn_implementation(getattr(model, "_hd_stock_attention", None) or "sdpa")
-    model.hd_invariant = None
-
-
 def _why_not(record: dict) -> str | None:
     """Why a calibration record says the mode does not hold (None: it holds, as far as measured)."""
     failed = [k for k, r in record["linear_min_rows"].items() if r is None]
@@ -545,72 +411,16 @@ def _why_not(record: dict) -> str | None:
     return None
 
 
-def enable(model: torch.nn.Module, cache_key: str | None = None) -> dict:
-    """Put the model in the M-invariant mode, in place: the invariant attention, and every Linear
-    layer padded to its calibrated min_rows; then the self-check. Calibration and check are cached
-    under HD_CACHE_DIR when cache_key (costs.curve_key of the model) is given, and written only
-    when measured. Returns what was measured; raises NotInvariant (the model is left in the stock
-    forward)."""
-    disable(model)
-    attention = fused.decide(model)       # the attention's numerics are part of what is cached
-    cache_key = None if cache_key is None else f"{cache_key}|attention:{fused.name()}"
-    record = _read(cache_key)
-    measured = record is None
-    if measured:
-        record = {"linear_min_rows": calibrate(model), "self_check": None}
-    why = _why_not(record)
-    if why is None:
-        shapes = record["linear_min_rows"]
-        for lin in _linears(model):
-            if shapes.get(_shape_key(lin), 1) > 1:
-                pad_linear(lin, shapes[_shape_key(lin)])
-        register()
-        model._hd_stock_attention = model.config._attn_implementation
-        model.set_attn_implementation(NAME)
-        from . import lean
-        lean.enable(model)   # the same ops without transformers' plumbing, where it covers the model
-        if record["self_check"] is None:
-            record["self_check"], measured = list(self_check(model)), True
-        why = _why_not(record)
-    if measured:
-        _write(cache_key, record)
-    if why is not None:
-        disable(model)
-        raise NotInvariant(why)
-    model.hd_invariant = {"attention": NAME, "chunk": CHUNK, "kernel": attention, **record}
-    return model.hd_invariant
-
-
-def try_enable(model: torch.nn.Module, mode: str, cache_key: str | None) -> dict | None:
-    """enable() for a mode of --invariant: its info, {"off": why} where the mode does not hold,
-    None for "off" (the stock forward, nothing asked)."""
-    if mode == "off":
-        return None
-    try:
-        return enable(model, cache_key)
-    except NotInvariant as exc:
-        return {"off": str(exc)}
-
-
-def cached_info(cache_key: str) -> dict | None:
-    """What try_enable would return, from the cache alone (None when something is not measured yet).
-    fused.decide must have run (models.load does it first)."""
-    record = _read(f"{cache_key}|attention:{fused.name()}")
-    if record is None:
-        return None
-    why = _why_not(record)
-    if why is None and record.get("self_check") is None:
-        return None
-    return {"off": why} if why else {"attention": NAME, "chunk": CHUNK, **record}
-
-
 def holds(info: dict | None) -> bool:
     """Whether try_enable's answer put the model in the mode."""
     return bool(info) and "off" not in info
 
 
 def is_enabled(model) -> bool:
-    return getattr(model, "hd_invariant", None) is not None
+    """Whether `model` computes in the M-invariant mode (an owned forward whose Numerics say so;
+    transformers' models never do)."""
+    num = getattr(model, "numerics", None)
+    return bool(num is not None and num.invariant)
 
 
 FORMAT = 1
@@ -633,13 +443,14 @@ def _write(key: str | None, info: dict) -> None:
         costs.write_json(_path(key), {"key": key, "format": FORMAT, **info})
 
 
-# ---------------------------------------------------------------- hd's own forwards (hdcli/engine/forward/)
-
-def enable_owned(model, cache_key: str | None = None) -> dict:
-    """The M-invariant mode of an owned forward: each Linear's least row count calibrated per
-    shape and kernel (Linear.min_rows; 1 where the kernel's per-row arithmetic is fixed, as hd's
-    GGUF GEMMs are: calibrated all the same, the check is what proves it), then the self-check
-    through the forward itself. Cached like enable()'s record; raises NotInvariant."""
+def enable(model, cache_key: str | None = None) -> dict:
+    """Put an owned forward (hdcli/engine/forward/) in the M-invariant mode: each Linear's least
+    row count calibrated per shape and kernel (Linear.min_rows; 1 where the kernel's per-row
+    arithmetic is fixed, as hd's GGUF GEMMs' is: calibrated all the same, the check is what proves
+    it), the invariant attention (Numerics.invariant), then the self-check through the forward
+    itself. Calibration and check are cached under HD_CACHE_DIR when cache_key (costs.curve_key
+    of the model) is given, and written only when measured. Returns what was measured; raises
+    NotInvariant (the model is left out of the mode)."""
     cache_key = None if cache_key is None else f"{cache_key}|owned|attention:{fused.name()}"
     record = _read(cache_key)
     measured = record is None
@@ -658,27 +469,30 @@ def enable_owned(model, cache_key: str | None = None) -> dict:
         rows = record["linear_min_rows"]
         for lin in layers:
             lin.min_rows = int(rows.get(lin.shape_key()) or 1)
-        model.numerics.min_rows = {k: v for k, v in rows.items()}
+        model.numerics.min_rows = dict(rows)
         model.numerics.invariant = True
-        model.hd_invariant = {}
         if record["self_check"] is None:
             record["self_check"], measured = list(self_check(model)), True
         why = _why_not(record)
     if measured:
         _write(cache_key, record)
     if why is not None:
-        model.numerics.invariant = False
-        model.hd_invariant = None
-        for lin in layers:
-            lin.min_rows = 1
+        disable(model)
         raise NotInvariant(why)
-    model.hd_invariant = {"attention": NAME, "chunk": CHUNK, "kernel": fused.name(), **record}
-    return model.hd_invariant
+    return {"attention": NAME, "chunk": CHUNK, "kernel": fused.name(), **record}
 
 
-def try_enable_owned(model, cache_key: str | None) -> dict:
-    """enable_owned(), or {"off": why} where the mode does not hold."""
+def disable(model) -> None:
+    """An owned forward out of the mode: SDPA over the cache, Linear layers unpadded."""
+    model.numerics.invariant = False
+    model.numerics.min_rows = {}
+    for lin in model.linears():
+        lin.min_rows = 1
+
+
+def try_enable(model, cache_key: str | None) -> dict:
+    """enable(), or {"off": why} where the mode does not hold."""
     try:
-        return enable_owned(model, cache_key)
+        return enable(model, cache_key)
     except NotInvariant as exc:
         return {"off": str(exc)}

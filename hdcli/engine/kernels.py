@@ -16,11 +16,13 @@ Invariants
     (state_dict, deepcopy, int8 drafts) it is recovered exactly by multiplying the identity by it.
   * Only CPU tensors in fp32 or bf16 are packed; anything else stays as it was.
 
-Which kernels: measured, never assumed. Packing won 1.78x on a 2-core AMD EPYC (Zen 5) and lost
-(0.82x) on a 2-core Intel Xeon with AMX, whose MKL path is better. `auto` therefore measures both
-kernel sets' cost curves on the machine at hand (hdcli/engine/costs.py: the same cached measurement that
-caps draft trees) and keeps the faster: by the time of a plain step plus an 8-token verification
-(what a speculative run alternates between), or of a plain step alone when nothing is drafted.
+Which kernels (a Numerics field of hd's own forward, engine/forward/numerics.py; nothing here is
+chosen by timing, since the two sets round differently): `auto` is "gguf" for a GGUF (the file's
+blocks, engine/quants.py, where hd has a kernel for their type; the rest oneDNN-packed), and
+oneDNN-packed dense layers for a safetensors checkpoint where oneDNN is usable; "torch" keeps
+torch's own Linear. Packing won 1.78x on a 2-core AMD EPYC (Zen 5) and lost (0.82x) on a 2-core
+Intel Xeon with AMX, whose MKL path is better: there `--kernels torch` is the faster choice.
+`int4`, the older name of the GGUF 4-bit set, is accepted as an alias of `gguf`.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ import torch
 from ..errors import HdError
 
 PACK_ROWS = 8       # the row count oneDNN tunes the layout for; a decode step verifies ~1-16 rows
-KERNELS = ("auto", "onednn", "torch", "int4")
+KERNELS = ("auto", "gguf", "onednn", "torch", "int4")
+ALIASES = {"int4": "gguf"}   # the older name of the GGUF 4-bit set: scripts and recorded configs keep working
 
 
 def available() -> bool:
@@ -39,104 +42,12 @@ def available() -> bool:
             and hasattr(ops, "_linear_pointwise"))
 
 
-def int4_usable(source: str | None, device: str, dtype: str) -> bool:
-    """The int4 set (hdcli/engine/int4.py) can be tried: a GGUF model on CPU in bf16."""
-    from . import int4
-    return (device == "cpu" and dtype == "bf16" and available() and int4.available()
-            and str(source or "").endswith(".gguf"))
-
-
-def candidates(source: str | None, device: str, dtype: str) -> tuple[str, ...]:
-    """The kernel sets `auto` measures for a model."""
-    return ("torch", "onednn") + (("int4",) if int4_usable(source, device, dtype) else ())
-
-
-def resolve(kernels: str, device: str, dtype: str, source: str | None = None) -> str:
-    """`auto`: "measure" (choose() decides) on CPU in fp32/bf16 where oneDNN packing is
-    available, else torch's own kernels."""
+def resolve(kernels: str) -> str:
+    """A --kernels value checked, aliases resolved ("int4" is "gguf"); what it means for a model
+    is decided where the model loads (engine/models.py: owned_kernels, _stock)."""
     if kernels not in KERNELS:
         raise HdError(f"--kernels must be one of {', '.join(KERNELS)}, not '{kernels}'")
-    usable = device == "cpu" and dtype in ("fp32", "bf16") and available()
-    if kernels == "onednn" and not usable:
-        raise HdError("--kernels onednn needs a CPU model in fp32 or bf16 and a torch built with "
-                      "oneDNN; use --kernels torch")
-    if kernels == "int4" and not int4_usable(source, device, dtype):
-        raise HdError("--kernels int4 needs a .gguf model with Q4_0/Q4_1 weights, --dtype bf16 on CPU "
-                      "and a torch with the int4 CPU kernel; use --kernels auto")
-    if kernels == "auto":
-        return "measure" if usable else "torch"
-    return kernels
-
-
-SCORE_WIDTHS = (1, 8)  # a speculative run alternates plain steps and ~8-token verifications
-
-
-def score(curve, drafting: bool = True) -> float:
-    """Seconds that rank kernel sets: t(1) + t(8) for drafting, t(1) for plain decoding."""
-    return sum(curve.seconds(w) for w in (SCORE_WIDTHS if drafting else SCORE_WIDTHS[:1]))
-
-
-def setup(model: torch.nn.Module, kernels: str, source: str | None = None) -> None:
-    """Put an unconverted, unpacked-or-packed model into a kernel set, in place: "torch" (nn.Linear),
-    "onednn" (PackedLinear) or "int4" (the GGUF's 4-bit layers as Int4Linear, the rest packed).
-    Raises HdError for int4 when no layer of the GGUF is 4-bit."""
-    from . import int4
-    if int4.is_converted(model):
-        int4.restore(model)
-    if kernels == "torch":
-        if is_packed(model):
-            unpack(model)
-        return
-    if not is_packed(model):
-        pack(model)
-    if kernels == "int4" and int4.convert(model, source)["int4"] == 0:
-        raise HdError(f"--kernels int4: no Linear weight of {source} is Q4_0/Q4_1; use --kernels auto")
-
-
-def choose(model: torch.nn.Module, source: str, dtype: str, device: str, drafting: bool = True,
-           quiet: bool = False, invariant: str = "off") -> tuple[str, dict, dict | None]:
-    """Pick torch's, oneDNN's or (GGUF 4-bit) int4 kernels for an unpacked CPU model by their measured cost curves
-    (cached per model/dtype/device/threads/CPU by hdcli.engine.costs; measured here when missing),
-    and leave the model in the winner. invariant "auto"/"on": each set is measured in the
-    M-invariant forward (engine/invariant.py) where it holds there, and a set where it holds wins
-    over one where it does not. Where everything is cached the model is set up once, for the
-    winner. Returns (choice, {kernels: curve}, the winner's invariant info or None)."""
-    from . import costs, int4, invariant as inv
-    keys = {k: costs.curve_key(source, dtype, device, k) for k in candidates(source, device, dtype)}
-    state = {"kernels": "torch"}  # what the model is in now
-
-    def set_up(k: str) -> dict | None:
-        inv.disable(model)
-        try:
-            setup(model, k, source)
-        except HdError:     # a GGUF without 4-bit layers: int4 is the oneDNN set, measured as such
-            pass
-        state["kernels"] = k
-        return inv.try_enable(model, invariant, keys[k])
-
-    curves, infos = {}, {}
-    for k in keys:
-        info = None if invariant == "off" else inv.cached_info(keys[k])
-        known = invariant == "off" or info is not None
-        curve = costs.cached_curve(costs.curve_key(source, dtype, device, k, inv.holds(info)), None,
-                                   measure_missing=False) if known else None
-        if curve is None:  # measure it, the model set up in this kernel set
-            info = set_up(k)
-            on = inv.holds(info)
-            curve = costs.cached_curve(costs.curve_key(source, dtype, device, k, on), model, quiet=quiet,
-                                       desc=f"measuring {'M-invariant ' if on else ''}{k} kernels ({dtype})")
-        curves[k], infos[k] = curve, info
-
-    def rank(k):
-        return (invariant != "off" and not inv.holds(infos[k]), score(curves[k], drafting))
-    best = min(curves, key=rank)
-    if state["kernels"] != best or not inv.is_enabled(model) and inv.holds(infos[best]):
-        infos[best] = set_up(best)
-    if best == "int4" and int4.is_converted(model):   # the bf16 layers: kept for prefills where that pays
-        int4.keep_dense(model, keys[best])
-    else:
-        int4.drop_originals(model)   # the winner stays: the bf16 copies int4 kept for restore() go
-    return best, curves, infos[best]
+    return ALIASES.get(kernels, kernels)
 
 
 def padded_rows(m: int) -> int:

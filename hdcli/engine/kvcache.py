@@ -1,5 +1,5 @@
-"""The KV cache of the M-invariant lean forward: keys and values in preallocated buffers, laid
-out the way the invariant attention reads them.
+"""The KV cache of hd's own forward (hdcli/engine/forward/): keys and values in preallocated
+buffers, laid out the way the invariant attention reads them.
 
 Why: the invariant attention (invariant.py) computes in fp32 over keys padded to whole chunks and
 over values with a ones column ([V | 1], whose weighted sum is the softmax sum). On transformers'
@@ -13,7 +13,7 @@ with 4 requests the difference was within the machine's noise). Here the cache i
 form the attention reads: a forward writes its new rows, and the attention takes views.
 
 Same numerics: a bf16 key converted to fp32 is exact, so the attention sees the values it saw
-before, in the same order; rows are torch.equal to those on a DynamicCache (tests/test_kvcache.py).
+before, in the same order (tests/test_kvcache.py).
 Where the fused attention (fused.py) reads them, a bf16 model's keys and values stay bf16 and are
 widened to fp32 as they are read (exact again): half the bytes, and with 4 requests on ~300-token
 caches the attention is bound by reading them. Elsewhere they are stored in fp32.
@@ -25,10 +25,9 @@ so the first ceil(n / CHUNK) * CHUNK rows are the zero-padded keys and [V | 1] o
 cache, as the attention wants them, without a copy (padded()).
 
 Invariants
-  * It is a transformers DynamicCache (update / crop / get_seq_length / layers[i].keys and
-    .values, the latter views of the live rows), so keep_path, crop, transformers' stock forward
-    (prefills wider than a verification) and everything else that reads a cache work unchanged.
-    update() returns the keys and values in the dtype they came in (exact: the store holds them).
+  * Cache holds one InvariantLayer per decoder layer, and the few methods the decode loop, the
+    cost measurement and tree.keep_path use (get_seq_length, crop, layers[i].keys and .values,
+    the latter views of the live rows). Nothing here is transformers': hd's forwards own it.
   * Rows past the length are zero wherever they are read: padded() and claim() zero what crop
     left (crop only lowers the length: `dirty` marks how far rows may be stale); growth copies
     into zeros.
@@ -39,7 +38,7 @@ Invariants
     keys; it writes the rest itself on each call. crop and rewritten() lower kt_len: whoever
     writes rows through the views (tree.keep_path) calls rewritten(), else the fused attention
     reads stale keys.
-  * With the fused attention the lean forward appends nothing itself: claim() counts the new rows
+  * With the fused attention the forward appends nothing itself: claim() counts the new rows
     and the compiled call writes them (fused.append_attend_many), one call a layer for all
     requests. On the AMD EPYC (bundled model, int4, interleaved) a forward of 4 one-token
     requests took 12.0 ms instead of 14.3, one request 8.6 instead of 9.1: the per-request copies
@@ -48,7 +47,6 @@ Invariants
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from . import fused, invariant
 
@@ -59,19 +57,18 @@ def _round_up(n: int) -> int:
     return -(-n // invariant.CHUNK) * invariant.CHUNK
 
 
-class InvariantLayer(DynamicLayer):
-    """One layer's keys and values (see the module header); every DynamicLayer method that works
-    on the whole cache is overridden."""
+class InvariantLayer:
+    """One layer's keys and values (see the module header)."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self):
+        self.is_initialized = False
         self.kbuf = self.vbuf = None
         self.length = 0
         self.capacity = 0                  # rows kbuf and vbuf hold
         self.dirty = 0                     # rows below this past the length may be nonzero (crop)
         self.ktbuf, self.kt_len = None, 0  # the fused attention's transposed keys (transposed())
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         # bf16 keys stay bf16 where the fused attention reads them (it widens them exactly as it
         # reads): half the bytes a forward reads (module header)
@@ -108,8 +105,8 @@ class InvariantLayer(DynamicLayer):
             if end == self.dirty:
                 self.dirty = self.length
 
-    # transformers' view of the cache (DynamicLayer.keys / .values), made when read: a decode
-    # step appends to every layer and seldom reads them.
+    # the keys and values as they came in (without padding or the ones column), made when read:
+    # a decode step appends to every layer and seldom reads them.
     @property
     def keys(self):
         return None if self.kbuf is None else self.kbuf[:, :, :self.length]
@@ -136,7 +133,7 @@ class InvariantLayer(DynamicLayer):
         Returns where the m rows start. Called per layer per forward: the usual case is a few
         integer operations."""
         if not self.is_initialized:
-            self.lazy_initialization(like, like)
+            self.lazy_initialization(like)
         n = self.length
         if max(n + m, keys, 2) > self.capacity:
             self._reserve(max(n + m, keys))
@@ -151,21 +148,13 @@ class InvariantLayer(DynamicLayer):
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write m new rows ([b, h, m, d], any float dtype) after the cached ones."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(key_states)
         n, m = self.length, key_states.shape[-2]
         self._reserve(n + m)
         self.kbuf[:, :, n:n + m] = key_states
         self.vbuf[:, :, n:n + m, :-1] = value_states
         self.vbuf[:, :, n:n + m, -1] = 1.0
         self.length = n + m
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """transformers' cache update: append, return every key and value in the input dtype."""
-        first = not self.is_initialized or self.length == 0
-        self.append(key_states, value_states)
-        if first:
-            return key_states, value_states
-        return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
 
     def padded(self, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys [b, h, n_pad, d], [V | 1] [b, h, n_pad, d + 1]) in fp32, zero past the length;
@@ -194,14 +183,8 @@ class InvariantLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last -tokens_to_remove rows (a negative count, as DynamicLayer takes it).
+        """Remove the last -tokens_to_remove rows (a negative count).
         The rows are zeroed when something reads past the length (padded, claim), not here: a
         verification crops every layer of every request, and zeroing took ~5.6 us a layer (AMD
         EPYC), 0.7 ms a step of 4 requests on the bundled model; the decode loop's acceptance at 4
@@ -214,27 +197,6 @@ class InvariantLayer(DynamicLayer):
         self.dirty = max(self.dirty, self.length)
         self.length = n
         self.kt_len = min(self.kt_len, n)
-
-    def reset(self) -> None:
-        self.__init__()
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("the invariant cache holds one sequence per generation")
-
-    batch_select_indices = reorder_cache = batch_repeat_interleave
-
-
-def new_cache(model):
-    """An empty cache for a model in the M-invariant mode with the lean forward."""
-    from transformers import DynamicCache
-    cache = DynamicCache(config=model.config)
-    cache.layers = [InvariantLayer() for _ in range(model.config.num_hidden_layers)]
-    return cache
-
-
-def is_invariant_cache(cache) -> bool:
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and isinstance(layers[0], InvariantLayer)
 
 
 class Cache:

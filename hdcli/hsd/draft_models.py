@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import invariant, kernels, models
+from ..engine import kernels, models
 from ..errors import HdError
 
 
@@ -56,8 +56,6 @@ def truncated(model, k: int):
     if missing or unexpected:
         raise HdError(f"self:layers={k}: cannot slice this architecture (missing {missing[:2]})")
     small = small.to(dtype=model.dtype, device=next(model.parameters()).device).eval()
-    if invariant.is_enabled(model):  # a draft only proposes: the stock (faster) forward will do
-        small.set_attn_implementation("sdpa")
     if kernels.is_packed(model):  # as fast per token as its target
         kernels.pack(small)
     return small
@@ -78,7 +76,6 @@ def int8(model, target=None):
         dense = models.load(target.name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True).model
         return quantize_dynamic(dense, {torch.nn.Linear}, dtype=torch.qint8).eval()
     base = copy.deepcopy(model)
-    invariant.disable(base)
     kernels.unpack(base)  # torch.ao quantises nn.Linear layers only
     base = base.float()
     return quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8).eval()
@@ -105,10 +102,9 @@ def load(name: str, target: models.LoadedModel) -> DraftModel:
         else:
             raise HdError(f"unknown self-draft '{name}': use self:layers=K or self:int8")
         return DraftModel(name, m, time.perf_counter() - t0, _count(m))
-    kn = target.kernels
-    if kn == "int4" and not kernels.int4_usable(models.resolve(name)[1], target.device, target.dtype):
-        kn = "onednn"   # a draft that is no 4-bit GGUF: the target's other fast set
-    lm = models.load(name, dtype=target.dtype, device=target.device, kernels=kn, invariant="off")
+    # the draft's own kernels (a GGUF's blocks for a GGUF draft), in the target's dtype; a draft
+    # only proposes: the plain forward will do
+    lm = models.load(name, dtype=target.dtype, device=target.device, invariant="off")
     if not same_tokenizer(lm.tokenizer, target.tokenizer):
         raise HdError(f"draft model '{name}' has another tokenizer than the target '{target.name}': "
                       "a draft must tokenize exactly like its target")

@@ -1,12 +1,16 @@
-"""hd's own forwards, one module per model family, built from a GGUF file in its own bits.
+"""hd's own forwards, one module per model family, built from a GGUF file in its own bits or from a
+transformers checkpoint's safetensors.
 
-  llama.py   Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2, Qwen3 (GGUF architectures below)
-  gemma3.py  Gemma 3 text models: sliding windows, (1 + w) norms, two ropes
-  gguf.py    the file: metadata as a ModelConfig, tensors as the file holds them, the tokenizer
-  layers.py  Linear by kernel, the embedding read from the file, RMSNorm
-  rope.py    rotary embeddings
-  numerics.py  the Numerics record: every choice that changes the bits a forward computes
+  llama.py       Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2, Qwen3 (architectures below)
+  gemma3.py      Gemma 3 text models: sliding windows, (1 + w) norms, two ropes
+  gguf.py        a GGUF file: metadata as a ModelConfig, tensors as the file holds them, the tokenizer
+  checkpoint.py  a transformers checkpoint read as a GGUF is: GGUF tensor names mapped to its own
+  layers.py      Linear by kernel, the embedding read from the file, RMSNorm
+  rope.py        rotary embeddings
+  numerics.py    the Numerics record: every choice that changes the bits a forward computes
 
+A source (gguf.GGUFFile, checkpoint.Checkpoint) answers `arch`, `has(name)`, `raw(name)`,
+`config()`, `release()` and `type_counts()`, in GGUF tensor names; the forwards read nothing else.
 Other architectures run on transformers' forward (engine/models.py says so in one line).
 """
 from __future__ import annotations
@@ -19,7 +23,7 @@ def family_of(arch: str) -> str | None:
 
 
 def build(gf, cfg, num, progress=None):
-    """The owned model of a GGUF file (gguf.GGUFFile), by family."""
+    """The owned model of a source (gguf.GGUFFile or checkpoint.Checkpoint), by family."""
     family = family_of(gf.arch)
     if family == "llama":
         from .llama import LlamaForward

@@ -9,15 +9,18 @@ Gemma3ForCausalLM computes it:
 What differs from the llama family:
   * RMSNorm scales by (1 + w), in fp32 (Gemma3RMSNorm). llama.cpp's converter stores 1 + w in the
     file; transformers subtracts the 1 when it loads, in fp32, and keeps w in the model dtype:
-    we do the same, so (1 + w) is the same number here;
+    we do the same, so (1 + w) is the same number here. A transformers checkpoint holds w: read
+    as it is (norm_weight);
   * sliding-window layers: five of every six (layer i is global when (i + 1) % 6 == 0, the
-    pattern llama.cpp and transformers use for Gemma 3); a sliding layer's query at position p
+    pattern llama.cpp and transformers use for Gemma 3), or as a checkpoint's config lists
+    them (layer_types); a sliding layer's query at position p
     sees keys at positions p - window + 1 .. p, a tree node by its own position (invariant
     layouts take any visibility, so trees and the M-invariant mode work past the window);
   * two ropes: global layers at the file's rope.freq_base (with its scaling), sliding ones at
-    10000 (Gemma 3's rope_local_base_freq; the file does not carry it);
-  * the attention scale is head_dim ** -0.5 (query_pre_attn_scalar = head_dim), except the 27B
-    (62 layers), whose scale is (hidden / heads) ** -0.5, as llama.cpp sets it;
+    10000 (Gemma 3's rope_local_base_freq; a GGUF does not carry it, a checkpoint's config does);
+  * the attention scale is query_pre_attn_scalar ** -0.5 where a checkpoint's config states it;
+    in a GGUF head_dim ** -0.5, except the 27B (62 layers), whose scale is (hidden / heads) ** -0.5,
+    as llama.cpp sets it;
   * rotary halves (NeoX), GELU (tanh) in the MLP, no soft-capping (Gemma 3 has none).
 """
 from __future__ import annotations
@@ -48,12 +51,15 @@ class GemmaBlock(Block):
         p = f"blk.{i}."
         for name, key in (("attn_norm", "attn_norm"), ("ffn_norm", "ffn_norm"), ("post_attn_norm", "post_attention_norm"),
                           ("post_ffn_norm", "post_ffw_norm"), ("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
-            setattr(self, name, nn.Parameter(minus_one(gf, p + key + ".weight", num), requires_grad=False))
+            setattr(self, name, nn.Parameter(norm_weight(gf, cfg, p + key + ".weight", num), requires_grad=False))
 
 
-def minus_one(gf, name: str, num: Numerics) -> torch.Tensor:
-    """A Gemma norm weight w from the file's 1 + w: subtracted in fp32, then the model dtype (as
-    transformers loads it)."""
+def norm_weight(gf, cfg, name: str, num: Numerics) -> torch.Tensor:
+    """A Gemma norm weight w in the model dtype. A GGUF holds 1 + w: subtracted in fp32, then the
+    model dtype (as transformers loads a GGUF); a transformers checkpoint holds w itself
+    (cfg.extra["norm_plus_one"] False): cast as transformers casts it."""
+    if not cfg.extra.get("norm_plus_one", True):
+        return num.vector(gf, name)
     from .layers import dequantize
     qtype, raw, shape = gf.raw(name)
     w = dequantize(qtype, raw.reshape(1, -1), 1, shape[-1], torch.float32).reshape(-1)
@@ -66,23 +72,28 @@ class Gemma3Forward(LlamaForward):
 
     def __init__(self, gf, cfg, num: Numerics, progress=None):
         super().__init__(gf, cfg, num, progress)
-        self.norm = nn.Parameter(minus_one(gf, "output_norm.weight", num), requires_grad=False)
+        self.norm = nn.Parameter(norm_weight(gf, cfg, "output_norm.weight", num), requires_grad=False)
         local = copy.copy(cfg)
-        local.rope_theta, local.rope_scaling = LOCAL_ROPE_BASE, None
+        local.rope_theta, local.rope_scaling = cfg.extra.get("rope_local_base_freq", LOCAL_ROPE_BASE), None
         self.local_rope = Rope(local, num.device)
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5)
         heads = cfg.num_attention_heads
-        self.scaling = ((cfg.hidden_size / heads) ** -0.5 if cfg.num_hidden_layers == 62
-                        else cfg.head_dim ** -0.5)
+        scalar = cfg.extra.get("query_pre_attn_scalar")   # a checkpoint's config states it
+        if scalar:
+            self.scaling = float(scalar) ** -0.5
+        else:
+            self.scaling = ((cfg.hidden_size / heads) ** -0.5 if cfg.num_hidden_layers == 62
+                            else cfg.head_dim ** -0.5)
 
     def layer_kind(self, i: int) -> str:
-        return "full" if (i + 1) % PATTERN == 0 or not self.config.sliding_window else "sliding"
+        if not self.config.sliding_window:
+            return "full"
+        if self.config.extra.get("layer_types"):   # a checkpoint's config lists them
+            return super().layer_kind(i)
+        return "full" if (i + 1) % PATTERN == 0 else "sliding"
 
     def rope_for(self, kind: str) -> Rope:
         return self.local_rope if kind == "sliding" else self.rope
-
-    def window(self, kind: str) -> int | None:
-        return int(self.config.sliding_window) if kind == "sliding" else None
 
     def embed_rows(self, ids) -> torch.Tensor:
         x = self.embed(ids)

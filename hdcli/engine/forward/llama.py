@@ -1,10 +1,13 @@
 """hd's own forward for the llama family (Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2/Qwen3), from a
-GGUF file, in the file's own bits.
+GGUF file in the file's own bits, or from a transformers checkpoint.
 
 One decoder layer: x += o(attention(rope(q(norm(x))), rope(k(norm(x))), v(norm(x))));
 x += down(silu(gate(norm(x))) * up(norm(x))); then the final norm and the head. Qwen2's q/k/v
 biases and Qwen3's per-head q/k norms are read where the file has them; rope scaling as the
-file's metadata states it (transformers' rope functions compute the frequencies).
+file's metadata states it (transformers' rope functions compute the frequencies); a sliding
+window where a checkpoint's config gives its layers one (Mistral v0.1, Qwen2 with
+use_sliding_window). The source is a GGUF file (gguf.GGUFFile) or a transformers checkpoint
+(checkpoint.Checkpoint): both answer in GGUF tensor names.
 
 Same numerics as transformers' LlamaModel, op by op, where it matters for the reference tests
 (tests/test_owned.py): norms in fp32 then the model dtype times the weight, rope as
@@ -13,7 +16,8 @@ M-invariant mode (engine/invariant.py). Two things differ by design:
   * q and k stay in the file's row order. llama.cpp's converter interleaves each head's rotary
     halves for `llama`; transformers un-permutes them on load, hd rotates the pairs (2i, 2i + 1)
     instead (the same rotation of the same numbers, elementwise; a score sums the head's
-    products in another order). Qwen2/3 files keep halves and rotate halves.
+    products in another order). Qwen2/3 files and every transformers checkpoint keep halves and
+    rotate halves (ModelConfig.rope_interleaved).
   * Linear layers are whatever kernel holds the file's tensor (engine/quants.QLinear for the
     GGUF types hd multiplies directly, else a bf16 or fp32 layer dequantized one tensor at a
     time): the kernel is part of the model's numerics, recorded in its Numerics (numerics.py).
@@ -188,7 +192,7 @@ class LlamaForward(nn.Module):
 
     def window(self, kind: str) -> int | None:
         """The sliding window of a layer kind (keys at most window - 1 positions back), or None."""
-        return None
+        return int(self.config.sliding_window) if kind == "sliding" else None
 
     def embed_rows(self, ids) -> torch.Tensor:
         return self.embed(ids)
@@ -197,8 +201,10 @@ class LlamaForward(nn.Module):
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def layer_kind(self, i: int) -> str:
-        """Which attention layer i has: "full" (or "sliding", Gemma 3)."""
-        return "full"
+        """Which attention layer i has: "full", or "sliding" where the config's layer types say so
+        (a checkpoint's Mistral or Qwen2 with a window; a GGUF of this family states none)."""
+        types = self.config.extra.get("layer_types")
+        return "sliding" if types and types[i] == "sliding_attention" else "full"
 
     def qkv(self, i: int, blk, h, ctx):
         """q [1, hq, m, d], k and v [1, hkv, m, d] of layer i, rotated."""
