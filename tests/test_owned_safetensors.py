@@ -230,3 +230,21 @@ def test_owned_copy_helper_is_the_checkpoint_path(tmp_path):
     transformers model through the checkpoint path."""
     lm = owned_copy(tiny("qwen3"), tmp_path / "q3")
     assert lm.info["forward"] == "hd (llama)" and lm.model.blocks[0].q_norm is not None
+
+
+def test_a_hub_id_runs_from_the_local_hub_cache(folders, tmp_path, monkeypatch):
+    """A hub id resolves, offline, to its snapshot in the local Hugging Face cache and runs on hd's
+    forward from there; an id the cache does not have is one line."""
+    import shutil
+    import huggingface_hub.constants as hub
+    repo = tmp_path / "hub" / "models--hd-test--tiny-qwen2"
+    shutil.copytree(folders["qwen2"], repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm = models.load("hd-test/tiny-qwen2", dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    assert lm.info["forward"] == "hd (llama)" and lm.source == "hd-test/tiny-qwen2"
+    assert lm.model.blocks[0].q.kernel.bias is not None   # qwen2's q/k/v biases, read
+    with pytest.raises(HdError, match="is unreachable and its cache does not have it"):
+        models.load("hd-test/not-there", device="cpu", quiet=True)

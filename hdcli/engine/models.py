@@ -17,8 +17,17 @@ Which forward runs it (one place decides: `load`):
     said in one line on stderr (`_stock`); `--invariant on` refuses it.
 
 Dtype `auto`: on hd's forward bf16 for a GGUF, on CUDA and on a CPU with native bf16, else fp32
-(owned_dtype); on transformers' forward bf16 on CUDA, fp32 on a CPU (resolve_dtype). Nothing is
-chosen by timing: every choice that changes the numbers is in the model's Numerics record.
+(owned_dtype); on transformers' forward bf16 on CUDA, fp32 on a CPU (resolve_dtype).
+
+Invariants
+  * Nothing a load decides is chosen by timing: dtype and kernels follow fixed rules from the
+    options, the file and the machine's features, and on hd's forward every choice that changes
+    the numbers is in the model's Numerics record (info["numerics"], `--json`).
+  * A model on hd's forward has info["forward"] "hd (<family>)", info["numerics"] and
+    info["peak_rss_bytes"]; one on transformers' forward has info["forward"] "transformers", the
+    reason in info["why"], and is never in the M-invariant mode (`--invariant on` refuses it).
+  * Nothing is written under cache_dir() but measurements (costs, invariant calibrations), GGUF
+    tokenizers and assembled bundled GGUFs: no weights.
 """
 from __future__ import annotations
 
@@ -396,6 +405,7 @@ def owned_kernels(kernels: str, device: str, dtype: str, gguf: bool) -> str:
     blocks where hd has a kernel for their type), and for a checkpoint oneDNN-packed dense layers
     on a CPU where oneDNN is usable, else torch's."""
     from . import kernels as kern
+    kernels = kern.resolve(kernels)
     if kernels == "gguf" and not gguf:
         raise HdError("--kernels gguf multiplies a GGUF file's blocks; this model is a safetensors "
                       "checkpoint: use --kernels auto, onednn or torch")
