@@ -309,6 +309,25 @@ class QLinear(torch.nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    @classmethod
+    def joined(cls, parts: list["QLinear"]) -> "QLinear | None":
+        """One QLinear whose outputs are the parts' side by side (q, k and v; gate and up): one
+        call and one pass over the weights where there were several. Each output column's
+        arithmetic is its part's (columns never share a sum), so the outputs are torch.equal to
+        the parts' concatenated. None where the parts do not join (another format or K, a bias on
+        some only: adding a zero bias could turn a -0 into +0)."""
+        first = parts[0]
+        if any(p.fmt != first.fmt or p.in_features != first.in_features or p.packed.shape[1:] != first.packed.shape[1:]
+               or (p.bias is None) != (first.bias is None) for p in parts):
+            return None
+        out = cls.__new__(cls)
+        torch.nn.Module.__init__(out)
+        out.packed, out.fmt, out.qtype = torch.cat([p.packed for p in parts]), first.fmt, first.qtype
+        out.in_features, out.out_features = first.in_features, sum(p.out_features for p in parts)
+        out.dtype = torch.bfloat16
+        out.bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+        return out
+
     def weight_matrix(self) -> torch.Tensor:
         """The bf16 weights [out, in] the kernel multiplies by, exactly: I @ W^T through it."""
         eye = torch.eye(self.in_features, dtype=self.dtype)

@@ -114,5 +114,6 @@ class Gemma3Forward(LlamaForward):
         o = ctx.attend(i, *self.qkv(i, blk, h, ctx))
         x = x + gemma_norm(blk.o(o), blk.post_attn_norm, eps)
         h = gemma_norm(x, blk.ffn_norm, eps)
-        h = blk.down(nn.functional.gelu(blk.gate(h), approximate="tanh") * blk.up(h))
+        gate, up = blk.gate_and_up(h)
+        h = blk.down(nn.functional.gelu(gate, approximate="tanh") * up)
         return x + gemma_norm(h, blk.post_ffn_norm, eps)

@@ -68,6 +68,29 @@ class Block(nn.Module):
                        if gf.has(p + "attn_q_norm.weight") else None)
         self.k_norm = (nn.Parameter(num.vector(gf, p + "attn_k_norm.weight"), requires_grad=False)
                        if gf.has(p + "attn_k_norm.weight") else None)
+        # q, k, v (and gate, up) in one GEMM where their kernels join: one call, one pass
+        self.qkv_sizes = (self.q.out_features, self.k.out_features)
+        self.qkv = Linear.joined([self.q, self.k, self.v])
+        self.gate_up = Linear.joined([self.gate, self.up])
+        if self.qkv is not None:
+            self.q = self.k = self.v = None
+        if self.gate_up is not None:
+            self.gate = self.up = None
+
+    def project_qkv(self, h):
+        """q, k, v rows [m, heads * d] of the normed input h."""
+        if self.qkv is None:
+            return self.q(h), self.k(h), self.v(h)
+        y = self.qkv(h)
+        nq, nk = self.qkv_sizes
+        return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
+
+    def gate_and_up(self, h):
+        if self.gate_up is None:
+            return self.gate(h), self.up(h)
+        y = self.gate_up(h)
+        half = y.shape[-1] // 2
+        return y[:, :half], y[:, half:]
 
 
 class GenerationConfig:
@@ -91,6 +114,7 @@ class LlamaForward(nn.Module):
     def __init__(self, gf, cfg, num: Numerics, progress=None):
         super().__init__()
         self.config, self.numerics = cfg, num
+        num.resolve_rows()
         self.generation_config = GenerationConfig(cfg.eos_token_id)
         self.embed = Embedding(gf, "token_embd.weight", num)
         blocks = []
@@ -198,6 +222,9 @@ class LlamaForward(nn.Module):
         return self.embed(ids)
 
     def final_norm(self, x) -> torch.Tensor:
+        ops = self.numerics.row_ops()
+        if ops is not None:
+            return ops.add_rms_norm(x, None, self.norm, self.config.rms_norm_eps)[1]
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def layer_kind(self, i: int) -> str:
@@ -210,31 +237,47 @@ class LlamaForward(nn.Module):
         """q [1, hq, m, d], k and v [1, hkv, m, d] of layer i, rotated."""
         cfg = self.config
         hq, hkv, d, m = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, h.shape[0]
+        rope = self.rope_for(self.layer_kind(i))
         cos, sin = ctx.rope(self.layer_kind(i))
-        q = self.rope.apply(self._heads(blk.q(h), hq, d, blk.q_norm), cos, sin)[None]
-        k = self.rope.apply(self._heads(blk.k(h), hkv, d, blk.k_norm), cos, sin)[None]
-        v = blk.v(h).view(m, hkv, d).transpose(0, 1)[None]
+        yq, yk, yv = blk.project_qkv(h)
+        ops = ctx.rows
+        if ops is not None and blk.q_norm is None:   # one call a projection, the same bits as below
+            q = ops.rope(yq, cos, sin, hq, rope.interleaved)[None]
+            k = ops.rope(yk, cos, sin, hkv, rope.interleaved)[None]
+        else:
+            q = rope.apply(self._heads(yq, hq, d, blk.q_norm), cos, sin)[None]
+            k = rope.apply(self._heads(yk, hkv, d, blk.k_norm), cos, sin)[None]
+        v = yv.reshape(m, hkv, d).transpose(0, 1)[None]
         return q, k, v
 
     def block(self, i: int, blk, x, ctx) -> torch.Tensor:
         eps = self.config.rms_norm_eps
-        h = rms_norm(x, blk.attn_norm, eps)
-        o = ctx.attend(i, *self.qkv(i, blk, h, ctx))
-        x = x + blk.o(o)
-        h = rms_norm(x, blk.ffn_norm, eps)
-        return x + blk.down(nn.functional.silu(blk.gate(h)) * blk.up(h))
+        ops = ctx.rows
+        if ops is not None:   # the norms and the first residual add, one call each
+            h = self.attn_input(blk, x)
+            x, h = ops.add_rms_norm(x, blk.o(ctx.attend(i, *self.qkv(i, blk, h, ctx))), blk.ffn_norm, eps)
+        else:
+            h = rms_norm(x, blk.attn_norm, eps)
+            x = x + blk.o(ctx.attend(i, *self.qkv(i, blk, h, ctx)))
+            h = rms_norm(x, blk.ffn_norm, eps)
+        gate, up = blk.gate_and_up(h)
+        return x + blk.down(nn.functional.silu(gate) * up)
 
     def keys_only(self, i: int, blk, x, ctx) -> None:
         """The last layer of a prefill: its keys and values only."""
         cfg = self.config
         h = self.attn_input(blk, x)
-        k = self._heads(blk.k(h), cfg.num_key_value_heads, cfg.head_dim, blk.k_norm)
-        v = blk.v(h).view(h.shape[0], cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)
-        k = self.rope.apply(k, *ctx.rope(self.layer_kind(i)))
+        _, yk, yv = blk.project_qkv(h)
+        k = self._heads(yk, cfg.num_key_value_heads, cfg.head_dim, blk.k_norm)
+        v = yv.reshape(h.shape[0], cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)
+        k = self.rope_for(self.layer_kind(i)).apply(k, *ctx.rope(self.layer_kind(i)))
         for (_, cache, _, _), (a, b) in zip(ctx.parts, ctx.bounds):
             cache.layers[i].append(k[None, :, a:b], v[None, :, a:b])
 
     def attn_input(self, blk, x) -> torch.Tensor:
+        ops = self.numerics.row_ops()
+        if ops is not None:   # block()'s own norm: a prefill's last keys as a forward's
+            return ops.add_rms_norm(x, None, blk.attn_norm, self.config.rms_norm_eps)[1]
         return rms_norm(x, blk.attn_norm, self.config.rms_norm_eps)
 
     def head_norm(self, y, norm) -> torch.Tensor:
@@ -268,6 +311,7 @@ class Step:
         self.bounds = invariant.row_bounds(sizes)
         self.hq, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.inv = num.invariant
+        self.rows = num.row_ops()
         self.fused = self.inv and invariant.fused_on(device)
         # a prompt wider than a verification on an empty cache: causal SDPA (the fused attention
         # takes it as it is)

@@ -12,6 +12,9 @@ Every field changes the numbers a forward gives, so two runs with equal records 
   invariant   the M-invariant mode (engine/invariant.py): verified rows bit-equal one-token rows;
   attention   which invariant attention (fused.name(): the compiled one, with a hash of its source,
               or torch ops);
+  rows        the row-wise ops (norms, residual adds, rope): "compiled" (csrc/qmm.cpp's, bf16 on a
+              CPU where the extension builds: one call where torch takes a dozen small ops) or
+              "torch"; the rope is bit-equal either way, a norm's sum of squares is in another order;
   min_rows    per Linear shape and kernel, the row count calls are padded to (calibrated);
   layers      per kernel and file type, how many Linear layers use it (what ran, for the record).
 Prefills use the same kernels as every other forward: no choice made by timing changes them.
@@ -33,6 +36,7 @@ class Numerics:
     kernels: str = "gguf"
     invariant: bool = True
     attention: str = "torch"
+    rows: str = "torch"
     min_rows: dict = field(default_factory=dict)
     layers: dict = field(default_factory=dict)
 
@@ -45,6 +49,19 @@ class Numerics:
 
     def record(self) -> dict:
         return dataclasses.asdict(self)
+
+    def row_ops(self):
+        """The compiled row-wise ops (qmm.cpp's module) where `rows` is "compiled", else None."""
+        if self.rows != "compiled":
+            return None
+        from .. import quants
+        return quants.gemm_module()
+
+    def resolve_rows(self) -> None:
+        """rows: "compiled" for bf16 on a CPU where the extension builds, else "torch"."""
+        from .. import quants
+        self.rows = ("compiled" if self.dtype == "bf16" and self.device == "cpu" and quants.gemm_module() is not None
+                     else "torch")
 
     # ------------------------------------------------------------ building weights
 
