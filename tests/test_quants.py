@@ -228,3 +228,51 @@ def test_the_row_check_can_fail():
     changed = (y2 != y).any(-1)
     assert changed[5] and not changed[:5].any() and not changed[6:].any()
     assert not torch.equal((x[:16].float() @ w.float().t()).bfloat16(), y)
+
+
+def test_joined_layers_give_the_parts_outputs():
+    """q, k, v (gate, up) joined into one GEMM: the outputs are the parts' side by side, bit for
+    bit, with and without biases; parts of another format or with a bias on some only stay apart."""
+    kernel()
+    gen = torch.Generator().manual_seed(3)
+    k = 512
+    parts = [quants.QLinear("Q4_K", make("Q4_K", n, k, seed=s), n, k) for s, n in ((0, 64), (1, 32), (2, 32))]
+    joined = quants.QLinear.joined(parts)
+    x = torch.randn(5, k, generator=gen).bfloat16()
+    assert joined.out_features == 128 and torch.equal(joined(x), torch.cat([p(x) for p in parts], -1))
+    biased = [quants.QLinear("Q4_K", make("Q4_K", 32, k, seed=s), 32, k, bias=torch.randn(32, generator=gen).bfloat16())
+              for s in (4, 5)]
+    assert torch.equal(quants.QLinear.joined(biased)(x), torch.cat([p(x) for p in biased], -1))
+    assert quants.QLinear.joined([parts[0], biased[0]]) is None
+    assert quants.QLinear.joined([parts[0], quants.QLinear("Q6_K", make("Q6_K", 32, k), 32, k)]) is None
+
+
+def test_compiled_row_ops():
+    """The owned forward's compiled row ops (bf16, CPU): the rope is torch's Rope.apply bit for bit
+    (interleaved and halves); the residual add is torch's; the RMSNorm is transformers' up to its
+    sum's order, and each row's result depends on that row only (a changed row changes only its
+    own output: the control)."""
+    kernel()
+    from hdcli.engine.forward.layers import rms_norm
+    from hdcli.engine.forward.rope import Rope
+    ops = quants.gemm_module()
+    gen = torch.Generator().manual_seed(4)
+    for interleaved in (True, False):
+        rope = Rope.__new__(Rope)
+        rope.interleaved = interleaved
+        y = torch.randn(7, 4 * 64, generator=gen).bfloat16()
+        cos, sin = torch.randn(7, 64, generator=gen).bfloat16(), torch.randn(7, 64, generator=gen).bfloat16()
+        want = rope.apply(y.view(7, 4, 64).transpose(0, 1), cos, sin)
+        assert torch.equal(ops.rope(y, cos, sin, 4, interleaved), want)
+    x, delta, w = (torch.randn(9, 576, generator=gen).bfloat16(), torch.randn(9, 576, generator=gen).bfloat16(),
+                   torch.randn(576, generator=gen).bfloat16())
+    added, normed = ops.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(added, x + delta)
+    ref = rms_norm(added, w, 1e-5).float()
+    assert ((normed.float() - ref).abs() <= ref.abs() / 128 + 1e-6).all()
+    for i in range(9):
+        assert torch.equal(ops.add_rms_norm(added[i:i + 1], None, w, 1e-5)[1], normed[i:i + 1])
+    x2 = added.clone()
+    x2[4, 10] += 1
+    changed = (ops.add_rms_norm(x2, None, w, 1e-5)[1] != normed).any(-1)
+    assert changed[4] and changed.sum() == 1
