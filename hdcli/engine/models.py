@@ -303,13 +303,13 @@ def _owned_source(name: str, kind: str, source: str):
         gf = GGUFFile(source)
         return gf if family_of(gf.arch) else f"no forward of hd's own for GGUF architecture {gf.arch}"
     from .forward.checkpoint import ARCHS, Checkpoint, model_type
+    _check_folder(kind, source)   # whichever forward runs it
     folder = _checkpoint_folder(name, kind, source)
     mt = model_type(folder)
     if mt not in ARCHS:
         return f"no forward of hd's own for model_type {mt}"
     if not any(folder.glob("*.safetensors")):
         return "its weights are not safetensors files"
-    _check_folder("dir", str(folder))
     ckpt = Checkpoint(folder, name=source)
     why = ckpt.unsupported()
     return ckpt if why is None else f"hd's forward does not compute {why}"
@@ -331,10 +331,10 @@ def _stock(name: str, kind: str, source: str, why: str, dtype: str, device: str,
     if kernels == "onednn" and not (device == "cpu" and dt in ("fp32", "bf16") and kern.available()):
         raise HdError("--kernels onednn needs a CPU model in fp32 or bf16 and a torch built with "
                       "oneDNN; use --kernels torch")
-    print(f"hd: {name}: {why}: transformers' forward, M-invariant mode off", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     tok, model = _transformers_model(name, kind, source, dt)
     model.to(device).eval()
+    print(f"hd: {name}: {why}: transformers' forward, M-invariant mode off", file=sys.stderr, flush=True)
     kn = "onednn" if kernels == "onednn" else "torch"
     if kn == "onednn":
         kern.pack(model)
