@@ -72,6 +72,7 @@ struct Q4K : Layout<4, 32, 8, 64, 32, true> {};    // head d[16], dmin[16] fp16;
 struct Q6K : Layout<6, 16, 16, 32, 16, false> {};  // head d[16] fp16; + sc[16] int8
 struct Q8H : Layout<8, 32, 1, 0, 32, false> {};    // + d[16] fp16
 struct Q8F : Layout<8, 32, 1, 0, 128, true> {};    // + scale[16], low[16] fp32
+struct Q8F8 : Layout<8, 32, 8, 0, 128, true> {};   // q8f's bytes, packed 8 groups at a time (Q5_K's blocks)
 
 static inline const uint8_t* super_at(const uint8_t* pk, int64_t sb_bytes, int64_t supers, int64_t cb, int64_t s) {
   return pk + (cb * supers + s) * sb_bytes;
@@ -391,146 +392,149 @@ static inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
   }
 }
 
-// The format's bytes for column c of a column block: codes and constants.
+// One super-block of a column block being packed: each of its 16 columns' codes as the kernel's
+// lanes take them (4-bit 0..15, 6-bit 0..63, 8-bit an int8's bits), gathered from the columns' GGUF
+// blocks first and then written out unit by unit: every byte of the super-block is written once.
 template <typename F>
-struct Writer {
-  uint8_t* out;     // the column block's first super-block
-  int c;
-  uint8_t* super(int64_t s) const { return out + s * F::SB; }
-  uint8_t* group(int64_t g) const { return super(g / F::GS) + F::HEAD + (g % F::GS) * F::GROUP; }
-  // code v of this column at k = GK g + kk (4-bit: 0..15, 6-bit: 0..63, 8-bit: an int8)
-  void code(int64_t g, int kk, int v) const {
-    uint8_t* unit = group(g) + (kk / 4) * F::UNIT_BYTES;
-    const int L = 2 * c + kk % 2, h = (kk / 2) % 2;   // lane L of pair h of the unit
-    if constexpr (F::W == 8) {
-      unit[32 * h + L] = static_cast<uint8_t>(v);
-    } else {
-      unit[L] |= static_cast<uint8_t>((v & 0x0F) << (4 * h));
-      if constexpr (F::W == 6)   // pair a (h 0): bits 4-5 (L < 16) or 6-7; pair b: bits 0-1 or 2-3
-        unit[32 + L % 16] |= static_cast<uint8_t>(((v >> 4) & 3) << (2 * (L / 16) + 4 * (1 - h)));
-    }
+struct Super {
+  static constexpr int KS = F::GS * F::GK;   // k a super-block
+  uint8_t* out;                               // the super-block's bytes in the packing
+  uint8_t codes[16][KS];
+  uint8_t* group(int g) const { return out + F::HEAD + g * F::GROUP; }
+  uint8_t* gconst(int g, int at) const { return group(g) + F::CODES + at; }
+  uint8_t* hconst(int at) const { return out + at; }
+
+  void emit() const {
+    for (int g = 0; g < F::GS; ++g)
+      for (int u = 0; u < F::UNITS; ++u) {
+        uint8_t* unit = group(g) + u * F::UNIT_BYTES;
+        const int base = g * F::GK + 4 * u;   // pair a: k base + 0, 1; pair b: base + 2, 3
+        for (int L = 0; L < 32; ++L) {
+          const uint8_t a = codes[L / 2][base + L % 2], b = codes[L / 2][base + 2 + L % 2];
+          if constexpr (F::W == 8) {
+            unit[L] = a;
+            unit[32 + L] = b;
+          } else {
+            unit[L] = static_cast<uint8_t>((a & 0x0F) | ((b & 0x0F) << 4));
+          }
+        }
+        if constexpr (F::W == 6)
+          for (int j = 0; j < 16; ++j) {
+            auto high = [&](int L, int h) { return (codes[L / 2][base + 2 * h + L % 2] >> 4) & 3; };
+            unit[32 + j] = static_cast<uint8_t>(high(j, 1) | high(j + 16, 1) << 2 | high(j, 0) << 4 | high(j + 16, 0) << 6);
+          }
+      }
   }
-  uint8_t* gconst(int64_t g, int64_t at) const { return group(g) + F::CODES + at; }
-  uint8_t* hconst(int64_t s, int64_t at) const { return super(s) + at; }
 };
 
-// One GGUF row (output column n = 16 cb + c) into its column block: per type, its blocks' codes
-// (as quants.py's unpack reads them) and constants in the format's places.
-static void pack_q4_0(const uint8_t* row, int64_t K, const Writer<Q4Z>& w) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 18;
-    std::memcpy(w.gconst(b, 2 * w.c), blk, 2);
-    for (int e = 0; e < 32; ++e) w.code(b, e, e < 16 ? blk[2 + e] & 0x0F : blk[2 + e - 16] >> 4);
+
+
+// One GGUF block of column c into a super-block: per type, its codes (as quants.py's unpack reads
+// them) and its constants in the format's places.
+static void dec_q4_0(const uint8_t* blk, Super<Q4Z>& S, int c) {
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  for (int e = 0; e < 16; ++e) {
+    S.codes[c][e] = blk[2 + e] & 0x0F;
+    S.codes[c][e + 16] = blk[2 + e] >> 4;
   }
 }
-static void pack_q4_1(const uint8_t* row, int64_t K, const Writer<Q4H>& w) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 20;
-    std::memcpy(w.gconst(b, 2 * w.c), blk, 2);
-    std::memcpy(w.gconst(b, 32 + 2 * w.c), blk + 2, 2);
-    for (int e = 0; e < 32; ++e) w.code(b, e, e < 16 ? blk[4 + e] & 0x0F : blk[4 + e - 16] >> 4);
+static void dec_q4_1(const uint8_t* blk, Super<Q4H>& S, int c) {
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  std::memcpy(S.gconst(0, 32 + 2 * c), blk + 2, 2);
+  for (int e = 0; e < 16; ++e) {
+    S.codes[c][e] = blk[4 + e] & 0x0F;
+    S.codes[c][e + 16] = blk[4 + e] >> 4;
   }
 }
-static void pack_q8_0(const uint8_t* row, int64_t K, const Writer<Q8H>& w) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 34;
-    std::memcpy(w.gconst(b, 2 * w.c), blk, 2);
-    for (int e = 0; e < 32; ++e) w.code(b, e, static_cast<int8_t>(blk[2 + e]));
-  }
+static void dec_q8_0(const uint8_t* blk, Super<Q8H>& S, int c) {
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  std::memcpy(S.codes[c], blk + 2, 32);
 }
 static inline int q5_code(const uint8_t* qs, uint32_t qh, int e) {   // Q5_0/Q5_1: 0..31
   return (e < 16 ? qs[e] & 0x0F : qs[e - 16] >> 4) | (((qh >> e) & 1) << 4);
 }
-static void pack_q5_0(const uint8_t* row, int64_t K, const Writer<Q8H>& w) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 22;
-    uint32_t qh;
-    std::memcpy(&qh, blk + 2, 4);
-    std::memcpy(w.gconst(b, 2 * w.c), blk, 2);
-    for (int e = 0; e < 32; ++e) w.code(b, e, q5_code(blk + 6, qh, e) - 16);
+static void dec_q5_0(const uint8_t* blk, Super<Q8H>& S, int c) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  for (int e = 0; e < 32; ++e) S.codes[c][e] = static_cast<uint8_t>(static_cast<int8_t>(q5_code(blk + 6, qh, e) - 16));
+}
+static void dec_q5_1(const uint8_t* blk, Super<Q8F>& S, int c) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 4, 4);
+  put_f32(S.gconst(0, 4 * c), f16(blk));
+  put_f32(S.gconst(0, 64 + 4 * c), f16(blk + 2));
+  for (int e = 0; e < 32; ++e) S.codes[c][e] = static_cast<uint8_t>(q5_code(blk + 8, qh, e));
+}
+static void dec_q4_k(const uint8_t* blk, Super<Q4K>& S, int c) {
+  std::memcpy(S.hconst(2 * c), blk, 2);
+  std::memcpy(S.hconst(32 + 2 * c), blk + 2, 2);
+  for (int j = 0; j < 8; ++j) {   // sub-block j: the low (j even) or high nibbles of 32 bytes
+    int sc, mn;
+    scale_min_k4(j, blk + 4, sc, mn);
+    *S.gconst(j, c) = static_cast<uint8_t>(sc);
+    *S.gconst(j, 16 + c) = static_cast<uint8_t>(mn);
+    const uint8_t* qs = blk + 16 + 32 * (j / 2);
+    for (int l = 0; l < 32; ++l) S.codes[c][32 * j + l] = (qs[l] >> (4 * (j % 2))) & 0x0F;
   }
 }
-static void pack_q5_1(const uint8_t* row, int64_t K, const Writer<Q8F>& w) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 24;
-    uint32_t qh;
-    std::memcpy(&qh, blk + 4, 4);
-    put_f32(w.gconst(b, 4 * w.c), f16(blk));
-    put_f32(w.gconst(b, 64 + 4 * w.c), f16(blk + 2));
-    for (int e = 0; e < 32; ++e) w.code(b, e, q5_code(blk + 8, qh, e));
+static void dec_q5_k(const uint8_t* blk, Super<Q8F8>& S, int c) {
+  const float d = f16(blk), dmin = f16(blk + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    scale_min_k4(j, blk + 4, sc, mn);
+    put_f32(S.gconst(j, 4 * c), d * static_cast<float>(sc));
+    put_f32(S.gconst(j, 64 + 4 * c), -(dmin * static_cast<float>(mn)));
+    const uint8_t* qs = blk + 48 + 32 * (j / 2);
+    for (int l = 0; l < 32; ++l)
+      S.codes[c][32 * j + l] = static_cast<uint8_t>(((qs[l] >> (4 * (j % 2))) & 0x0F) | (((blk[16 + l] >> j) & 1) << 4));
   }
 }
-static void pack_q4_k(const uint8_t* row, int64_t K, const Writer<Q4K>& w) {
-  for (int64_t s = 0; s < K / 256; ++s) {
-    const uint8_t* blk = row + s * 144;
-    std::memcpy(w.hconst(s, 2 * w.c), blk, 2);
-    std::memcpy(w.hconst(s, 32 + 2 * w.c), blk + 2, 2);
-    for (int j = 0; j < 8; ++j) {   // sub-block j: low (j even) or high nibbles of 32 bytes
-      int sc, mn;
-      scale_min_k4(j, blk + 4, sc, mn);
-      const int64_t g = 8 * s + j;
-      *w.gconst(g, w.c) = static_cast<uint8_t>(sc);
-      *w.gconst(g, 16 + w.c) = static_cast<uint8_t>(mn);
-      const uint8_t* qs = blk + 16 + 32 * (j / 2);
-      for (int l = 0; l < 32; ++l) w.code(g, l, (qs[l] >> (4 * (j % 2))) & 0x0F);
-    }
-  }
-}
-static void pack_q5_k(const uint8_t* row, int64_t K, const Writer<Q8F>& w) {
-  for (int64_t s = 0; s < K / 256; ++s) {
-    const uint8_t* blk = row + s * 176;
-    const float d = f16(blk), dmin = f16(blk + 2);
-    for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      scale_min_k4(j, blk + 4, sc, mn);
-      const int64_t g = 8 * s + j;
-      put_f32(w.gconst(g, 4 * w.c), d * static_cast<float>(sc));
-      put_f32(w.gconst(g, 64 + 4 * w.c), -(dmin * static_cast<float>(mn)));
-      const uint8_t* qs = blk + 48 + 32 * (j / 2);
-      for (int l = 0; l < 32; ++l)
-        w.code(g, l, ((qs[l] >> (4 * (j % 2))) & 0x0F) | (((blk[16 + l] >> j) & 1) << 4));
-    }
-  }
-}
-static void pack_q6_k(const uint8_t* row, int64_t K, const Writer<Q6K>& w) {
-  for (int64_t s = 0; s < K / 256; ++s) {
-    const uint8_t* blk = row + s * 210;
-    std::memcpy(w.hconst(s, 2 * w.c), blk + 208, 2);
-    for (int j = 0; j < 16; ++j) *w.gconst(16 * s + j, w.c) = blk[192 + j];
-    for (int e = 0; e < 256; ++e) {   // a half h of 128: low nibble s of byte e % 64, high bits 2t of byte e % 32
-      const int h = e / 128, i = e % 128;
-      const int low = (blk[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F;
-      const int high = (blk[128 + 32 * h + i % 32] >> (2 * (i / 32))) & 0x03;
-      w.code(16 * s + e / 16, e % 16, low | (high << 4));
-    }
+static void dec_q6_k(const uint8_t* blk, Super<Q6K>& S, int c) {
+  std::memcpy(S.hconst(2 * c), blk + 208, 2);
+  for (int j = 0; j < 16; ++j) *S.gconst(j, c) = blk[192 + j];
+  for (int e = 0; e < 256; ++e) {   // a half h of 128: low nibble i / 64 of byte i % 64, high bits 2 (i / 32) of byte i % 32
+    const int h = e / 128, i = e % 128;
+    const int low = (blk[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F;
+    const int high = (blk[128 + 32 * h + i % 32] >> (2 * (i / 32))) & 0x03;
+    S.codes[c][e] = static_cast<uint8_t>(low | (high << 4));
   }
 }
 
-template <typename F, typename P>
-static torch::Tensor pack_all(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t K, P one_row) {
+// Every column block on torch's threads, super-block by super-block: the 16 columns' GGUF blocks
+// (block_bytes each, one a super-block) decoded, then written.
+template <typename F, typename D>
+static torch::Tensor pack_all(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t K, int64_t block_bytes, D decode) {
   const int64_t supers = K / (F::GK * F::GS);
-  torch::Tensor out = torch::zeros({N / 16, supers, static_cast<int64_t>(F::SB)}, torch::kUInt8);
+  torch::Tensor out = torch::empty({N / 16, supers, static_cast<int64_t>(F::SB)}, torch::kUInt8);
   uint8_t* o = out.data_ptr<uint8_t>();
 #pragma omp parallel for schedule(static)
-  for (int64_t cb = 0; cb < N / 16; ++cb)
-    for (int c = 0; c < 16; ++c) one_row(raw + (16 * cb + c) * row_bytes, K, Writer<F>{o + cb * supers * F::SB, c});
+  for (int64_t cb = 0; cb < N / 16; ++cb) {
+    Super<F> S;
+    for (int64_t s = 0; s < supers; ++s) {
+      S.out = o + (cb * supers + s) * F::SB;
+      for (int c = 0; c < 16; ++c) decode(raw + (16 * cb + c) * row_bytes + s * block_bytes, S, c);
+      S.emit();
+    }
+  }
   return out;
 }
 
 // (packed, fmt) of a GGUF tensor's rows: `address` of N rows of row_bytes bytes (the file's map,
-// read only here), K weights a row. The caller checks the shape (quants.fits).
+// read only here), K weights a row. The caller checks the shape (quants.fits) and the row bytes.
 std::tuple<torch::Tensor, std::string> pack(int64_t address, int64_t N, int64_t row_bytes, int64_t K, const std::string& type) {
   const uint8_t* raw = reinterpret_cast<const uint8_t*>(address);
   TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "GGUF pack: N % 16 and K % 32 must be 0");
-  if (type == "Q4_0") return {pack_all<Q4Z>(raw, N, row_bytes, K, pack_q4_0), "q4z"};
-  if (type == "Q4_1") return {pack_all<Q4H>(raw, N, row_bytes, K, pack_q4_1), "q4h"};
-  if (type == "Q8_0") return {pack_all<Q8H>(raw, N, row_bytes, K, pack_q8_0), "q8h"};
-  if (type == "Q5_0") return {pack_all<Q8H>(raw, N, row_bytes, K, pack_q5_0), "q8h"};
-  if (type == "Q5_1") return {pack_all<Q8F>(raw, N, row_bytes, K, pack_q5_1), "q8f"};
+  if (type == "Q4_0") return {pack_all<Q4Z>(raw, N, row_bytes, K, 18, dec_q4_0), "q4z"};
+  if (type == "Q4_1") return {pack_all<Q4H>(raw, N, row_bytes, K, 20, dec_q4_1), "q4h"};
+  if (type == "Q8_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 34, dec_q8_0), "q8h"};
+  if (type == "Q5_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 22, dec_q5_0), "q8h"};
+  if (type == "Q5_1") return {pack_all<Q8F>(raw, N, row_bytes, K, 24, dec_q5_1), "q8f"};
   TORCH_CHECK(K % 256 == 0, "GGUF pack: K % 256 must be 0 for a K-quant");
-  if (type == "Q4_K") return {pack_all<Q4K>(raw, N, row_bytes, K, pack_q4_k), "q4k"};
-  if (type == "Q5_K") return {pack_all<Q8F>(raw, N, row_bytes, K, pack_q5_k), "q8f"};
-  if (type == "Q6_K") return {pack_all<Q6K>(raw, N, row_bytes, K, pack_q6_k), "q6k"};
+  if (type == "Q4_K") return {pack_all<Q4K>(raw, N, row_bytes, K, 144, dec_q4_k), "q4k"};
+  if (type == "Q5_K")   // no head: 8 groups of q8f in a row are q8f's super-blocks of one
+    return {pack_all<Q8F8>(raw, N, row_bytes, K, 176, dec_q5_k).view({N / 16, K / 32, Q8F::SB}), "q8f"};
+  if (type == "Q6_K") return {pack_all<Q6K>(raw, N, row_bytes, K, 210, dec_q6_k), "q6k"};
   TORCH_CHECK(false, "GGUF pack: no packing for ", type);
   return {torch::Tensor(), ""};
 }
