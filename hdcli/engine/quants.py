@@ -309,6 +309,17 @@ class QLinear(torch.nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def narrowed(self, blocks: int) -> "QLinear":
+        """The first `blocks` column blocks (16 outputs each) as a QLinear sharing the packing:
+        every block runs the same code, so a probe of the kernel's row-count behaviour (the
+        M-invariant calibration) need not stream an 8B model's 0.4 GB head."""
+        import copy
+        out = copy.copy(self)
+        out.packed = self.packed[:blocks]
+        out.out_features = 16 * out.packed.shape[0]
+        out.bias = None if self.bias is None else self.bias[:out.out_features]
+        return out
+
     @classmethod
     def joined(cls, parts: list["QLinear"]) -> "QLinear | None":
         """One QLinear whose outputs are the parts' side by side (q, k and v; gate and up): one
