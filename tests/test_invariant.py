@@ -300,7 +300,7 @@ def test_fused_attention_kernel_on_odd_head_sizes():
 
 
 def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
-    """Rows are computed side by side in tiles of 1-4 or 6 rows (HD_FUSED_TILE forces a height) and
+    """Rows are computed side by side in tiles of 1-4 or 6 rows (set_tile forces a height) and
     sequences share one call: every row is torch.equal whatever the tile height, whichever
     sequences share the call, whether the keys' transposed copy is kept or made afresh, and
     whether keys and values are stored as bf16 or as their fp32 widening. And the comparison can
@@ -319,7 +319,7 @@ def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
     alone = [fused.attend(q, k, v1, vis, 0.125) for q, k, v1, vis in seqs]
     q_all = torch.cat([s[0] for s in seqs]).contiguous()
     for tile in ("1", "2", "3", "4", "6"):
-        monkeypatch.setenv("HD_FUSED_TILE", tile)
+        fused._module.set_tile(int(tile))
         together = fused._module.attend_many(q_all, [s[1] for s in seqs], [None] * 3, [0] * 3,
                                              [s[2] for s in seqs], [s[3] for s in seqs], 0.125)
         assert torch.equal(torch.cat(alone), together), tile
@@ -337,6 +337,7 @@ def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
         widened = fused._module.attend_many(q_all, [k.float() for k, _ in halves], [None] * 3, [0] * 3,
                                             [v.float() for _, v in halves], [s[3] for s in seqs], 0.125)
         assert torch.equal(as_bf16, widened) and not torch.equal(as_bf16, together)
+    fused._module.set_tile(0)   # chosen per call again
     # a stale kept copy (keys changed after it was made, not marked) gives other rows: kt_len matters
     k2 = seqs[1][1].clone()
     k2[:, 10] += 1

@@ -285,7 +285,8 @@ def measure_extras(model, context: int = 256, rounds: int = ROUNDS, quiet: bool 
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("HD_CACHE_DIR") or Path.home() / ".cache" / "hdcli") / "costs"
+    from .environment import cache_dir
+    return cache_dir() / "costs"
 
 
 def cache_file(kind: str, key: str) -> Path:

@@ -105,6 +105,9 @@ def load(quiet: bool = False):
     if _module is not None or _failed is not None:
         return _module
     _module, _failed = compile_extension(SOURCE, _name(), "the fused attention", quiet)
+    if _module is not None:
+        from .environment import fused_tile
+        _module.set_tile(fused_tile())
     return _module
 
 
@@ -222,9 +225,8 @@ def decide(model, quiet: bool = True) -> dict:
     global _decision
     if _decision is not None:
         return _decision
-    asked = os.environ.get("HD_FUSED_ATTENTION", "auto").strip().lower() or "auto"
-    if asked not in ("0", "1", "auto"):
-        asked = "auto"
+    from .environment import fused_attention
+    asked = fused_attention()
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     hq = getattr(cfg, "num_attention_heads", None)

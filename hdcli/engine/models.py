@@ -32,7 +32,6 @@ Invariants
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -101,7 +100,8 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HD_CACHE_DIR") or Path.home() / ".cache" / "hdcli")
+    from .environment import cache_dir as configured
+    return configured()
 
 
 def resolve_device(device: str) -> str:
@@ -191,11 +191,12 @@ def resolve(name: str) -> tuple[str, str]:
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+    from .environment import hub_endpoint, hub_offline
+    if hub_offline():
         return False
     import socket
     from urllib.parse import urlparse
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    url = urlparse(hub_endpoint())
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
         return True

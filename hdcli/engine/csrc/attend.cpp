@@ -238,6 +238,10 @@ static void transpose_block(const Args& A, int64_t kv, int64_t b) {
 // The sequences' attention, their Args filled in (all but q, out, row0): one parallel region,
 // the transposed copies brought up to date first, then tiles of all sequences shared out
 // dynamically among the threads. q [M, hq, d] fp32 contiguous; returns [M, hq, d] fp32.
+// A tile height forced from outside (0: chosen per call, below).
+static int forced_tile = 0;
+void set_tile(int64_t tr) { forced_tile = static_cast<int>(tr); }
+
 static torch::Tensor attend_seqs(const torch::Tensor& q, std::vector<Args>& seqs) {
   const int64_t hq = q.size(1), d = q.size(2);
   TORCH_CHECK(d <= 16 * MAX_DV + 15, "fused attention: head size above 271");
@@ -260,13 +264,12 @@ static torch::Tensor attend_seqs(const torch::Tensor& q, std::vector<Args>& seqs
   // fewest rows to fill its tiles, the taller on a tie (one token: g rows a kv head, 3 in the
   // bundled model; 2 tokens: 6). A tile reads its kv head's keys and values once, so taller tiles
   // read less: 4 requests of 2 tokens (bundled model, AMD EPYC) 85 us a layer in tiles of 3, 68 in
-  // tiles of 6. It changes how rows share the loops, never a row's arithmetic: HD_FUSED_TILE
-  // forces a height, for tests (tests/test_invariant.py) and timing.
+  // tiles of 6. It changes how rows share the loops, never a row's arithmetic: set_tile (fused.py
+  // passes HD_FUSED_TILE) forces a height, for tests (tests/test_invariant.py) and timing.
   const int64_t threads = at::get_num_threads();
   int tr = 1;
   int64_t least = -1;
-  const char* force = std::getenv("HD_FUSED_TILE");
-  const int forced = force != nullptr ? std::atoi(force) : 0;
+  const int forced = forced_tile;
   const int tallest = d <= 64 ? 6 : 4;
   for (int c : {6, 4, 3, 2, 1}) {                   // the heights run() has
     if (c > tallest) continue;
@@ -359,8 +362,8 @@ torch::Tensor attend_many(torch::Tensor q, std::vector<torch::Tensor> k, std::ve
   return attend_seqs(q, seqs);
 }
 
-// attend_many after writing each sequence's new keys and values into its cache, for the lean
-// forward's layers (hdcli/engine/lean.py, kvcache.InvariantLayer): one call a layer for all
+// attend_many after writing each sequence's new keys and values into its cache, for the owned
+// forward's layers (hdcli/engine/forward/, kvcache.InvariantLayer): one call a layer for all
 // sequences in place of per-sequence copies and conversions in Python.
 //   query [1, hq, M, d], key and value [1, hkv, M, d], any float dtype: every sequence's new rows
 //          in order (sequence s's are vis[s]'s m_s rows);
@@ -442,6 +445,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v1, torch::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_tile", &set_tile, "force the tile height (1-4, 6; 0: chosen per call): rows share loops otherwise, never a sum");
   m.def("attend", &attend, "M-invariant attention of one sequence: fixed arithmetic per (row, head)", py::call_guard<py::gil_scoped_release>());
   m.def("attend_many", &attend_many, "M-invariant attention of several sequences in one call", py::call_guard<py::gil_scoped_release>());
   m.def("append_attend_many", &append_attend_many, "attend_many after appending new keys and values", py::call_guard<py::gil_scoped_release>());
