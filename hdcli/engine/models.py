@@ -374,6 +374,9 @@ def _transformers_model(name: str, kind: str, source: str, dtype: str):
         raise HdError(f"could not load model from {source}: {str(exc).strip().splitlines()[0]}") from None
     except ValueError as exc:  # e.g. a config transformers cannot build a tokenizer or model from
         raise HdError(f"could not load model from {source}: {str(exc).strip().splitlines()[0]}") from None
+    import warnings   # hd calls its forward with past_key_values, which the pinned transformers takes;
+    # the rename notice is transformers' to its own callers, not the user's
+    warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
     return tok, model
 
 

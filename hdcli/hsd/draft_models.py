@@ -73,12 +73,15 @@ def int8(model, target=None):
         raise HdError("self:int8 needs torch.ao.quantization, missing from this torch") from None
     from ..engine.forward import is_owned
     if is_owned(model):
-        dense = models.load(target.name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True).model
-        return quantize_dynamic(dense, {torch.nn.Linear}, dtype=torch.qint8).eval()
-    base = copy.deepcopy(model)
-    kernels.unpack(base)  # torch.ao quantises nn.Linear layers only
-    base = base.float()
-    return quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8).eval()
+        base = models.load(target.name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True).model
+    else:
+        base = copy.deepcopy(model)
+        kernels.unpack(base)  # torch.ao quantises nn.Linear layers only
+        base = base.float()
+    import warnings
+    with warnings.catch_warnings():   # torch.ao's deprecation notices are torch's to its callers, not the user's
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8).eval()
 
 
 def same_tokenizer(a, b) -> bool:
