@@ -130,3 +130,25 @@ def owned_copy(model, folder, dtype: str = "fp32", kernels: str = "torch", invar
     from hdcli.engine import models
     save_with_tokenizer(model, folder)
     return models.load(str(folder), dtype=dtype, device="cpu", kernels=kernels, invariant=invariant, quiet=True)
+
+
+def load_growth(path, tmp_path) -> int:
+    """Bytes the peak resident memory of a fresh process grows by when it loads `path` in bf16 on
+    hd's forward and runs a 3-token forward, over what the libraries, the tokenizer and the compiled
+    kernels cost before (the memory tests of GGUF files and checkpoints)."""
+    import json
+    import subprocess
+    import sys
+    code = ("import json, torch\n"
+            "from hdcli.engine import models, quants, fused\n"
+            f"models.load_tokenizer({str(path)!r}); quants.kernel_available(); fused.load(quiet=True)\n"
+            "torch.nn.functional.scaled_dot_product_attention(*torch.ones(3, 1, 1, 2, 4))\n"
+            "base = models.peak_rss_bytes()  # libraries and the tokenizer: what any model costs\n"
+            f"lm = models.load({str(path)!r}, dtype='bf16', device='cpu', invariant='off', quiet=True)\n"
+            "lm.model(input_ids=torch.tensor([[5, 6, 7]]))\n"
+            "print(json.dumps({'base': base, 'peak': models.peak_rss_bytes()}))\n")
+    env = dict(os.environ, HD_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return got["peak"] - got["base"]

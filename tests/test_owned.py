@@ -25,7 +25,7 @@ from hdcli.engine import batch, models, quants
 from hdcli.engine.decode import Decoder
 from hdcli.engine.tree import Tree, new_cache, tree_forward
 
-from conftest import require_bundled
+from conftest import load_growth, require_bundled
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -146,19 +146,7 @@ def test_a_quantized_gguf_never_becomes_a_dense_model(tmp_path):
     shape = dict(synth_gguf.SHAPES["tiny"], hidden=1024, ff=2816, layers=8, heads=16, kv_heads=4, head_dim=64)
     path = tmp_path / "q4.gguf"
     size = synth_gguf.write(path, shape, "Q4_0", seed=0)["bytes"]
-    code = ("import json, sys, torch\n"
-            "from hdcli.engine import models, quants, fused\n"
-            f"models.load_tokenizer({str(path)!r}); quants.kernel_available(); fused.load(quiet=True)\n"
-            "torch.nn.functional.scaled_dot_product_attention(*torch.ones(3, 1, 1, 2, 4))\n"
-            "base = models.peak_rss_bytes()  # libraries and the tokenizer: what any model costs\n"
-            f"lm = models.load({str(path)!r}, dtype='bf16', device='cpu', invariant='off', quiet=True)\n"
-            "lm.model(input_ids=torch.tensor([[5, 6, 7]]))\n"
-            "print(json.dumps({'base': base, 'peak': models.peak_rss_bytes()}))\n")
-    env = dict(os.environ, HD_CACHE_DIR=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    grew = got["peak"] - got["base"]
+    grew = load_growth(path, tmp_path)
     assert grew < 1.6 * size + 150e6, (grew, size)
 
 

@@ -15,10 +15,7 @@ folders saved by save_pretrained run on the forward a GGUF of the same model run
 """
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +26,7 @@ from hdcli.engine import kernels, models
 from hdcli.engine.decode import Decoder
 from hdcli.errors import HdError
 
-from conftest import VOCAB, owned_copy, save_with_tokenizer
+from conftest import VOCAB, load_growth, owned_copy, save_with_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -209,19 +206,7 @@ def test_a_bf16_checkpoint_loads_in_about_its_size(tmp_path):
                       num_attention_heads=16, num_key_value_heads=4)
     folder = save_with_tokenizer(LlamaForCausalLM(cfg).to(torch.bfloat16), tmp_path / "bf16")
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    code = ("import json, torch\n"
-            "from hdcli.engine import models, fused\n"
-            f"models.load_tokenizer({str(folder)!r}); fused.load(quiet=True)\n"
-            "torch.nn.functional.scaled_dot_product_attention(*torch.ones(3, 1, 1, 2, 4))\n"
-            "base = models.peak_rss_bytes()  # libraries and the tokenizer: what any model costs\n"
-            f"lm = models.load({str(folder)!r}, dtype='bf16', device='cpu', invariant='off', quiet=True)\n"
-            "lm.model(input_ids=torch.tensor([[5, 6, 7]]))\n"
-            "print(json.dumps({'base': base, 'peak': models.peak_rss_bytes()}))\n")
-    env = dict(os.environ, HD_CACHE_DIR=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    grew = got["peak"] - got["base"]
+    grew = load_growth(folder, tmp_path)
     assert grew < 1.5 * size + 100e6, (grew, size)
 
 

@@ -181,6 +181,15 @@ def _q6_k(b):
 _UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
+def _rows_checked(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """A tensor's bytes [n, bytes a row], ValueError where a row is not K/block blocks of the type."""
+    size, nbytes = BLOCK[type_name]
+    b = _bytes(raw, n)
+    if b.shape[1] != k // size * nbytes:
+        raise ValueError(f"{type_name}: {b.shape[1]} bytes a row, not {k // size * nbytes} for K = {k}")
+    return b
+
+
 def unpack(type_name: str, raw: np.ndarray, n: int, k: int):
     """(codes [n, k] uint8 or int8, scale [n, k/GK] fp32, low [n, k/GK] fp32 or None, GK) of a
     tensor's raw GGUF bytes [n rows (outputs), bytes a row]: W = scale * codes + low per group of
@@ -190,9 +199,7 @@ def unpack(type_name: str, raw: np.ndarray, n: int, k: int):
     size, nbytes = BLOCK[type_name]
     if k % size:
         raise ValueError(f"{type_name}: K = {k} is not a whole number of its {size}-weight blocks")
-    b = _bytes(raw, n)
-    if b.shape[1] != k // size * nbytes:
-        raise ValueError(f"{type_name}: {b.shape[1]} bytes a row, not {k // size * nbytes} for K = {k}")
+    b = _rows_checked(type_name, raw, n, k)
     codes, scale, low = _UNPACK[type_name](b.reshape(n, k // size, nbytes))
     gk = GROUP[type_name]
     return (codes.reshape(n, k), scale.reshape(n, k // gk),
@@ -269,10 +276,7 @@ def pack(type_name: str, raw: np.ndarray, n: int, k: int):
     module = gemm_module()
     if module is None:
         raise RuntimeError(f"the GGUF GEMM is not available here ({_failed})")
-    b = _bytes(raw, n)
-    size, nbytes = BLOCK[type_name]
-    if b.shape[1] != k // size * nbytes:
-        raise ValueError(f"{type_name}: {b.shape[1]} bytes a row, not {k // size * nbytes} for K = {k}")
+    b = _rows_checked(type_name, raw, n, k)
     packed, fmt = module.pack(b.ctypes.data, n, b.shape[1], k, type_name)   # b stays alive: the call reads it
     return packed, fmt
 

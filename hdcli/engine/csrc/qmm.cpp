@@ -221,8 +221,8 @@ static inline __attribute__((always_inline)) void groups(const uint16_t* x, cons
 // two can start a cycle (AMD EPYC), so a tile's TR rows and GI groups are what keeps the unit
 // busy. Two groups for up to 4 rows (N = K = 2048, one thread, 1 row: Q4_0 149 -> 130 us, Q5_K
 // 180 -> 181, 4 rows: Q4_0 234 -> 223 us; four groups for 1-2 rows were no faster for 4-bit codes
-// and slower for 8-bit ones; 8 rows and more no faster). GS is even or 1, so two groups side by
-// side from an even g never straddle a super-block's end... except where GS is 1, which is alike.
+// and slower for 8-bit ones; 8 rows and more no faster). Each group's address is its own (`groups`),
+// so two side by side may lie in two super-blocks.
 constexpr int interleave(int TR) { return TR <= 4 ? 2 : 1; }
 
 // TR rows of one column block of 16. x: the tile's rows interleaved by group, [G][TR][GK] (`run`);

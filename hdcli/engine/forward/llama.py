@@ -253,11 +253,10 @@ class LlamaForward(nn.Module):
     def block(self, i: int, blk, x, ctx) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         ops = ctx.rows
-        if ops is not None:   # the norms and the first residual add, one call each
-            h = self.attn_input(blk, x)
+        h = self.attn_input(blk, x)
+        if ops is not None:   # the residual add and the norm, one call
             x, h = ops.add_rms_norm(x, blk.o(ctx.attend(i, *self.qkv(i, blk, h, ctx))), blk.ffn_norm, eps)
         else:
-            h = rms_norm(x, blk.attn_norm, eps)
             x = x + blk.o(ctx.attend(i, *self.qkv(i, blk, h, ctx)))
             h = rms_norm(x, blk.ffn_norm, eps)
         gate, up = blk.gate_and_up(h)
