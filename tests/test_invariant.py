@@ -53,13 +53,15 @@ def build(name: str, dtype, kern: str, invariant_mode: str = "off"):
     if kern == "onednn" and not kernels.available():
         pytest.skip("torch without oneDNN")
     folder = Path(_FOLDERS.name) / f"{name}-{next(_SEQ)}"
-    if kern == "gguf":
+    if kern in kernels.GGUF:
         if not quants.kernel_available():
             pytest.skip("hd's GGUF GEMM needs AVX512-BF16")
+        if kern == "gguf-int8" and not quants.int8_available():
+            pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI")
         import synth_gguf
         folder.mkdir()
         synth_gguf.write(folder / "tiny.gguf", "tiny", "all", seed=0)
-        return models.load(str(folder / "tiny.gguf"), dtype=dt, device="cpu", kernels="gguf",
+        return models.load(str(folder / "tiny.gguf"), dtype=dt, device="cpu", kernels=kern,
                            invariant=invariant_mode, quiet=True).model
     hf = tiny_llama(V, hidden=64, scale=4.0) if name == "llama" else tiny_gemma3()
     return owned_copy(hf, folder, dtype=dt, kernels=kern, invariant=invariant_mode).model
@@ -86,7 +88,8 @@ def rows_vs_one_token(model, tree: Tree, prefix: list[int]) -> list[bool]:
 
 
 CASES = [("llama", torch.float32, "onednn"), ("llama", torch.float32, "torch"),
-         ("llama", torch.bfloat16, "onednn"), ("llama", torch.bfloat16, "gguf"), ("gemma3", torch.float32, "torch"),
+         ("llama", torch.bfloat16, "onednn"), ("llama", torch.bfloat16, "gguf"), ("llama", torch.bfloat16, "gguf-int8"),
+         ("gemma3", torch.float32, "torch"),
          ("gemma3", torch.bfloat16, "torch")]
 
 
@@ -233,6 +236,8 @@ def test_bf16_greedy_output_equals_plain_on_spec_bench_questions(bundled_lm):
     for token on real questions (without the mode 30 of 39 such answers differed)."""
     from hdcli import api
     kern = "onednn" if kernels.available() else "torch"  # one kernel set: the test needs no choice
+    if quants.int8_available():   # the GGUF blocks by int8 activations: what auto takes on such CPUs
+        kern = "gguf-int8"
     lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels=kern, quiet=True)
     assert lm.invariant, lm.info.get("invariant")
     assert_spec_equals_plain(lm, spec_bench_questions(slice(0, 60, 20)))

@@ -71,7 +71,14 @@ def test_onednn_packs_and_torch_opts_out(tiny_model_dir, tiny_lm):
     assert kernels.resolve("int4") == "gguf"   # the older name of the GGUF kernels
     assert models.owned_kernels("auto", "cuda", "bf16", gguf=False) == "torch"
     assert models.owned_kernels("auto", "cpu", "fp32", gguf=False) == "onednn"
-    assert models.owned_kernels("auto", "cpu", "bf16", gguf=True) == "gguf"
+    from hdcli.engine import quants
+    auto = "gguf-int8" if quants.activation_choice()["activations"] == "int8" else "gguf"
+    assert models.owned_kernels("auto", "cpu", "bf16", gguf=True) == auto
+    assert models.owned_kernels("auto", "cpu", "fp32", gguf=True) == "gguf"   # int8 activations: bf16 only
+    with pytest.raises(HdError, match="gguf-int8 multiplies a GGUF"):
+        models.owned_kernels("gguf-int8", "cpu", "bf16", gguf=False)
+    with pytest.raises(HdError, match="--kernels gguf-int8 needs"):
+        models.owned_kernels("gguf-int8", "cpu", "fp32", gguf=True)
     with pytest.raises(HdError, match="needs a CPU model"):
         models.owned_kernels("onednn", "cuda", "bf16", gguf=False)
 

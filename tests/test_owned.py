@@ -81,20 +81,24 @@ def test_bundled_model_runs_in_its_own_bits():
         pytest.skip("hd's GGUF GEMM needs AVX512-BF16")
     lm = models.load("smollm2-135m", dtype="bf16", device="cpu", quiet=True)
     num = lm.info["numerics"]
-    assert num["kernels"] == "gguf" and num["dtype"] == "bf16"
-    assert set(num["layers"]) == {"gguf:Q4_1", "gguf:Q8_0"}, num["layers"]
+    kern = "gguf-int8" if quants.activation_choice()["activations"] == "int8" else "gguf"
+    assert num["kernels"] == kern and num["dtype"] == "bf16"
+    assert set(num["layers"]) == {f"{kern}:Q4_1", f"{kern}:Q8_0"}, num["layers"]
     assert lm.invariant and lm.info["invariant"]["self_check"][0] == lm.info["invariant"]["self_check"][1]
     assert lm.info["forward"] == "hd (llama)"
 
 
-@pytest.mark.parametrize("kern", ["gguf", "onednn"])
+@pytest.mark.parametrize("kern", ["gguf", "gguf-int8", "onednn"])
 def test_every_verified_row_equals_its_one_token_row(tiny_gguf, kern):
-    """Every type's kernel (or dense oneDNN), M-invariant: chain and tree rows torch.equal."""
-    if kern == "gguf" and not quants.kernel_available():
+    """Every type's kernel, bf16 or int8 activations (or dense oneDNN), M-invariant: chain and
+    tree rows torch.equal."""
+    if kern.startswith("gguf") and not quants.kernel_available():
         pytest.skip("hd's GGUF GEMM needs AVX512-BF16")
+    if kern == "gguf-int8" and not quants.int8_available():
+        pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI")
     lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", kernels=kern, invariant="on", quiet=True)
-    if kern == "gguf":
-        assert {k.split(":")[1] for k in lm.info["numerics"]["layers"] if k.startswith("gguf:")} >= set(quants.TYPES)
+    if kern.startswith("gguf"):
+        assert {k.split(":")[1] for k in lm.info["numerics"]["layers"] if k.startswith(f"{kern}:")} >= set(quants.TYPES)
     rows = _rows_equal(lm.model, lm.model.config.vocab_size)
     assert all(rows), f"{rows.count(False)} of {len(rows)} rows differ"
 
@@ -233,5 +237,6 @@ def test_the_header_parser_reads_what_gguf_py_reads(tiny_gguf, tmp_path):
 def test_hd_costs_on_a_gguf_reports_its_own_forward(tiny_gguf):
     from hdcli import api
     rep = api.cost_report(str(tiny_gguf), dtype="auto", device="cpu", kernels="auto", quiet=True)
-    assert rep["kernels"] == "gguf" and rep["forward"] == "hd (llama)"
-    assert rep["curves"]["gguf"]["cost"] and rep["curves"]["gguf"]["one_token_ms"] > 0
+    kern = rep["kernels"]
+    assert kern in ("gguf", "gguf-int8") and rep["forward"] == "hd (llama)"
+    assert rep["curves"][kern]["cost"] and rep["curves"][kern]["one_token_ms"] > 0

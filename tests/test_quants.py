@@ -276,3 +276,94 @@ def test_compiled_row_ops():
     x2[4, 10] += 1
     changed = (ops.add_rms_norm(x2, None, w, 1e-5)[1] != normed).any(-1)
     assert changed[4] and changed.sum() == 1
+
+
+# ------------------------------------------------------------------ int8 activations (mm8)
+
+def kernel8():
+    kernel()
+    if not quants.int8_available():
+        pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI")
+
+
+def int8_reference(t: str, x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+    """What mm8 computes, in float64: each row's groups of GROUP[t] quantized as the kernel does
+    (scale amax / 127, nearest-even codes of x * 127 / amax), times the file's fp32 weights."""
+    gk = quants.GROUP[t]
+    xg = x.float().reshape(x.shape[0], -1, gk)
+    amax = xg.abs().amax(-1, keepdim=True)
+    # tensor / tensor: torch computes a scalar over a tensor as the scalar times a reciprocal, off by an ulp
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    xq = torch.round(xg * inv)   # round half to even, as VCVTPS2DQ
+    return ((xq * (amax / 127.0)).reshape(x.shape).double() @ torch.from_numpy(w).double().T)
+
+
+@pytest.mark.parametrize("t,size", SHAPES)
+def test_int8_activations_multiply_the_rows_as_quantized(t, size):
+    """mm8: the file's weights times each row quantized to int8 per group: equal to that product
+    up to the bf16 output's rounding (and fp32 sums); the packing is as small as mm's."""
+    kernel8()
+    n, k = shape(t, size)
+    raw = make(t, n, k)
+    lin = quants.QLinear(t, raw, n, k, activations="int8")
+    assert lin.activations == "int8" and lin.nbytes == quants.QLinear(t, raw, n, k).nbytes
+    w = quants.dequantize_f32(t, raw, n, k)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, k, generator=gen).bfloat16()
+    x[3, :quants.GROUP[t]] = 0   # a zero group quantizes to zeros, not NaN
+    y = lin(x)
+    ref = int8_reference(t, x, w)
+    scale = x.double().abs() @ torch.from_numpy(np.abs(w)).double().T
+    assert ((y.double() - ref).abs() <= ref.abs() / 256 + 1e-5 * scale).all()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    assert torch.equal(quants.QLinear(t, raw, n, k, bias=bias, activations="int8")(x), y + bias)
+    with pytest.raises(ValueError):
+        lin.weight_matrix()   # the bf16 GEMM's identity trick does not read this arrangement
+
+
+@pytest.mark.parametrize("t", quants.TYPES)
+def test_int8_rows_do_not_depend_on_the_row_count(t):
+    kernel8()
+    n, k = REAL[t]
+    lin = quants.QLinear(t, make(t, n, k), n, k, activations="int8")
+    x = torch.randn(71, k, generator=torch.Generator().manual_seed(6)).bfloat16()
+    assert first_mismatch(lin, x) is None
+
+
+def test_int8_rows_controls():
+    """Controls for the int8 path: the row check flags a function whose rows see other rows; a
+    change in one row changes only that row; int8 activations are other numerics than the bf16
+    GEMM's (plain decoding in the same mode is the reference, docs/dtype.md); joined int8 layers
+    equal their parts and do not join with bf16-activation ones."""
+    kernel8()
+    t, (n, k) = "Q4_K", REAL["Q4_K"]
+    raw = make(t, n, k)
+    lin = quants.QLinear(t, raw, n, k, activations="int8")
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+    assert first_mismatch(lambda a: lin(a.roll(1, 0)), x, ms=tuple(range(1, 17))) is not None
+    y = lin(x[:16])
+    x2 = x[:16].clone()
+    x2[5, 3] = x2[5, 3] * 1.5 + 1
+    changed = (lin(x2) != y).any(-1)
+    assert changed[5] and changed.sum() == 1
+    assert not torch.equal(quants.QLinear(t, raw, n, k)(x[:16]), y)
+    parts = [quants.QLinear(t, make(t, m, k, seed=s), m, k, activations="int8") for s, m in ((1, 64), (2, 32))]
+    joined = quants.QLinear.joined(parts)
+    assert torch.equal(joined(x), torch.cat([p(x) for p in parts], -1))
+    assert quants.QLinear.joined([parts[0], quants.QLinear(t, make(t, 32, k), 32, k)]) is None
+
+
+def test_the_activation_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
+    """activation_choice: int8 or bf16 with the times it was chosen by, written under
+    HD_CACHE_DIR and read back; a broken record is measured again, never trusted."""
+    kernel8()
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    first = quants.activation_choice()
+    assert first["activations"] in ("int8", "bf16") and set(first["us"]) == {"int8", "bf16"}
+    files = list((tmp_path / "choices").glob("*.json"))
+    assert len(files) == 1
+    assert quants.activation_choice()["measured_at"] == first["measured_at"]   # read, not measured
+    for bad in ('{"key": 5}', "not json", '{"activations": "int4"}'):
+        files[0].write_text(bad)
+        again = quants.activation_choice()
+        assert again["activations"] in ("int8", "bf16") and again["measured_at"] != first["measured_at"]

@@ -16,9 +16,12 @@ Invariants
     (state_dict, deepcopy, int8 drafts) it is recovered exactly by multiplying the identity by it.
   * Only CPU tensors in fp32 or bf16 are packed; anything else stays as it was.
 
-Which kernels (a Numerics field of hd's own forward, engine/forward/numerics.py; nothing here is
-chosen by timing, since the two sets round differently): `auto` is "gguf" for a GGUF (the file's
-blocks, engine/quants.py, where hd has a kernel for their type; the rest oneDNN-packed), and
+Which kernels (a Numerics field of hd's own forward, engine/forward/numerics.py): `auto` is, for a
+GGUF, the file's blocks (engine/quants.py, where hd has a kernel for their type; the rest
+oneDNN-packed) with int8 activations ("gguf-int8", llama.cpp's way: VPDPBUSD, cheap verification
+rows) where this CPU has AVX512-VNNI and its once-measured record (quants.activation_choice, cached
+per CPU) found them faster, else bf16 activations ("gguf"); the two round differently, so the choice
+is the machine's, fixed once, and recorded in the numerics. For a safetensors checkpoint `auto` is
 oneDNN-packed dense layers for a safetensors checkpoint where oneDNN is usable; "torch" keeps
 torch's own Linear. Packing won 1.78x on a 2-core AMD EPYC (Zen 5) and lost (0.82x) on a 2-core
 Intel Xeon with AMX, whose MKL path is better: there `--kernels torch` is the faster choice.
@@ -31,7 +34,8 @@ import torch
 from ..errors import HdError
 
 PACK_ROWS = 8       # the row count oneDNN tunes the layout for; a decode step verifies ~1-16 rows
-KERNELS = ("auto", "gguf", "onednn", "torch", "int4")
+KERNELS = ("auto", "gguf", "gguf-int8", "onednn", "torch", "int4")
+GGUF = ("gguf", "gguf-int8")   # the sets that multiply a GGUF's own blocks (engine/quants.py)
 ALIASES = {"int4": "gguf"}   # the older name of the GGUF 4-bit set: scripts and recorded configs keep working
 
 

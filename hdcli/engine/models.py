@@ -325,8 +325,8 @@ def _stock(name: str, kind: str, source: str, why: str, dtype: str, device: str,
     if invariant == "on":
         raise HdError(f"--invariant on: {name} runs on transformers' forward ({why}), which has no "
                       "M-invariant mode; use --invariant off or auto")
-    if kernels == "gguf":
-        raise HdError(f"--kernels gguf: {name} runs on transformers' forward ({why}), which has no "
+    if kernels in kern.GGUF:
+        raise HdError(f"--kernels {kernels}: {name} runs on transformers' forward ({why}), which has no "
                       "GGUF kernels; use --kernels auto, onednn or torch")
     dt = resolve_dtype(dtype, device)
     if kernels == "onednn" and not (device == "cpu" and dt in ("fp32", "bf16") and kern.available()):
@@ -405,21 +405,32 @@ def owned_dtype(dtype: str, device: str, gguf: bool) -> str:
 
 
 def owned_kernels(kernels: str, device: str, dtype: str, gguf: bool) -> str:
-    """The kernels of hd's own forward (Numerics.kernels): "auto" is "gguf" for a GGUF (the file's
-    blocks where hd has a kernel for their type), and for a checkpoint oneDNN-packed dense layers
+    """The kernels of hd's own forward (Numerics.kernels): "auto" is, for a GGUF, its blocks where hd
+    has a kernel for their type, with int8 activations ("gguf-int8") in bf16 on a CPU whose
+    measured record prefers them (quants.activation_choice), else bf16 ones ("gguf"); and for a checkpoint oneDNN-packed dense layers
     on a CPU where oneDNN is usable, else torch's."""
     from . import kernels as kern
     kernels = kern.resolve(kernels)
-    if kernels == "gguf" and not gguf:
-        raise HdError("--kernels gguf multiplies a GGUF file's blocks; this model is a safetensors "
+    if kernels in kern.GGUF and not gguf:
+        raise HdError(f"--kernels {kernels} multiplies a GGUF file's blocks; this model is a safetensors "
                       "checkpoint: use --kernels auto, onednn or torch")
+    if kernels == "gguf-int8" and not (device == "cpu" and dtype == "bf16" and _int8_here()):
+        raise HdError("--kernels gguf-int8 needs a CPU with AVX512-VNNI and --dtype bf16; use --kernels gguf")
     if kernels == "onednn" and device != "cpu":
         raise HdError("--kernels onednn needs a CPU model; use --kernels torch")
     if kernels != "auto":
         return kernels
     if gguf:
+        if device == "cpu" and dtype == "bf16" and _int8_here():
+            from . import quants
+            return "gguf-int8" if quants.activation_choice()["activations"] == "int8" else "gguf"
         return "gguf"
     return "onednn" if device == "cpu" and dtype in ("bf16", "fp32") and kern.available() else "torch"
+
+
+def _int8_here() -> bool:
+    from . import quants
+    return quants.int8_available()
 
 
 def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant: str, quiet: bool,
@@ -440,7 +451,7 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     dt = owned_dtype(dtype, device, gguf)
     kn = owned_kernels(kernels, device, dt, gguf)
     tok = _owned_tokenizer(name, src)
-    if kn == "gguf" and device == "cpu" and dt == "bf16":
+    if kn == "gguf" and device == "cpu" and dt == "bf16":   # (gguf-int8: compiled by the choice above)
         from . import quants
         quants.kernel_available(quiet=quiet)   # compiled once per machine (~30 s): said, not silent
     num = Numerics(dtype=dt, device=device, kernels=kn, invariant=invariant != "off")

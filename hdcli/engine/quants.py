@@ -90,6 +90,65 @@ def kernel_available(quiet: bool = True) -> bool:
     return gemm_module(quiet) is not None
 
 
+def int8_available(quiet: bool = True) -> bool:
+    """Whether the int8-activation GEMM (mm8) runs here: the extension built with AVX512-VNNI."""
+    module = gemm_module(quiet)
+    return module is not None and module.supported8()
+
+
+CHOICE_FORMAT = 1
+CHOICE_ROWS = (1, 8)          # a decode step and a typical verification
+CHOICE_SHAPE = (4096, 2048)   # N, K of the probe (Q4_K, random blocks): the GEMMs' compute, in cache
+CHOICE_ROUNDS = 9
+
+
+def _choice_key() -> str:
+    from . import costs, fused
+    return (f"activations|{fused.extension_name(SOURCE, 'hd_qmm_')}|{torch.get_num_threads()}|"
+            f"{torch.__version__}|{costs.cpu_name()}")
+
+
+def activation_choice(remeasure: bool = False) -> dict:
+    """Which activations the GGUF GEMMs take on this machine: {"activations": "int8" | "bf16",
+    "us": {kernel: {rows: microseconds}}, "cpu": ...}. int8 where AVX512-VNNI is here and, timed
+    once (a Q4_K probe, CHOICE_ROWS rows, the least of CHOICE_ROUNDS interleaved rounds), it is no
+    slower for one row and faster for a verification's rows; cached per CPU, threads, torch and
+    kernel source under HD_CACHE_DIR/choices (a record that does not read back whole is measured
+    again), so one machine keeps one choice: the two round differently (docs/dtype.md)."""
+    from . import costs
+    if not int8_available():
+        return {"activations": "bf16", "why": "no AVX512-VNNI int8 GEMM here"}
+    key = _choice_key()
+    path = costs.cache_file("choices", key)
+    if not remeasure:
+        got = costs.read_json(path, key)
+        if got is not None and got.get("format") == CHOICE_FORMAT and got.get("activations") in ("int8", "bf16") \
+                and isinstance(got.get("us"), dict):
+            return got
+    import time
+    rng = np.random.default_rng(0)
+    n, k = CHOICE_SHAPE
+    raw = rng.integers(0, 256, (n, k // QK_K * BLOCK["Q4_K"][1]), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // QK_K, 2)) * 1e-2).astype(np.float16).view(np.uint8)
+    raw.reshape(n, k // QK_K, -1)[:, :, :4] = d.reshape(n, k // QK_K, 4)
+    layers = {"bf16": QLinear("Q4_K", raw, n, k), "int8": QLinear("Q4_K", raw, n, k, activations="int8")}
+    xs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16) for m in CHOICE_ROWS}
+    best = {a: {m: float("inf") for m in CHOICE_ROWS} for a in layers}
+    for r in range(CHOICE_ROUNDS):
+        for a in (layers if r % 2 == 0 else reversed(list(layers))):
+            for m in CHOICE_ROWS:
+                t0 = time.perf_counter()
+                layers[a](xs[m])
+                best[a][m] = min(best[a][m], time.perf_counter() - t0)
+    one, many = CHOICE_ROWS[0], CHOICE_ROWS[-1]
+    int8 = best["int8"][one] <= 1.03 * best["bf16"][one] and best["int8"][many] < best["bf16"][many]
+    record = {"key": key, "format": CHOICE_FORMAT, "activations": "int8" if int8 else "bf16",
+              "us": {a: {str(m): round(1e6 * t, 1) for m, t in v.items()} for a, v in best.items()},
+              "cpu": costs.cpu_name(), "measured_at": time.time()}
+    costs.write_json(path, record)
+    return record
+
+
 def failure() -> str | None:
     """Why the GEMM is not available (None: available, or not tried yet)."""
     return _failed
@@ -266,7 +325,7 @@ def fits(type_name: str, n: int, k: int) -> bool:
     return type_name in TYPES and n > 0 and k > 0 and n % 16 == 0 and k % BLOCK[type_name][0] == 0
 
 
-def pack(type_name: str, raw: np.ndarray, n: int, k: int):
+def pack(type_name: str, raw: np.ndarray, n: int, k: int, int8: bool = False):
     """(packed [n/16, super-blocks, bytes] uint8 tensor, fmt) for csrc/qmm.cpp's GEMM, or None where
     the shape does not fit (`fits`). The C++ packer reads the file's blocks where they lie (the
     map) on torch's threads: an 8B model's 4.5 GB repack in seconds, not the half minute numpy
@@ -277,21 +336,29 @@ def pack(type_name: str, raw: np.ndarray, n: int, k: int):
     if module is None:
         raise RuntimeError(f"the GGUF GEMM is not available here ({_failed})")
     b = _rows_checked(type_name, raw, n, k)
-    packed, fmt = module.pack(b.ctypes.data, n, b.shape[1], k, type_name)   # b stays alive: the call reads it
+    packed, fmt = module.pack(b.ctypes.data, n, b.shape[1], k, type_name, int8)   # b stays alive: the call reads it
     return packed, fmt
 
 
 class QLinear(torch.nn.Module):
     """y = x @ W^T + bias with W a GGUF tensor's blocks, multiplied by csrc/qmm.cpp's GEMM."""
 
-    def __init__(self, type_name: str, raw: np.ndarray, n_out: int, k_in: int, bias: torch.Tensor | None = None):
+    def __init__(self, type_name: str, raw: np.ndarray, n_out: int, k_in: int, bias: torch.Tensor | None = None,
+                 activations: str = "bf16"):
         """raw: the tensor's GGUF bytes [n_out, bytes a row] (GGUFReader's tensor.data); bias [n_out]
-        or None. RuntimeError where the kernel is not available here, ValueError where the shape
-        does not fit its packing (`fits`): the caller then dequantizes to bf16."""
+        or None; activations: "bf16" (mm: the activations as they come) or "int8" (mm8: each row's
+        groups quantized to int8, llama.cpp's way; `int8_available()`). RuntimeError where the
+        kernel is not available here, ValueError where the shape does not fit its packing (`fits`):
+        the caller then dequantizes to bf16."""
         super().__init__()
         if gemm_module() is None:
             raise RuntimeError(f"the GGUF GEMM is not available here ({_failed}): dequantize to bf16 instead")
-        got = pack(type_name, raw, n_out, k_in)
+        if activations not in ("bf16", "int8"):
+            raise ValueError(f"activations must be bf16 or int8, not {activations!r}")
+        if activations == "int8" and not int8_available():
+            raise RuntimeError("the int8-activation GEMM needs AVX512-VNNI, which this CPU's build lacks")
+        self.activations = activations
+        got = pack(type_name, raw, n_out, k_in, int8=activations == "int8")
         if got is None:
             raise ValueError(f"a {type_name} tensor [{n_out}, {k_in}] does not fit the GGUF GEMM's packing "
                              f"(N % 16, K % {BLOCK.get(type_name, ('?',))[0]})")
@@ -308,7 +375,7 @@ class QLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = _module.mm(rows, self.packed, self.fmt)
+        y = (_module.mm8 if self.activations == "int8" else _module.mm)(rows, self.packed, self.fmt)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -332,22 +399,26 @@ class QLinear(torch.nn.Module):
         the parts' concatenated. None where the parts do not join (another format or K, a bias on
         some only: adding a zero bias could turn a -0 into +0)."""
         first = parts[0]
-        if any(p.fmt != first.fmt or p.in_features != first.in_features or p.packed.shape[1:] != first.packed.shape[1:]
+        if any(p.fmt != first.fmt or p.activations != first.activations or p.in_features != first.in_features or p.packed.shape[1:] != first.packed.shape[1:]
                or (p.bias is None) != (first.bias is None) for p in parts):
             return None
         out = cls.__new__(cls)
         torch.nn.Module.__init__(out)
         out.packed, out.fmt, out.qtype = torch.cat([p.packed for p in parts]), first.fmt, first.qtype
+        out.activations = first.activations
         out.in_features, out.out_features = first.in_features, sum(p.out_features for p in parts)
         out.dtype = torch.bfloat16
         out.bias = None if first.bias is None else torch.cat([p.bias for p in parts])
         return out
 
     def weight_matrix(self) -> torch.Tensor:
-        """The bf16 weights [out, in] the kernel multiplies by, exactly: I @ W^T through it."""
+        """The bf16 weights [out, in] the kernel multiplies by, exactly: I @ W^T through the bf16
+        GEMM (a packing for int8 activations is arranged otherwise: ValueError)."""
+        if self.activations != "bf16":
+            raise ValueError("weight_matrix reads a packing for bf16 activations")
         eye = torch.eye(self.in_features, dtype=self.dtype)
         return _module.mm(eye, self.packed, self.fmt).t().contiguous()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} "
-                f"({self.fmt}, {self.nbytes / (self.in_features * self.out_features):.3f} bytes a weight)")
+                f"({self.fmt}, {self.activations} activations, {self.nbytes / (self.in_features * self.out_features):.3f} bytes a weight)")

@@ -344,6 +344,237 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) 
 }
 #endif
 
+
+// ------------------------------------------------------------------ int8 activations (AVX512-VNNI)
+//
+// The same formats' bytes with the codes arranged for VPDPBUSD (four unsigned codes of a column
+// times four signed int8 activations, summed into an int32: twice the products of a VDPBF16PS
+// and no conversion of codes), and the activations quantized row by row as llama.cpp does:
+//   per row m and group g of GK k: amax = max |x|, dx = amax / 127, xq = nearest-even(x * (127 / amax))
+//   (all 0 for a zero group), xs = sum of xq;
+//   isum[n] = sum over k in g of q[n, k] * xq[m, k] - OFFSET xs   (exact in int32: any order gives it)
+//   t = fp32(isum) * scale[n, g]; t = fma(low[n, g], xs, t) (formats with a low of their own);
+//   out = fma(t, dx, out), group by group in order; y = bf16(out).
+// OFFSET (offset8) is the code's fixed offset: Q4_0 8 (codes 0..15), Q6_K 32 (the file's q,
+// 0..63), Q8_0 and Q5_0 128 (their int8 codes stored plus 128), else 0. A row's xq, dx
+// and xs depend on that row alone and its outputs take the same operations whatever the tile's
+// height, so a row's result is the same in any M (the M-invariant forward). The numbers differ from
+// the bf16-activation GEMM's (the activations are rounded to 8 bits a group: docs/dtype.md).
+//
+// A unit is 8 k of the 16 columns: 4-bit 64 bytes, byte j holding column j / 4's code of k j % 4
+// (quad a) in its low nibble and of k 4 + j % 4 (quad b) in its high one; 6-bit those 64 bytes of
+// the low 4 bits, then 32 bytes of the high 2 bits, byte j holding quad a's bytes j and j + 32 in
+// bits 0-1 and 2-3 and quad b's in bits 4-5 and 6-7; 8-bit 128 bytes, quad a then quad b.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// Tiles of up to 8 rows: a column block's weights (18 KB at K = 2048 in Q4_0) stay in L1 for the
+// next tile, and 16 rows' sums did not fit the registers (AMD EPYC, 65536 x 2048 Q4_0, 2 threads:
+// 16 rows 14.3 -> 8.6 ms, 32 rows 28.0 -> 15.8 ms; 1-8 rows alike).
+constexpr int TILE8 = 8;
+
+template <typename F>
+struct I8 {
+  static constexpr int UNITS = F::GK / 8;
+  static constexpr int UNIT_BYTES = F::W == 4 ? 64 : F::W == 6 ? 96 : 128;
+  static_assert(UNITS * UNIT_BYTES == F::CODES, "the int8 arrangement keeps the format's bytes");
+};
+
+static inline void codes8(const uint8_t* unit, int W, __m512i& a, __m512i& b) {
+  if (W == 8) {
+    a = _mm512_loadu_si512(unit);
+    b = _mm512_loadu_si512(unit + 64);
+    return;
+  }
+  const __m512i v = _mm512_loadu_si512(unit), nib = _mm512_set1_epi8(0x0F);
+  a = _mm512_and_si512(v, nib);
+  b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if (W == 6) {
+    const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 64)));
+    const __m512i left = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i right = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    a = _mm512_ternarylogic_epi32(a, _mm512_sllv_epi16(h, left), bits45, 0xF8);    // a | (h << s & 0x30)
+    b = _mm512_ternarylogic_epi32(b, _mm512_srlv_epi16(h, right), bits45, 0xF8);
+  }
+}
+
+// Formats whose low is a fixed multiple of the scale, low = -OFFSET scale (Q4_0: 8, Q6_K: 32,
+// Q8_0/Q5_0 stored plus 128: 128): their sums start at -OFFSET xs, in int32, exact, so that
+// scale (isum - OFFSET xs) is the whole group and no low is added. Others (Q4_1, Q4_K, Q5_1, Q5_K)
+// add their own low: OFFSET 0.
+template <typename F>
+constexpr int offset8() {
+  return std::is_same_v<F, Q4Z> ? 8 : std::is_same_v<F, Q6K> ? 32 : std::is_same_v<F, Q8H> ? 128 : 0;
+}
+
+// The tile's activations: xq [G][TR][GK] int8 (rows interleaved by group, as run's x), dx and xs [TR][G].
+struct Act8 {
+  const int8_t* q;
+  const float *d, *s;
+};
+
+// GI groups g.. of TR rows of column block cb. Small tiles keep two sums a row (quads a and b) so
+// that more VPDPBUSD chains are in flight; integer sums are exact, so the split changes no bit.
+template <typename F, int TR, int GI, bool REG>
+static inline __attribute__((always_inline)) void groups8(const Act8& X, const Packed& P, int64_t cb, int64_t g,
+                                                          __m512* out, float* outm) {
+  constexpr int GK = F::GK, SPLIT = TR <= 4 ? 2 : 1;
+  const uint8_t* head[GI];
+  const uint8_t* grp[GI];
+  for (int i = 0; i < GI; ++i) {
+    head[i] = super_at(P.pk, F::SB, P.supers, cb, (g + i) / F::GS);
+    grp[i] = head[i] + F::HEAD + ((g + i) % F::GS) * F::GROUP;
+  }
+  for (int64_t l = 0; l < GI * F::GROUP; l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(grp[0] + PREFETCH_BYTES + l), _MM_HINT_T0);
+  constexpr int OFFSET = offset8<F>();
+  __m512i acc[GI][TR][SPLIT];
+  for (int i = 0; i < GI; ++i)
+    for (int r = 0; r < TR; ++r)
+      for (int h = 0; h < SPLIT; ++h)
+        acc[i][r][h] = h == 0 && OFFSET ? _mm512_set1_epi32(-OFFSET * static_cast<int32_t>(X.s[r * P.G + g + i]))
+                                        : _mm512_setzero_si512();
+  for (int u = 0; u < I8<F>::UNITS; ++u)
+    for (int i = 0; i < GI; ++i) {
+      __m512i a, b;
+      codes8(grp[i] + u * I8<F>::UNIT_BYTES, F::W, a, b);
+      for (int r = 0; r < TR; ++r) {
+        int32_t xa, xb;
+        const int8_t* xr = X.q + ((g + i) * TR + r) * GK + 8 * u;
+        std::memcpy(&xa, xr, 4);
+        std::memcpy(&xb, xr + 4, 4);
+        acc[i][r][0] = _mm512_dpbusd_epi32(acc[i][r][0], a, _mm512_set1_epi32(xa));
+        acc[i][r][SPLIT - 1] = _mm512_dpbusd_epi32(acc[i][r][SPLIT - 1], b, _mm512_set1_epi32(xb));
+      }
+    }
+  for (int i = 0; i < GI; ++i) {
+    __m512 dv, lv = _mm512_setzero_ps();
+    consts<F>(head[i], grp[i], dv, lv);
+    for (int r = 0; r < TR; ++r) {
+      __m512i isum = acc[i][r][0];
+      if constexpr (SPLIT == 2) isum = _mm512_add_epi32(isum, acc[i][r][1]);
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dv);
+      if constexpr (OFFSET == 0) t = _mm512_fmadd_ps(lv, _mm512_set1_ps(X.s[r * P.G + g + i]), t);
+      __m512 o;
+      if constexpr (REG) o = out[r]; else o = _mm512_load_ps(outm + r * 16);
+      o = _mm512_fmadd_ps(t, _mm512_set1_ps(X.d[r * P.G + g + i]), o);
+      if constexpr (REG) out[r] = o; else _mm512_store_ps(outm + r * 16, o);
+    }
+  }
+}
+
+template <typename F, int TR>
+static inline void block8(const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
+  constexpr bool REG = TR <= 8;
+  constexpr int GI = TR <= 2 ? 2 : 1;
+  __m512 out[REG ? TR : 1];
+  alignas(64) float outm[REG ? 16 : TR * 16];
+  if constexpr (REG) {
+    for (int r = 0; r < TR; ++r) out[r] = _mm512_setzero_ps();
+  } else {
+    std::memset(outm, 0, sizeof(outm));
+  }
+  int64_t g = 0;
+  for (; g + GI <= P.G; g += GI) groups8<F, TR, GI, REG>(X, P, cb, g, out, outm);
+  for (; g < P.G; ++g) groups8<F, TR, 1, REG>(X, P, cb, g, out, outm);
+  for (int r = 0; r < TR; ++r) {
+    __m512 o;
+    if constexpr (REG) o = out[r]; else o = _mm512_load_ps(outm + r * 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + cb * 16), (__m256i)_mm512_cvtneps_pbh(o));
+  }
+}
+
+template <typename F, int TR = 1>
+static inline void tile8(int rows, const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
+  if constexpr (TR < TILE8) {
+    if (rows > TR) return tile8<F, TR + 1>(rows, X, P, y, N, cb);
+  }
+  block8<F, TR>(X, P, y, N, cb);
+}
+
+// One group of GK (16 or 32) bf16 activations quantized: q, its scale d and the sum of q. One code
+// path for every row (vector instructions, fixed order), so a row's q is the same in any call.
+static inline void quantize_group(const uint16_t* x, int GK, int8_t* q, float& d, float& s) {
+  auto load = [](const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  const __m512 v0 = load(x), v1 = GK == 32 ? load(x + 16) : _mm512_setzero_ps();
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  d = amax / 127.0f;
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));   // to nearest even
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+  if (GK == 32) _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+  s = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));   // exact: |s| <= 32 * 127
+}
+
+template <typename F>
+static torch::Tensor run8(const torch::Tensor& x, const torch::Tensor& packed) {
+  constexpr int GK = F::GK;
+  const int64_t M = x.size(0), K = x.size(1), G = K / GK, N = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(2) == F::SB && packed.size(1) * F::GS * GK == K, "GGUF int8 GEMM: the packing's super-blocks are ",
+              packed.size(2), " bytes, ", packed.size(1), " a column block; the format's ", F::SB, " bytes, K / ", F::GS * GK);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto y = torch::empty({M, N}, x.options());
+  const Packed P{packed.data_ptr<uint8_t>(), packed.size(1), G};
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t tiles = (M + TILE8 - 1) / TILE8, NB = N / 16;
+  std::vector<int64_t> first(static_cast<size_t>(M)), height(static_cast<size_t>(M));
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t m = t * M / tiles; m < (t + 1) * M / tiles; ++m) {
+      first[m] = t * M / tiles;
+      height[m] = (t + 1) * M / tiles - t * M / tiles;
+    }
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> dx(static_cast<size_t>(M * G)), xs(static_cast<size_t>(M * G));
+  auto prepare = [&](int64_t i) {   // row m's group g, into its tile's layout
+    const int64_t m = i / G, g = i % G;
+    quantize_group(xp + m * K + g * GK, GK, xq.data() + first[m] * K + (g * height[m] + m - first[m]) * GK, dx[i], xs[i]);
+  };
+  const bool alone = M * K <= 4096;
+  if (alone)
+    for (int64_t i = 0; i < M * G; ++i) prepare(i);
+#pragma omp parallel
+  {
+    if (!alone) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < M * G; ++i) prepare(i);
+    }
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t cb = 0; cb < NB; ++cb)
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
+        const Act8 X{xq.data() + m0 * K, dx.data() + m0 * G, xs.data() + m0 * G};
+        tile8<F>(static_cast<int>(m1 - m0), X, P, yp + m0 * N, N, cb);
+      }
+  }
+  return y;
+}
+
+// As mm, on a packing made with pack(..., int8=true).
+torch::Tensor mm8(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "GGUF int8 GEMM: x must be [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              "GGUF int8 GEMM: packed must be [N/16, super-blocks, bytes] uint8, contiguous");
+  auto xs = x.contiguous();
+  if (fmt == "q4z") return run8<Q4Z>(xs, packed);
+  if (fmt == "q4h") return run8<Q4H>(xs, packed);
+  if (fmt == "q4k") return run8<Q4K>(xs, packed);
+  if (fmt == "q6k") return run8<Q6K>(xs, packed);
+  if (fmt == "q8h") return run8<Q8H>(xs, packed);
+  if (fmt == "q8f") return run8<Q8F>(xs, packed);
+  TORCH_CHECK(false, "GGUF int8 GEMM: no format ", fmt);
+  return x;
+}
+bool supported8() { return true; }
+#else
+torch::Tensor mm8(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
+  TORCH_CHECK(false, "GGUF int8 GEMM: built without AVX512-VNNI");
+  return x;
+}
+bool supported8() { return false; }
+#endif
+
 bool supported() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   return true;
@@ -403,6 +634,33 @@ struct Super {
   uint8_t* group(int g) const { return out + F::HEAD + g * F::GROUP; }
   uint8_t* gconst(int g, int at) const { return group(g) + F::CODES + at; }
   uint8_t* hconst(int at) const { return out + at; }
+
+  // The int8 GEMM's arrangement (mm8's header): units of 8 k, a column's four codes of a quad
+  // side by side; Q8_0's and Q5_0's int8 codes plus 128.
+  void emit8() const {
+    for (int g = 0; g < F::GS; ++g)
+      for (int u = 0; u < F::UNITS / 2; ++u) {
+        uint8_t* unit = group(g) + u * (F::CODES / (F::UNITS / 2));
+        const int base = g * F::GK + 8 * u;   // quad a: k base + 0..3, quad b: base + 4..7
+        auto code = [&](int j, int quad) {    // byte j of a quad: column j / 4, k j % 4
+          const uint8_t c = codes[j / 4][base + 4 * quad + j % 4];
+          return static_cast<uint8_t>(std::is_same_v<F, Q8H> ? c ^ 0x80 : c);
+        };
+        for (int j = 0; j < 64; ++j) {
+          if constexpr (F::W == 8) {
+            unit[j] = code(j, 0);
+            unit[64 + j] = code(j, 1);
+          } else {
+            unit[j] = static_cast<uint8_t>((code(j, 0) & 0x0F) | ((code(j, 1) & 0x0F) << 4));
+          }
+        }
+        if constexpr (F::W == 6)
+          for (int j = 0; j < 32; ++j) {
+            auto high = [&](int jj, int quad) { return (code(jj, quad) >> 4) & 3; };
+            unit[64 + j] = static_cast<uint8_t>(high(j, 0) | high(j + 32, 0) << 2 | high(j, 1) << 4 | high(j + 32, 1) << 6);
+          }
+      }
+  }
 
   void emit() const {
     for (int g = 0; g < F::GS; ++g)
@@ -504,7 +762,8 @@ static void dec_q6_k(const uint8_t* blk, Super<Q6K>& S, int c) {
 // Every column block on torch's threads, super-block by super-block: the 16 columns' GGUF blocks
 // (block_bytes each, one a super-block) decoded, then written.
 template <typename F, typename D>
-static torch::Tensor pack_all(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t K, int64_t block_bytes, D decode) {
+static torch::Tensor pack_all(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t K, int64_t block_bytes, D decode,
+                              bool int8) {
   const int64_t supers = K / (F::GK * F::GS);
   torch::Tensor out = torch::empty({N / 16, supers, static_cast<int64_t>(F::SB)}, torch::kUInt8);
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -514,7 +773,7 @@ static torch::Tensor pack_all(const uint8_t* raw, int64_t N, int64_t row_bytes, 
     for (int64_t s = 0; s < supers; ++s) {
       S.out = o + (cb * supers + s) * F::SB;
       for (int c = 0; c < 16; ++c) decode(raw + (16 * cb + c) * row_bytes + s * block_bytes, S, c);
-      S.emit();
+      if (int8) S.emit8(); else S.emit();
     }
   }
   return out;
@@ -522,19 +781,21 @@ static torch::Tensor pack_all(const uint8_t* raw, int64_t N, int64_t row_bytes, 
 
 // (packed, fmt) of a GGUF tensor's rows: `address` of N rows of row_bytes bytes (the file's map,
 // read only here), K weights a row. The caller checks the shape (quants.fits) and the row bytes.
-std::tuple<torch::Tensor, std::string> pack(int64_t address, int64_t N, int64_t row_bytes, int64_t K, const std::string& type) {
+// int8: arranged for mm8 (int8 activations), else for mm.
+std::tuple<torch::Tensor, std::string> pack(int64_t address, int64_t N, int64_t row_bytes, int64_t K, const std::string& type,
+                                            bool int8) {
   const uint8_t* raw = reinterpret_cast<const uint8_t*>(address);
   TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "GGUF pack: N % 16 and K % 32 must be 0");
-  if (type == "Q4_0") return {pack_all<Q4Z>(raw, N, row_bytes, K, 18, dec_q4_0), "q4z"};
-  if (type == "Q4_1") return {pack_all<Q4H>(raw, N, row_bytes, K, 20, dec_q4_1), "q4h"};
-  if (type == "Q8_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 34, dec_q8_0), "q8h"};
-  if (type == "Q5_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 22, dec_q5_0), "q8h"};
-  if (type == "Q5_1") return {pack_all<Q8F>(raw, N, row_bytes, K, 24, dec_q5_1), "q8f"};
+  if (type == "Q4_0") return {pack_all<Q4Z>(raw, N, row_bytes, K, 18, dec_q4_0, int8), "q4z"};
+  if (type == "Q4_1") return {pack_all<Q4H>(raw, N, row_bytes, K, 20, dec_q4_1, int8), "q4h"};
+  if (type == "Q8_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 34, dec_q8_0, int8), "q8h"};
+  if (type == "Q5_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 22, dec_q5_0, int8), "q8h"};
+  if (type == "Q5_1") return {pack_all<Q8F>(raw, N, row_bytes, K, 24, dec_q5_1, int8), "q8f"};
   TORCH_CHECK(K % 256 == 0, "GGUF pack: K % 256 must be 0 for a K-quant");
-  if (type == "Q4_K") return {pack_all<Q4K>(raw, N, row_bytes, K, 144, dec_q4_k), "q4k"};
+  if (type == "Q4_K") return {pack_all<Q4K>(raw, N, row_bytes, K, 144, dec_q4_k, int8), "q4k"};
   if (type == "Q5_K")   // no head: 8 groups of q8f in a row are q8f's super-blocks of one
-    return {pack_all<Q8F8>(raw, N, row_bytes, K, 176, dec_q5_k).view({N / 16, K / 32, Q8F::SB}), "q8f"};
-  if (type == "Q6_K") return {pack_all<Q6K>(raw, N, row_bytes, K, 210, dec_q6_k), "q6k"};
+    return {pack_all<Q8F8>(raw, N, row_bytes, K, 176, dec_q5_k, int8).view({N / 16, K / 32, Q8F::SB}), "q8f"};
+  if (type == "Q6_K") return {pack_all<Q6K>(raw, N, row_bytes, K, 210, dec_q6_k, int8), "q6k"};
   TORCH_CHECK(false, "GGUF pack: no packing for ", type);
   return {torch::Tensor(), ""};
 }
@@ -635,10 +896,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "weight-only GEMM on GGUF-quantized weights with bf16 dot products, the same arithmetic for any row count",
         py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
   m.def("pack", &pack, "a GGUF tensor's rows repacked for mm: (packed, fmt)", py::arg("address"), py::arg("n"),
-        py::arg("row_bytes"), py::arg("k"), py::arg("type"), py::call_guard<py::gil_scoped_release>());
+        py::arg("row_bytes"), py::arg("k"), py::arg("type"), py::arg("int8") = false, py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta) w) row by row in bf16", py::arg("x"),
         py::arg("delta"), py::arg("w"), py::arg("eps"));
   m.def("rope", &rope, "a q or k projection [m, heads * hd] rotated into [heads, m, hd], bf16", py::arg("y"),
         py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("interleaved"));
+  m.def("mm8", &mm8, "GEMM on GGUF-quantized weights with int8 activations quantized row by row (VPDPBUSD), the same arithmetic for any row count",
+        py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
+  m.def("supported8", &supported8, "whether this CPU's build has the int8-activation GEMM (AVX512-VNNI)");
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
 }

@@ -60,9 +60,16 @@ class Linear(nn.Module):
         kernel = type(layers[0].kernel).joined([l.kernel for l in layers])
         return None if kernel is None else cls(kernel, "gguf", layers[0].qtype)
 
+    @property
+    def kernel_name(self) -> str:
+        """gguf (bf16 activations), gguf-int8, onednn or torch."""
+        if self.kind == "gguf" and getattr(self.kernel, "activations", "bf16") == "int8":
+            return "gguf-int8"
+        return self.kind
+
     def shape_key(self) -> str:
         """What a calibration is per: shape, dtype and kernel."""
-        kernel = f"gguf-{self.qtype}" if self.kind == "gguf" else self.kind
+        kernel = f"{self.kernel_name}-{self.qtype}" if self.kind == "gguf" else self.kind
         return f"{self.in_features}x{self.out_features} {str(self.dtype).replace('torch.', '')} {kernel}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +80,7 @@ class Linear(nn.Module):
         return self.kernel(x)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.kind} ({self.qtype}), min_rows={self.min_rows}"
+        return f"{self.in_features} -> {self.out_features}, {self.kernel_name} ({self.qtype}), min_rows={self.min_rows}"
 
 
 class Embedding(nn.Module):

@@ -7,6 +7,8 @@ Every field changes the numbers a forward gives, so two runs with equal records 
   device      cpu or cuda;
   kernels     "gguf": each weight multiplied in the file's own blocks where hd has a kernel for its
               type (engine/quants.py; the rest dequantized to `dtype`, one tensor at a time),
+              by the bf16 activations; "gguf-int8": the same blocks by activations quantized to
+              int8 per row and group of 32 (16 for Q6_K), llama.cpp's way (docs/dtype.md),
               "onednn": every weight dequantized to `dtype` and oneDNN-packed, "torch": dense,
               torch's own Linear;
   invariant   the M-invariant mode (engine/invariant.py): verified rows bit-equal one-token rows;
@@ -77,9 +79,10 @@ class Numerics:
         from .. import kernels, quants
         from .layers import Linear
         qtype, raw, (n, k) = gf.raw(name)
-        if (self.kernels == "gguf" and self.device == "cpu" and self.dtype == "bf16"
+        if (self.kernels in kernels.GGUF and self.device == "cpu" and self.dtype == "bf16"
                 and qtype in quants.TYPES and quants.fits(qtype, n, k) and quants.kernel_available()):
-            layer = Linear(quants.QLinear(qtype, raw, n, k, bias=bias), "gguf", qtype)
+            acts = "int8" if self.kernels == "gguf-int8" else "bf16"
+            layer = Linear(quants.QLinear(qtype, raw, n, k, bias=bias, activations=acts), "gguf", qtype)
         else:
             from .layers import dequantize
             weight = dequantize(qtype, raw, n, k, self.torch_dtype).to(self.device)
@@ -88,11 +91,11 @@ class Numerics:
             if bias is not None:
                 dense.bias = torch.nn.Parameter(bias, requires_grad=False)
             kind = "torch"
-            if self.kernels in ("gguf", "onednn") and self.device == "cpu" and kernels.available() \
+            if self.kernels in kernels.GGUF + ("onednn",) and self.device == "cpu" and kernels.available() \
                     and self.dtype in ("bf16", "fp32"):
                 with torch.inference_mode():
                     dense, kind = kernels.PackedLinear(dense), "onednn"
             layer = Linear(dense, kind, qtype)
-        tag = f"{layer.kind}:{qtype}"
+        tag = f"{layer.kernel_name}:{qtype}"
         self.layers[tag] = self.layers.get(tag, 0) + 1
         return layer

@@ -1,0 +1,127 @@
+"""What a one-token forward reads against what it costs, per layer type, on a GGUF (issue 37, item 2).
+
+For each GGUF and each GGUF kernel set (bf16 activations `gguf`, int8 activations `gguf-int8`),
+in one process, interleaved:
+  bandwidth  what this machine's two threads read per second (sum over a 256 MB fp32 tensor,
+             least of 7): the limit a decode step is held to;
+  limit      the bytes of every weight one token reads (each GEMM's packing once, the embedding
+             row negligible) over that bandwidth: the fastest a one-token forward can be;
+  t1         a one-token forward on a 256-token cache, least of --rounds;
+  per type   each Linear type's (qkv, o, gate_up, down, head) time inside t1, by timing hooks
+             (perf_counter around the call; a few us each), its bytes and the GB/s it streams;
+  outside    t1 less every GEMM: norms, rope, attention, embedding, Python.
+Random-weight GGUFs of published shapes (synth_gguf.py) time like real ones.
+
+    python benchmarks/step_profile.py --models /tmp/hd-synth-gguf/smollm2-1.7b-Q4_K_M.gguf \
+        --out benchmarks/results/gguf/step_profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import command_line, machine, write_result  # noqa: E402
+
+from hdcli import api  # noqa: E402
+from hdcli.engine.decode import Decoder  # noqa: E402
+from hdcli.engine.tree import new_cache  # noqa: E402
+
+
+def read_bandwidth() -> float:
+    a = torch.ones(64 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(7):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best
+
+
+def layer_type(name: str) -> str:
+    return name.rsplit(".", 1)[-1]   # blocks.3.gate_up -> gate_up; head
+
+
+def profile(lm, context: int, rounds: int) -> dict:
+    model = lm.model
+    linears = {n: m for n, m in model.named_modules() if type(m).__name__ == "Linear" and hasattr(m, "kernel")}
+    used = linears
+    spent: dict[str, float] = defaultdict(float)
+    starts: dict[str, float] = {}
+    hooks = []
+    for name, mod in used.items():
+        hooks.append(mod.register_forward_pre_hook(lambda m, a, n=name: starts.__setitem__(n, time.perf_counter())))
+        hooks.append(mod.register_forward_hook(lambda m, a, o, n=name: spent.__setitem__(
+            n, spent[n] + time.perf_counter() - starts[n])))
+    cache = new_cache(model)
+    vocab = model.config.vocab_size
+    Decoder(model, ())._prefill([(7 + 13 * i) % vocab for i in range(context)], cache)
+    ids = torch.tensor([[5]])
+    called: set[str] = set()
+    best_t1, best_split = float("inf"), {}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            spent.clear()
+            t = time.perf_counter()
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            t1 = time.perf_counter() - t
+            cache.crop(context)
+            called |= set(spent)
+            if t1 < best_t1:
+                best_t1, best_split = t1, dict(spent)
+    for h in hooks:
+        h.remove()
+    by_type: dict[str, dict] = {}
+    for name in called:   # the layers a forward calls (joined q/k/v and gate/up, not their parts)
+        kind = layer_type(name)
+        kernel = used[name].kernel
+        nbytes = int(getattr(kernel, "nbytes", 0) or kernel.in_features * kernel.out_features * 2)
+        row = by_type.setdefault(kind, {"layers": 0, "bytes": 0, "seconds": 0.0})
+        row["layers"] += 1
+        row["bytes"] += nbytes
+        row["seconds"] += best_split.get(name, 0.0)
+    for row in by_type.values():
+        row["GBps"] = row["bytes"] / row["seconds"] / 1e9 if row["seconds"] else None
+        row["ms"] = 1e3 * row.pop("seconds")
+    gemm_ms = sum(r["ms"] for r in by_type.values())
+    return {"t1_ms": 1e3 * best_t1, "gemm_ms": gemm_ms, "outside_ms": 1e3 * best_t1 - gemm_ms,
+            "bytes": sum(r["bytes"] for r in by_type.values()), "by_type": by_type}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", required=True, help="comma-separated GGUF paths")
+    ap.add_argument("--kernels", default="gguf,gguf-int8")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    bw = read_bandwidth()
+    doc = {"command": command_line("benchmarks/step_profile.py", args), "machine": machine(),
+           "read_bandwidth_GBps": bw / 1e9, "models": {}}
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s ({doc['machine']['cpu']}, {torch.get_num_threads()} threads)")
+    for path in args.models.split(","):
+        for kern in args.kernels.split(","):
+            lm = api.load_model(path, kernels=kern, quiet=True)
+            got = profile(lm, args.context, args.rounds)
+            got["limit_ms"] = 1e3 * got["bytes"] / bw
+            got["share_of_limit"] = got["limit_ms"] / got["t1_ms"]
+            got["numerics"] = lm.info.get("numerics", {}).get("layers")
+            doc["models"].setdefault(Path(path).name, {})[kern] = got
+            print(f"{Path(path).name} {kern}: one token {got['t1_ms']:.1f} ms, limit {got['limit_ms']:.1f} ms "
+                  f"({100 * got['share_of_limit']:.0f}%), GEMMs {got['gemm_ms']:.1f} ms, outside {got['outside_ms']:.1f} ms")
+            for kind, row in sorted(got["by_type"].items(), key=lambda kv: -kv[1]["ms"]):
+                print(f"    {kind:8s} x{row['layers']:3d} {row['ms']:7.1f} ms  {row['bytes'] / 1e6:8.1f} MB  "
+                      f"{row['GBps'] or 0:5.1f} GB/s")
+            del lm
+    write_result(Path(args.out) if args.out else None, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
