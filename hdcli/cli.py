@@ -26,9 +26,10 @@ from .db.stores import check_output_path
 from .drafting import registry
 from .errors import HdError
 
-KERNELS_HELP = ("auto|gguf|onednn|torch (int4: an alias of gguf). auto: a GGUF's own blocks (gguf) where "
-                "hd has a kernel for their type, else oneDNN-packed dense layers where oneDNN is usable, "
-                "else torch's (docs/dtype.md).")
+KERNELS_HELP = ("auto|gguf|gguf-int8|onednn|torch (int4: an alias of gguf). auto: a GGUF's own blocks where "
+                "hd has a kernel for their type, by int8 activations (gguf-int8) where this CPU has AVX512-VNNI "
+                "and measured them faster (once, cached), else by bf16 ones (gguf); else oneDNN-packed dense "
+                "layers where oneDNN is usable, else torch's (docs/dtype.md).")
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="hd: lossless speculative decoding from a hierarchy of drafting sources.")
 

@@ -313,6 +313,9 @@ def curve_key(source: str, dtype: str, device: str, kernels: str, invariant: boo
     from . import fused
     # 3: on hd's own forward (engine/forward/); the attention's implementation sets its speed and numerics
     mode = f"|invariant:3-{fused.name()}" if invariant else ""
+    if kernels in ("gguf", "gguf-int8"):   # another build of the GGUF GEMMs is measured again
+        from . import quants
+        kernels = f"{kernels}-{quants.module_name()}"
     return (f"{source}|{dtype}|{device}|{kernels}{mode}|{torch.get_num_threads()}|{torch.__version__}|"
             f"{cpu_name() if device == 'cpu' else torch.cuda.get_device_name() if torch.cuda.is_available() else device}")
 

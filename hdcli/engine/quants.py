@@ -52,6 +52,7 @@ Invariants
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -72,13 +73,20 @@ _module = None
 _failed: str | None = None
 
 
+@functools.lru_cache(maxsize=1)
+def module_name() -> str:
+    """The compiled GEMM's name: a hash of its source, the CPU, torch and the flags (cache keys)."""
+    from . import fused
+    return fused.extension_name(SOURCE, "hd_qmm_")
+
+
 def gemm_module(quiet: bool = True):
     """The compiled GEMM (csrc/qmm.cpp), or None where it cannot be built or this CPU lacks
     AVX512-BF16 (why: `failure()`)."""
     global _module, _failed
     if _module is None and _failed is None:
         from . import fused
-        _module, _failed = fused.compile_extension(SOURCE, fused.extension_name(SOURCE, "hd_qmm_"),
+        _module, _failed = fused.compile_extension(SOURCE, module_name(),
                                                    "the GGUF GEMM", quiet)
         if _module is not None and not _module.supported():
             _module, _failed = None, "this CPU has no AVX512-BF16"
@@ -100,21 +108,24 @@ CHOICE_FORMAT = 1
 CHOICE_ROWS = (1, 8)          # a decode step and a typical verification
 CHOICE_SHAPE = (4096, 2048)   # N, K of the probe (Q4_K, random blocks): the GEMMs' compute, in cache
 CHOICE_ROUNDS = 9
+CHOICE_MARGIN = 0.10          # int8 must be this much slower to lose; times this close decide nothing
 
 
 def _choice_key() -> str:
     from . import costs, fused
-    return (f"activations|{fused.extension_name(SOURCE, 'hd_qmm_')}|{torch.get_num_threads()}|"
+    return (f"activations|{module_name()}|{torch.get_num_threads()}|"
             f"{torch.__version__}|{costs.cpu_name()}")
 
 
 def activation_choice(remeasure: bool = False) -> dict:
     """Which activations the GGUF GEMMs take on this machine: {"activations": "int8" | "bf16",
-    "us": {kernel: {rows: microseconds}}, "cpu": ...}. int8 where AVX512-VNNI is here and, timed
-    once (a Q4_K probe, CHOICE_ROWS rows, the least of CHOICE_ROUNDS interleaved rounds), it is no
-    slower for one row and faster for a verification's rows; cached per CPU, threads, torch and
-    kernel source under HD_CACHE_DIR/choices (a record that does not read back whole is measured
-    again), so one machine keeps one choice: the two round differently (docs/dtype.md)."""
+    "us": {kernel: {rows: microseconds}}, "cpu": ...}. int8 where AVX512-VNNI is here unless,
+    timed once (a Q4_K probe, CHOICE_ROWS rows, the least of CHOICE_ROUNDS interleaved rounds),
+    it is clearly slower (CHOICE_MARGIN) for one row and for a verification's rows. Cached per CPU,
+    threads, torch and kernel source under HD_CACHE_DIR/choices (a record that does not read back
+    whole is measured again) only when the times differ by more than the margin: a loaded machine
+    times both alike, and such a measurement decides nothing (measured again next time). One
+    machine keeps one choice: the two round differently (docs/dtype.md)."""
     from . import costs
     if not int8_available():
         return {"activations": "bf16", "why": "no AVX512-VNNI int8 GEMM here"}
@@ -140,12 +151,14 @@ def activation_choice(remeasure: bool = False) -> dict:
                 t0 = time.perf_counter()
                 layers[a](xs[m])
                 best[a][m] = min(best[a][m], time.perf_counter() - t0)
-    one, many = CHOICE_ROWS[0], CHOICE_ROWS[-1]
-    int8 = best["int8"][one] <= 1.03 * best["bf16"][one] and best["int8"][many] < best["bf16"][many]
-    record = {"key": key, "format": CHOICE_FORMAT, "activations": "int8" if int8 else "bf16",
+    ratio = {m: best["int8"][m] / best["bf16"][m] for m in CHOICE_ROWS}
+    slower = all(r > 1 + CHOICE_MARGIN for r in ratio.values())
+    decisive = slower or ratio[CHOICE_ROWS[-1]] < 1 - CHOICE_MARGIN
+    record = {"key": key, "format": CHOICE_FORMAT, "activations": "bf16" if slower else "int8",
               "us": {a: {str(m): round(1e6 * t, 1) for m, t in v.items()} for a, v in best.items()},
-              "cpu": costs.cpu_name(), "measured_at": time.time()}
-    costs.write_json(path, record)
+              "cpu": costs.cpu_name(), "measured_at": time.time(), "decisive": decisive}
+    if decisive:
+        costs.write_json(path, record)
     return record
 
 
