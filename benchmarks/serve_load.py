@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--learn-stream", type=int, default=0, help="Prompts in the learning stream (0: skip).")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-hf", action="store_true",
+                    help="Skip transformers' generate (a large GGUF: it dequantizes the whole model to fp32).")
     args = ap.parse_args()
     questions = requests_from(load_questions(args.data), args.requests)
     prompts = [q["turns"][0] for q in questions]
@@ -193,18 +195,20 @@ def main() -> None:
     del run
     for res in results:
         res["differ"] = sum(a != b for a, b in zip(res.pop("answers"), ref))
-    lm = api.load_model(args.model, dtype=served.get("dtype", "auto"), kernels="torch", quiet=True,
-                        invariant="off")
-    # transformers' generate on the stock model, one request after another
-    stock = stock_model(lm)   # transformers' forward and kernels, in the dtype the server used
-    from hdcli.engine.prompts import encode_messages
-    ids = [encode_messages(lm.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
-    hf_generate(stock, ids[0], 4)
-    t0, tokens = time.perf_counter(), 0
-    for i in ids:
-        tokens += len(hf_generate(stock, i, args.max_tokens)[0])
-    hf = {"tokens": tokens, "wall_seconds": time.perf_counter() - t0}
-    hf["tokens_per_second"] = tokens / hf["wall_seconds"]
+    hf = {"tokens_per_second": float("nan"), "skipped": "--no-hf"}
+    if not args.no_hf:
+        lm = api.load_model(args.model, dtype=served.get("dtype", "auto"), kernels="torch", quiet=True,
+                            invariant="off")
+        # transformers' generate on the stock model, one request after another
+        stock = stock_model(lm)   # transformers' forward and kernels, in the dtype the server used
+        from hdcli.engine.prompts import encode_messages
+        ids = [encode_messages(lm.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+        hf_generate(stock, ids[0], 4)
+        t0, tokens = time.perf_counter(), 0
+        for i in ids:
+            tokens += len(hf_generate(stock, i, args.max_tokens)[0])
+        hf = {"tokens": tokens, "wall_seconds": time.perf_counter() - t0}
+        hf["tokens_per_second"] = tokens / hf["wall_seconds"]
     runs = results
     results = []
     for c in levels:   # per level: the mean over its passes (each pass's row kept in "runs")

@@ -288,6 +288,9 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
            "attention": fused.decide(lm.model) if lm.invariant else None,
            "curves": {},
            "cache": str(costs.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}
+    if lm.kernels in ("gguf", "gguf-int8") and lm.device == "cpu":
+        from .engine import quants   # which activations the GGUF GEMMs take here, and the times why
+        out["activation_choice"] = {k: v for k, v in quants.activation_choice().items() if k != "key"}
     for k, c in curves.items():
         if c is None:
             continue

@@ -367,6 +367,12 @@ def costs_cmd(
     con.print("tree+: added per row of a tree that branches; stream+: added per request beyond the first "
               "in one batched forward (hd serve)")
     con.print("M-invariant forward: " + ("on (verified rows bit-equal one-token rows)" if rep["invariant"] else "off"))
+    choice = rep.get("activation_choice")
+    if choice:
+        us = choice.get("us") or {}
+        times = "; ".join(f"{a}: " + ", ".join(f"{r} rows {t:.0f} us" for r, t in v.items()) for a, v in us.items())
+        con.print(f"GGUF GEMM activations on this CPU: [bold]{choice['activations']}[/bold]"
+                  + (f" (measured once, cached: {times})" if times else f" ({choice.get('why', '')})"))
     att = rep.get("attention")
     if att:
         why = (f"measured: fused {att['ms']['fused']:.1f} ms, torch ops {att['ms']['torch']:.1f} ms"

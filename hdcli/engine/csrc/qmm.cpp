@@ -370,6 +370,9 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) 
 // next tile, and 16 rows' sums did not fit the registers (AMD EPYC, 65536 x 2048 Q4_0, 2 threads:
 // 16 rows 14.3 -> 8.6 ms, 32 rows 28.0 -> 15.8 ms; 1-8 rows alike).
 constexpr int TILE8 = 8;
+// Groups ahead to ask the cache for (65536 x 2048, 2 threads: 2 groups ahead was 10-30% slower
+// than 9 for one row; 9 to 32 alike).
+constexpr int AHEAD8 = 9;
 
 template <typename F>
 struct I8 {
@@ -425,7 +428,7 @@ static inline __attribute__((always_inline)) void groups8(const Act8& X, const P
     grp[i] = head[i] + F::HEAD + ((g + i) % F::GS) * F::GROUP;
   }
   for (int64_t l = 0; l < GI * F::GROUP; l += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(grp[0] + PREFETCH_BYTES + l), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(grp[0] + AHEAD8 * F::GROUP + l), _MM_HINT_T0);
   constexpr int OFFSET = offset8<F>();
   __m512i acc[GI][TR][SPLIT];
   for (int i = 0; i < GI; ++i)
@@ -465,7 +468,11 @@ static inline __attribute__((always_inline)) void groups8(const Act8& X, const P
 template <typename F, int TR>
 static inline void block8(const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
   constexpr bool REG = TR <= 8;
-  constexpr int GI = TR <= 2 ? 2 : 1;
+  // One group at a time: two side by side (as the bf16 GEMM does for few rows) made one row
+  // 10-25% slower here, and Q8_0's one row slower than the bf16 GEMM's (AMD EPYC, 65536 x 2048,
+  // 2 threads: Q4_0 2199 -> 1759 us, Q4_K 2021 -> 1857, Q8_0 5005 -> 3089); the two sums a row
+  // (SPLIT) keep the chains of VPDPBUSD in flight instead.
+  constexpr int GI = 1;
   __m512 out[REG ? TR : 1];
   alignas(64) float outm[REG ? 16 : TR * 16];
   if constexpr (REG) {
