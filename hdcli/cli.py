@@ -370,7 +370,7 @@ def costs_cmd(
     choice = rep.get("activation_choice")
     if choice:
         us = choice.get("us") or {}
-        times = "; ".join(f"{a}: " + ", ".join(f"{r} rows {t:.0f} us" for r, t in v.items()) for a, v in us.items())
+        times = "; ".join(f"{a}: " + ", ".join(f"{r} row{'' if r == '1' else 's'} {t:.0f} us" for r, t in v.items()) for a, v in us.items())
         con.print(f"GGUF GEMM activations on this CPU: [bold]{choice['activations']}[/bold]"
                   + (f" (measured once, cached: {times})" if times else f" ({choice.get('why', '')})"))
     att = rep.get("attention")
