@@ -31,6 +31,12 @@ place, so the M-invariant forward (engine/invariant.py) can use it. (Q6_K's code
 The repacking is C++ too (qmm.cpp's `pack`), reading the blocks where the file's map has them, one
 column block of 16 rows at a time on torch's threads.
 
+int8 activations (QLinear(..., activations="int8"), qmm.cpp's mm8, `--kernels gguf-int8`): the same
+bytes with the codes arranged for VPDPBUSD (AVX512-VNNI), each activation row quantized per group
+of GK to int8 on its own, llama.cpp's way; exact integer group sums, so 8 verification rows cost
+~1.6 one row's time where the bf16 GEMM's cost ~2.5 (benchmarks/gguf_gemm.py). Other numerics than
+the bf16 GEMM's, M-invariant all the same (docs/dtype.md); `activation_choice` picks one per machine.
+
 Speed (2-core AMD EPYC, N = K = 2048, 2 threads, another process busy on the machine, least of
 rounds; weights in cache; measured on the wider formats this replaced, whose arithmetic is the
 same): 1 / 4 / 16 rows, Q4_0 70 / 124 / 393 us, Q8_0 90 / 139 / 366, Q4_K 69 / 124 / 394,
