@@ -497,7 +497,7 @@ def build_model_db(
     out: Path = typer.Option(..., "--out", "-o", help="The LMDB file to create."),
     model: str = typer.Option("smollm2-135m", "--model", "-m"),
     prompts: Optional[Path] = typer.Option(None, help="jsonl with `prompt`, `turns` or `text` "
-                                           "(default: sample_corpora/model_db_prompts.jsonl)."),
+                                           "(default: the 320 prompts shipped with hd, hdcli/data/model_db_prompts.jsonl)."),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
     temperature: float = typer.Option(0.8, help="0 = greedy."),

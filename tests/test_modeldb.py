@@ -130,3 +130,27 @@ def test_cli_build_model_db_and_learn(tiny_model_dir, tmp_path):
                       "--learn", "--json").stdout)
     assert g["learned_keys"] > 0
     assert stores.Store(out).header["learned_tokens"] == len(g["tokens"])
+
+
+def test_the_default_prompts_ship_with_the_package(tmp_path):
+    """`hd build-model-db -o model.lmdb` with no --prompts reads the 320 prompts hd ships: found where
+    the module looks (not under a folder of the repository) and inside the built wheel."""
+    import zipfile
+    prompts, source = modeldb.load_prompts()
+    assert len(prompts) == 320 and all(prompts) and modeldb.DEFAULT_PROMPTS.is_file()
+    assert "sample_corpora" not in str(modeldb.DEFAULT_PROMPTS)
+    from pathlib import Path
+    root = Path(modeldb.__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        pytest.skip("hd is installed from a wheel here: the prompts were found above")
+    import shutil
+    src = tmp_path / "src"   # the sources alone: a build/ or egg-info left by an install would add the file anyway
+    shutil.copytree(root / "hdcli", src / "hdcli", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(root / name, src / name)
+    got = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
+    if got.returncode != 0:
+        pytest.skip(f"no wheel could be built here: {got.stderr.strip().splitlines()[-1:]}")
+    wheel = next(tmp_path.glob("*.whl"))
+    assert "hdcli/data/model_db_prompts.jsonl" in zipfile.ZipFile(wheel).namelist()

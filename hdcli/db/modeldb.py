@@ -22,7 +22,9 @@ import torch
 from . import statsdb
 from ..errors import HdError
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "sample_corpora" / "model_db_prompts.jsonl"
+# 320 prompts we wrote (code, math, summaries, explanations, writing, advice, extraction, translation),
+# shipped as package data so that `hd build-model-db -o model.lmdb` works from an installed wheel
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "model_db_prompts.jsonl"
 
 
 def load_prompts(path: str | Path | None = None, num_prompts: int | None = None) -> tuple[list[str], str]:
@@ -31,7 +33,7 @@ def load_prompts(path: str | Path | None = None, num_prompts: int | None = None)
     path = Path(path) if path else DEFAULT_PROMPTS
     if not path.is_file():
         raise HdError(f"prompt file {path} does not exist" + ("" if path != DEFAULT_PROMPTS else
-                      " (the default prompt set ships in sample_corpora/; pass --prompts FILE)"))
+                      " (the default prompt set ships with hd in hdcli/data/: reinstall hd, or pass --prompts FILE)"))
     prompts = []
     with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a BOM is not data
         for lineno, line in enumerate(f, 1):
