@@ -415,79 +415,57 @@ struct Act8 {
   const float *d, *s;
 };
 
-// GI groups g.. of TR rows of column block cb. Small tiles keep two sums a row (quads a and b) so
-// that more VPDPBUSD chains are in flight; integer sums are exact, so the split changes no bit.
-template <typename F, int TR, int GI, bool REG>
-static inline __attribute__((always_inline)) void groups8(const Act8& X, const Packed& P, int64_t cb, int64_t g,
-                                                          __m512* out, float* outm) {
-  constexpr int GK = F::GK, SPLIT = TR <= 4 ? 2 : 1;
-  const uint8_t* head[GI];
-  const uint8_t* grp[GI];
-  for (int i = 0; i < GI; ++i) {
-    head[i] = super_at(P.pk, F::SB, P.supers, cb, (g + i) / F::GS);
-    grp[i] = head[i] + F::HEAD + ((g + i) % F::GS) * F::GROUP;
-  }
-  for (int64_t l = 0; l < GI * F::GROUP; l += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(grp[0] + AHEAD8 * F::GROUP + l), _MM_HINT_T0);
-  constexpr int OFFSET = offset8<F>();
-  __m512i acc[GI][TR][SPLIT];
-  for (int i = 0; i < GI; ++i)
-    for (int r = 0; r < TR; ++r)
-      for (int h = 0; h < SPLIT; ++h)
-        acc[i][r][h] = h == 0 && OFFSET ? _mm512_set1_epi32(-OFFSET * static_cast<int32_t>(X.s[r * P.G + g + i]))
-                                        : _mm512_setzero_si512();
-  for (int u = 0; u < I8<F>::UNITS; ++u)
-    for (int i = 0; i < GI; ++i) {
-      __m512i a, b;
-      codes8(grp[i] + u * I8<F>::UNIT_BYTES, F::W, a, b);
-      for (int r = 0; r < TR; ++r) {
-        int32_t xa, xb;
-        const int8_t* xr = X.q + ((g + i) * TR + r) * GK + 8 * u;
-        std::memcpy(&xa, xr, 4);
-        std::memcpy(&xb, xr + 4, 4);
-        acc[i][r][0] = _mm512_dpbusd_epi32(acc[i][r][0], a, _mm512_set1_epi32(xa));
-        acc[i][r][SPLIT - 1] = _mm512_dpbusd_epi32(acc[i][r][SPLIT - 1], b, _mm512_set1_epi32(xb));
-      }
-    }
-  for (int i = 0; i < GI; ++i) {
-    __m512 dv, lv = _mm512_setzero_ps();
-    consts<F>(head[i], grp[i], dv, lv);
+// Group g of TR rows of column block cb, added to the rows' running outputs. One group at a time:
+// two side by side (as the bf16 GEMM does for few rows) made one row 10-25% slower here, and
+// Q8_0's one row slower than the bf16 GEMM's (AMD EPYC, 65536 x 2048, 2 threads: Q4_0 2199 -> 1759
+// us, Q4_K 2021 -> 1857, Q8_0 5005 -> 3089). Tiles of up to 4 rows keep two sums a row (quads a and
+// b) instead, so that more chains of VPDPBUSD are in flight; integer sums are exact, so the split
+// changes no bit.
+template <typename F, int TR>
+static inline __attribute__((always_inline)) void group8(const Act8& X, const Packed& P, int64_t cb, int64_t g,
+                                                         __m512* out) {
+  constexpr int GK = F::GK, SPLIT = TR <= 4 ? 2 : 1, OFFSET = offset8<F>();
+  const uint8_t* head = super_at(P.pk, F::SB, P.supers, cb, g / F::GS);
+  const uint8_t* grp = head + F::HEAD + (g % F::GS) * F::GROUP;
+  for (int64_t l = 0; l < F::GROUP; l += 64)   // past the end: a hint, never a fault
+    _mm_prefetch(reinterpret_cast<const char*>(grp + AHEAD8 * F::GROUP + l), _MM_HINT_T0);
+  __m512i acc[TR][SPLIT];
+  for (int r = 0; r < TR; ++r)
+    for (int h = 0; h < SPLIT; ++h)
+      acc[r][h] = h == 0 && OFFSET ? _mm512_set1_epi32(-OFFSET * static_cast<int32_t>(X.s[r * P.G + g]))
+                                   : _mm512_setzero_si512();
+  for (int u = 0; u < I8<F>::UNITS; ++u) {
+    __m512i a, b;
+    codes8(grp + u * I8<F>::UNIT_BYTES, F::W, a, b);
     for (int r = 0; r < TR; ++r) {
-      __m512i isum = acc[i][r][0];
-      if constexpr (SPLIT == 2) isum = _mm512_add_epi32(isum, acc[i][r][1]);
-      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dv);
-      if constexpr (OFFSET == 0) t = _mm512_fmadd_ps(lv, _mm512_set1_ps(X.s[r * P.G + g + i]), t);
-      __m512 o;
-      if constexpr (REG) o = out[r]; else o = _mm512_load_ps(outm + r * 16);
-      o = _mm512_fmadd_ps(t, _mm512_set1_ps(X.d[r * P.G + g + i]), o);
-      if constexpr (REG) out[r] = o; else _mm512_store_ps(outm + r * 16, o);
+      int32_t xa, xb;
+      const int8_t* xr = X.q + (g * TR + r) * GK + 8 * u;
+      std::memcpy(&xa, xr, 4);
+      std::memcpy(&xb, xr + 4, 4);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, _mm512_set1_epi32(xa));
+      acc[r][SPLIT - 1] = _mm512_dpbusd_epi32(acc[r][SPLIT - 1], b, _mm512_set1_epi32(xb));
     }
+  }
+  __m512 dv, lv = _mm512_setzero_ps();
+  consts<F>(head, grp, dv, lv);
+  for (int r = 0; r < TR; ++r) {
+    __m512i isum = acc[r][0];
+    if constexpr (SPLIT == 2) isum = _mm512_add_epi32(isum, acc[r][1]);
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dv);
+    if constexpr (OFFSET == 0) t = _mm512_fmadd_ps(lv, _mm512_set1_ps(X.s[r * P.G + g]), t);
+    out[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(X.d[r * P.G + g]), out[r]);
   }
 }
 
+// TR rows (at most TILE8: their outputs stay in registers) of one column block of 16.
 template <typename F, int TR>
 static inline void block8(const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
-  constexpr bool REG = TR <= 8;
-  // One group at a time: two side by side (as the bf16 GEMM does for few rows) made one row
-  // 10-25% slower here, and Q8_0's one row slower than the bf16 GEMM's (AMD EPYC, 65536 x 2048,
-  // 2 threads: Q4_0 2199 -> 1759 us, Q4_K 2021 -> 1857, Q8_0 5005 -> 3089); the two sums a row
-  // (SPLIT) keep the chains of VPDPBUSD in flight instead.
-  constexpr int GI = 1;
-  __m512 out[REG ? TR : 1];
-  alignas(64) float outm[REG ? 16 : TR * 16];
-  if constexpr (REG) {
-    for (int r = 0; r < TR; ++r) out[r] = _mm512_setzero_ps();
-  } else {
-    std::memset(outm, 0, sizeof(outm));
-  }
-  int64_t g = 0;
-  for (; g + GI <= P.G; g += GI) groups8<F, TR, GI, REG>(X, P, cb, g, out, outm);
-  for (; g < P.G; ++g) groups8<F, TR, 1, REG>(X, P, cb, g, out, outm);
-  for (int r = 0; r < TR; ++r) {
-    __m512 o;
-    if constexpr (REG) o = out[r]; else o = _mm512_load_ps(outm + r * 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + cb * 16), (__m256i)_mm512_cvtneps_pbh(o));
-  }
+  static_assert(TR <= TILE8, "a tile's outputs live in registers");
+  __m512 out[TR];
+  for (int r = 0; r < TR; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < P.G; ++g) group8<F, TR>(X, P, cb, g, out);
+  for (int r = 0; r < TR; ++r)   // to bf16, rounded to nearest even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + cb * 16), (__m256i)_mm512_cvtneps_pbh(out[r]));
 }
 
 template <typename F, int TR = 1>
