@@ -49,8 +49,7 @@ def layer_type(name: str) -> str:
 
 def profile(lm, context: int, rounds: int) -> dict:
     model = lm.model
-    linears = {n: m for n, m in model.named_modules() if type(m).__name__ == "Linear" and hasattr(m, "kernel")}
-    used = linears
+    used = {n: m for n, m in model.named_modules() if type(m).__name__ == "Linear" and hasattr(m, "kernel")}
     spent: dict[str, float] = defaultdict(float)
     starts: dict[str, float] = {}
     hooks = []

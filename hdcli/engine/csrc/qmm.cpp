@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // ------------------------------------------------------------------ formats
@@ -257,28 +258,79 @@ static inline void tile(int rows, const uint16_t* x, const float* s0, const Pack
   block<F, TR>(x, s0, P, y, N, cb);
 }
 
+// The M rows in tiles of at most `most`, as even as they go; each tile streams the weights once.
+// A tile's x is laid out by group, [G][height][GK] (`at`), so that a group's rows are a few
+// consecutive cache lines: rows K apart, with K a power of 2 (2048), fall in one L1 set, and 16 of
+// them overran its ways (AMD EPYC, N = K = 2048, 16 rows, one thread: 688 us against 1556 in int4mm's
+// layout).
+struct Tiling {
+  int64_t M, tiles;
+  std::vector<int64_t> first, height;   // per row: its tile's first row and height
+  Tiling(int64_t M_, int64_t most) : M(M_), tiles((M_ + most - 1) / most), first(M_), height(M_) {
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t m = begin(t); m < begin(t + 1); ++m) {
+        first[m] = begin(t);
+        height[m] = begin(t + 1) - begin(t);
+      }
+  }
+  int64_t begin(int64_t t) const { return t * M / tiles; }
+  // where row m's group g starts in its tile's layout (tiles one after the other, K a row)
+  int64_t at(int64_t m, int64_t g, int64_t K, int GK) const { return first[m] * K + (g * height[m] + m - first[m]) * GK; }
+};
+
+// prepare(i) for every group i of every row (M * G of them), then tile(t, cb) for every tile and
+// column block, on torch's threads. A few thousand x (a decode step's row) are prepared before the
+// threads start (a microsecond or two), more by the threads before the tiles: a barrier more,
+// which costs most where the threads share the cores with other work.
+template <typename Prepare, typename Tile>
+static void schedule(const Tiling& T, int64_t G, int64_t K, int64_t NB, bool any, Prepare prepare, Tile tile) {
+  const int64_t groups = T.M * G;
+  const bool alone = T.M * K <= 4096;
+  if (any && alone)
+    for (int64_t i = 0; i < groups; ++i) prepare(i);
+#pragma omp parallel
+  {
+    if (any && !alone) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < groups; ++i) prepare(i);
+    }
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t cb = 0; cb < NB; ++cb)
+      for (int64_t t = 0; t < T.tiles; ++t) tile(t, cb);
+  }
+}
+
+// The packing's shape checked against format F and K (`what`: the GEMM, in the message).
+template <typename F>
+static void check_packing(const torch::Tensor& packed, int64_t K, const char* what) {
+  TORCH_CHECK(packed.size(2) == F::SB && packed.size(1) * F::GS * F::GK == K, what, ": the packing's super-blocks are ",
+              packed.size(2), " bytes, ", packed.size(1), " a column block; the format's ", F::SB, " bytes, K / ", F::GS * F::GK);
+}
+
+// run(static_cast<F*>(nullptr)) for the format named fmt (a kernel's entry point picks its run<F>).
+template <typename Run>
+static torch::Tensor by_format(const std::string& fmt, const char* what, Run run) {
+  if (fmt == "q4z") return run(static_cast<Q4Z*>(nullptr));
+  if (fmt == "q4h") return run(static_cast<Q4H*>(nullptr));
+  if (fmt == "q4k") return run(static_cast<Q4K*>(nullptr));
+  if (fmt == "q6k") return run(static_cast<Q6K*>(nullptr));
+  if (fmt == "q8h") return run(static_cast<Q8H*>(nullptr));
+  if (fmt == "q8f") return run(static_cast<Q8F*>(nullptr));
+  TORCH_CHECK(false, what, ": no format ", fmt);
+  return torch::Tensor();
+}
+
 template <typename F>
 static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
   constexpr int GK = F::GK;
   const int64_t M = x.size(0), K = x.size(1), G = K / GK, N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(2) == F::SB && packed.size(1) * F::GS * GK == K, "GGUF GEMM: the packing's super-blocks are ",
-              packed.size(2), " bytes, ", packed.size(1), " a column block; the format's ", F::SB, " bytes, K / ", F::GS * GK);
+  check_packing<F>(packed, K, "GGUF GEMM");
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto y = torch::empty({M, N}, x.options());
   const Packed P{packed.data_ptr<uint8_t>(), packed.size(1), G};
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // Tiles of up to 16 rows, as even as they go: each streams the weights once (int4mm's choice).
-  const int64_t tiles = (M + 15) / 16, NB = N / 16;
-  std::vector<int64_t> first(static_cast<size_t>(M)), height(static_cast<size_t>(M));   // a row's tile
-  for (int64_t t = 0; t < tiles; ++t)
-    for (int64_t m = t * M / tiles; m < (t + 1) * M / tiles; ++m) {
-      first[m] = t * M / tiles;
-      height[m] = (t + 1) * M / tiles - t * M / tiles;
-    }
-  // Each tile's rows interleaved by group ([G][rows][GK]), so that a group's x is a few
-  // consecutive cache lines: rows K apart, with K a power of 2 (2048), fall in one L1 set, and 16 of
-  // them overran its ways (AMD EPYC, N = K = 2048, 16 rows, one thread: 688 us against 1556 in int4mm's
-  // layout). One row is its own layout already.
+  const Tiling T(M, 16);
+  // The tiles' layout (Tiling); one row is its own layout already.
   std::vector<uint16_t> xt(M > 1 ? static_cast<size_t>(M * K) : 0);
   uint16_t* xtp = M > 1 ? xt.data() : const_cast<uint16_t*>(xp);
   std::vector<float> s0(F::LOW ? static_cast<size_t>(M * G) : 0);
@@ -288,7 +340,7 @@ static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
     const int64_t m = i / G, g = i % G;
     const uint16_t* xg = xp + m * K + g * GK;
     if (M > 1)
-      std::memcpy(xtp + first[m] * K + (g * height[m] + m - first[m]) * GK, xg, GK * sizeof(uint16_t));
+      std::memcpy(xtp + T.at(m, g, K, GK), xg, GK * sizeof(uint16_t));
     if constexpr (F::LOW) {
       float s = 0.0f;
       for (int k = 0; k < GK; ++k) {
@@ -300,25 +352,10 @@ static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
       s0p[i] = s;
     }
   };
-  // A few thousand x (a decode step's row) are prepared before the threads start (a microsecond
-  // or two), more by the threads before the tiles: a barrier more, which costs most where the
-  // threads share the cores with other work.
-  const bool any = M > 1 || F::LOW, alone = M * K <= 4096;
-  if (any && alone)
-    for (int64_t i = 0; i < M * G; ++i) prepare(i);
-#pragma omp parallel
-  {
-    if (any && !alone) {
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < M * G; ++i) prepare(i);
-    }
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t cb = 0; cb < NB; ++cb)
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
-        tile<F>(static_cast<int>(m1 - m0), xtp + m0 * K, s0p + m0 * G, P, yp + m0 * N, N, cb);
-      }
-  }
+  schedule(T, G, K, N / 16, M > 1 || F::LOW, prepare, [&](int64_t t, int64_t cb) {
+    const int64_t m0 = T.begin(t);
+    tile<F>(static_cast<int>(T.begin(t + 1) - m0), xtp + m0 * K, s0p + m0 * G, P, yp + m0 * N, N, cb);
+  });
   return y;
 }
 
@@ -328,14 +365,7 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) 
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
               "GGUF GEMM: packed must be [N/16, super-blocks, bytes] uint8, contiguous");
   auto xs = x.contiguous();
-  if (fmt == "q4z") return run<Q4Z>(xs, packed);
-  if (fmt == "q4h") return run<Q4H>(xs, packed);
-  if (fmt == "q4k") return run<Q4K>(xs, packed);
-  if (fmt == "q6k") return run<Q6K>(xs, packed);
-  if (fmt == "q8h") return run<Q8H>(xs, packed);
-  if (fmt == "q8f") return run<Q8F>(xs, packed);
-  TORCH_CHECK(false, "GGUF GEMM: no format ", fmt);
-  return x;
+  return by_format(fmt, "GGUF GEMM", [&](auto* f) { return run<std::remove_pointer_t<decltype(f)>>(xs, packed); });
 }
 #else
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
@@ -497,42 +527,23 @@ template <typename F>
 static torch::Tensor run8(const torch::Tensor& x, const torch::Tensor& packed) {
   constexpr int GK = F::GK;
   const int64_t M = x.size(0), K = x.size(1), G = K / GK, N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(2) == F::SB && packed.size(1) * F::GS * GK == K, "GGUF int8 GEMM: the packing's super-blocks are ",
-              packed.size(2), " bytes, ", packed.size(1), " a column block; the format's ", F::SB, " bytes, K / ", F::GS * GK);
+  check_packing<F>(packed, K, "GGUF int8 GEMM");
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto y = torch::empty({M, N}, x.options());
   const Packed P{packed.data_ptr<uint8_t>(), packed.size(1), G};
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t tiles = (M + TILE8 - 1) / TILE8, NB = N / 16;
-  std::vector<int64_t> first(static_cast<size_t>(M)), height(static_cast<size_t>(M));
-  for (int64_t t = 0; t < tiles; ++t)
-    for (int64_t m = t * M / tiles; m < (t + 1) * M / tiles; ++m) {
-      first[m] = t * M / tiles;
-      height[m] = (t + 1) * M / tiles - t * M / tiles;
-    }
+  const Tiling T(M, TILE8);
   std::vector<int8_t> xq(static_cast<size_t>(M * K));
   std::vector<float> dx(static_cast<size_t>(M * G)), xs(static_cast<size_t>(M * G));
   auto prepare = [&](int64_t i) {   // row m's group g, into its tile's layout
     const int64_t m = i / G, g = i % G;
-    quantize_group(xp + m * K + g * GK, GK, xq.data() + first[m] * K + (g * height[m] + m - first[m]) * GK, dx[i], xs[i]);
+    quantize_group(xp + m * K + g * GK, GK, xq.data() + T.at(m, g, K, GK), dx[i], xs[i]);
   };
-  const bool alone = M * K <= 4096;
-  if (alone)
-    for (int64_t i = 0; i < M * G; ++i) prepare(i);
-#pragma omp parallel
-  {
-    if (!alone) {
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < M * G; ++i) prepare(i);
-    }
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t cb = 0; cb < NB; ++cb)
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
-        const Act8 X{xq.data() + m0 * K, dx.data() + m0 * G, xs.data() + m0 * G};
-        tile8<F>(static_cast<int>(m1 - m0), X, P, yp + m0 * N, N, cb);
-      }
-  }
+  schedule(T, G, K, N / 16, true, prepare, [&](int64_t t, int64_t cb) {
+    const int64_t m0 = T.begin(t);
+    const Act8 X{xq.data() + m0 * K, dx.data() + m0 * G, xs.data() + m0 * G};
+    tile8<F>(static_cast<int>(T.begin(t + 1) - m0), X, P, yp + m0 * N, N, cb);
+  });
   return y;
 }
 
@@ -542,14 +553,7 @@ torch::Tensor mm8(torch::Tensor x, torch::Tensor packed, const std::string& fmt)
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
               "GGUF int8 GEMM: packed must be [N/16, super-blocks, bytes] uint8, contiguous");
   auto xs = x.contiguous();
-  if (fmt == "q4z") return run8<Q4Z>(xs, packed);
-  if (fmt == "q4h") return run8<Q4H>(xs, packed);
-  if (fmt == "q4k") return run8<Q4K>(xs, packed);
-  if (fmt == "q6k") return run8<Q6K>(xs, packed);
-  if (fmt == "q8h") return run8<Q8H>(xs, packed);
-  if (fmt == "q8f") return run8<Q8F>(xs, packed);
-  TORCH_CHECK(false, "GGUF int8 GEMM: no format ", fmt);
-  return x;
+  return by_format(fmt, "GGUF int8 GEMM", [&](auto* f) { return run8<std::remove_pointer_t<decltype(f)>>(xs, packed); });
 }
 bool supported8() { return true; }
 #else
