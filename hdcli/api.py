@@ -82,16 +82,18 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
                  stats_dbs: Sequence = (), stats_min_prob: float | None = None,
                  stats_min_expected: float | None = None, model_db=None,
                  policy: str = DEFAULT_POLICY, candidates: int = DEFAULT_CANDIDATES,
-                 recycle_table: RecycledTable | None = None) -> Hierarchy | None:
+                 recycle_table: RecycledTable | None = None, answer_index=None) -> Hierarchy | None:
     """The drafting hierarchy from open DBs, most local layer first (an empty `layers` means
     plain decoding): a shorthand for compose.db_hierarchy with a DecodingConfig. cheap_verify
-    (see cheap_verification) picks the defaults of min_n, min_prob and min_expected."""
+    (see cheap_verification) picks the defaults of min_n, min_prob and min_expected.
+    answer_index: the model DB's answers to draft from (default: the process's own index)."""
     cfg = DecodingConfig(layers=list(layers), draft_len=draft_len, min_n=min_n, max_n=max_n,
                          stats_dbs=[str(getattr(db, "path", "db")) for db in stats_dbs],
                          model_db=None if model_db is None else str(getattr(model_db, "path", "db")),
                          stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected,
                          policy=policy, candidates=candidates).validate()
-    return compose.db_hierarchy(cfg, DBs(list(stats_dbs), model_db), cheap_verify, recycle_table=recycle_table)
+    return compose.db_hierarchy(cfg, DBs(list(stats_dbs), model_db), cheap_verify, recycle_table=recycle_table,
+                                answer_index=answer_index)
 
 
 def draft_model_names(draft_models: str | Sequence[str]) -> list[str]:
@@ -104,9 +106,17 @@ def draft_model_names(draft_models: str | Sequence[str]) -> list[str]:
 
 
 def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int]) -> int:
-    """Add the n-grams of a generation to the model DB (keys may start in the prompt's last
-    tokens, continuations are generated tokens only). Returns keys touched."""
+    """Add a generation to the model DB: the answer whole (what the model layer's suffix index
+    drafts from, where the DB keeps answers) and its n-grams (keys may start in the prompt's last
+    tokens, continuations are generated tokens only). Returns keys touched. The running process's
+    index already holds the answer (drafting.model.AnswerLayer adds it as it is accepted)."""
     from .db.statsdb import add_counts
+    kind = model_db.header.get("kind")
+    if kind != "model":
+        raise HdError(f"{model_db.path} is a {kind or 'unknown'} DB, not a model DB: --learn writes only "
+                      "into a DB built by `hd build-model-db` (pass a statistics DB with --stats-db)")
+    if model_db.sequence_count and tokens:
+        model_db.add_sequences([list(tokens)])
     max_n = int(model_db.header["n_range"][1])
     context = list(prompt_ids[-max_n:]) if prompt_ids else []
     doc = context + list(tokens)

@@ -496,11 +496,14 @@ def merge_stats(
 def build_model_db(
     out: Path = typer.Option(..., "--out", "-o", help="The LMDB file to create."),
     model: str = typer.Option("smollm2-135m", "--model", "-m"),
-    prompts: Optional[Path] = typer.Option(None, help="jsonl with `prompt`, `turns` or `text` "
-                                           "(default: the 320 prompts shipped with hd, hdcli/data/model_db_prompts.jsonl)."),
+    prompts: Optional[List[Path]] = typer.Option(None, help="jsonl with `prompt`, `turns` or `text`; "
+                                                 "repeat for several files (default: the 320 prompts shipped "
+                                                 "with hd, hdcli/data/model_db_prompts.jsonl). Prompts like "
+                                                 "your users' make the DB draft best."),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
-    temperature: float = typer.Option(0.8, help="0 = greedy."),
+    temperature: float = typer.Option(0.0, help="0 = greedy (the default: a greedy run verifies "
+                                      "the target's greedy answers); > 0 samples."),
     top_p: float = typer.Option(0.95, "--top-p"),
     batch_size: int = typer.Option(16, "--batch-size", help="Prompts per forward pass "
                                    "(benchmarks/model_db_bench.py measured 1/4/8/16)."),
@@ -514,8 +517,8 @@ def build_model_db(
     max_n: int = typer.Option(4, "--max-n"),
     top_k: int = typer.Option(4, "--top-k"),
     min_count: int = typer.Option(1, "--min-count", help="Least count kept (the samples are few)."),
-    dtype: str = typer.Option("bf16", help="Sampling needs no bit-exactness, so the fast dtype "
-                              "is the default here (fp16/fp32/auto also work)."),
+    dtype: str = typer.Option("auto", help="The dtype you decode with (auto, as `hd generate`): "
+                              "the DB then holds exactly the answers your runs will verify."),
     device: str = typer.Option("auto"),
     kernels: str = typer.Option("auto", help=KERNELS_HELP),
     invariant: str = typer.Option("auto", help=INVARIANT_HELP),

@@ -74,22 +74,23 @@ def check_tokenizers(dbs: DBs, lm: models.LoadedModel) -> None:
 
 
 def layer_inputs(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool,
-                 recycle_table: RecycledTable | None = None) -> LayerInputs:
+                 recycle_table: RecycledTable | None = None, answer_index=None) -> LayerInputs:
     """The drafting settings with the machine's defaults filled in, and the resources."""
     return LayerInputs(
         min_n=default_min_n(cheap_verify) if cfg.min_n is None else cfg.min_n, max_n=cfg.max_n,
         min_prob=default_min_prob(cheap_verify) if cfg.stats_min_prob is None else cfg.stats_min_prob,
         min_expected=(default_min_expected(cheap_verify) if cfg.stats_min_expected is None
                       else cfg.stats_min_expected),
-        stats_dbs=dbs.stats, model_db=dbs.model, recycle_table=recycle_table)
+        stats_dbs=dbs.stats, model_db=dbs.model, recycle_table=recycle_table, answer_index=answer_index)
 
 
 def db_hierarchy(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool, candidates: int | None = None,
-                 recycle_table: RecycledTable | None = None) -> Hierarchy | None:
+                 recycle_table: RecycledTable | None = None, answer_index=None) -> Hierarchy | None:
     """The database hierarchy of the configuration (None when it has no layers). candidates
     overrides cfg.candidates (a level under draft models verifies one chain). recycle_table: pass
-    one to share the target's recycled predictions across the drafters of a run."""
-    inputs = layer_inputs(cfg, dbs, cheap_verify, recycle_table)
+    one to share the target's recycled predictions across the drafters of a run; answer_index: the
+    model DB's answers to draft from (drafting.model.AnswerIndex; default: the process's own)."""
+    inputs = layer_inputs(cfg, dbs, cheap_verify, recycle_table, answer_index)
     names = default_layers(inputs) if cfg.layers is None else cfg.layers
     built = build_layers(names, inputs)
     if not built:
@@ -128,7 +129,8 @@ def _cheap(cfg: DecodingConfig, lm: models.LoadedModel) -> bool:
 
 
 def build_drafter(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None = None, *,
-                  recycle_table: RecycledTable | None = None, loaded: dict | None = None):
+                  recycle_table: RecycledTable | None = None, loaded: dict | None = None,
+                  answer_index=None):
     """The drafter a configuration describes (with_plan applied): a drafting.Hierarchy, a
     hsd.stack.ModelStack over one (or alone, no_db), or None for plain decoding. dbs: the open
     DBs (default: opened here). loaded: draft models already loaded, by name."""
@@ -136,8 +138,9 @@ def build_drafter(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None =
     dbs = open_dbs(cfg, lm) if dbs is None else dbs
     cheap = _cheap(cfg, lm)
     if not cfg.draft_models:
-        return db_hierarchy(cfg, dbs, cheap, recycle_table=recycle_table)
-    base = None if cfg.no_db else db_hierarchy(cfg, dbs, cheap, candidates=1, recycle_table=recycle_table)
+        return db_hierarchy(cfg, dbs, cheap, recycle_table=recycle_table, answer_index=answer_index)
+    base = None if cfg.no_db else db_hierarchy(cfg, dbs, cheap, candidates=1, recycle_table=recycle_table,
+                                               answer_index=answer_index)
     return make_stack(lm, cfg.draft_models, cfg.level_tokens, base, cfg.sampling, cfg.seed or 0, loaded)
 
 

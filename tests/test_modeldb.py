@@ -51,7 +51,8 @@ def test_resume_after_interruption_equals_uninterrupted(tiny_lm, tmp_path, tempe
     modeldb.sample(tiny_lm, PROMPTS, full, **kw)
     modeldb.sample(tiny_lm, PROMPTS, part, stop_after=1, **kw)
     with open(part, "a") as f:  # a kill in the middle of the next batch: one line and a torn one
-        f.write(json.dumps({"batch": 1, "index": 3, "prompt": "x", "tokens": [1, 2]}) + "\n")
+        f.write(json.dumps({"batch": 1, "index": 3, "prompt": PROMPTS[3], "tokens": [1, 2],
+                            "settings": samples_of(part)[0]["settings"]}) + "\n")
         f.write('{"batch": 1, "ind')
     with pytest.raises(Exception, match="--resume"):
         modeldb.sample(tiny_lm, PROMPTS, part, **kw)
@@ -121,7 +122,8 @@ def test_cli_build_model_db_and_learn(tiny_model_dir, tmp_path):
     r = json.loads(hd("build-model-db", "-o", str(out), "--model", m, "--prompts", str(prompts),
                       "--num-prompts", "4", "-n", "8", "--batch-size", "2", "--json").stdout)
     h = r["header"]
-    assert h["prompts"] == 4 and h["sampling"]["temperature"] == 0.8 and h["prompt_source"] == str(prompts)
+    assert h["prompts"] == 4 and h["sampling"]["temperature"] == 0.0 and h["prompt_source"] == str(prompts)
+    assert h["sequences"] == 4  # the answers kept whole, for the model layer's suffix index
     assert r["sampling"]["new_tokens"] == h["tokens"]
     again = tmp_path / "again.lmdb"
     hd("build-model-db", "-o", str(again), "--model", m, "--from-samples", str(out) + ".samples.jsonl")
@@ -154,3 +156,93 @@ def test_the_default_prompts_ship_with_the_package(tmp_path):
         pytest.skip(f"no wheel could be built here: {got.stderr.strip().splitlines()[-1:]}")
     wheel = next(tmp_path.glob("*.whl"))
     assert "hdcli/data/model_db_prompts.jsonl" in zipfile.ZipFile(wheel).namelist()
+
+
+def _model_db(lm, tmp_path, prompts, n=30):
+    s = tmp_path / "s.jsonl"
+    modeldb.sample(lm, prompts, s, max_new_tokens=n, temperature=0.0, batch_size=len(prompts))
+    modeldb.index(s, tmp_path / "m.lmdb", lm.tokenizer, "tiny", min_count=1)
+    return stores.Store(tmp_path / "m.lmdb", writable=True), [r["tokens"] for r in samples_of(s)]
+
+
+@pytest.mark.parametrize("index", ["answers", "ngrams"])
+def test_model_layer_greedy_equals_plain_and_drafts_a_known_answer(tiny_lm, tmp_path, monkeypatch, index):
+    """The model layer drafts from the DB's answers (suffix index) or, without arctic-inference,
+    from its n-gram table; either way greedy output is plain decoding's, and a prompt whose answer
+    the DB holds is drafted mostly by it."""
+    from hdcli.drafting import model
+    if index == "answers" and not model.available():
+        pytest.skip("arctic-inference is not installed")
+    if index == "ngrams":
+        monkeypatch.setattr(model, "available", lambda: False)
+    mdb, answers = _model_db(tiny_lm, tmp_path, PROMPTS[:4])
+    assert mdb.sequence_count == 4 and [a.tolist() for a in mdb.sequences()] == answers
+    for p in PROMPTS:
+        ref = api.generate(tiny_lm, p, max_new_tokens=30, drafter=None)
+        for layers in (["model"], ["context", "model"]):
+            d = api.make_drafter(layers, model_db=mdb, stats_min_prob=0.0, stats_min_expected=0.0,
+                                 answer_index=model.AnswerIndex(mdb.sequences()) if index == "answers" else None)
+            layer = d.layers[-1]
+            assert isinstance(layer, model.AnswerLayer) == (index == "answers")
+            got = api.generate(tiny_lm, p, max_new_tokens=30, drafter=d, cost=FREE_FORWARD)
+            assert got.tokens == ref.tokens
+            if p in PROMPTS[:4] and layers == ["model"] and index == "answers":
+                # its own answer, seen once: drafted mostly by the model layer
+                assert got.stats.layers["model"].accepted >= len(ref.tokens) // 2, p
+
+
+def test_an_answer_is_drafted_for_the_next_request_of_the_process(tiny_lm, tmp_path):
+    """The index grows with what this process generates (as SuffixDecoding's global tree): the
+    second request for the same prompt is drafted by the model layer; a fresh index (no
+    learning) drafts none of it (the control)."""
+    from hdcli.drafting import model
+    if not model.available():
+        pytest.skip("arctic-inference is not installed")
+    mdb, _ = _model_db(tiny_lm, tmp_path, PROMPTS[:1], n=8)
+    p = PROMPTS[5]
+    shared = model.AnswerIndex(mdb.sequences())
+    first = api.generate(tiny_lm, p, max_new_tokens=30,
+                         drafter=api.make_drafter(["model"], model_db=mdb, answer_index=shared), cost=FREE_FORWARD)
+    second = api.generate(tiny_lm, p, max_new_tokens=30,
+                          drafter=api.make_drafter(["model"], model_db=mdb, answer_index=shared), cost=FREE_FORWARD)
+    fresh = api.generate(tiny_lm, p, max_new_tokens=30,
+                         drafter=api.make_drafter(["model"], model_db=mdb, answer_index=model.AnswerIndex(mdb.sequences())),
+                         cost=FREE_FORWARD)
+    assert first.tokens == second.tokens == fresh.tokens
+    got = lambda r: r.stats.layers["model"].accepted if "model" in r.stats.layers else 0
+    assert got(second) >= len(second.tokens) // 2 and got(fresh) == got(first) < got(second) / 2
+
+
+def test_learn_keeps_the_answer_and_the_digest(tiny_lm, tmp_path):
+    mdb, _ = _model_db(tiny_lm, tmp_path, PROMPTS[:2], n=8)
+    api.learn(mdb, [1, 2, 3], [40, 41, 42, 43])
+    assert mdb.sequence_count == 3 and list(mdb.sequences())[-1].tolist() == [40, 41, 42, 43]
+    assert stores.Store(tmp_path / "m.lmdb").verify()["ok"]
+    with mdb.env.begin(write=True) as txn:  # a damaged answer record: verify says so
+        txn.put(stores.sequence_key(0), b"\x01\x02\x03")
+    mdb.refresh()
+    assert not mdb.verify()["ok"]
+
+
+def test_learn_refuses_a_statistics_db(tiny_lm, tmp_path):
+    out = tmp_path / "st.lmdb"
+    statsdb.build([[5, 6, 7]], out, tiny_lm.tokenizer, "tiny", tokenized=True, min_count=1)
+    db = stores.Store(out, writable=True)
+    before = db.verify()["content_digest"]
+    with pytest.raises(api.HdError, match="not a model DB"):
+        api.learn(db, [1], [5, 6, 7])
+    assert db.verify()["content_digest"] == before
+
+
+def test_resume_with_other_prompts_or_settings_is_refused(tiny_lm, tmp_path):
+    s = tmp_path / "s.jsonl"
+    kw = dict(max_new_tokens=6, temperature=0.0, batch_size=2, seed=0)
+    modeldb.sample(tiny_lm, PROMPTS, s, stop_after=1, **kw)
+    kept = s.read_text()
+    with pytest.raises(api.HdError, match="max_new_tokens 6 .now 8.*batch_size 2 .now 5"):
+        modeldb.sample(tiny_lm, PROMPTS, s, resume=True, **{**kw, "max_new_tokens": 8, "batch_size": 5})
+    with pytest.raises(api.HdError, match="another prompt"):
+        modeldb.sample(tiny_lm, PROMPTS[::-1], s, resume=True, **kw)
+    assert s.read_text() == kept  # refused before anything was rewritten
+    modeldb.sample(tiny_lm, PROMPTS, s, resume=True, **kw)
+    assert sorted(r["index"] for r in samples_of(s)) == list(range(len(PROMPTS)))

@@ -28,7 +28,8 @@ import torch
 
 from ..compose import DBs, build_drafter, warm_up
 from ..config import DEFAULT_CANDIDATES, DEFAULT_POLICY, DecodingConfig
-from ..drafting import RecycledTable, registry
+from ..drafting import AnswerIndex, RecycledTable, registry
+from ..drafting import model as model_layer
 from ..engine import costs
 from ..engine.decode import Decoder
 from ..engine.prompts import encode_messages, encode_prompt
@@ -185,7 +186,11 @@ def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
             method = method_config(name, cfg)
             build_drafter(method, lm, dbs)  # fail now, not mid-run
             table = RecycledTable()  # one per method and run: the target's predictions carry across questions
-            runners[name] = Runner(name, lm, lambda m=method, t=table: build_drafter(m, lm, dbs, recycle_table=t))
+            # and so do its answers: each method learns from its own (another method's answer to the
+            # same question would draft this one's whole)
+            index = AnswerIndex(dbs.model.sequences()) if model_layer.uses_answers(dbs.model) else None
+            runners[name] = Runner(name, lm, lambda m=method, t=table, i=index:
+                                   build_drafter(m, lm, dbs, recycle_table=t, answer_index=i))
     return runners
 
 

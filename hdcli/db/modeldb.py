@@ -1,13 +1,18 @@
 """The model DB: n-grams the target model itself tends to write.
 
 Built in two separate steps so that each can be re-run alone:
-  1. sample(): generate answers to a prompt set with the target model, batched (left padding),
-     appending every finished batch to a samples jsonl file. Batches are fixed by prompt index and
-     seeded by batch index, so an interrupted run resumed with `resume=True` produces exactly the
-     samples an uninterrupted run would have (a half-written batch is dropped and redone);
-  2. index(): count the samples' n-gram continuations into the same LMDB store format as the
+  1. sample(): generate answers to a prompt set with the target model (greedy by default: the
+     answer plain greedy decoding gives, which is what a greedy run will verify), appending every
+     finished batch to a samples jsonl file. On hd's own forward each answer is decoded with hd's
+     speculative decoding (exact: the same tokens as plain decoding, faster). Batches are fixed by
+     prompt index and seeded by batch index, and every sample records its prompt and the sampling
+     settings, so an interrupted run resumed with `resume=True` produces exactly the samples an
+     uninterrupted run would have (a half-written batch is dropped and redone), and a resume with
+     other prompts or settings is refused instead of mixing two runs;
+  2. index(): the answers kept whole (what the model layer's suffix index drafts from,
+     hdcli/drafting/model.py) and their n-gram continuations, in the same LMDB store format as the
      statistics DB (hdcli/db/stores.py, built by hdcli/db/statsdb.py), with kind "model".
-`hd generate --model-db DB --learn` later adds what the model generated (statsdb.add_counts).
+`hd generate --model-db DB --learn` later adds what the model generated (api.learn).
 """
 from __future__ import annotations
 
@@ -27,9 +32,20 @@ from ..errors import HdError
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "model_db_prompts.jsonl"
 
 
-def load_prompts(path: str | Path | None = None, num_prompts: int | None = None) -> tuple[list[str], str]:
-    """Prompts from a jsonl file (field `prompt`, first of `turns`, or `text`); returns
-    (prompts, source description)."""
+def load_prompts(path=None, num_prompts: int | None = None) -> tuple[list[str], str]:
+    """Prompts from jsonl files (field `prompt`, first of `turns`, or `text`): one path, a list of
+    paths (read in order), or None for the shipped set; returns (prompts, source description)."""
+    if isinstance(path, (list, tuple)):
+        if not path:
+            return load_prompts(None, num_prompts)
+        prompts, sources = [], []
+        for one in path:
+            got, src = load_prompts(one, None if num_prompts is None else num_prompts - len(prompts))
+            prompts += got
+            sources.append(src)
+            if num_prompts is not None and len(prompts) >= num_prompts:
+                break
+        return prompts, ", ".join(sources)
     path = Path(path) if path else DEFAULT_PROMPTS
     if not path.is_file():
         raise HdError(f"prompt file {path} does not exist" + ("" if path != DEFAULT_PROMPTS else
@@ -94,8 +110,11 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
     if samples_path.exists() and samples_path.stat().st_size and not resume:
         raise HdError(f"{samples_path} already holds samples: pass --resume to continue it, or "
                       "another --samples path")
+    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                "batch_size": batch_size, "seed": seed}
     if resume:
         recs = _read_samples(samples_path)
+        check_resume(samples_path, recs, prompts, settings)
         per_batch: dict[int, int] = {}
         for r in recs:
             per_batch[r["batch"]] = per_batch.get(r["batch"], 0) + 1
@@ -136,7 +155,8 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
                 cut = next((j for j, t in enumerate(gen) if t in eos), len(gen))
                 gen = gen[:cut]
                 new_tokens += len(gen)
-                f.write(json.dumps({"batch": b, "index": i, "prompt": prompts[i], "tokens": gen}) + "\n")
+                f.write(json.dumps({"batch": b, "index": i, "prompt": prompts[i], "tokens": gen,
+                                    "settings": settings}) + "\n")
             f.flush()
             os.fsync(f.fileno())
             ran += 1
@@ -147,6 +167,26 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
     return {"batches_run": ran, "new_tokens": new_tokens, "seconds": wall,
             "tokens_per_second": new_tokens / wall if wall else 0.0, "prompts_done": prompts_done,
             "prompts_total": len(prompts)}
+
+
+def check_resume(path: Path, recs: list[dict], prompts: list[str], settings: dict) -> None:
+    """Refuse to continue a samples file made with other prompts or sampling settings: resuming
+    would mix two runs into one DB whose header describes only the second."""
+    for r in recs:
+        old = r.get("settings")
+        if not isinstance(old, dict):
+            raise HdError(f"{path} was written by an older hd (its samples record no settings): "
+                          "start afresh with --overwrite or another --samples path")
+        differ = [k for k in settings if old.get(k) != settings[k]]
+        if differ:
+            was = ", ".join(f"{k} {old.get(k)!r} (now {settings[k]!r})" for k in differ)
+            raise HdError(f"cannot --resume {path}: its samples were made with {was}; resume with "
+                          "the same options, or start afresh with --overwrite")
+        i = r.get("index")
+        if not isinstance(i, int) or i >= len(prompts) or prompts[i] != r.get("prompt"):
+            raise HdError(f"cannot --resume {path}: its sample {i} was made for another prompt than "
+                          "this run's (another --prompts file or --num-prompts?); resume with the same "
+                          "prompts, or start afresh with --overwrite")
 
 
 def sample_tokens(samples_path: str | Path) -> Iterator[list[int]]:
@@ -160,7 +200,8 @@ def index(samples_path: str | Path, out: str | Path, tokenizer, model_name: str,
     samples_path = Path(samples_path)
     if not samples_path.is_file():
         raise HdError(f"samples file {samples_path} does not exist")
-    return statsdb.build(sample_tokens(samples_path), out, tokenizer, model_name, tokenized=True,
+    answers = list(sample_tokens(samples_path))
+    return statsdb.build(answers, out, tokenizer, model_name, tokenized=True, sequences=answers,
                          kind="model", overwrite=overwrite,
                          extra_header={"samples": str(samples_path), **(header or {})}, **params)
 
@@ -169,13 +210,21 @@ def _decode_each(lm, ids, width: int, pad: int, max_new_tokens: int, temperature
                  seed: int) -> torch.Tensor:
     """transformers' generate's output shape ([rows, width + new], prompts left-padded, answers
     padded after EOS) from hd's own decode loop, one prompt at a time (plain decoding: the model
-    DB holds what the target writes)."""
+    DB holds what the target writes), speculative: the default drafter (context DB and recycled
+    predictions) makes each answer faster and changes none of its tokens (greedy), or none of
+    their distribution (sampled)."""
+    from ..compose import DBs, build_drafter
+    from ..config import DecodingConfig
+    from ..drafting import RecycledTable
+    from ..engine import costs
     from ..engine.decode import Decoder
     from ..engine.verify import Sampling
     sampling = Sampling(temperature=temperature, top_p=top_p) if temperature > 0 else Sampling()
-    dec = Decoder(lm.model, lm.eos_ids)
+    cost, table = costs.curve_for(lm), RecycledTable()
     rows = []
     for i, x in enumerate(ids):
+        dec = Decoder(lm.model, lm.eos_ids, build_drafter(DecodingConfig(), lm, DBs(), recycle_table=table),
+                      cost=cost)
         got = dec.generate(x, max_new_tokens, sampling, seed=seed + i).tokens
         rows.append([pad] * (width - len(x)) + list(x) + got + [pad] * (max_new_tokens - len(got)))
     return torch.tensor(rows)

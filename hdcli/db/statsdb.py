@@ -236,9 +236,10 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
           shard: tuple[int, int] = (0, 1), chunk_tokens: int = CHUNK_TOKENS, partitions: int = 8,
           num_proc: int = 1, overwrite: bool = False, extra_header: dict | None = None,
           progress: Callable[[int, int], None] | None = None, tokenized: bool = False,
-          kind: str = "stats") -> dict:
+          kind: str = "stats", sequences: Iterable[list[int]] = ()) -> dict:
     """Count n-gram continuations of `texts` into a new store at `out`; returns its header.
     tokenized: `texts` are token-id lists already (the model DB's samples).
+    sequences: token lists also kept whole (a model DB's answers, stores.SEQ_PREFIX records).
     progress(documents, tokens) is called after every tokenised batch."""
     check_params(min_n, max_n, draft_len, top_k, min_count)
     sharded = shard[1] > 1
@@ -261,6 +262,13 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
                         for p in range(partitions))
         finally:
             spill.remove()
+        kept = 0
+        for seq in sequences:
+            if len(seq):
+                writer.put(stores.sequence_key(kept), np.asarray(seq, dtype="<u4").tobytes())
+                kept += 1
+        if kept:
+            extra_header = {**(extra_header or {}), "sequences": kept}
         header = writer.commit(header_for(
             kind=kind, model_name=model_name, tokenizer=tokenizer, min_n=min_n, max_n=max_n,
             draft_len=draft_len, top_k=top_k, min_count=min_count, shard=shard, documents=docs,

@@ -27,7 +27,11 @@ Invariants
     every input's digest before its output is renamed into place;
   * a file shorter than LMDB's last page (a truncated copy) is refused on open, before any page is
     touched: reading past the end of a memory map is SIGBUS, not an exception;
-  * files are created with the mode the umask gives (0666 & ~umask), like any other output.
+  * files are created with the mode the umask gives (0666 & ~umask), like any other output;
+  * a model DB also holds the target's answers whole (what its suffix index drafts from,
+    hdcli/drafting/model.py): SEQ_PREFIX + 8-byte big-endian index -> <u4 tokens. The key is 18
+    bytes (not a multiple of 4: never an n-gram key), indices run 0 .. header["sequences"] - 1
+    in the order the answers were written, and they count in `keys` and the digest like any record.
 Reads go through LMDB's memory map with `buffers=True`: a lookup parses the mapped bytes in place.
 A damaged page found while reading raises HdError (one line naming the file and `hd db verify`).
 """
@@ -52,6 +56,15 @@ HEADER_KEY = b"__hd_header__"   # 13 bytes: never a multiple of 4
 PAD = 0xFFFFFFFF
 INITIAL_MAP_SIZE = 1 << 28     # 256 MiB; doubled whenever LMDB reports the map full
 DIGEST_MOD = 1 << 128
+SEQ_PREFIX = b"__hd_seq__"      # + 8-byte index: 18 bytes, never a multiple of 4
+
+
+def sequence_key(index: int) -> bytes:
+    return SEQ_PREFIX + int(index).to_bytes(8, "big")
+
+
+def is_sequence_key(key) -> bool:
+    return len(key) == len(SEQ_PREFIX) + 8 and bytes(key[:len(SEQ_PREFIX)]) == SEQ_PREFIX
 
 
 def record_hash(key, value) -> int:
@@ -421,6 +434,8 @@ class Store:
                     if check:
                         total += record_hash(k, v)
                         keys += 1
+                    if is_sequence_key(k):
+                        continue  # an answer kept whole, not an n-gram
                     yield k, decode_value(v, self.draft_len)
         except lmdb.Error as exc:
             raise damaged(self.path, exc) from None
@@ -450,6 +465,10 @@ class Store:
                     keys += 1
                     total += record_hash(k, v)
                     words = len(v) // 4
+                    if is_sequence_key(k):
+                        if (len(v) % 4 or not words) and len(problems) < 5:
+                            problems.append(f"record {keys} (a stored answer) is malformed")
+                        continue
                     if (len(k) % 4 or not self.min_n <= len(k) // 4 <= self.max_n or len(v) % 4
                             or words < 1 or (words - 1) % width) and len(problems) < 5:
                         problems.append(f"record {keys} has a malformed key or value")
@@ -461,6 +480,51 @@ class Store:
             problems.append(problem)
         return {"path": str(self.path), "ok": not problems, "records": keys, "content_digest": digest,
                 "header_digest": self.header.get("content_digest"), "problems": problems}
+
+    @property
+    def sequence_count(self) -> int:
+        return int(self.header.get("sequences", 0) or 0)
+
+    def sequences(self) -> Iterator[np.ndarray]:
+        """The answers kept whole (a model DB's), oldest first, as <u4 arrays (copies)."""
+        lmdb = _lmdb()
+        try:
+            with self.env.begin(buffers=True) as txn:
+                cur = txn.cursor()
+                if not cur.set_range(SEQ_PREFIX):
+                    return
+                for k, v in cur:
+                    if not is_sequence_key(k):
+                        break
+                    if len(v) % 4:
+                        raise HdError(f"{self.path} holds a malformed answer record: run `hd db verify "
+                                      f"{self.path}`, then rebuild it")
+                    yield np.frombuffer(bytes(v), dtype="<u4")
+        except lmdb.Error as exc:
+            raise damaged(self.path, exc) from None
+
+    def add_sequences(self, seqs) -> int:
+        """Append answers (token lists) in one write transaction, keeping the header's key count,
+        sequence count and content digest current. Returns how many were added."""
+        seqs = [np.asarray(s, dtype="<u4") for s in seqs if len(s)]
+        if not seqs:
+            return 0
+
+        def write(txn):
+            header = read_header(txn)
+            first = int(header.get("sequences", 0) or 0)
+            digest = int(header.get("content_digest", "0"), 16)
+            for i, arr in enumerate(seqs):
+                k, v = sequence_key(first + i), arr.tobytes()
+                txn.put(k, v)
+                digest += record_hash(k, v)
+            if "content_digest" in header:
+                header["content_digest"] = digest_hex(digest)
+            header["sequences"] = first + len(seqs)
+            header["keys"] = header.get("keys", 0) + len(seqs)
+            write_header(txn, header)
+        self.update(write)
+        return len(seqs)
 
     def size_info(self) -> dict:
         st = self.env.stat()

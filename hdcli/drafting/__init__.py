@@ -5,19 +5,21 @@ them (the engine's Drafter, hdcli/engine/draft.py).
     hierarchy.py   Hierarchy (asks the layers, policies first-hit/fill/adaptive), AcceptanceTracker
     context.py     `context`: n-grams of the current request (prompt lookup)
     recycle.py     `recycle`: the target's own predictions from earlier forwards
-    db_layers.py   `model` and `stats`: continuations from an n-gram store (LMDB)
+    model.py       `model`: the target's own earlier answers (a model DB), matched on long suffixes
+    db_layers.py   `stats`: continuations from an n-gram store (LMDB); a model DB's n-gram table
     suffix.py      SuffixDecoding's drafts (arctic-inference): a peer `hd bench` runs, not a layer
 
 The imports below register the layers, in the order of the default hierarchy.
 """
 from ..engine.draft import Draft, base_name, bucket
-from . import context, recycle, db_layers  # noqa: F401  (registration order = default order)
+from . import context, recycle, model, db_layers  # noqa: F401  (registration order = default order)
 from .context import ContextDB
 from .db_layers import StatsDB
+from .model import AnswerIndex, AnswerLayer
 from .hierarchy import DEFAULT_PRIOR, AcceptanceTracker, Hierarchy, Layer
 from .recycle import RecycledLayer, RecycledTable
 from .registry import PRIOR_RATES, LayerInputs, LayerSpec, build_layers, default_layers, register
 
-__all__ = ["Draft", "base_name", "bucket", "ContextDB", "StatsDB", "DEFAULT_PRIOR", "AcceptanceTracker",
+__all__ = ["Draft", "base_name", "bucket", "ContextDB", "StatsDB", "AnswerIndex", "AnswerLayer", "DEFAULT_PRIOR", "AcceptanceTracker",
            "Hierarchy", "Layer", "RecycledLayer", "RecycledTable", "PRIOR_RATES", "LayerInputs",
            "LayerSpec", "build_layers", "default_layers", "register"]

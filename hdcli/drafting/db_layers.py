@@ -1,4 +1,4 @@
-"""The statistics DB and model DB layers: continuations looked up in an n-gram store (LMDB)."""
+"""The statistics DB layer (and a model DB's n-gram table): continuations looked up in an n-gram store (LMDB)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -75,14 +75,7 @@ class StatsDB:
 
 
 
-NEEDS_MODEL_DB = ("model_db", "a model DB: pass --model-db PATH")
 NEEDS_STATS_DB = ("stats_dbs", "a statistics DB: pass --stats-db PATH")
-
-
-def _model_layers(s) -> list:
-    if s.model_db is None:
-        raise HdError(f"layer 'model' needs {NEEDS_MODEL_DB[1]}")
-    return [StatsDB(s.model_db, name="model", min_prob=s.min_prob, min_expected=s.min_expected)]
 
 
 def _stats_layers(s) -> list:
@@ -92,9 +85,6 @@ def _stats_layers(s) -> list:
                     min_prob=s.min_prob, min_expected=s.min_expected) for db in s.stats_dbs]
 
 
-register(LayerSpec(
-    name="model", prior=(0.1, 0.4, 0.4, 0.6), style="cyan", short="mdl", help="model DB only",
-    build=_model_layers, in_default=lambda s: s.model_db is not None, needs=NEEDS_MODEL_DB))
 register(LayerSpec(
     name="stats", prior=(0.1, 0.3, 0.45, 0.55), style="magenta", short="st",
     help="statistics DB only (corpus retrieval, REST-like)",

@@ -1,0 +1,149 @@
+"""The model DB layer: what the target itself wrote before, matched on long suffixes.
+
+A model DB (hd build-model-db) keeps the target's answers whole. They go into one suffix tree
+(arctic-inference's, the structure of SuffixDecoding) held in memory for the life of the process;
+each step the longest suffix of the history (up to `depth` tokens) that occurs in those answers
+is matched, and the tree of what followed it, weighted by how often, is drafted. A long match
+seen once is strong evidence: the target's greedy answer to a similar request continues the way
+it did before, so a single observation of a 20-token match drafts with probability 1, where the
+n-gram tables (keys of at most 4 tokens) discount it (db_layers.StatsDB). Replay and Spec-Bench
+runs measured the suffix index ahead of the n-gram table on the same answers
+(docs/benchmarks.md, "A model DB that drafts").
+
+The index also grows with every answer generated in this process (each layer adds its request's
+tokens as they are accepted), so what one request taught is drafted for the next, as
+SuffixDecoding's global tree does; `--learn` also writes finished answers into the DB file
+(api.learn) so they are there after a restart.
+
+Where arctic-inference is not installed, or the DB keeps no answers (built by an older hd), the
+layer is the n-gram table of the same DB (db_layers.StatsDB), as before.
+
+Parameters (AnswerIndex)
+  depth            longest suffix matched (SuffixDecoding's max_tree_depth)
+  min_token_prob   a drafted token's estimated probability (count of the continuation / count of
+                   the match) at least this, along the whole path
+  max_spec_factor  at most factor * match length tokens drafted: a short match drafts little
+  max_answers      answers kept; beyond it the oldest are dropped first (FIFO, the library's)
+Invariants
+  the index holds every answer of the DB (in file order) followed by the answers of this process;
+  each AnswerLayer appends its request's accepted tokens to one answer of its own, which is
+  closed (stays in the index, takes no more tokens) when the layer is garbage collected.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Sequence
+
+from .registry import LayerSpec, register
+from ..errors import HdError
+
+NEEDS_MODEL_DB = ("model_db", "a model DB: pass --model-db PATH")
+
+
+def available() -> bool:
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+class AnswerIndex:
+    """The target's answers in one suffix tree (arctic-inference's SuffixDecodingCache, whose
+    global tree holds the responses of its requests; one request with an empty prompt is kept
+    open to ask it)."""
+
+    def __init__(self, answers=(), depth: int = 24, min_token_prob: float = 0.1,
+                 max_spec_factor: float = 1.0, max_answers: int = 1 << 20):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+        self.depth, self.min_token_prob, self.max_spec_factor = depth, min_token_prob, max_spec_factor
+        self.cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=max_answers)
+        self._ids = itertools.count()
+        self.answers = self.tokens = 0
+        for a in answers:
+            self.add(a)
+        self._query = self.open()
+
+    def open(self):
+        """A new answer, empty: append to it with append(id, tokens)."""
+        rid = next(self._ids)
+        self.cache.start_request(rid, [])
+        self.answers += 1
+        return rid
+
+    def append(self, rid, tokens: Sequence[int]) -> None:
+        if tokens and rid in self.cache.active_requests:
+            self.cache.add_active_response(rid, [int(t) for t in tokens])
+            self.tokens += len(tokens)
+
+    def close(self, rid) -> None:
+        if rid in self.cache.active_requests:
+            self.cache.stop_request(rid)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        rid = self.open()
+        self.append(rid, list(tokens))
+        self.close(rid)
+
+    def propose(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]:
+        from .suffix import tree_paths
+        if max_len <= 0 or not history:
+            return []
+        d = self.cache.speculate(self._query, [int(t) for t in history[-self.depth:]],
+                                 max_spec_tokens=max_len, max_spec_factor=self.max_spec_factor,
+                                 max_spec_offset=0.0, min_token_prob=self.min_token_prob,
+                                 use_tree_spec=True)
+        return tree_paths(d.token_ids, d.parents)[:max_candidates]
+
+
+def index_for(store) -> AnswerIndex:
+    """The one AnswerIndex of an open model DB (built on first use, kept on the Store object)."""
+    index = getattr(store, "answer_index", None)
+    if index is None:
+        index = AnswerIndex(store.sequences())
+        store.answer_index = index
+    return index
+
+
+class AnswerLayer:
+    """Drafts from an AnswerIndex and adds its request's answer to it."""
+
+    name = "model"
+
+    def __init__(self, index: AnswerIndex):
+        self.index = index
+        self.answer = None
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        if self.answer is not None:
+            self.index.close(self.answer)
+        self.answer = self.index.open()
+        weakref.finalize(self, self.index.close, self.answer)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if self.answer is not None:
+            self.index.append(self.answer, tokens)
+
+    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+        return self.index.propose(history, max_len, max_candidates)
+
+
+def uses_answers(store) -> bool:
+    """Whether the model layer of this DB drafts from its answers (else from its n-gram table)."""
+    return store is not None and store.sequence_count > 0 and available()
+
+
+def _model_layers(s) -> list:
+    from .db_layers import StatsDB
+    if s.model_db is None:
+        raise HdError(f"layer 'model' needs {NEEDS_MODEL_DB[1]}")
+    if uses_answers(s.model_db):
+        return [AnswerLayer(s.answer_index or index_for(s.model_db))]
+    return [StatsDB(s.model_db, name="model", min_prob=s.min_prob, min_expected=s.min_expected)]
+
+
+register(LayerSpec(
+    name="model", prior=(0.1, 0.4, 0.4, 0.6), style="cyan", short="mdl",
+    help="model DB only (the target's own earlier answers, matched on long suffixes)",
+    build=_model_layers, in_default=lambda s: s.model_db is not None, needs=NEEDS_MODEL_DB))
