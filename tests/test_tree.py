@@ -279,3 +279,47 @@ def test_drafting_defaults_follow_the_measured_verification_cost(tiny_lm, monkey
         assert api.cheap_verification(tiny_lm) is cheap
         context = api.make_drafter(["context"], cheap_verify=cheap).layers[0]
         assert context.min_n == (1 if cheap else 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_tokens_first_is_argmax_even_on_ties_and_logits_stay(dtype):
+    """The decoder's one top-k per step: the first is exactly argmax's (lowest index among equal
+    maxima: greedy acceptance depends on it), the next the best of the rest, and the logits are
+    not touched (an fp32 tensor converts to itself: masking it in place would corrupt them)."""
+    from hdcli.engine.verify import top_tokens
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=g).to(dtype)
+    x[1, 700] = x[1, 20] = 9.0          # a tie for the best: 20 first
+    x[2, 5] = 9.0
+    x[2, 6] = 8.0                       # best 5, second 6
+    before = x.clone()
+    top = top_tokens(x, 2)
+    assert [t[0] for t in top] == x.float().argmax(-1).tolist()
+    assert top[1] == [20, 700] and top[2] == [5, 6]
+    for row, (a, b) in zip(x.float(), top):
+        assert a != b and row[b] == row.scatter(0, torch.tensor([a]), float("-inf")).max()
+    assert torch.equal(x, before)
+    assert top_tokens(x, 1) == [[t[0]] for t in top]
+
+
+def test_one_stream_cap_is_the_joint_cap_of_one_stream():
+    """cap_by_cost's one-stream path (the decode loop's) keeps exactly what cap_jointly keeps for
+    one tree, over random trees, estimates and cost curves (ties included: estimates are coarse)."""
+    import random
+    from hdcli.engine.tree import _cap_one
+    rng = random.Random(0)
+    curves = [costs.flat(1.0), costs.CostCurve({1: 1.0, 2: 1.02, 4: 1.12, 8: 1.48, 16: 2.3, 64: 7.3}),
+              costs.CostCurve({1: 1.0, 8: 1.3, 64: 4.0}, branch=0.3), lambda w: 1.0 + 0.2 * (w - 1)]
+    differ = 0
+    for trial in range(300):
+        t = Tree()
+        for c in range(rng.randint(1, 5)):
+            t.add_candidate([rng.randint(0, 4) for _ in range(rng.randint(1, 6))], rng.choice("abc"))
+        rates = {k: rng.choice([0.05, 0.3, 0.5, 0.9]) for k in "abc"}
+        est = node_estimates(t, lambda layer, depth, first: rates[layer] if first else rates[layer] / 2)
+        for cost in curves:
+            m = rng.randint(1, 12)
+            one, joint = _cap_one(t, est, cost, m), cap_jointly([t], [est], cost, m + 1)[0]
+            assert one == joint
+            differ += len(one) != len(t.tokens)
+    assert differ > 100  # the caps did cut trees: the comparison was not vacuous

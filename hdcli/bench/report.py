@@ -71,6 +71,8 @@ def tables(report: dict) -> Table:
     cats = list(next(iter(methods.values()))["categories"])
     grid = Table.grid()
     grid.add_row(t)
+    if any(len(f["overall"]["layers"]) > 1 for f in methods.values()):
+        grid.add_row(layer_table(methods))
     for key, base in [("speedup", "ar")] + bases:
         c = Table(title=f"speedup over {base} by category", box=box.SIMPLE_HEAD, pad_edge=False)
         c.add_column("method")
@@ -80,6 +82,27 @@ def tables(report: dict) -> Table:
             c.add_row(m, *[f"{f['categories'][cat][key]:.2f}x" for cat in cats])
         grid.add_row(c)
     return grid
+
+
+def layer_table(methods: dict) -> Table:
+    """Each layer's part in each drafting method: tokens it added that no layer asked before it
+    drafted (a token two layers drafted is the earlier one's tree node), drafts it spent, time it
+    spent."""
+    t = Table(title="what each layer adds (tokens accepted that no earlier layer drafted) and costs",
+              caption="drafted: its tree nodes verified · kept: accepted / drafted · ms: its time per "
+                      "decode step (propose, and record for recycle) · time: share of the steps' time",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("method", "layer", "accepted", "share", "drafted", "kept", "ms", "time"):
+        t.add_column(col, justify="left" if col in ("method", "layer") else "right", no_wrap=True)
+    for m, f in methods.items():
+        layers = f["overall"]["layers"]
+        if len(layers) < 2:
+            continue
+        for i, (name, v) in enumerate(layers.items()):
+            t.add_row(m if i == 0 else "", short_name(name), str(v["accepted"]),
+                      f"{v['share_of_accepted']:.0%}", str(v["drafted"]), f"{v['acceptance_rate']:.0%}",
+                      f"{v.get('ms_per_step', 0.0):.2f}", f"{v.get('share_of_time', 0.0):.1%}")
+    return t
 
 
 def chart(report: dict, path: Path) -> None:

@@ -44,6 +44,8 @@ def _db_methods() -> dict[str, dict]:
     single = {n: {"layers": [n], "policy": "first-hit", "candidates": 1} for n in registry.LAYERS}
     return {"ar": {"layers": []}, **single,
             "context+recycle": {"layers": ["context", "recycle"]},
+            "context+recycle+model": {"layers": ["context", "recycle", "model"]},
+            "context+recycle+stats": {"layers": ["context", "recycle", "stats"]},
             "hd": {}, "hd-chain": {"candidates": 1}, "hd-first-hit": {"policy": "first-hit"},
             "hd-fill": {"policy": "fill"}, "hd-adaptive": {"policy": "adaptive"}}
 
@@ -57,6 +59,8 @@ METHOD_HELP = {
     "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
     **{n: spec.help for n, spec in registry.LAYERS.items()},
     "context+recycle": "context DB, then recycled predictions, token trees (hd generate's default without DBs)",
+    "context+recycle+model": "context DB, recycled predictions, then the model DB (an ablation of hd)",
+    "context+recycle+stats": "context DB, recycled predictions, then the statistics DB (an ablation of hd)",
     "hd": f"context DB, recycled predictions and every DB given, {DEFAULT_POLICY} policy, token trees of up to "
           f"{DEFAULT_CANDIDATES} candidates",
     "hd-chain": "every layer, default policy, one candidate (single-chain verification)",
@@ -255,12 +259,13 @@ def summarize(results: dict, greedy: bool = True) -> dict:
         ref = [(q, turns) for q, turns in base if keep(q)]
         tps, ar_tps = tps_of(rows), tps_of(ref)
         steps = [a for _, turns in rows for t in turns for a in t.accept_lengths]
+        step_time = sum(t.forward_seconds + t.overhead_seconds for _, turns in rows for t in turns)
         layers: dict[str, dict] = {}
         for _, turns in rows:
             for t in turns:
                 for name, ls in t.layers.items():
                     agg = layers.setdefault(name, {"queries": 0, "hits": 0, "candidates": 0, "won": 0,
-                                                   "drafted": 0, "accepted": 0})
+                                                   "drafted": 0, "accepted": 0, "seconds": 0.0})
                     for k in agg:
                         agg[k] += ls.get(k, 0)
         total_acc = sum(v["accepted"] for v in layers.values())
@@ -268,6 +273,9 @@ def summarize(results: dict, greedy: bool = True) -> dict:
             v["hit_rate"] = v["hits"] / v["queries"] if v["queries"] else 0.0
             v["acceptance_rate"] = v["accepted"] / v["drafted"] if v["drafted"] else 0.0
             v["share_of_accepted"] = v["accepted"] / total_acc if total_acc else 0.0
+            # its cost: time per decode step, and share of the steps' time (forward included)
+            v["ms_per_step"] = 1000 * v["seconds"] / len(steps) if steps else 0.0
+            v["share_of_time"] = v["seconds"] / step_time if step_time else 0.0
         diffs = [_first_difference(turns, r) for (_, turns), (_, r) in zip(rows, ref)]
         fwd = sum(t.forward_seconds for _, turns in rows for t in turns)
         over = sum(t.overhead_seconds for _, turns in rows for t in turns)

@@ -17,6 +17,7 @@ colouring can be kept per layer. It is the engine's Drafter (hdcli.engine.draft)
 """
 from __future__ import annotations
 
+import time
 from typing import Protocol, Sequence
 
 from ..engine.draft import Draft, base_name, bucket
@@ -108,6 +109,7 @@ class Hierarchy:
         else:
             self.lengths, self.draft_len = dict(draft_len), default_len
         self.tracker = AcceptanceTracker(priors)
+        self._priors: dict[tuple, float] = {}
 
     def layer_len(self, name: str) -> int:
         return self.lengths.get(name, self.lengths.get(base_name(name), self.draft_len))
@@ -120,7 +122,11 @@ class Hierarchy:
         b = bucket(depth, first_child)
         if self.policy == "adaptive":
             return self.tracker.rate(layer, b)
-        return self.tracker.prior(layer, b)
+        key = (layer, b)   # the priors never change: asked for every tree node of every step
+        got = self._priors.get(key)
+        if got is None:
+            got = self._priors[key] = self.tracker.prior(layer, b)
+        return got
 
     def depth_for(self, layer: str, floor: float = 1 / 8) -> int:
         """How deep a first-choice candidate of this layer stays likely: while the chance of
@@ -146,11 +152,21 @@ class Hierarchy:
         """What the last verification reached and kept, per layer (feeds `adaptive`)."""
         self.tracker.update(tested, accepted)
 
-    def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int], logits) -> None:
-        """A verification forward's rows (see RecycledTable.record), for layers that learn from them."""
+    def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int],
+               top: Sequence[Sequence[int]], stats=None) -> None:
+        """A verification forward's predictions (see RecycledTable.record), for layers that learn
+        from them: top[i] is node i's best tokens, best first (record_k of them)."""
         for layer in self.layers:
             if hasattr(layer, "record"):
-                layer.record(before, tokens, parents, logits)
+                t0 = time.perf_counter()
+                layer.record(before, tokens, parents, top)
+                if stats is not None:
+                    stats.layer(layer.name).seconds += time.perf_counter() - t0
+
+    @property
+    def record_k(self) -> int:
+        """How many best tokens per node the recording layers keep."""
+        return max([getattr(layer, "top_k", 1) for layer in self.layers if hasattr(layer, "record")] or [1])
 
     @property
     def records(self) -> bool:
@@ -158,9 +174,10 @@ class Hierarchy:
 
     def _ask(self, layer, history, max_len, slots, stats) -> list[Draft]:
         length = min(max_len, self.layer_len(layer.name))
+        t0 = time.perf_counter()
         cands = layer.propose(history, length, slots) if length > 0 and slots > 0 else []
         if stats is not None:
-            stats.layer(layer.name).record_query(cands)
+            stats.layer(layer.name).record_query(cands, time.perf_counter() - t0)
         return [Draft(tuple(c), layer.name) for c in cands]
 
     def propose(self, history: Sequence[int], max_len: int | None = None,

@@ -27,14 +27,16 @@ class RecycledTable:
         self.bigram: dict[tuple[int, int], tuple[int, ...]] = {}
         self.unigram: dict[int, tuple[int, ...]] = {}
 
-    def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int], logits) -> None:
+    def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int],
+               top: Sequence[Sequence[int]]) -> None:
         """tokens/parents: a forward's input nodes (parents[0] = -1: the node follows `before`),
-        logits: its [nodes, V] output rows."""
-        top = logits.topk(self.top_k, dim=-1).indices.tolist()
+        top: each node's best next tokens by the target, best first (verify.top_tokens of its
+        output rows; the decoder computes them once for acceptance and for this)."""
         prev0 = before[-1] if before else -1
+        k = self.top_k
         for i, t in enumerate(tokens):
             a = prev0 if parents[i] < 0 else tokens[parents[i]]
-            self.bigram[(a, t)] = self.unigram[t] = tuple(top[i])
+            self.bigram[(a, t)] = self.unigram[t] = tuple(top[i][:k])
 
     def next(self, a: int, b: int) -> tuple[int, ...]:
         return self.bigram.get((a, b)) or self.unigram.get(b, ())
@@ -57,8 +59,12 @@ class RecycledLayer:
     def extend(self, tokens: Sequence[int]) -> None:
         pass
 
-    def record(self, before, tokens, parents, logits) -> None:
-        self.table.record(before, tokens, parents, logits)
+    @property
+    def top_k(self) -> int:
+        return self.table.top_k
+
+    def record(self, before, tokens, parents, top) -> None:
+        self.table.record(before, tokens, parents, top)
 
     def _walk(self, a: int, b: int, max_len: int) -> list[int]:
         out: list[int] = []

@@ -67,10 +67,17 @@ class CostCurve:
         self.widths = sorted(int(w) for w in points)
         self.costs = [float(points[w]) for w in self.widths]
         self.info = dict(info or {})  # how and when it was measured (cache records)
+        self._memo: dict[int, float] = {}  # w -> cost(w): asked every step by the tree cap
         if self.widths[0] != 1:
             raise ValueError("a cost curve starts at width 1")
 
     def __call__(self, w: int) -> float:
+        got = self._memo.get(w)
+        if got is None:
+            got = self._memo[w] = self._interpolate(w)
+        return got
+
+    def _interpolate(self, w: int) -> float:
         ws, cs = self.widths, self.costs
         if w <= ws[0]:
             return cs[0]

@@ -26,7 +26,7 @@ from .draft import Drafter
 from .stats import RunStats
 from .costs import CostCurve
 from .tree import Tree, build_tree, keep_path, new_cache, node_estimates, reached, supports_trees, tree_forward
-from .verify import Sampling, accept_chain_q, accept_tree
+from .verify import Sampling, accept_chain_q, accept_tree, top_tokens
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
 # of the layer that drafted it (None for the target's own token).
@@ -195,14 +195,19 @@ class Stream:
         t2 = time.perf_counter()
         stats.forward_seconds += t2 - self._t_drafted
         past = len(history) - 1            # cache length before this step
-        if drafter is not None and getattr(drafter, "records", False):
-            # the target's predictions at every node, for layers that recycle them
-            drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, logits)
-        if self._q_rows is not None and not self.sampling.greedy:
+        records = drafter is not None and getattr(drafter, "records", False)
+        greedy = self.sampling.greedy
+        # each node's best tokens, computed once: greedy acceptance takes the first, layers that
+        # recycle the target's predictions take as many as they keep
+        top = top_tokens(logits, max(1, drafter.record_k) if records else 1) if greedy or records else None
+        if records:
+            drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, top, stats)
+        if self._q_rows is not None and not greedy:
             n, nxt = accept_chain_q(logits, tree.tokens[1:], self._q_rows, self.sampling, self.gen)
             path = list(range(1, n + 1))
         else:
-            path, nxt = accept_tree(logits, tree, self.sampling, self.gen)
+            path, nxt = accept_tree(logits, tree, self.sampling, self.gen,
+                                    targets=[t[0] for t in top] if greedy else None)
         keep_path(self.cache, past, path)     # the root and the accepted path only
         if tree.size():
             self._record(tree, path)

@@ -9,8 +9,9 @@ and hdcli.hsd.stack (draft models stacked over it) implement it.
         def propose(self, history, max_len, stats) -> list[Draft]   # best first
         def rate(self, layer, depth, first_child) -> float   # per-token acceptance estimate
         def observe(self, tested, accepted) -> None          # what the last verification kept
-        records: bool                                        # wants every forward's rows ...
-        def record(self, before, tokens, parents, logits)    # ... given here
+        records: bool                                        # wants every forward's predictions ...
+        record_k: int                                        # ... this many best tokens per node,
+        def record(self, before, tokens, parents, top, stats)  # ... given here (top[i], best first)
 
 Invariant: a drafter proposes; only the target's verification decides what is kept, so no
 drafter can change greedy output (tests/test_exactness.py, tests/test_tree.py).

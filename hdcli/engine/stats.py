@@ -20,9 +20,13 @@ class LayerStats:
     won: int = 0         # steps whose accepted path ended in a node it drafted
     drafted: int = 0     # its tokens sent to the target for verification (tree nodes it created)
     accepted: int = 0    # its tokens the target kept
+    # Under the tree merge a token two layers drafted is the earlier layer's node, so `drafted`
+    # and `accepted` are what this layer adds beyond the layers asked before it (its marginal part).
+    seconds: float = 0.0  # time in its propose (and, for layers that learn from forwards, record)
 
-    def record_query(self, cands) -> None:
+    def record_query(self, cands, seconds: float = 0.0) -> None:
         self.queries += 1
+        self.seconds += seconds
         if cands:
             self.hits += 1
             self.candidates += len(cands)

@@ -141,8 +141,34 @@ def cap_by_cost(tree: Tree, est: Sequence[float], cost: Callable[[int], float],
 
     A child's estimate never exceeds its parent's and ties go to the lower index (the parent),
     so every prefix of the ranking is closed under parent and is a tree."""
-    keep = cap_jointly([tree], [est], cost, max_nodes + 1)[0]
+    keep = _cap_one(tree, est, cost, max_nodes)
     return tree if len(keep) == len(tree.tokens) else tree.subtree(keep)
+
+
+def _cap_one(tree: Tree, est: Sequence[float], cost: Callable[[int], float], max_nodes: int) -> list[int]:
+    """cap_jointly for one stream (the decode loop's every step), without its per-stream lists:
+    the same two rankings, the same value per prefix, the same choice (tests/test_tree.py checks
+    the two agree)."""
+    forward = getattr(cost, "forward", None)
+    price = (lambda rows, branched: cost(rows)) if forward is None else (lambda rows, branched: forward(rows, 1, branched))
+    parents = tree.parents
+    everything = sorted((-est[i], i) for i in range(1, len(tree.tokens)))[:max_nodes]
+    chain = sorted((-est[i], i) for i in _best_chain(tree, est))[:max_nodes]
+    best, keep = None, []
+    for order in (everything, chain):
+        value, k, gain = 1.0 / price(1, 0), 0, 1.0
+        kids = [0] * len(tree.tokens)
+        branched = False
+        for j, (_, i) in enumerate(order, start=1):
+            gain += est[i]
+            kids[parents[i]] += 1
+            branched = branched or kids[parents[i]] > 1
+            v = gain / price(1 + j, 1 + j if branched else 0)
+            if v > value:
+                value, k = v, j
+        if best is None or value > best:
+            best, keep = value, [i for _, i in order[:k]]
+    return [0] + keep
 
 
 def cap_jointly(trees: Sequence[Tree], ests: Sequence[Sequence[float]], cost: Callable[[int], float],
