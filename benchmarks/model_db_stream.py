@@ -1,8 +1,9 @@
 """The model DB over a stream of related requests: does its share of accepted tokens rise as it learns?
 
-A stream of `--requests` related requests (by default GSM8K-style word problems from the corpus's
-`gsm8k_train.jsonl`, taken from its end so that none is among the prompts a model DB built from the
-file's start saw) is decoded by hd's default hierarchy with a model DB, greedy, in two arms run one
+A stream of `--requests` related requests is decoded: `--stream template` (the default) is what an
+app sends, one prompt template filled with different values (here: 40 small Python functions on a
+list of numbers); `--stream FILE.jsonl` takes the last prompts of a file (e.g. GSM8K-style word
+problems from the corpus's `gsm8k_train.jsonl`: related by topic only). The stream is by hd's default hierarchy with a model DB, greedy, in two arms run one
 after the other on each request:
   learning  one index for the whole stream: each answer joins the model layer's index as it is
             written (what `hd serve` and a long-running process do; --learn also keeps it on disk);
@@ -32,19 +33,35 @@ from hdcli.drafting import AnswerIndex, RecycledTable, StatsDB
 from common import command_line, machine, write_result
 
 
+TEMPLATE = "Write a Python function that returns the {} of a list of numbers. Add a docstring and one example call."
+TASKS = ["sum", "product", "largest value", "smallest value", "mean", "median", "range", "variance",
+         "number of even values", "number of odd values", "sum of squares", "product of the positive values",
+         "second largest value", "second smallest value", "number of negative values", "largest even value",
+         "smallest odd value", "sum of absolute values", "mean of the positive values", "number of zeros",
+         "sorted copy", "reversed copy", "unique values", "running totals", "differences between neighbours",
+         "index of the largest value", "index of the smallest value", "first repeated value",
+         "length of the longest increasing run", "number of distinct values", "most common value",
+         "geometric mean", "harmonic mean", "standard deviation", "sum of cubes",
+         "number of values above the mean", "largest gap between neighbours", "value closest to zero",
+         "sum of the values at even positions", "average of the first and last value"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-db", required=True)
     ap.add_argument("--stats-db", action="append", default=[])
-    ap.add_argument("--prompts", default="../shared/corpora/gsm8k_train.jsonl",
-                    help="jsonl with `prompt`; the stream is its last --requests prompts")
+    ap.add_argument("--stream", default="template",
+                    help="'template', or a jsonl with `prompt` whose last --requests prompts are the stream")
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    lines = [json.loads(x) for x in Path(args.prompts).read_text(encoding="utf-8").splitlines() if x.strip()]
-    stream = [r["prompt"] for r in lines[-args.requests:]]
+    if args.stream == "template":
+        stream = [TEMPLATE.format(what) for what in TASKS][:args.requests]
+    else:
+        lines = [json.loads(x) for x in Path(args.stream).read_text(encoding="utf-8").split("\n") if x.strip()]
+        stream = [r["prompt"] for r in lines[-args.requests:]]
     cfg = DecodingConfig(model_db=args.model_db, stats_dbs=args.stats_db, max_new_tokens=args.max_new_tokens)
     lm = api.load_model_for(cfg, quiet=True)
     dbs = open_dbs(cfg, lm)

@@ -247,6 +247,9 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
             "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
             "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "plan": cfg.plan,
             "sampling": vars(cfg.sampling) | {"seed": cfg.seed}, "config": used.to_dict(), **res.to_dict()}
+    if run.dbs.model is not None:  # what the model layer drafts from (drafting/model.py)
+        from .drafting import model as model_layer
+        data["model_db_index"] = "answers" if model_layer.uses_answers(run.dbs.model) else "ngrams"
     if hasattr(run.drafter, "level_stats"):
         data["levels"] = run.drafter.level_stats()
     if cfg.learn:

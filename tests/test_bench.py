@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,16 @@ def test_spec_bench_bad_input(tiny_model_dir, spec_file, tmp_path):
     assert isinstance(r, HdError) and "turns" in str(r) and "bad.jsonl:1" in str(r)
     r = run("bench", "report", str(tmp_path))
     assert isinstance(r, HdError) and "summary.json" in str(r)
+
+
+def test_a_question_file_of_ones_own_categories_is_selected_in_file_order():
+    """`hd bench spec-bench --data mine.jsonl` with categories Spec-Bench does not have (the user-like
+    questions of benchmarks/prompts/user_questions.jsonl): every category runs, in file order."""
+    from hdcli.bench import specbench
+    qs = [{"question_id": i, "category": c, "subcategory": c, "turns": ["q"]}
+          for i, c in enumerate(["code", "math", "code", "qa", "chat", "math"])]
+    got = specbench.select(qs, 1)
+    assert [q["category"] for q in got] == ["qa", "code", "math", "chat"]
+    assert len(specbench.select(qs)) == 6
+    shipped = specbench.load(Path(__file__).resolve().parents[1] / "benchmarks/prompts/user_questions.jsonl")
+    assert [q["category"] for q in specbench.select(shipped, 1)] == ["code", "math-word", "chat", "summarize", "rewrite"]

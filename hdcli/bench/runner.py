@@ -44,7 +44,7 @@ def _db_methods() -> dict[str, dict]:
     single = {n: {"layers": [n], "policy": "first-hit", "candidates": 1} for n in registry.LAYERS}
     return {"ar": {"layers": []}, **single,
             "context+recycle": {"layers": ["context", "recycle"]},
-            "context+recycle+model": {"layers": ["context", "recycle", "model"]},
+            "context+model+recycle": {"layers": ["context", "model", "recycle"]},
             "context+recycle+stats": {"layers": ["context", "recycle", "stats"]},
             "hd": {}, "hd-chain": {"candidates": 1}, "hd-first-hit": {"policy": "first-hit"},
             "hd-fill": {"policy": "fill"}, "hd-adaptive": {"policy": "adaptive"}}
@@ -59,7 +59,7 @@ METHOD_HELP = {
     "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
     **{n: spec.help for n, spec in registry.LAYERS.items()},
     "context+recycle": "context DB, then recycled predictions, token trees (hd generate's default without DBs)",
-    "context+recycle+model": "context DB, recycled predictions, then the model DB (an ablation of hd)",
+    "context+model+recycle": "context DB, the model DB, then recycled predictions (an ablation of hd)",
     "context+recycle+stats": "context DB, recycled predictions, then the statistics DB (an ablation of hd)",
     "hd": f"context DB, recycled predictions and every DB given, {DEFAULT_POLICY} policy, token trees of up to "
           f"{DEFAULT_CANDIDATES} candidates",

@@ -70,10 +70,13 @@ def load(path: str | Path) -> list[dict]:
 
 def select(questions: list[dict], limit: int | None = None,
            categories: list[str] | None = None) -> list[dict]:
-    """The first `limit` questions of each category (all when None), in category order. For
-    mt_bench the questions are taken round-robin over its sub-categories."""
+    """The first `limit` questions of each category (all when None), in category order (Spec-Bench's
+    six first, then a question file's own categories in the order they appear: a set of your own
+    questions in Spec-Bench's format runs too). For mt_bench the questions are taken round-robin
+    over its sub-categories."""
+    own = list(dict.fromkeys(q["category"] for q in questions if q["category"] not in CATEGORIES))
     cats = list(categories) if categories else [c for c in CATEGORIES
-                                                if any(q["category"] == c for q in questions)]
+                                                if any(q["category"] == c for q in questions)] + own
     known = {q["category"] for q in questions}
     missing = [c for c in cats if c not in known]
     if missing:

@@ -9,10 +9,13 @@ them (the engine's Drafter, hdcli/engine/draft.py).
     db_layers.py   `stats`: continuations from an n-gram store (LMDB); a model DB's n-gram table
     suffix.py      SuffixDecoding's drafts (arctic-inference): a peer `hd bench` runs, not a layer
 
-The imports below register the layers, in the order of the default hierarchy.
+The imports below register the layers, in the order of the default hierarchy: context, model,
+recycle, stats. The model DB comes before the recycled predictions: both are the target's own
+writing, and a long match in its earlier answers is the stronger evidence (measured:
+docs/benchmarks.md, "The hierarchy, layer by layer").
 """
 from ..engine.draft import Draft, base_name, bucket
-from . import context, recycle, model, db_layers  # noqa: F401  (registration order = default order)
+from . import context, model, recycle, db_layers  # noqa: F401  (registration order = default order)
 from .context import ContextDB
 from .db_layers import StatsDB
 from .model import AnswerIndex, AnswerLayer

@@ -74,7 +74,7 @@ def names() -> tuple[str, ...]:
 
 def default_layers(inputs: LayerInputs) -> list[str]:
     """The hierarchy run when no layers are named, most local first: every layer whose
-    in_default holds (context, recycle, then model and stats where their DBs are given)."""
+    in_default holds (context, the model DB where given, recycle, the statistics DBs where given)."""
     return [n for n, spec in LAYERS.items() if spec.in_default(inputs)]
 
 
