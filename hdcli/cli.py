@@ -146,8 +146,8 @@ _RUN = {
     f"({', '.join(registry.names())}); 'none' for plain decoding. "
     f"Default: {_DEFAULT_LAYERS_HELP}."),
     "policy": typer.Option(DEFAULT_POLICY, help="How layers share a step: first-hit (first "
-    "layer that matches), fill (slots in layer order), adaptive (by "
-    "each layer's acceptance in this request)."),
+    "layer that matches), fill (slots in layer order), fill-tracked (fill, trees cut by each "
+    "layer's acceptance in this request), adaptive (layers ordered by it too)."),
     "candidates": typer.Option(DEFAULT_CANDIDATES, "--candidates", "-C", help="Most "
     "candidate continuations per step, verified as one token tree "
     "(1: a single chain)."),

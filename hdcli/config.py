@@ -28,11 +28,11 @@ from .engine.models import DEFAULT_MODEL
 from .engine.verify import Sampling
 from .errors import HdError
 
-DEFAULT_POLICY = "fill"  # measured: docs/benchmarks.md, "Token trees and policies"
+DEFAULT_POLICY = "fill-tracked"  # measured: docs/engine.md, "Drafting policies"
 DEFAULT_CANDIDATES = 4
 DEFAULT_DRAFT_LEN = 16
 DEFAULT_LEVEL_TOKENS = 4
-POLICIES = ("first-hit", "fill", "adaptive")
+POLICIES = ("first-hit", "fill", "fill-tracked", "adaptive")
 SEED_RANGE = (0, 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
 
 
@@ -48,7 +48,7 @@ class DecodingConfig:
                                         # auto times both once per machine; a run records its choice
     # the database hierarchy
     layers: list[str] | None = None     # most local first; [] = plain decoding; None = default
-    policy: str = DEFAULT_POLICY        # first-hit|fill|adaptive (drafting.Hierarchy)
+    policy: str = DEFAULT_POLICY        # first-hit|fill|fill-tracked|adaptive (drafting.Hierarchy)
     candidates: int = DEFAULT_CANDIDATES  # C: candidates per step, verified as one token tree
     draft_len: int | dict[str, int] = DEFAULT_DRAFT_LEN  # most tokens per candidate, or per layer
     min_n: int | None = None            # shortest context-DB key

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from hdcli.engine import costs
 from hdcli.engine.decode import Decoder
 from hdcli.drafting import AcceptanceTracker, ContextDB, Hierarchy
-from hdcli.engine.tree import Tree, cap_by_cost, cap_jointly, keep_path, new_cache, node_estimates, tree_forward
+from hdcli.engine.tree import Tree, build_tree, cap_by_cost, cap_jointly, keep_path, new_cache, node_estimates, tree_forward
 from hdcli.engine.verify import Sampling
 
 from conftest import tiny_gemma3, tiny_llama
@@ -323,3 +323,23 @@ def test_one_stream_cap_is_the_joint_cap_of_one_stream():
             assert one == joint
             differ += len(one) != len(t.tokens)
     assert differ > 100  # the caps did cut trees: the comparison was not vacuous
+
+
+def test_fill_tracked_cuts_by_this_answers_acceptance_and_fill_by_priors():
+    """fill-tracked proposes as fill does (same slots, same order) but rates nodes, and so cuts
+    trees, by what the layers' drafts were accepted at in this answer; fill keeps its priors."""
+    layers = [FixedCandidates("a", [[1, 2, 3], [4]]), FixedCandidates("b", [[5, 6]])]
+    fill = Hierarchy(layers, policy="fill", max_candidates=3, priors={"a": 0.5, "b": 0.5})
+    tracked = Hierarchy(layers, policy="fill-tracked", max_candidates=3, priors={"a": 0.5, "b": 0.5})
+    assert fill.propose([0], 4) == tracked.propose([0], 4)
+    for h in (fill, tracked):
+        for _ in range(20):
+            h.observe({("a", 1): 4, ("a", 2): 4, ("a", 3): 4, ("b", 0): 4},
+                      {("a", 1): 4, ("a", 2): 4, ("a", 3): 4, ("b", 0): 0})
+    assert fill.rate("a", 1) == fill.rate("b", 1, False) == 0.5
+    assert tracked.rate("a", 1) > 0.9 and tracked.rate("b", 1, False) < 0.1
+    steep = costs.CostCurve({1: 1.0, 2: 1.2, 4: 1.5, 8: 2.0, 64: 8.0})
+    kept_tracked = build_tree(tracked.propose([0], 4), tracked.rate, steep)
+    kept_fill = build_tree(fill.propose([0], 4), fill.rate, steep)
+    assert kept_tracked.tokens[1:4] == [1, 2, 3] and 5 not in kept_tracked.tokens
+    assert kept_fill.tokens != kept_tracked.tokens

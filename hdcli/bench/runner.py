@@ -47,7 +47,8 @@ def _db_methods() -> dict[str, dict]:
             "context+model+recycle": {"layers": ["context", "model", "recycle"]},
             "context+recycle+stats": {"layers": ["context", "recycle", "stats"]},
             "hd": {}, "hd-chain": {"candidates": 1}, "hd-first-hit": {"policy": "first-hit"},
-            "hd-fill": {"policy": "fill"}, "hd-adaptive": {"policy": "adaptive"}}
+            "hd-fill": {"policy": "fill"}, "hd-fill-tracked": {"policy": "fill-tracked"},
+            "hd-adaptive": {"policy": "adaptive"}}
 
 
 DB_METHODS = _db_methods()
@@ -66,6 +67,7 @@ METHOD_HELP = {
     "hd-chain": "every layer, default policy, one candidate (single-chain verification)",
     "hd-first-hit": "every layer, first-hit policy, token trees",
     "hd-fill": "every layer, fill policy, token trees",
+    "hd-fill-tracked": "every layer, fill-tracked policy (fill's order, trees cut by this answer's acceptance), token trees",
     "hd-adaptive": "every layer, adaptive policy, token trees",
     "hf-ar": "transformers' generate, greedy, on the stock model (torch's kernels): what users run today",
     "hf-pld": "transformers' generate(prompt_lookup_num_tokens=10) on the stock model",

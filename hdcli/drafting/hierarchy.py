@@ -82,6 +82,9 @@ class Hierarchy:
       policy          `first-hit`: candidates come only from the first layer that proposes any.
                       `fill`: the C slots are filled in layer order, each layer's best first (the
                       order of the published Hierarchy Drafting method).
+                      `fill-tracked`: fill's slots and order; `rate` (which cuts the tree by
+                      cost) is the online tracker's, not the prior: the default (measured,
+                      docs/engine.md "Drafting policies").
                       `adaptive`: every layer is asked; layers are ordered, and given slots and
                       draft length, by their online acceptance in this request (AcceptanceTracker):
                       a layer being accepted now gets more; every layer that matches keeps at
@@ -90,10 +93,10 @@ class Hierarchy:
                       'stats' covers 'stats:wiki'; missing layers use `default_len`).
       max_candidates  C, the most candidates per step (1 = single-chain verification).
     `rate(layer)` is the per-token acceptance estimate the verifier uses to cap the tree by cost:
-    the prior for `first-hit`/`fill`, the online tracker for `adaptive`.
+    the prior for `first-hit`/`fill`, the online tracker for `fill-tracked` and `adaptive`.
     """
 
-    POLICIES = ("first-hit", "fill", "adaptive")
+    POLICIES = ("first-hit", "fill", "fill-tracked", "adaptive")
 
     def __init__(self, layers: Sequence[Layer], policy: str = "first-hit",
                  draft_len: int | dict[str, int] = 16, max_candidates: int = 1,
@@ -120,7 +123,7 @@ class Hierarchy:
 
     def rate(self, layer: str | None, depth: int = 1, first_child: bool = True) -> float:
         b = bucket(depth, first_child)
-        if self.policy == "adaptive":
+        if self.policy in ("adaptive", "fill-tracked"):
             return self.tracker.rate(layer, b)
         key = (layer, b)   # the priors never change: asked for every tree node of every step
         got = self._priors.get(key)
@@ -192,7 +195,7 @@ class Hierarchy:
                 if got:
                     return got
             return []
-        if self.policy == "fill":
+        if self.policy in ("fill", "fill-tracked"):
             out: list[Draft] = []
             for layer in self.layers:
                 out += self._ask(layer, history, max_len, C - len(out), stats)
