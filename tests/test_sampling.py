@@ -82,13 +82,21 @@ SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p
 
 
 @pytest.mark.parametrize("s", SAMPLINGS, ids=["t1", "t0.7-k5-p0.9"])
-@pytest.mark.parametrize("layer", ["fixed", "context"])
+@pytest.mark.parametrize("layer", ["fixed", "context", "model"])
 def test_first_two_tokens_follow_target_distribution(model, s, layer):
     prompt = [1, 3, 4, 3, 4, 3]
     probs = exact_two_token_distribution(model, prompt, s)
     # draft the most likely pair so acceptance and rejection both happen often
     best = max(probs, key=probs.get)
-    drafter = Hierarchy([FixedLayer(best) if layer == "fixed" else ContextDB(1, 3)], draft_len=2)
+    if layer == "model":  # the model DB's answer index, holding an answer that continues the prompt
+        # with the best pair, and learning every sampled answer as it goes; the default policy
+        from hdcli.drafting import AnswerIndex, AnswerLayer, model as model_layer
+        if not model_layer.available():
+            pytest.skip("arctic-inference is not installed")
+        drafter = Hierarchy([AnswerLayer(AnswerIndex([prompt + list(best)]))], policy="fill-tracked",
+                            draft_len=2)
+    else:
+        drafter = Hierarchy([FixedLayer(best) if layer == "fixed" else ContextDB(1, 3)], draft_len=2)
     dec = Decoder(model, (), drafter)
     n, counts, accepted = 3000, {}, 0
     for seed in range(n):
