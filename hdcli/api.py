@@ -495,9 +495,11 @@ def build_model_db(out: Path, cfg: DecodingConfig, *, prompts: Path | None = Non
     if overwrite and not resume and samples.exists():
         samples.unlink()  # --overwrite starts the whole build afresh
     lm = load_model_for(cfg)
+    table = RecycledTable()   # the default hierarchy, its recycled predictions shared by the answers
     run = modeldb.sample(lm, prompt_list, samples, max_new_tokens=cfg.max_new_tokens,
                          temperature=cfg.temperature, top_p=cfg.top_p, batch_size=batch_size,
                          seed=cfg.seed or 0, resume=resume,
+                         drafter_factory=lambda: build_drafter(DecodingConfig(), lm, DBs(), recycle_table=table),
                          progress=progress and (lambda done, tokens: progress(done, tokens, len(prompt_list))))
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                 "batch_size": batch_size, "seed": cfg.seed or 0, "dtype": lm.dtype}

@@ -97,10 +97,12 @@ def _read_samples(path: Path) -> list[dict]:
 def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: int = 256,
            temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 8, seed: int = 0,
            resume: bool = False, progress: Callable[[int, int], None] | None = None,
-           stop_after: int | None = None) -> dict:
+           stop_after: int | None = None, drafter_factory: Callable | None = None) -> dict:
     """Generate answers to `prompts` in batches and append them to `samples_path`.
     progress(prompts_done, new_tokens) after each batch. stop_after: stop after that many new
-    batches (for tests of resume). Returns throughput figures."""
+    batches (for tests of resume). drafter_factory: a new drafter per answer on hd's own forward
+    (api.build_model_db passes the default hierarchy: speculative, the same tokens), None for plain
+    decoding. Returns throughput figures."""
     from ..engine.prompts import encode_prompt
     samples_path = Path(samples_path)
     if batch_size < 1 or max_new_tokens < 1:
@@ -146,7 +148,7 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
             with torch.inference_mode():
                 if hasattr(model, "forward_many"):   # hd's own forward: each prompt decoded by hd
                     out = _decode_each(lm, ids, width, pad, max_new_tokens, temperature, top_p,
-                                       seed * 1_000_003 + b)
+                                       seed * 1_000_003 + b, drafter_factory)
                 else:
                     out = model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=max_new_tokens,
                                          pad_token_id=pad, **kw)
@@ -207,24 +209,19 @@ def index(samples_path: str | Path, out: str | Path, tokenizer, model_name: str,
 
 
 def _decode_each(lm, ids, width: int, pad: int, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int) -> torch.Tensor:
+                 seed: int, drafter_factory: Callable | None = None) -> torch.Tensor:
     """transformers' generate's output shape ([rows, width + new], prompts left-padded, answers
-    padded after EOS) from hd's own decode loop, one prompt at a time (plain decoding: the model
-    DB holds what the target writes), speculative: the default drafter (context DB and recycled
-    predictions) makes each answer faster and changes none of its tokens (greedy), or none of
-    their distribution (sampled)."""
-    from ..compose import DBs, build_drafter
-    from ..config import DecodingConfig
-    from ..drafting import RecycledTable
+    padded after EOS) from hd's own decode loop, one prompt at a time (the model DB holds what the
+    target writes). With drafter_factory each answer is decoded speculatively: faster, and none of
+    its tokens (greedy) or of their distribution (sampled) changes."""
     from ..engine import costs
     from ..engine.decode import Decoder
     from ..engine.verify import Sampling
     sampling = Sampling(temperature=temperature, top_p=top_p) if temperature > 0 else Sampling()
-    cost, table = costs.curve_for(lm), RecycledTable()
+    cost = costs.curve_for(lm) if drafter_factory else None
     rows = []
     for i, x in enumerate(ids):
-        dec = Decoder(lm.model, lm.eos_ids, build_drafter(DecodingConfig(), lm, DBs(), recycle_table=table),
-                      cost=cost)
+        dec = Decoder(lm.model, lm.eos_ids, drafter_factory() if drafter_factory else None, cost=cost)
         got = dec.generate(x, max_new_tokens, sampling, seed=seed + i).tokens
         rows.append([pad] * (width - len(x)) + list(x) + got + [pad] * (max_new_tokens - len(got)))
     return torch.tensor(rows)
