@@ -345,3 +345,30 @@ def test_served_connections_send_without_waiting_for_acks():
     bare.bind(("127.0.0.1", 0))
     bare.listen(4)
     assert asyncio.run(nodelay_of(bare)) == 0
+
+
+def test_the_fields_apps_send_are_taken_at_neutral_values_and_refused_otherwise():
+    """Issue 39: a body with the fields OpenAI clients send by default is accepted; each field at a
+    value hd does not implement is a 400 naming it (never silently ignored)."""
+    from hdcli.serve import protocol
+    msgs = [{"role": "user", "content": "hi"}]
+    neutral = {"model": "m", "messages": msgs, "frequency_penalty": 0, "presence_penalty": 0.0,
+               "logit_bias": {}, "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"},
+               "tools": [], "tool_choice": "none", "parallel_tool_calls": True, "store": False,
+               "metadata": {"app": "x"}, "service_tier": "auto", "user": "u"}
+    assert protocol.parse(protocol.ChatRequest, neutral).messages[0].content == "hi"
+    assert protocol.parse(protocol.CompletionRequest, {"model": "m", "prompt": "x", "logprobs": None,
+                                                       "frequency_penalty": 0, "logit_bias": {}})
+    for field, value in [("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {"5": 10}),
+                         ("logprobs", True), ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
+                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                         ("tool_choice", "required")]:
+        with pytest.raises(protocol.ApiError) as err:
+            protocol.parse(protocol.ChatRequest, {**neutral, field: value})
+        assert err.value.status == 400 and err.value.param == field, field
+    with pytest.raises(protocol.ApiError) as err:
+        protocol.parse(protocol.CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 2})
+    assert err.value.param == "logprobs"
+    with pytest.raises(protocol.ApiError) as err:  # still strict: an unknown field is refused
+        protocol.parse(protocol.ChatRequest, {**neutral, "frobnicate": 1})
+    assert err.value.param == "frobnicate"

@@ -4,6 +4,12 @@ Requests are validated strictly: an unknown field, a wrong type ("10" for an int
 out of range is a 400 with OpenAI's error schema naming the field (`param`), never a guess. Fields
 a request leaves out take the server's configuration (`hd serve` options, as `hd generate`'s):
 temperature 0 (greedy) unless the server was started with another.
+
+Fields apps send by default are taken at their neutral values (penalties 0, `logit_bias` {},
+`logprobs` off, `response_format` text, no tools, `tool_choice` "none"; `parallel_tool_calls`,
+`store`, `metadata`, `service_tier` whatever their value: they change nothing hd computes); any
+other value of them is a 400 naming the field, since hd does not implement it yet
+(`neutral_problem`).
 """
 from __future__ import annotations
 
@@ -49,8 +55,20 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
 class _Common(_Strict):
     model: str
+    # sent by apps at their neutral values: accepted there, refused elsewhere (neutral_problem)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
@@ -60,6 +78,15 @@ class _Common(_Strict):
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
+
+    def neutral_problem(self) -> tuple[str, str] | None:
+        """(field, message) for the first field set to a value hd does not implement, else None."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0):
+                return name, f"{name}: hd serve takes only 0 (penalties are not implemented)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias: hd serve takes only {} (biases are not implemented)"
+        return None
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -71,6 +98,29 @@ class _Common(_Strict):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def neutral_problem(self) -> tuple[str, str] | None:
+        got = super().neutral_problem()
+        if got:
+            return got
+        if self.logprobs:
+            return "logprobs", "logprobs: hd serve takes only false (log-probabilities are not returned yet)"
+        if self.top_logprobs:
+            return "top_logprobs", "top_logprobs: hd serve takes only 0 (log-probabilities are not returned yet)"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", (f"response_format: hd serve takes only type 'text' "
+                                       f"('{self.response_format.type}' is not implemented)")
+        if self.tools:
+            return "tools", "tools: hd serve takes only none or [] (tool calls are not implemented)"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice: hd serve takes only 'none' (tool calls are not implemented)"
+        return None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -78,6 +128,15 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int]]
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
+
+    def neutral_problem(self) -> tuple[str, str] | None:
+        got = super().neutral_problem()
+        if got:
+            return got
+        if self.logprobs:
+            return "logprobs", "logprobs: hd serve takes only 0 or null (log-probabilities are not returned yet)"
+        return None
 
     def limit(self) -> int | None:
         return self.max_tokens
@@ -88,7 +147,7 @@ def parse(kind: type[_Strict], data) -> _Strict:
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
     try:
-        return kind.model_validate(data)
+        req = kind.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[")))
@@ -99,3 +158,7 @@ def parse(kind: type[_Strict], data) -> _Strict:
         else:
             msg = f"{loc}: {err['msg']}"
         raise ApiError(400, msg, loc or None) from None
+    problem = req.neutral_problem()
+    if problem:
+        raise ApiError(400, problem[1], problem[0])
+    return req
