@@ -12,7 +12,7 @@ them (the engine's Drafter, hdcli/engine/draft.py).
 The imports below register the layers, in the order of the default hierarchy: context, model,
 recycle, stats. The model DB comes before the recycled predictions: both are the target's own
 writing, and a long match in its earlier answers is the stronger evidence (measured:
-docs/benchmarks.md, "The hierarchy, layer by layer").
+docs/model-db.md, "Place in the hierarchy").
 """
 from ..engine.draft import Draft, base_name, bucket
 from . import context, model, recycle, db_layers  # noqa: F401  (registration order = default order)
