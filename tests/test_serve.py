@@ -182,6 +182,10 @@ def test_bad_input_gets_openai_errors_and_the_server_goes_on(served):
         assert err["message"] and err["type"] and err["param"] == param, text
     assert http("GET", served.url + "/v1/nope")[0] == 404
     assert http("GET", url)[0] == 405
+    # the client's models.retrieve: the served model's card, 404 model_not_found for another id
+    assert served.client().models.retrieve(s.name).id == s.name
+    got, text = http("GET", served.url + "/v1/models/gpt-4")
+    assert got == 404 and json.loads(text)["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         chat(served.client(), s.name, "hello", max_tokens=10 ** 6)
     assert chat(served.client(), s.name, "hello", max_tokens=3).choices[0].finish_reason in ("length", "stop")

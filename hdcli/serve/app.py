@@ -4,6 +4,7 @@ loop (hdcli/serve/scheduler.py).
   POST /v1/chat/completions   messages through the model's chat template
   POST /v1/completions        a raw prompt (text, or token ids)
   GET  /v1/models             the one model served
+  GET  /v1/models/{id}        that model's card (the client's models.retrieve), 404 for another id
   GET  /health                200 while the decode loop runs, 503 after it failed
   GET  /metrics               Prometheus text format (hdcli/serve/metrics.py)
 
@@ -47,6 +48,7 @@ def build_app(server) -> Starlette:
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", r.models, methods=["GET"]),
+              Route("/v1/models/{model_id:path}", r.model, methods=["GET"]),
               Route("/health", r.health, methods=["GET"]),
               Route("/metrics", r.metrics, methods=["GET"])]
     return Starlette(routes=routes, lifespan=server.lifespan,
@@ -134,9 +136,22 @@ class Routes:
             self.authorised(request)
         except ApiError as exc:
             return self.error(exc, "models")
+        return JSONResponse({"object": "list", "data": [self.card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self.authorised(request)
+            wanted = request.path_params["model_id"]
+            if wanted != self.server.name:
+                raise ApiError(404, f"model '{wanted}' is not served here; this server serves "
+                                    f"'{self.server.name}'", "model", "model_not_found")
+        except ApiError as exc:
+            return self.error(exc, "models")
+        return JSONResponse(self.card())
+
+    def card(self) -> dict:
         s = self.server
-        return JSONResponse({"object": "list", "data": [
-            {"id": s.name, "object": "model", "created": s.created, "owned_by": "hd"}]})
+        return {"id": s.name, "object": "model", "created": s.created, "owned_by": "hd"}
 
     async def health(self, request: Request) -> Response:
         sched = self.server.scheduler
