@@ -197,11 +197,12 @@ def forward_costs(lm, ids, repeats: int = 12) -> dict:
     return {k: v / med[1] for k, v in med.items()}
 
 
-def record(texts: list[str], max_new_tokens: int, cache: str | Path | None = None) -> list:
-    """[prompt ids, plain greedy output] per text, in fp32 so the outputs are exact. cache: a JSON
-    file, read when it holds these texts and max_new_tokens, else (re)written."""
+def record(texts: list[str], max_new_tokens: int, cache: str | Path | None = None, lm=None) -> list:
+    """[prompt ids, plain greedy output] per text, in fp32 so the outputs are exact, or with a
+    loaded model `lm` in its dtype (the answers a run in that mode verifies). cache: a JSON file,
+    read when it holds these texts, max_new_tokens and dtype, else (re)written."""
     key = {"texts_sha256": hashlib.sha256(json.dumps(texts).encode()).hexdigest(),
-           "max_new_tokens": max_new_tokens, "dtype": "fp32"}
+           "max_new_tokens": max_new_tokens, "dtype": "fp32" if lm is None else lm.dtype}
     if cache is not None and Path(cache).exists():
         try:
             data = json.loads(Path(cache).read_text())
@@ -211,7 +212,7 @@ def record(texts: list[str], max_new_tokens: int, cache: str | Path | None = Non
             pass
         print(f"{cache} holds other outputs: recording again", file=sys.stderr)
     from hdcli import api
-    lm = api.load_model(dtype="fp32")
+    lm = api.load_model(dtype="fp32") if lm is None else lm
     refs = []
     for t in texts:
         ids = api.encode_prompt(lm.tokenizer, t)

@@ -9,7 +9,7 @@ over the model DB's answers (drafting/model.py) or as its n-gram table, at sever
 context DB with statistics DBs (several probability cut-offs, extra DBs given with --stats-db, e.g.
 one built with --max-n 6 or from one category's corpus). The recycle layer needs the target's
 forward and is not replayed (`hd bench spec-bench` measures it). Mean accepted tokens and the
-predicted speedup are deterministic; the answers are cached in --refs.
+predicted speedup are deterministic; the answers are cached in --refs (common.record).
 
     python benchmarks/hierarchy_replay.py --model-db model.lmdb --stats-db stats.lmdb \
         --stats-db stats_n6.lmdb --out benchmarks/results/model_db/replay.json
@@ -17,7 +17,6 @@ predicted speedup are deterministic; the answers are cached in --refs.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from hdcli import api
@@ -27,25 +26,9 @@ from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, Stats
 from hdcli.drafting.suffix import SuffixDrafter, new_cache
 from hdcli.engine import costs
 
-from common import command_line, machine, replay, write_result
+from common import command_line, machine, record, replay, write_result
 
 USER = Path(__file__).resolve().parent / "prompts" / "user_questions.jsonl"
-
-
-def record(lm, questions, path: Path | None, n: int) -> list:
-    key = [q["turns"][0] for q in questions]
-    if path and path.exists():
-        got = json.loads(path.read_text())
-        if got.get("texts") == key and got.get("n") == n and got.get("dtype") == lm.dtype:
-            return got["refs"]
-    refs = []
-    for text in key:
-        ids = api.encode_messages(lm.tokenizer, [{"role": "user", "content": text}])
-        refs.append([ids, api.generate(lm, prompt_ids=ids, max_new_tokens=n).tokens])
-        print(f"recorded {len(refs)}/{len(key)}", flush=True)
-    if path:
-        path.write_text(json.dumps({"texts": key, "n": n, "dtype": lm.dtype, "refs": refs}))
-    return refs
 
 
 def main():
@@ -93,7 +76,7 @@ def main():
     rows = []
     for set_name, qs in sets.items():
         cache = args.refs and args.refs.with_name(f"{args.refs.stem}_{set_name}{args.refs.suffix}")
-        refs = record(lm, qs, cache, args.max_new_tokens)
+        refs = record([q["turns"][0] for q in qs], args.max_new_tokens, cache, lm=lm)
         cats = [q["category"] for q in qs]
         for label, make in variants.items():
             factory, capped = make()

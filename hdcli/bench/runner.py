@@ -194,7 +194,8 @@ def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
             table = RecycledTable()  # one per method and run: the target's predictions carry across questions
             # and so do its answers: each method learns from its own (another method's answer to the
             # same question would draft this one's whole)
-            index = AnswerIndex(dbs.model.sequences()) if model_layer.uses_answers(dbs.model) else None
+            drafts_answers = model_layer.uses_answers(dbs.model) and (method.layers is None or "model" in method.layers)
+            index = AnswerIndex(dbs.model.sequences()) if drafts_answers else None
             runners[name] = Runner(name, lm, lambda m=method, t=table, i=index:
                                    build_drafter(m, lm, dbs, recycle_table=t, answer_index=i))
     return runners

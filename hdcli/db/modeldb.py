@@ -1,4 +1,4 @@
-"""The model DB: n-grams the target model itself tends to write.
+"""The model DB: what the target model itself wrote, its answers kept whole and counted as n-grams.
 
 Built in two separate steps so that each can be re-run alone:
   1. sample(): generate answers to a prompt set with the target model (greedy by default: the

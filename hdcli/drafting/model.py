@@ -60,7 +60,6 @@ class AnswerIndex:
         self.depth, self.min_token_prob, self.max_spec_factor = depth, min_token_prob, max_spec_factor
         self.cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=max_answers)
         self._ids = itertools.count()
-        self.answers = self.tokens = 0
         for a in answers:
             self.add(a)
         self._query = self.open()
@@ -69,13 +68,11 @@ class AnswerIndex:
         """A new answer, empty: append to it with append(id, tokens)."""
         rid = next(self._ids)
         self.cache.start_request(rid, [])
-        self.answers += 1
         return rid
 
     def append(self, rid, tokens: Sequence[int]) -> None:
         if tokens and rid in self.cache.active_requests:
             self.cache.add_active_response(rid, [int(t) for t in tokens])
-            self.tokens += len(tokens)
 
     def close(self, rid) -> None:
         if rid in self.cache.active_requests:

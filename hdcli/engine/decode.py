@@ -199,7 +199,7 @@ class Stream:
         greedy = self.sampling.greedy
         # each node's best tokens, computed once: greedy acceptance takes the first, layers that
         # recycle the target's predictions take as many as they keep
-        top = top_tokens(logits, max(1, drafter.record_k) if records else 1) if greedy or records else None
+        top = top_tokens(logits, drafter.record_k if records else 1) if greedy or records else None
         if records:
             drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, top, stats)
         if self._q_rows is not None and not greedy:

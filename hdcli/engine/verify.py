@@ -80,7 +80,8 @@ def top_tokens(logits: torch.Tensor, k: int = 1) -> list[list[int]]:
     them took 25-118 us where torch's argmax and topk(2) together took 127-620 (AMD EPYC), and a
     verification step needs both (acceptance, the recycle layer)."""
     if logits.device.type == "cpu":
-        a = logits.to(torch.float32, copy=True).numpy()  # fp32 is exact for bf16/fp16 logits
+        # fp32 is exact for bf16/fp16 logits; a copy where the ranks after the first mask it
+        a = logits.to(torch.float32, copy=k > 1).numpy()
         rows = np.arange(a.shape[0])
         ranks = []
         for r in range(k):
@@ -102,10 +103,7 @@ def accept_chain(logits: torch.Tensor, draft, s: Sampling, gen: torch.Generator 
     token after draft[:i]. Returns (number of drafted tokens accepted, the target's next token)."""
     k = len(draft)
     if s.greedy:
-        # the step's one device->host transfer. In fp32 (exact for bf16/fp16 logits, the same
-        # first-index rule on ties): torch's bf16 argmax on the CPU took 5.8x as long (471 us
-        # against 81 for 5 rows of the bundled model's 49152 logits, AMD EPYC).
-        targets = logits.float().argmax(-1).tolist()
+        targets = [t[0] for t in top_tokens(logits)]  # argmax's, one transfer
         n = 0
         while n < k and draft[n] == targets[n]:
             n += 1

@@ -13,7 +13,7 @@ other value of them is a 400 naming the field, since hd does not implement it ye
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -79,13 +79,22 @@ class _Common(_Strict):
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
 
+    # field -> (the values taken besides unset, as the message names them, what is not
+    # implemented); a response_format is judged by its type
+    NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {
+        "frequency_penalty": ((0,), "0", "penalties are not implemented"),
+        "presence_penalty": ((0,), "0", "penalties are not implemented"),
+        "logit_bias": (({},), "{}", "biases are not implemented"),
+    }
+
     def neutral_problem(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value hd does not implement, else None."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0):
-                return name, f"{name}: hd serve takes only 0 (penalties are not implemented)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias: hd serve takes only {} (biases are not implemented)"
+        for name, (neutral, takes, missing) in self.NEUTRAL.items():
+            value = getattr(self, name)
+            if isinstance(value, ResponseFormat):
+                value = value.type
+            if value is not None and value not in neutral:
+                return name, f"{name}: hd serve takes only {takes} ({missing}; got {value!r})"
         return None
 
     def stops(self) -> list[str]:
@@ -105,22 +114,14 @@ class ChatRequest(_Common):
     tool_choice: Optional[Union[str, dict]] = None
     parallel_tool_calls: Optional[bool] = None
 
-    def neutral_problem(self) -> tuple[str, str] | None:
-        got = super().neutral_problem()
-        if got:
-            return got
-        if self.logprobs:
-            return "logprobs", "logprobs: hd serve takes only false (log-probabilities are not returned yet)"
-        if self.top_logprobs:
-            return "top_logprobs", "top_logprobs: hd serve takes only 0 (log-probabilities are not returned yet)"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", (f"response_format: hd serve takes only type 'text' "
-                                       f"('{self.response_format.type}' is not implemented)")
-        if self.tools:
-            return "tools", "tools: hd serve takes only none or [] (tool calls are not implemented)"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice: hd serve takes only 'none' (tool calls are not implemented)"
-        return None
+    NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {
+        **_Common.NEUTRAL,
+        "logprobs": ((False,), "false", "log-probabilities are not returned yet"),
+        "top_logprobs": ((0,), "0", "log-probabilities are not returned yet"),
+        "response_format": (("text",), "type 'text'", "other formats are not implemented"),
+        "tools": (([],), "none or []", "tool calls are not implemented"),
+        "tool_choice": (("none", "auto"), "'none'", "tool calls are not implemented"),
+    }
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -130,13 +131,8 @@ class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int]]
     logprobs: Optional[int] = Field(None, ge=0, le=5)
 
-    def neutral_problem(self) -> tuple[str, str] | None:
-        got = super().neutral_problem()
-        if got:
-            return got
-        if self.logprobs:
-            return "logprobs", "logprobs: hd serve takes only 0 or null (log-probabilities are not returned yet)"
-        return None
+    NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {
+        **_Common.NEUTRAL, "logprobs": ((0,), "0 or null", "log-probabilities are not returned yet")}
 
     def limit(self) -> int | None:
         return self.max_tokens
