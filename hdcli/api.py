@@ -105,16 +105,20 @@ def draft_model_names(draft_models: str | Sequence[str]) -> list[str]:
     return [n for n in names if n]
 
 
-def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int]) -> int:
+def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int], scope: bytes | None = None) -> int:
     """Add a generation to the model DB: the answer whole (what the model layer's suffix index
     drafts from, where the DB keeps answers) and its n-grams (keys may start in the prompt's last
     tokens, continuations are generated tokens only). Returns keys touched. The running process's
-    index already holds the answer (drafting.model.AnswerLayer adds it as it is accepted)."""
+    index already holds the answer (drafting.model.AnswerLayer adds it as it is accepted).
+    scope: a tenant's tag (hd serve --learn-scope key|user): the answer is kept for that tenant
+    alone, and no n-gram is counted (the n-gram table is shared by every request)."""
     from .db.statsdb import add_counts
     kind = model_db.header.get("kind")
     if kind != "model":
         raise HdError(f"{model_db.path} is a {kind or 'unknown'} DB, not a model DB: --learn writes only "
                       "into a DB built by `hd build-model-db` (pass a statistics DB with --stats-db)")
+    if scope is not None:
+        return model_db.add_sequences([list(tokens)], scope=scope) if tokens else 0
     if model_db.sequence_count and tokens:
         model_db.add_sequences([list(tokens)])
     max_n = int(model_db.header["n_range"][1])
@@ -132,10 +136,19 @@ class Result:
     stop_reason: str
     stats: object  # RunStats
     prompt_ids: list[int]
+    # per token where asked: (log-probability, [(token, log-probability) of the best ones])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
-    def to_dict(self) -> dict:
-        return {"text": self.text, "tokens": self.tokens, "stop_reason": self.stop_reason,
-                "stats": self.stats.to_dict()}
+    def to_dict(self, tokenizer=None) -> dict:
+        out = {"text": self.text, "tokens": self.tokens, "stop_reason": self.stop_reason,
+               "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            def text(t):
+                return tokenizer.decode([t]) if tokenizer is not None else None
+            out["logprobs"] = [{"token": t, "text": text(t), "logprob": lp,
+                                "top": [{"token": b, "text": text(b), "logprob": blp} for b, blp in best]}
+                               for t, (lp, best) in zip(self.tokens, self.logprobs)]
+        return out
 
 
 def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
@@ -143,17 +156,22 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
              sampling: Sampling = Sampling(), seed: int | None = None, chat: bool = True,
              system: str | None = None, stop: Sequence[str] = (), drafter="default",
              on_text: Callable[[str, str | None], None] | None = None,
-             cost: costs.CostCurve | None = None) -> Result:
+             cost: costs.CostCurve | None = None, logprobs: int | None = None,
+             on_status: Callable[[str], None] | None = None) -> Result:
     """Generate a completion. config: take the generation settings (max_new_tokens, sampling,
     seed, chat, system, stop) and, with drafter "default", the drafter from it. drafter: a
     Hierarchy or ModelStack, None for plain decoding, "default" for the configuration's (or the
     default one: context DB and recycled predictions). cost: the forward-cost curve that caps
     draft trees (default: measured once for this model and machine, see costs.curve_for).
+    logprobs: None, or k to return each token's log-probability and its k best alternatives
+    (Result.logprobs; plain decoding's numbers exactly, verify.logprobs_of). on_status: told in
+    one line when max_new_tokens is more than the context leaves after the prompt (then cut to it).
     Greedy output equals plain greedy decoding token for token whatever the drafts."""
     if config is not None:
         config.validate()
         max_new_tokens, sampling, seed = config.max_new_tokens, config.sampling, config.seed
         chat, system, stop = config.chat, config.system, config.stop
+        logprobs = config.logprobs if logprobs is None else logprobs
     else:
         DecodingConfig(max_new_tokens=max_new_tokens, seed=seed).validate()
     if prompt_ids is None:
@@ -162,6 +180,13 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     if room < 1:
         raise HdError(f"the prompt is {len(prompt_ids)} tokens but the model's context is "
                       f"{lm.max_context}: shorten the prompt")
+    if max_new_tokens > room and on_status is not None:
+        on_status(f"warning: --max-new-tokens {max_new_tokens} exceeds the room left in the model's context "
+                  f"({room} tokens after the prompt): generating at most {room}")
+    vocab = lm.model.config.vocab_size
+    outside = [t for t, _ in sampling.logit_bias if t >= vocab]
+    if outside:
+        raise HdError(f"--logit-bias: token {outside[0]} is not in the model's vocabulary (ids 0..{vocab - 1})")
     if isinstance(drafter, str) and drafter == "default":
         drafter = build_drafter(config or DecodingConfig(), lm)
     if drafter and cost is None:
@@ -169,10 +194,11 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)
     stream = TextStream(lm.tokenizer, on_text) if on_text else None
     g: Generation = decoder.generate(prompt_ids, min(max_new_tokens, room), sampling, seed,
-                                     stop_check=stop_checker(lm.tokenizer, stop), on_tokens=stream)
+                                     stop_check=stop_checker(lm.tokenizer, stop), on_tokens=stream,
+                                     logprobs=logprobs)
     text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), stop)
     return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
-                  stats=g.stats, prompt_ids=list(prompt_ids))
+                  stats=g.stats, prompt_ids=list(prompt_ids), logprobs=g.logprobs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +263,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     cfg, lm = run.config, run.lm
     if compare:
         warm_up(lm)
-    res = generate(lm, prompt, config=cfg, drafter=run.drafter, on_text=on_text)
+    res = generate(lm, prompt, config=cfg, drafter=run.drafter, on_text=on_text, on_status=on_status)
     used = resolved(cfg, lm, run.dbs)
     data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
             "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
@@ -246,7 +272,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
             "layers": used.layers,
             "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
             "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "plan": cfg.plan,
-            "sampling": vars(cfg.sampling) | {"seed": cfg.seed}, "config": used.to_dict(), **res.to_dict()}
+            "sampling": vars(cfg.sampling) | {"seed": cfg.seed}, "config": used.to_dict(), **res.to_dict(lm.tokenizer)}
     if run.dbs.model is not None:  # what the model layer drafts from (drafting/model.py)
         from .drafting import model as model_layer
         data["model_db_index"] = "answers" if model_layer.uses_answers(run.dbs.model) else "ngrams"

@@ -50,7 +50,7 @@ def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
         raise HdError("pass either --prompt or --prompt-file, not both")
     if prompt_file is not None:
         try:
-            return prompt_file.read_text(encoding="utf-8")
+            return prompt_file.read_text(encoding="utf-8-sig")   # a BOM is no part of the prompt
         except (OSError, UnicodeDecodeError) as exc:
             raise HdError(f"cannot read --prompt-file {prompt_file}: {exc}") from None
     if prompt is None:
@@ -139,6 +139,12 @@ _RUN = {
     "top_p": typer.Option(1.0, "--top-p"),
     "top_k": typer.Option(0, "--top-k", help="0 = no top-k truncation."),
     "seed": typer.Option(None, help="Seed for sampling."),
+    "frequency_penalty": typer.Option(0.0, "--frequency-penalty", help="OpenAI's, -2..2: lowers a "
+    "token's logit by this times its count in the output so far."),
+    "presence_penalty": typer.Option(0.0, "--presence-penalty", help="OpenAI's, -2..2: lowers the "
+    "logit of every token already in the output by this."),
+    "logit_bias": typer.Option([], "--logit-bias", help="TOKEN_ID=BIAS added to that token's logit "
+    "(-100..100; repeatable)."),
     "chat": typer.Option(True, "--chat/--raw", help="Apply the model's chat template or not."),
     "system": typer.Option(None, help="System message for the chat template."),
     "stop": typer.Option([], "--stop", help="Stop string (repeatable)."),
@@ -195,6 +201,9 @@ def generate(
     top_p: float = _RUN["top_p"],
     top_k: int = _RUN["top_k"],
     seed: Optional[int] = _RUN["seed"],
+    frequency_penalty: float = _RUN["frequency_penalty"],
+    presence_penalty: float = _RUN["presence_penalty"],
+    logit_bias: List[str] = _RUN["logit_bias"],
     chat: bool = _RUN["chat"],
     system: Optional[str] = _RUN["system"],
     stop: List[str] = _RUN["stop"],
@@ -218,6 +227,8 @@ def generate(
     kernels: str = _RUN["kernels"],
     invariant: str = _RUN["invariant"],
     attention: str = _RUN["attention"],
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="With --json: each token's "
+                                           "log-probability and this many best alternatives (0-20)."),
     compare: bool = typer.Option(False, help="Also run plain decoding and report speedup and identity."),
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object to stdout, nothing else."),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour drafted tokens by layer."),
@@ -225,6 +236,8 @@ def generate(
     """Generate text with lossless speculative decoding and report per-layer statistics."""
     text = _read_prompt(prompt, prompt_file)
     cfg = _run_config(ctx, locals())
+    if logprobs is not None:
+        cfg = cfg.replace(logprobs=logprobs).validate()
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
 
     def show(piece: str, layer: Optional[str]) -> None:
@@ -238,6 +251,35 @@ def generate(
         _print_generate(out, rep)
 
 
+# Options of `hd serve` alone (beside _RUN's).
+_SERVE = {
+    "host": typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    "port": typer.Option(8000, "--port", help="Port (0: any free one; the chosen port is printed)."),
+    "api_key": typer.Option([], "--api-key", help="Bearer token the /v1 routes require, one "
+    "per tenant (repeatable; also HD_API_KEY). Default: none, an open server."),
+    "api_keys_file": typer.Option(None, "--api-keys-file", help="More keys, one a line "
+    "(KEY or NAME KEY; # comments)."),
+    "learn_scope": typer.Option(None, "--learn-scope", help="shared|key|user: whose "
+    "learned drafts and cached prefixes a request may use "
+    "(default: key with several keys, else shared; docs/serve.md)."),
+    "protect_metrics": typer.Option(False, "--protect-metrics", help="/metrics takes an API key "
+    "too (default: open, like /health)."),
+    "max_batch": typer.Option(8, "--max-batch", help="Requests decoded at once; their "
+    "verification forwards are batched into one."),
+    "max_queue": typer.Option(64, "--max-queue", help="Requests waiting beyond those (then 503)."),
+    "served_name": typer.Option(None, "--served-model-name", help="The model id clients "
+    "send (default: the --model given)."),
+    "drain_timeout": typer.Option(60.0, "--drain-timeout", help="Seconds SIGTERM waits for "
+    "running requests before cancelling them."),
+    "max_connections": typer.Option(512, "--max-connections", help="Open connections at most; "
+    "one beyond gets 503 (keep it under `ulimit -n`)."),
+    "prefix_cache_mb": typer.Option(256, "--prefix-cache-mb", help="MiB of prompts' keys and "
+    "values kept for later requests that start the same way "
+    "(chat turns, shared system prompts); answers stay "
+    "bit-identical. 0: off."),
+}
+
+
 @app.command()
 def serve(
     ctx: typer.Context,
@@ -248,6 +290,9 @@ def serve(
     top_p: float = _RUN["top_p"],
     top_k: int = _RUN["top_k"],
     seed: Optional[int] = _RUN["seed"],
+    frequency_penalty: float = _RUN["frequency_penalty"],
+    presence_penalty: float = _RUN["presence_penalty"],
+    logit_bias: List[str] = _RUN["logit_bias"],
     chat: bool = _RUN["chat"],
     system: Optional[str] = _RUN["system"],
     stop: List[str] = _RUN["stop"],
@@ -271,17 +316,18 @@ def serve(
     kernels: str = _RUN["kernels"],
     invariant: str = _RUN["invariant"],
     attention: str = _RUN["attention"],
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
-    port: int = typer.Option(8000, "--port", help="Port (0: any free one; the chosen port is printed)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="HD_API_KEY", help="Bearer token "
-                                          "the /v1 routes require (default: none, an open server)."),
-    max_batch: int = typer.Option(8, "--max-batch", help="Requests decoded at once; their "
-                                  "verification forwards are batched into one."),
-    max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting beyond those (then 503)."),
-    served_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients "
-                                              "send (default: the --model given)."),
-    drain_timeout: float = typer.Option(60.0, "--drain-timeout", help="Seconds SIGTERM waits for "
-                                        "running requests before cancelling them."),
+    host: str = _SERVE["host"],
+    port: int = _SERVE["port"],
+    api_key: List[str] = _SERVE["api_key"],
+    api_keys_file: Optional[Path] = _SERVE["api_keys_file"],
+    learn_scope: Optional[str] = _SERVE["learn_scope"],
+    protect_metrics: bool = _SERVE["protect_metrics"],
+    max_batch: int = _SERVE["max_batch"],
+    max_queue: int = _SERVE["max_queue"],
+    served_name: Optional[str] = _SERVE["served_name"],
+    drain_timeout: float = _SERVE["drain_timeout"],
+    max_connections: int = _SERVE["max_connections"],
+    prefix_cache_mb: float = _SERVE["prefix_cache_mb"],
     as_json: bool = typer.Option(False, "--json", help="At exit, write one JSON object (what was "
                                  "served) to stdout."),
 ):
@@ -289,18 +335,38 @@ def serve(
     from .serve import Server
     cfg = _run_config(ctx, locals())
     say = _status(False)
-    server = Server(cfg, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
-                    name=served_name or model, drain_timeout=drain_timeout, on_status=say)
-    bound = server.bind()
-    mode = ("exact under load: M-invariant, requests verified together" if server.scheduler.batched else
-            "requests stepped together, each in its own forward (M-invariant batching not available here)")
-    say(f"serving {server.name} at http://{host}:{bound}/v1 ({mode}; max batch {max_batch})")
+    server = Server(cfg, host=host, port=port, api_key=_api_keys(api_key), api_keys_file=api_keys_file,
+                    learn_scope=learn_scope, protect_metrics=protect_metrics, max_batch=max_batch, max_queue=max_queue,
+                    name=served_name or model, drain_timeout=drain_timeout, max_connections=max_connections,
+                    prefix_cache_mb=prefix_cache_mb, on_status=say)
+    _serve_banner(server, server.bind(), say)
     summary = server.run()
     if as_json:
         typer.echo(json.dumps(summary))
     else:
         say(f"stopped: {summary['requests']} requests, {summary['completion_tokens']} tokens"
             + (f", {summary['learned_generations']} generations learned" if cfg.learn else ""))
+
+
+def _api_keys(given: List[str]) -> List[str]:
+    """--api-key values, HD_API_KEY first; set but empty is a mistake, not an open server."""
+    if "HD_API_KEY" not in os.environ:
+        return list(given)
+    if not os.environ["HD_API_KEY"].strip():
+        raise HdError("HD_API_KEY is set but empty: give a key, or unset it for an open server")
+    return [os.environ["HD_API_KEY"]] + list(given)
+
+
+def _serve_banner(server, port: int, say) -> None:
+    mode = ("exact under load: M-invariant, requests verified together" if server.scheduler.batched else
+            "requests stepped together, each in its own forward (M-invariant batching not available here)")
+    cached = f"; prefix cache {server.prefix.max_bytes / (1 << 20):g} MiB" if server.prefix is not None else ""
+    say(f"serving {server.name} at http://{server.host}:{port}/v1 ({mode}; max batch "
+        f"{server.scheduler.max_batch}{cached})")
+    n_keys = len(server.keys) if server.keys else 0
+    say(f"{n_keys or 'no'} API key{'s' if n_keys != 1 else ''}" + ("" if n_keys else " (an open server)")
+        + f"; learned drafts and cached prefixes scoped: {server.learn_scope}"
+        + ("; /metrics open (--protect-metrics to require a key)" if n_keys and not server.protect_metrics else ""))
 
 
 def _layer_style(layer: Optional[str]) -> Optional[str]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,6 +36,7 @@ DEFAULT_DRAFT_LEN = 16
 DEFAULT_LEVEL_TOKENS = 4
 POLICIES = ("first-hit", "fill", "fill-tracked", "adaptive")
 SEED_RANGE = (0, 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20               # alternatives a token's log-probability comes with (OpenAI's most)
 
 
 @dataclass
@@ -68,6 +71,11 @@ class DecodingConfig:
     temperature: float = 0.0            # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
+    # logits processors (OpenAI's), over the generated tokens; logit_bias {token id: bias}
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None         # return each token's log-probability and this many best
     seed: int | None = None
     chat: bool = True                   # through the model's chat template
     system: str | None = None
@@ -96,6 +104,7 @@ class DecodingConfig:
         # lists: None (an option not given) is the empty list
         self.draft_models, self.level_tokens, self.stop = (list(self.draft_models or []),
                                                            list(self.level_tokens or []), list(self.stop or []))
+        self.logit_bias = parse_logit_bias(self.logit_bias)
 
     # -- checking ---------------------------------------------------------------------------
     def problems(self) -> list[str]:
@@ -108,6 +117,15 @@ class DecodingConfig:
             self.sampling
         except ValueError as exc:
             out.append(f"invalid sampling option: {exc}")
+        if any(s == "" for s in self.stop):
+            out.append("--stop takes non-empty strings: an empty one would end every generation at its first token")
+        if self.stats_min_prob is not None and not (math.isfinite(self.stats_min_prob) and 0 <= self.stats_min_prob <= 1):
+            out.append(f"--stats-min-prob must be between 0 and 1, not {self.stats_min_prob}")
+        if self.stats_min_expected is not None and not (math.isfinite(self.stats_min_expected)
+                                                        and self.stats_min_expected >= 0):
+            out.append(f"--stats-min-expected must be a finite number >= 0, not {self.stats_min_expected}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            out.append(f"--logprobs must be in 0..{MAX_LOGPROBS}, not {self.logprobs}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             out.append(f"--seed must be between 0 and 2**64 - 1, not {self.seed}")
         known = registry.names()
@@ -157,7 +175,9 @@ class DecodingConfig:
     # -- derived ----------------------------------------------------------------------------
     @property
     def sampling(self) -> Sampling:
-        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                        frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                        logit_bias=tuple(self.logit_bias.items()))
 
     @property
     def drafting(self) -> bool:
@@ -202,6 +222,12 @@ class DecodingConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise HdError(f"{where}: unknown field '{unknown[0]}' (known: {', '.join(sorted(known))})")
+        for name, value in data.items():
+            check, what = FIELD_TYPES.get(name, (None, ""))
+            if check is not None and not check(value):
+                shown = json.dumps(value, default=str)
+                raise HdError(f"{where}: field '{name}' must be {what}, not "
+                              f"{shown if len(shown) <= 60 else shown[:57] + '...'}")
         try:
             return cls(**data)
         except (TypeError, ValueError, AttributeError) as exc:
@@ -231,6 +257,71 @@ class DecodingConfig:
         data = data or planner.read_plan_file(path)
         return cls(model=data.get("target", DEFAULT_MODEL), dtype=data.get("dtype", "auto"),
                    kernels=data.get("kernels", "auto"), plan=str(path))
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _path(v) -> bool:
+    return isinstance(v, (str, os.PathLike))
+
+
+def _list(item):
+    return lambda v: isinstance(v, (list, tuple)) and all(map(item, v))
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _either(*checks):
+    return lambda v: any(c(v) for c in checks)
+
+
+# What each field takes (a JSON configuration, the CLI's parsed options, Python): from_dict refuses
+# anything else in one line naming the field, so "eight" is never a token count, 8.7 never 9 and
+# true never 1. A field not listed here is not checked by type.
+FIELD_TYPES = {
+    **{name: (_str, "a string") for name in ("model", "dtype", "device", "kernels", "invariant", "attention",
+                                             "policy")},
+    "layers": (_optional(_either(_str, _list(_str))), "a list of layer names (or null for the default)"),
+    "candidates": (_int, "an integer"),
+    "draft_len": (_either(_int, _str, lambda v: isinstance(v, dict) and all(map(_str, v)) and all(map(_int, v.values()))),
+                  "an integer or {layer: integer}"),
+    "min_n": (_optional(_int), "an integer or null"),
+    "max_n": (_int, "an integer"),
+    "stats_dbs": (_optional(_either(_path, _list(_path))), "a list of paths"),
+    "model_db": (_optional(_path), "a path or null"),
+    "stats_min_prob": (_optional(_number), "a number or null"),
+    "stats_min_expected": (_optional(_number), "a number or null"),
+    "learn": (lambda v: isinstance(v, bool), "true or false"),
+    "draft_models": (_optional(_either(_str, _list(_str))), "a list of draft model names"),
+    "level_tokens": (_optional(_either(_str, _list(_int))), "a list of integers"),
+    "no_db": (lambda v: isinstance(v, bool), "true or false"),
+    "plan": (_optional(_path), "a path or null"),
+    "max_new_tokens": (_int, "an integer"),
+    "temperature": (_number, "a number"),
+    "top_p": (_number, "a number"),
+    "top_k": (_int, "an integer"),
+    "frequency_penalty": (_number, "a number"),
+    "presence_penalty": (_number, "a number"),
+    "logit_bias": (_optional(_either(lambda v: isinstance(v, dict) and all(map(_number, v.values())), _list(_str))),
+                   "{token id: number}"),
+    "logprobs": (_optional(_int), "an integer or null"),
+    "seed": (_optional(_int), "an integer or null"),
+    "chat": (lambda v: isinstance(v, bool), "true or false"),
+    "system": (_optional(_str), "a string or null"),
+    "stop": (_optional(_list(_str)), "a list of strings"),
+}
 
 
 def level_problems(draft_models: Sequence[str], level_tokens: Sequence[int]) -> list[str]:
@@ -272,3 +363,17 @@ def parse_draft_len(spec: str | int) -> int | dict[str, int]:
     except ValueError:
         raise HdError(f"--draft-len takes a number or layer=number pairs (context=16,stats=8), "
                       f"not {spec!r}") from None
+
+
+def parse_logit_bias(spec) -> dict[int, float]:
+    """{token id: bias} from a dict (JSON's keys are strings) or CLI items 'ID=BIAS'."""
+    if not spec:
+        return {}
+    items = spec.items() if isinstance(spec, dict) else (str(x).partition("=")[::2] for x in spec)
+    out = {}
+    try:
+        for k, v in items:
+            out[int(k)] = float(v)
+    except (TypeError, ValueError):
+        raise HdError(f"--logit-bias takes TOKEN_ID=BIAS items (e.g. 13=-100), not {spec!r}") from None
+    return out

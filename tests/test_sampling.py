@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 
 from hdcli.engine.decode import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
-from hdcli.engine.verify import Sampling, sample_point_masses, target_probs
+from hdcli.engine.verify import Sampling, processed, sample_point_masses, target_probs
 
 from conftest import owned_copy, tiny_llama
 
@@ -61,12 +61,14 @@ def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
 
 @torch.inference_mode()
 def exact_two_token_distribution(model, prompt, s: Sampling) -> dict:
+    """P(first two tokens), the logits processed as plain decoding processes them (penalties count
+    the generated tokens: none for the first, t1 for the second)."""
     probs = {}
-    p1 = target_probs(model(torch.tensor([prompt])).logits[0, -1:], s)[0]
+    p1 = target_probs(processed(model(torch.tensor([prompt])).logits[0, -1:], s, []), s)[0]
     for t1 in range(V):
         if p1[t1] == 0:
             continue
-        p2 = target_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1:], s)[0]
+        p2 = target_probs(processed(model(torch.tensor([prompt + [t1]])).logits[0, -1:], s, [t1]), s)[0]
         for t2 in range(V):
             if p2[t2] > 0:
                 probs[(t1, t2)] = float(p1[t1] * p2[t2])
@@ -78,10 +80,13 @@ def model():
     return tiny_llama(vocab_size=V, seed=3, hidden=16, scale=3.0)
 
 
-SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)]
+# the third goes through logits processors: a drafted second token is verified on a row penalised
+# for the first (its path), which the test was checked to fail without (path counts left out)
+SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9),
+             Sampling(temperature=1.0, frequency_penalty=1.5, presence_penalty=0.5, logit_bias=((2, 1.0),))]
 
 
-@pytest.mark.parametrize("s", SAMPLINGS, ids=["t1", "t0.7-k5-p0.9"])
+@pytest.mark.parametrize("s", SAMPLINGS, ids=["t1", "t0.7-k5-p0.9", "t1-penalties-bias"])
 @pytest.mark.parametrize("layer", ["fixed", "context", "model"])
 def test_first_two_tokens_follow_target_distribution(model, s, layer):
     prompt = [1, 3, 4, 3, 4, 3]

@@ -171,9 +171,13 @@ def test_bad_input_gets_openai_errors_and_the_server_goes_on(served):
         (json.dumps({**ok, "messages": []}).encode(), 400, "messages"),
         (json.dumps({**ok, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "messages.0.role"),
         (json.dumps({**ok, "max_tokens": 10 ** 6}).encode(), 400, "max_tokens"),
-        (json.dumps({**ok, "n": 2}).encode(), 400, "n"),
+        (json.dumps({**ok, "n": 9}).encode(), 400, "n"),
         (json.dumps({**ok, "model": "gpt-4"}).encode(), 404, "model"),
         (json.dumps({**ok, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}).encode(), 413, None),
+        (b"[" * 100000, 400, None),   # nested past the parser's recursion: a 400, not a 500
+        (json.dumps({**ok, "messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "4",
+                                                                           "tool_call_id": "c1"}]}).encode(),
+         400, "messages.1.role"),
     ]
     for body, status, param in cases:
         got, text = http("POST", url, body)
@@ -260,6 +264,72 @@ def test_learning_across_requests_rises_and_survives_a_restart(served, model_dir
         r.stop()
 
 
+def hd_layers(client, name, prompts) -> list[dict]:
+    return [chat(client, name, p, max_tokens=30).usage.model_extra["hd"]["layers"] for p in prompts]
+
+
+def accepted_by(layers: list[dict], name: str) -> int:
+    return sum(x.get(name, {}).get("accepted", 0) for x in layers)
+
+
+def test_learn_scope_key_keeps_one_keys_teaching_from_another(served, model_dir, tmp_path):
+    """Issue 39: with several keys (learn scope `key` by default), what key A's requests taught
+    (model DB answers, recycled predictions, cached prefixes) drafts for A alone: B's requests draft
+    exactly as a key that never met A's (same layer counts, request by request), also after a
+    restart that reads A's learned answers back from the DB; A's own repeats draft from them. The
+    learned DB is made readable by its owner only."""
+    db = model_db(served.server.lm, tmp_path / "t.lmdb")
+    os.chmod(db, 0o644)
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nalice KA\nbob KB\ncarol KC\ndave KD\nerin KE\n")
+    cfg = config(model_dir, model_db=str(db), learn=True, layers=["model", "recycle"],
+                 stats_min_prob=0.0, stats_min_expected=0.0)
+    taught = PROMPTS[:4]
+    r = Running(cfg, api_keys_file=str(keys))
+    try:
+        assert r.server.learn_scope == "key" and os.stat(db).st_mode & 0o077 == 0
+        name = r.server.name
+        first = hd_layers(r.client("KA"), name, taught)
+        deadline = time.time() + 20
+        while r.server.learner.learned < len(taught):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        bob, carol = hd_layers(r.client("KB"), name, taught), hd_layers(r.client("KC"), name, taught)
+        assert bob == carol                  # A's teaching reaches neither
+        again = hd_layers(r.client("KA"), name, taught)
+        assert accepted_by(again, "model") > accepted_by(bob, "model") and accepted_by(again, "model") > accepted_by(first, "model")
+        assert http("GET", r.url + "/v1/models")[0] == 401 and http("GET", r.url + "/metrics")[0] == 200
+    finally:
+        r.stop()
+    r = Running(cfg, api_keys_file=str(keys), protect_metrics=True)
+    try:
+        name = r.server.name
+        dave, erin = hd_layers(r.client("KD"), name, taught), hd_layers(r.client("KE"), name, taught)
+        assert dave == erin
+        alice = hd_layers(r.client("KA"), name, taught)
+        assert accepted_by(alice, "model") > accepted_by(dave, "model")
+        assert http("GET", r.url + "/metrics")[0] == 401
+        assert http("GET", r.url + "/metrics", headers={"Authorization": "Bearer KB"})[0] == 200
+    finally:
+        r.stop()
+
+
+def test_api_keys_are_checked_and_scopes_named():
+    from hdcli.errors import HdError
+    from hdcli.serve import tenants
+    keys = tenants.Keys.load(["k1", "k2"])
+    assert keys.identify("k2") == "key-2" and keys.identify("k3") is None and keys.identify("") is None
+    assert tenants.default_scope(keys) == "key" and tenants.default_scope(None) == "shared"
+    assert tenants.default_scope(tenants.Keys.load(["k1"])) == "shared"
+    for bad, says in [([""], "empty"), (["clé"], "printable ASCII"), (["a b"], "printable ASCII"),
+                      (["k", "k"], "twice")]:
+        with pytest.raises(HdError, match=says):
+            tenants.Keys.load(bad)
+    assert tenants.scope_of("shared", "a", "u") == "" and tenants.tag("") is None
+    assert tenants.scope_of("key", "a", "u") == "key:a" != tenants.scope_of("user", "a", "u")
+    assert tenants.tag("key:a") != tenants.tag("key:b") and len(tenants.tag("key:a")) == 8
+
+
 def start_cli(model_dir, *args):
     from hdcli.serve.spawn import spawn
     p, url, seen = spawn(["--model", str(model_dir), "--dtype", "fp32", "--kernels", "torch", *args],
@@ -311,7 +381,8 @@ def test_sigkill_mid_learning_leaves_the_model_db_intact(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args,says", [(["--port", "99999"], "--port 99999"), (["--max-batch", "0"], "--max-batch"),
-                                       (["--learn"], "--learn"), (["--api-key", " "], "--api-key")])
+                                       (["--learn"], "--learn"), (["--api-key", " "], "--api-key"),
+                                       (["--max-connections", "0"], "--max-connections")])
 def test_bad_options_are_one_line_errors(model_dir, args, says):
     p = subprocess.run([sys.executable, "-m", "hdcli.cli", "serve", "--model", str(model_dir), *args],
                        capture_output=True, text=True, timeout=120)
@@ -363,16 +434,269 @@ def test_the_fields_apps_send_are_taken_at_neutral_values_and_refused_otherwise(
     assert protocol.parse(protocol.ChatRequest, neutral).messages[0].content == "hi"
     assert protocol.parse(protocol.CompletionRequest, {"model": "m", "prompt": "x", "logprobs": None,
                                                        "frequency_penalty": 0, "logit_bias": {}})
-    for field, value in [("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {"5": 10}),
-                         ("logprobs", True), ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
+    # implemented for real: taken at any valid value
+    implemented = {"frequency_penalty": 0.5, "presence_penalty": -1.0, "logit_bias": {"5": 10, "7": -2.5},
+                   "logprobs": True, "top_logprobs": 3}
+    assert protocol.parse(protocol.ChatRequest, {**neutral, **implemented}).logprobs_wanted() == 3
+    assert protocol.parse(protocol.CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 2}).logprobs_wanted() == 2
+    for field, value in [("response_format", {"type": "json_object"}),
                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                         ("tool_choice", "required")]:
+                         ("tool_choice", "required"), ("frequency_penalty", 2.5), ("top_logprobs", 21)]:
         with pytest.raises(protocol.ApiError) as err:
             protocol.parse(protocol.ChatRequest, {**neutral, field: value})
         assert err.value.status == 400 and err.value.param == field, field
     with pytest.raises(protocol.ApiError) as err:
-        protocol.parse(protocol.CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 2})
-    assert err.value.param == "logprobs"
+        protocol.parse(protocol.ChatRequest, {**neutral, "top_logprobs": 2}).logprobs_wanted()
+    assert err.value.param == "top_logprobs"
     with pytest.raises(protocol.ApiError) as err:  # still strict: an unknown field is refused
         protocol.parse(protocol.ChatRequest, {**neutral, "frobnicate": 1})
     assert err.value.param == "frobnicate"
+
+
+def test_penalties_bias_and_logprobs_served_equal_hd_generate(served, model_dir):
+    """Issue 39: frequency/presence penalties and logit_bias change the answer exactly as `hd
+    generate` with the same processors does, token for token; logprobs and top_logprobs equal
+    its numbers exactly, whole and streamed, chat and completions."""
+    s, c = served.server, served.client()
+    cfg = config(model_dir).replace(frequency_penalty=0.6, presence_penalty=0.3, logit_bias={5: 3.0, 9: -2.0})
+    kw = dict(frequency_penalty=0.6, presence_penalty=0.3, logit_bias={"5": 3.0, "9": -2.0})
+    changed = 0
+    for prompt in PROMPTS[:3]:
+        ref = api.generate(s.lm, prompt, config=cfg, logprobs=2)
+        plain = api.generate(s.lm, prompt, config=config(model_dir))
+        changed += plain.tokens != ref.tokens
+        r = chat(c, s.name, prompt, max_tokens=40, logprobs=True, top_logprobs=2, **kw)
+        assert r.choices[0].message.content == ref.text
+        want = [lp for t, (lp, _) in zip(ref.tokens, ref.logprobs) if t not in s.lm.eos_ids]
+        got = r.choices[0].logprobs.content
+        assert [e.logprob for e in got] == want
+        assert [[a.logprob for a in e.top_logprobs] for e in got] == \
+            [[b for _, b in best] for t, (_, best) in zip(ref.tokens, ref.logprobs) if t not in s.lm.eos_ids]
+        streamed = []
+        for ch in chat(c, s.name, prompt, max_tokens=40, logprobs=True, top_logprobs=2, stream=True, **kw):
+            if ch.choices and ch.choices[0].logprobs:
+                streamed += ch.choices[0].logprobs.content
+        assert [e.logprob for e in streamed] == want and [e.token for e in streamed] == [e.token for e in got]
+    assert changed, "the processors changed no answer: the test would not see them ignored"
+    raw = api.generate(s.lm, "the cat sat", config=cfg.replace(chat=False), logprobs=1)
+    r = c.completions.create(model=s.name, prompt="the cat sat", max_tokens=40, temperature=0, logprobs=1, **kw)
+    assert r.choices[0].text == raw.text
+    assert r.choices[0].logprobs.token_logprobs == [lp for t, (lp, _) in zip(raw.tokens, raw.logprobs)
+                                                    if t not in s.lm.eos_ids]
+    status, body = http("POST", served.url + "/v1/chat/completions", json.dumps(
+        {"model": s.name, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 1}}).encode())
+    assert status == 400 and json.loads(body)["error"]["param"] == "logit_bias"
+
+
+def test_several_choices_are_jobs_of_their_own(served, model_dir):
+    """`n` > 1: greedy choices are all `hd generate`'s answer; seeded sampled choices are those of
+    single requests with seed + i, whole and streamed."""
+    s, c = served.server, served.client()
+    ref = api.generate(s.lm, PROMPTS[1], config=config(model_dir))
+    r = chat(c, s.name, PROMPTS[1], max_tokens=40, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and {ch.message.content for ch in r.choices} == {ref.text}
+    assert r.usage.completion_tokens == 3 * len(ref.tokens) and r.usage.prompt_tokens == len(ref.prompt_ids)
+    pieces = {0: "", 1: ""}
+    for ch in chat(c, s.name, PROMPTS[1], max_tokens=40, n=2, stream=True):
+        for choice in ch.choices:
+            pieces[choice.index] += choice.delta.content or ""
+    assert pieces == {0: ref.text, 1: ref.text}
+    # sampled: each choice a job with its own seed (a sampled speculative answer depends on the
+    # drafts as well as the seed, so it is not compared with a single request's here)
+    r = c.completions.create(model=s.name, prompt="the cat sat", max_tokens=20, temperature=1.0, n=2, seed=11)
+    assert sorted(ch.index for ch in r.choices) == [0, 1] and all(ch.text for ch in r.choices)
+    assert len(r.usage.model_extra["hd"]["choices"]) == 2 and r.usage.completion_tokens <= 40
+
+
+def test_sampled_logprobs_served_equal_plain_rows(served):
+    """Seeded sampling through the server: the logprobs of the tokens drawn are plain decoding's
+    rows for that output, exactly."""
+    from test_processors import forced_plain_logprobs
+    from hdcli.engine.verify import Sampling
+    s, c = served.server, served.client()
+    r = c.completions.create(model=s.name, prompt="the cat sat", max_tokens=30, temperature=0.9, seed=3,
+                             logprobs=2, presence_penalty=0.5)
+    ids = [int(t) for t in s.lm.tokenizer("the cat sat", add_special_tokens=True)["input_ids"]]
+    lps = r.choices[0].logprobs
+    tokens = s.lm.tokenizer.convert_tokens_to_ids(lps.tokens)   # the word tokenizer's pieces are its tokens
+    want = forced_plain_logprobs(s.lm, ids, tokens, Sampling(temperature=0.9, presence_penalty=0.5), 2)
+    assert len(tokens) > 5 and lps.token_logprobs == [lp for lp, _ in want]
+    assert [list(d.values()) for d in lps.top_logprobs] == [[b for _, b in best] for _, best in want]
+
+
+def test_assistant_null_content_is_empty_text_and_tool_roles_are_refused_by_name(served):
+    """Issue: `content: null` (OpenAI clients send it for assistant turns) and "tool" messages got
+    pydantic's union errors; now null is empty text, a tool turn a 400 naming its role."""
+    from hdcli.serve import protocol
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    req = protocol.parse(protocol.ChatRequest, {**base, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "on"}]})
+    assert [m.text() for m in req.messages] == ["hi", "", "on"]
+    for role in ("tool", "function"):
+        with pytest.raises(protocol.ApiError) as err:
+            protocol.parse(protocol.ChatRequest, {**base, "messages": [
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                {"role": "tool", "content": "4", "tool_call_id": "c1"} if role == "tool" else
+                {"role": "function", "name": "f", "content": "4"}]})
+        assert err.value.status == 400 and err.value.param == "messages.2.role", err.value.message
+        assert err.value.message == (f"messages.2.role: '{role}' messages are not supported "
+                                     "(hd serve does not implement tool calls)")
+    with pytest.raises(protocol.ApiError) as err:   # null is for assistant turns only
+        protocol.parse(protocol.ChatRequest, {**base, "messages": [{"role": "user", "content": None}]})
+    assert err.value.param == "messages.0.content" and "assistant" in err.value.message
+    s = served.server
+    r = served.client().chat.completions.create(model=s.name, max_tokens=3, temperature=0, messages=[
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": "hi"}])
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_control_token_the_tokenizer_cannot_keep_as_text_is_a_400(served):
+    """The test model's word-level vocabulary has '</s>' as a word: it cannot be text there, so a
+    message holding it is refused, naming `messages` (it would otherwise end the turn)."""
+    body = {"model": served.server.name, "messages": [{"role": "user", "content": "a </s> b"}], "max_tokens": 3}
+    got, text = http("POST", served.url + "/v1/chat/completions", json.dumps(body).encode())
+    err = json.loads(text)["error"]
+    assert got == 400 and err["param"] == "messages" and "</s>" in err["message"], text
+
+
+def closed_within(sock, seconds: float) -> float:
+    """Seconds until the server closed the socket (it sent nothing), failing past `seconds`."""
+    start = time.time()
+    sock.settimeout(seconds)
+    assert sock.recv(1024) == b""
+    return time.time() - start
+
+
+def test_idle_and_half_sent_connections_are_closed_and_connections_capped(served, monkeypatch):
+    """Issue: 1,100 idle sockets under `ulimit -n 1024` timed every request out. A connection that
+    sends no whole header within header_timeout is closed; one beyond max_connections gets 503."""
+    import socket
+    s = served.server
+    monkeypatch.setattr(s, "header_timeout", 0.5)   # read as each connection opens
+    idle = socket.create_connection(("127.0.0.1", served.port))
+    half = socket.create_connection(("127.0.0.1", served.port))
+    half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # a header never finished
+    assert closed_within(idle, 10) < 5 and closed_within(half, 10) < 5
+    kept = socket.create_connection(("127.0.0.1", served.port))   # a response re-arms the timer
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    kept.settimeout(10)
+    answer = b""
+    while not answer.endswith(b"}"):   # headers and body may come in two segments
+        answer += kept.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert closed_within(kept, 10) < 5
+    assert http("GET", served.url + "/health")[0] == 200   # a whole request is answered
+    held = socket.create_connection(("127.0.0.1", served.port))
+    try:
+        time.sleep(0.1)
+        monkeypatch.setattr(s, "max_connections", 1)
+        got, text = http("GET", served.url + "/health")
+        assert got == 503 and json.loads(text)["error"]["code"] == "overloaded", text
+    finally:
+        held.close()
+    monkeypatch.setattr(s, "max_connections", 512)
+    assert http("GET", served.url + "/health")[0] == 200
+
+
+def test_out_of_files_log_is_rate_limited():
+    """asyncio logs each accept that fails for want of file descriptors, with a traceback (60 MB
+    in 15 s once): one such record passes per period, the next says how many were dropped."""
+    import errno
+    import logging
+    from hdcli.serve.limits import RateLimited
+
+    now = [0.0]
+    f = RateLimited(every=10, clock=lambda: now[0])
+
+    def record(msg, exc=None):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None,
+                                 (type(exc), exc, None) if exc else None)
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    assert f.filter(record("socket.accept() out of system resource", emfile))
+    assert not any(f.filter(record("socket.accept() out of system resource", emfile)) for _ in range(500))
+    assert f.filter(record("something else"))   # other records pass untouched
+    now[0] = 10.5
+    r = record("socket.accept() out of system resource", emfile)
+    assert f.filter(r) and "500 more like it" in r.getMessage()
+    now[0] = 11
+    assert not f.filter(record("[Errno 24] Too many open files"))
+
+
+def test_a_shutdown_that_hangs_still_ends_within_the_bound(model_dir):
+    """Issue: SIGTERM once left the server hanging over 10 minutes (a CancelledError in the
+    lifespan). Whatever hangs, the process ends drain_timeout + SHUTDOWN_MARGIN after the signal,
+    saying so in one line (exit 1). Here close() never returns; the margin is cut to 1 s."""
+    code = (
+        "import sys, time\n"
+        "from hdcli import api, serve\n"
+        "serve.SHUTDOWN_MARGIN = 1.0\n"
+        f"cfg = api.DecodingConfig(model={str(model_dir)!r}, dtype='fp32', kernels='torch', max_new_tokens=5)\n"
+        "server = serve.Server(cfg, port=0, drain_timeout=0)\n"
+        "serve.Server.close = lambda self: time.sleep(3600)   # a shutdown that never ends\n"
+        "print(server.bind(), flush=True)\n"
+        "server.run()\n"
+        "print('returned', flush=True)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(p.stdout.readline())
+        deadline = time.time() + 60
+        while True:
+            try:
+                if http("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        start = time.time()
+        out, err = p.communicate(timeout=30)
+        assert time.time() - start < 15
+        assert p.returncode == 1 and "returned" not in out
+        assert "exiting now" in err and len([x for x in err.splitlines() if "exiting now" in x]) == 1, err[-2000:]
+    finally:
+        p.kill()
+
+
+def test_a_cancelled_lifespan_still_closes_the_server():
+    """The lifespan's shutdown runs close() in a thread of its own: cancelling the lifespan while
+    it waits (as happened before a 10-minute hang) leaves close() to finish, and the event loop
+    ends without waiting for it (the loop's executor, which close() ran in, made it wait)."""
+    import asyncio
+    server = Server.__new__(Server)   # only the lifespan is exercised: no model
+    server._main_loop = True
+    release, closed = threading.Event(), threading.Event()
+    server.close = lambda: (release.wait(10), closed.set())
+
+    async def main():
+        lifespan = server.lifespan(None)
+        await lifespan.__aenter__()
+        ending = asyncio.ensure_future(lifespan.__aexit__(None, None, None))
+        await asyncio.sleep(0.05)
+        ending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await ending
+    start = time.time()
+    asyncio.run(main())   # the loop's teardown does not wait for close (the executor's would)
+    assert time.time() - start < 5 and not closed.is_set()
+    release.set()
+    assert closed.wait(10)
+
+
+def test_a_failing_decode_loop_ends_the_job_it_was_admitting(served):
+    """A fault while a request is being admitted (here its drafter cannot be built) fails the loop
+    and that request gets an error, as running and queued ones do: no client waits forever."""
+    from hdcli.engine.verify import Sampling
+    from hdcli.serve.scheduler import Job, Scheduler
+
+    def broken(scope):
+        raise ZeroDivisionError("no drafter")
+    sched = Scheduler(served.server.lm, broken)
+    ended = threading.Event()
+    job = Job(prompt_ids=[1, 2, 3], max_tokens=4, sampling=Sampling(), seed=None, stop=[],
+              emit=lambda ev: ended.set() if ev[0] == "done" else None)
+    assert sched.submit(job)
+    sched.start()
+    assert ended.wait(30) and job.finish_reason == "error" and "ZeroDivisionError" in job.error
+    assert isinstance(sched.failed, ZeroDivisionError)

@@ -52,7 +52,8 @@ def _map_task(corpus: Sequence[str], model: str, shard: tuple[int, int], partiti
     try:
         texts, report = corpus_mod.read_corpus(list(corpus), shard=shard, **read_opts)
         tok = models.load_tokenizer(model)
-        chunks = statsdb._token_chunks(texts, tok, statsdb.CHUNK_TOKENS)
+        chunks = statsdb._token_chunks(texts, tok, statsdb.CHUNK_TOKENS,
+                                       overlap=(count_opts["max_n"] - 1, count_opts["draft_len"]))
         parts, n_docs, n_tokens = statsdb.count_partitions(chunks, partitions, **count_opts)
     except HdError as exc:
         return {"error": str(exc)}

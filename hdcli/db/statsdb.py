@@ -11,7 +11,9 @@ Memory stays bounded for corpora larger than RAM: documents are tokenised into c
 `chunk_tokens` tokens; each chunk is counted with numpy (sort + run-length), and its partial
 counts are spilled to `partitions` files on disk by key hash. At the end each partition is loaded
 alone, its counts summed across chunks, pruned and written. Peak memory ~ one chunk's arrays or
-one partition, whichever is larger. Pairs are identified by 64-bit hashes of their tokens
+one partition, whichever is larger. One long document is bounded alike: tokenised in pieces of
+PIECE_CHARS characters cut at whitespace, counted in windows of chunk_tokens tokens that overlap
+by max_n - 1 and draft_len tokens (exactly the whole document's counts; _token_chunks). Pairs are identified by 64-bit hashes of their tokens
 (collision odds ~1e-5 for 10^8 distinct pairs; a collision can only change a draft, never output).
 
 Sharding: `shard=(i, n)` counts the documents whose index % n == i and keeps every continuation
@@ -38,6 +40,7 @@ from ..errors import HdError
 
 DEFAULTS = dict(min_n=1, max_n=4, draft_len=1, top_k=4, min_count=2)
 CHUNK_TOKENS = 4_000_000  # tokens counted in memory at once (a chunk's arrays bound peak memory)
+PIECE_CHARS = 1 << 18     # a longer document is tokenised in pieces of at most this many characters
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -68,12 +71,22 @@ def count_chunk(docs: list[list[int]], min_n: int, max_n: int, draft_len: int):
     """Partial counts of one chunk: arrays (hkey, hcont, count, n, key[max_n], cont[draft_len]),
     tokens as int32 with -1 as padding."""
     from numpy.lib.stride_tricks import sliding_window_view as windows
-    parts = []
+    parts, context = [], []
+    at = 0
     for d in docs:
+        if isinstance(d, Window):   # a long document's part: keys end in [lo, hi) only
+            context += [(at, at + d.lo), (at + d.hi, at + len(d.tokens))]
+            d = d.tokens
         parts.append(np.asarray(d, dtype=np.int64))
         parts.append(np.array([-1], dtype=np.int64))  # document boundary
+        at += len(d) + 1
     t = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     size = len(t)
+    counted = None
+    if context:
+        counted = np.ones(size, dtype=bool)
+        for a, b in context:
+            counted[a:b] = False
     padded = np.concatenate([t, np.full(draft_len + max_n, -1, dtype=np.int64)])
     conts = windows(padded[1:], draft_len)[:size]          # conts[i] = t[i+1 : i+1+draft_len]
     out = []
@@ -83,6 +96,8 @@ def count_chunk(docs: list[list[int]], min_n: int, max_n: int, draft_len: int):
         keys = windows(t, n)                                 # keys[j] = t[j : j+n], ends at j+n-1
         ends = np.arange(n - 1, size)
         ok = (keys.min(axis=1) >= 0) & (conts[ends, 0] >= 0)
+        if counted is not None:
+            ok &= counted[ends]
         ends = ends[ok]
         k = keys[ends - n + 1].astype(np.int32)
         c = conts[ends].astype(np.int32)
@@ -176,21 +191,79 @@ def _write_partition(writer, rows: tuple, top_k: int, min_count: int, draft_len:
     return len(idx)
 
 
-def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int = 256,
-                  num_proc: int = 1, on_batch: Callable[[int, int], None] | None = None
-                  ) -> Iterator[list[list[int]]]:
-    """Tokenise documents in batches and group them into chunks of about chunk_tokens tokens."""
-    def batches():
-        buf = []
-        for text in texts:
-            buf.append(text)
-            if len(buf) >= batch:
-                yield buf
-                buf = []
-        if buf:
-            yield buf
+def split_text(text: str, limit: int = PIECE_CHARS) -> Iterator[str]:
+    """A long text in pieces of at most `limit` characters, each cut made where a run of
+    whitespace starts: the tokenizers hd's models use split words at whitespace first, so the
+    pieces tokenise to the tokens of the whole text. A stretch of `limit` characters with no
+    whitespace in it is cut at the limit (the only cut that may change a token)."""
+    start = 0
+    while len(text) - start > limit:
+        cut = start + limit
+        while cut > start and not (text[cut].isspace() and not text[cut - 1].isspace()):
+            cut -= 1
+        if cut == start:
+            cut = start + limit
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
-    encode = list if tokenizer is None else _Encoder(tokenizer)  # None: texts are token lists
+
+class Window:
+    """Part of a document too long to count at once (more than chunk_tokens tokens): tokens are
+    the part with up to max_n - 1 tokens before it (its first keys' context) and up to draft_len
+    after it (its last continuations); count_chunk counts only keys that end in [lo, hi), so the
+    windows of a document count exactly what the whole document would."""
+
+    def __init__(self, tokens: np.ndarray, lo: int, hi: int, first: bool):
+        self.tokens, self.lo, self.hi, self.first = tokens, lo, hi, first
+
+    def __len__(self) -> int:   # the document's own tokens in it
+        return self.hi - self.lo
+
+
+def documents_in(chunk) -> int:
+    return sum(1 for d in chunk if not isinstance(d, Window) or d.first)
+
+
+def _windows(pieces: list, size: int, before: int, after: int):
+    """A document read in pieces (token lists): whole where it has at most `size` tokens, else
+    as Windows of `size` tokens each."""
+    if len(pieces) == 1 and len(pieces[0]) <= size:
+        yield pieces[0]
+        return
+    t = np.concatenate([np.asarray(p, dtype=np.int32) for p in pieces])
+    if len(t) <= size:
+        yield t
+        return
+    for a in range(0, len(t), size):
+        b = min(a + size, len(t))
+        lo = max(0, a - before)
+        yield Window(t[lo:min(len(t), b + after)], a - lo, b - lo, a == 0)
+
+
+def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int = 256,
+                  num_proc: int = 1, on_batch: Callable[[int, int], None] | None = None,
+                  overlap: tuple[int, int] = (DEFAULTS["max_n"] - 1, DEFAULTS["draft_len"])) -> Iterator[list]:
+    """Tokenise documents in batches and group them into chunks of about chunk_tokens tokens.
+    A document longer than PIECE_CHARS is tokenised in pieces (split_text), each its own batch,
+    so one document never holds a tokenizer's memory for millions of tokens and an interrupt
+    acts between pieces; one of more than chunk_tokens tokens comes as Windows (overlap: the
+    counts' max_n - 1 and draft_len), so its counts are exact and bounded alike."""
+    def batches():
+        buf, joins, chars = [], [], 0
+        for text in texts:
+            long = tokenizer is not None and len(text) > PIECE_CHARS
+            for j, piece in enumerate(split_text(text, PIECE_CHARS) if long else (text,)):
+                buf.append(piece)
+                joins.append(j > 0)   # continues the document before it
+                chars += len(piece)
+                if len(buf) >= batch or chars >= PIECE_CHARS:
+                    yield buf, joins
+                    buf, joins, chars = [], [], 0
+        if buf:
+            yield buf, joins
+
+    encode = _as_lists if tokenizer is None else _Encoder(tokenizer)  # None: texts are token lists
     pool = None
     if num_proc > 1 and tokenizer is not None:
         import multiprocessing as mp
@@ -198,14 +271,25 @@ def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int
         encoded = pool.imap(encode, batches())
     else:
         encoded = map(encode, batches())
+
+    def docs():
+        pending: list = []   # the pieces of the document being read
+        for ids, joins in encoded:
+            if on_batch:
+                on_batch(joins.count(False), sum(map(len, ids)))
+            for d, join in zip(ids, joins):
+                if not join and pending:
+                    yield from _windows(pending, chunk_tokens, *overlap)
+                    pending = []
+                pending.append(d)
+        if pending:
+            yield from _windows(pending, chunk_tokens, *overlap)
+
     chunk, size = [], 0
     try:
-        for ids in encoded:
-            if on_batch:
-                on_batch(len(ids), sum(map(len, ids)))
-            for d in ids:
-                chunk.append(d)
-                size += len(d)
+        for d in docs():
+            chunk.append(d)
+            size += len(d)
             if size >= chunk_tokens:
                 yield chunk
                 chunk, size = [], 0
@@ -216,12 +300,17 @@ def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int
             pool.terminate()
 
 
+def _as_lists(batch):
+    return list(batch[0]), batch[1]
+
+
 class _Encoder:
     def __init__(self, tokenizer):
         self.tok = tokenizer
 
-    def __call__(self, texts: list[str]) -> list[list[int]]:
-        return self.tok(texts, add_special_tokens=False)["input_ids"]
+    def __call__(self, batch: tuple[list[str], list[bool]]) -> tuple[list[list[int]], list[bool]]:
+        texts, joins = batch
+        return self.tok(texts, add_special_tokens=False)["input_ids"], joins
 
 
 def check_params(min_n: int, max_n: int, draft_len: int, top_k: int, min_count: int) -> None:
@@ -252,8 +341,8 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
         try:
             tokens = docs = 0
             for chunk in _token_chunks(texts, None if tokenized else tokenizer, chunk_tokens,
-                                       num_proc=num_proc, on_batch=progress):
-                docs += len(chunk)
+                                       num_proc=num_proc, on_batch=progress, overlap=(max_n - 1, draft_len)):
+                docs += documents_in(chunk)
                 tokens += sum(map(len, chunk))
                 spill.add(count_chunk(chunk, min_n, max_n, draft_len))
             if docs == 0:
@@ -284,7 +373,7 @@ def count_partitions(chunks: Iterable[list[list[int]]], partitions: int, *, min_
     parts: list[list[tuple]] = [[] for _ in range(partitions)]
     docs = tokens = 0
     for chunk in chunks:
-        docs += len(chunk)
+        docs += documents_in(chunk)
         tokens += sum(map(len, chunk))
         for q, piece in enumerate(_split(count_chunk(chunk, min_n, max_n, draft_len), partitions)):
             parts[q].append(piece)
@@ -467,5 +556,8 @@ def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int 
         header["learned_tokens"] = header.get("learned_tokens", 0) + learned
         header["learned_updates"] = header.get("learned_updates", 0) + 1
         stores.write_header(txn, header)
-    store.update(write)
+    try:
+        store.update(write)
+    except stores.MalformedRecord as exc:   # nothing written: the transaction is aborted
+        raise stores.damaged(store.path, exc) from None
     return len(counts)

@@ -31,7 +31,10 @@ Invariants
   * a model DB also holds the target's answers whole (what its suffix index drafts from,
     hdcli/drafting/model.py): SEQ_PREFIX + 8-byte big-endian index -> <u4 tokens. The key is 18
     bytes (not a multiple of 4: never an n-gram key), indices run 0 .. header["sequences"] - 1
-    in the order the answers were written, and they count in `keys` and the digest like any record.
+    in the order the answers were written, and they count in `keys` and the digest like any record;
+  * answers learned for one tenant (`hd serve --learn-scope key|user`, hdcli/serve/tenants.py) are
+    kept apart: SCOPED_SEQ_PREFIX + 8-byte scope tag + 8-byte index (26 bytes), indices from
+    header["scoped_sequences"]; sequences() never returns them, sequences(scope=tag) only them.
 Reads go through LMDB's memory map with `buffers=True`: a lookup parses the mapped bytes in place.
 A damaged page found while reading raises HdError (one line naming the file and `hd db verify`).
 """
@@ -57,14 +60,23 @@ PAD = 0xFFFFFFFF
 INITIAL_MAP_SIZE = 1 << 28     # 256 MiB; doubled whenever LMDB reports the map full
 DIGEST_MOD = 1 << 128
 SEQ_PREFIX = b"__hd_seq__"      # + 8-byte index: 18 bytes, never a multiple of 4
+SCOPED_SEQ_PREFIX = b"__hd_sqs__"   # + 8-byte scope tag + 8-byte index: 26 bytes, never a multiple of 4
+SCOPE_TAG_BYTES = 8
 
 
-def sequence_key(index: int) -> bytes:
-    return SEQ_PREFIX + int(index).to_bytes(8, "big")
+def sequence_key(index: int, scope: bytes | None = None) -> bytes:
+    if scope is None:
+        return SEQ_PREFIX + int(index).to_bytes(8, "big")
+    if len(scope) != SCOPE_TAG_BYTES:
+        raise ValueError(f"a scope tag is {SCOPE_TAG_BYTES} bytes")
+    return SCOPED_SEQ_PREFIX + scope + int(index).to_bytes(8, "big")
 
 
 def is_sequence_key(key) -> bool:
-    return len(key) == len(SEQ_PREFIX) + 8 and bytes(key[:len(SEQ_PREFIX)]) == SEQ_PREFIX
+    """An answer kept whole, shared or a tenant's (not an n-gram record)."""
+    head = bytes(key[:len(SEQ_PREFIX)])
+    return ((len(key) == len(SEQ_PREFIX) + 8 and head == SEQ_PREFIX)
+            or (len(key) == len(SCOPED_SEQ_PREFIX) + SCOPE_TAG_BYTES + 8 and head == SCOPED_SEQ_PREFIX))
 
 
 def record_hash(key, value) -> int:
@@ -118,10 +130,17 @@ def encode_key(tokens) -> bytes:
     return np.asarray(tokens, dtype="<u4").tobytes()
 
 
+class MalformedRecord(ValueError):
+    """A stored value of a shape no build writes (Store.get/items: `damaged`, naming `hd db verify`)."""
+
+
 def decode_value(buf, draft_len: int) -> tuple[int, list[tuple[list[int], int]]]:
-    """(total, [(continuation tokens, count), ...]) from a stored value."""
-    arr = np.frombuffer(buf, dtype="<u4")
+    """(total, [(continuation tokens, count), ...]) from a stored value; MalformedRecord where its
+    length is not 4 bytes times 1 + k * (draft_len + 2)."""
     width = draft_len + 2
+    if len(buf) % 4 or not len(buf) or (len(buf) // 4 - 1) % width:
+        raise MalformedRecord(f"a record of {len(buf)} bytes is malformed")
+    arr = np.frombuffer(buf, dtype="<u4")
     out = []
     for j in range(1, len(arr), width):
         count, length = int(arr[j]), int(arr[j + 1])
@@ -415,9 +434,9 @@ class Store:
     def get(self, key_tokens) -> tuple[int, list[tuple[list[int], int]]] | None:
         try:
             buf = self.txn.get(encode_key(key_tokens))
-        except _lmdb().Error as exc:
+            return None if buf is None else decode_value(buf, self.draft_len)
+        except (_lmdb().Error, MalformedRecord) as exc:
             raise damaged(self.path, exc) from None
-        return None if buf is None else decode_value(buf, self.draft_len)
 
     def items(self, check: bool = False) -> Iterator[tuple[bytes, tuple[int, list]]]:
         """All (key bytes, (total, entries)) in key order, header excluded. check: recompute the
@@ -437,7 +456,7 @@ class Store:
                     if is_sequence_key(k):
                         continue  # an answer kept whole, not an n-gram
                     yield k, decode_value(v, self.draft_len)
-        except lmdb.Error as exc:
+        except (lmdb.Error, MalformedRecord) as exc:
             raise damaged(self.path, exc) from None
         if check:
             problem = self._content_problem(keys, digest_hex(total))
@@ -485,16 +504,18 @@ class Store:
     def sequence_count(self) -> int:
         return int(self.header.get("sequences", 0) or 0)
 
-    def sequences(self) -> Iterator[np.ndarray]:
-        """The answers kept whole (a model DB's), oldest first, as <u4 arrays (copies)."""
+    def sequences(self, scope: bytes | None = None) -> Iterator[np.ndarray]:
+        """The answers kept whole (a model DB's), oldest first, as <u4 arrays (copies): the
+        shared ones, or with scope (a tag) those learned for that tenant only."""
         lmdb = _lmdb()
+        prefix = SEQ_PREFIX if scope is None else SCOPED_SEQ_PREFIX + scope
         try:
             with self.env.begin(buffers=True) as txn:
                 cur = txn.cursor()
-                if not cur.set_range(SEQ_PREFIX):
+                if not cur.set_range(prefix):
                     return
                 for k, v in cur:
-                    if not is_sequence_key(k):
+                    if not (is_sequence_key(k) and bytes(k[:len(prefix)]) == prefix):
                         break
                     if len(v) % 4:
                         raise HdError(f"{self.path} holds a malformed answer record: run `hd db verify "
@@ -503,24 +524,26 @@ class Store:
         except lmdb.Error as exc:
             raise damaged(self.path, exc) from None
 
-    def add_sequences(self, seqs) -> int:
+    def add_sequences(self, seqs, scope: bytes | None = None) -> int:
         """Append answers (token lists) in one write transaction, keeping the header's key count,
-        sequence count and content digest current. Returns how many were added."""
+        sequence count and content digest current; scope: a tenant's tag (kept apart, see the
+        module header). Returns how many were added."""
         seqs = [np.asarray(s, dtype="<u4") for s in seqs if len(s)]
         if not seqs:
             return 0
+        counter = "sequences" if scope is None else "scoped_sequences"
 
         def write(txn):
             header = read_header(txn)
-            first = int(header.get("sequences", 0) or 0)
+            first = int(header.get(counter, 0) or 0)
             digest = int(header.get("content_digest", "0"), 16)
             for i, arr in enumerate(seqs):
-                k, v = sequence_key(first + i), arr.tobytes()
+                k, v = sequence_key(first + i, scope), arr.tobytes()
                 txn.put(k, v)
                 digest += record_hash(k, v)
             if "content_digest" in header:
                 header["content_digest"] = digest_hex(digest)
-            header["sequences"] = first + len(seqs)
+            header[counter] = first + len(seqs)
             header["keys"] = header.get("keys", 0) + len(seqs)
             write_header(txn, header)
         self.update(write)

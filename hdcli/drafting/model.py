@@ -95,7 +95,8 @@ class AnswerIndex:
 
 
 def index_for(store) -> AnswerIndex:
-    """The one AnswerIndex of an open model DB (built on first use, kept on the Store object)."""
+    """The one AnswerIndex of an open model DB's shared answers (built on first use, kept on the
+    Store object; a tenant's answers are never in it, see ScopedAnswers)."""
     index = getattr(store, "answer_index", None)
     if index is None:
         index = AnswerIndex(store.sequences())
@@ -103,8 +104,34 @@ def index_for(store) -> AnswerIndex:
     return index
 
 
+class ScopedAnswers:
+    """One tenant's view of the answers (hd serve --learn-scope key|user): the DB's shared answers
+    (`base`, read here, never grown) and the answers of this tenant alone (`own`: those learned for
+    it before, then what its requests generate). A request opens and grows its answer in `own`, so
+    what one tenant generated is never drafted for another (docs/serve.md, "Tenants")."""
+
+    def __init__(self, base: AnswerIndex, own: AnswerIndex):
+        self.base, self.own = base, own
+
+    def open(self):
+        return self.own.open()
+
+    def append(self, rid, tokens: Sequence[int]) -> None:
+        self.own.append(rid, tokens)
+
+    def close(self, rid) -> None:
+        self.own.close(rid)
+
+    def propose(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]:
+        """The tenant's own matches first (the most specific), then the shared ones."""
+        paths = self.own.propose(history, max_len, max_candidates)
+        if len(paths) < max_candidates:
+            paths += [p for p in self.base.propose(history, max_len, max_candidates) if p not in paths]
+        return paths[:max_candidates]
+
+
 class AnswerLayer:
-    """Drafts from an AnswerIndex and adds its request's answer to it."""
+    """Drafts from an AnswerIndex (or a tenant's ScopedAnswers) and adds its request's answer to it."""
 
     name = "model"
 

@@ -38,6 +38,7 @@ import bisect
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -302,13 +303,46 @@ def cache_file(kind: str, key: str) -> Path:
     return cache_root().parent / kind / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def read_json(path: Path, key: str) -> dict | None:
-    """A cache record written for `key` (write_json), or None: missing, unreadable or another key."""
+def read_record(path: Path, key: str, fmt, valid, what: str) -> dict | None:
+    """The cache record written for `key` in format `fmt` (write_json), checked by valid(record),
+    or None: then it is measured again. Missing, another key's or another format's: None, said
+    nothing. One for this key that does not parse or that `valid` refuses (a wrong type under the
+    right key, an edited or damaged file) is dropped with one line on stderr, so a damaged cache
+    costs a measurement and never a run. Every reader of HD_CACHE_DIR's records comes here."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except OSError:
         return None
-    return data if isinstance(data, dict) and data.get("key") == key else None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and (data.get("key") != key or data.get("format") != fmt):
+        return None
+    try:
+        ok = isinstance(data, dict) and bool(valid(data))
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError):
+        ok = False
+    if ok:
+        return data
+    print(f"warning: {path}: {what} is malformed; re-measuring", file=sys.stderr, flush=True)
+    try:
+        path.unlink()
+    except OSError:
+        pass
+    return None
+
+
+def number(x, low: float = float("-inf")) -> bool:
+    """A finite JSON number >= low (not a bool): what a measured field must be."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= low
+
+
+def _valid_curve(d: dict) -> bool:
+    return (number(d["measured_at"]) and isinstance(d["cost"], dict) and "1" in d["cost"]
+            and all(int(w) >= 1 and number(c, 0) for w, c in d["cost"].items())
+            and number(d["branch"], 0) and number(d["stream"], 0)
+            and (d.get("one_token_seconds") is None or number(d["one_token_seconds"], 0)))
 
 
 def _cache_path(key: str) -> Path:
@@ -337,8 +371,8 @@ _CURVES: dict[str, CostCurve] = {}  # per process: api.generate asks for every g
 def _read(key: str) -> CostCurve | None:
     """The cached curve for key, or None when missing, unreadable, of another format or old."""
     try:
-        data = read_json(_cache_path(key), key)
-        if data is None or data.get("format") != FORMAT:
+        data = read_record(_cache_path(key), key, FORMAT, _valid_curve, "the cost-curve record")
+        if data is None:
             return None
         if time.time() - float(data["measured_at"]) > MAX_AGE_DAYS * 86400:
             return None

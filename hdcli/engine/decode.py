@@ -26,7 +26,7 @@ from .draft import Drafter
 from .stats import RunStats
 from .costs import CostCurve
 from .tree import Tree, build_tree, keep_path, new_cache, node_estimates, reached, supports_trees, tree_forward
-from .verify import Sampling, accept_chain_q, accept_tree, top_tokens
+from .verify import Sampling, accept_chain_q, accept_tree, logprobs_of, processed, top_tokens
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
 # of the layer that drafted it (None for the target's own token).
@@ -39,6 +39,8 @@ class Generation:
     layers: list[str | None]     # per token: the drafting layer, or None for the target's own
     stop_reason: str             # "eos" | "length" | "stop"
     stats: RunStats = field(default_factory=RunStats)
+    # per token, where asked (logprobs=k): its log-probability and the k best (token, log-probability)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Decoder:
@@ -48,8 +50,9 @@ class Decoder:
     sends every drafted node (up to max_nodes)."""
 
     def __init__(self, model, eos_ids: Sequence[int] = (), drafter: Drafter | None = None,
-                 cost: CostCurve | None = None, max_nodes: int = 63):
+                 cost: CostCurve | None = None, max_nodes: int = 63, prefix=None):
         self.model = model
+        self.prefix = prefix   # engine/prefix.PrefixCache (hd serve), or None
         self.eos_ids = set(int(e) for e in eos_ids)
         self.drafter = drafter
         self.cost, self.max_nodes = cost, max_nodes
@@ -57,28 +60,35 @@ class Decoder:
             raise ValueError(f"the M-invariant forward verifies at most {invariant.MAX_ROWS - 1} nodes a step")
         self.device = next(model.parameters()).device
 
-    def _prefill(self, ids: Sequence[int], cache) -> None:
+    def _prefill(self, ids: Sequence[int], cache, scope: str = "") -> int:
         """Fill the cache with ids. No logits are needed (the last prompt token is fed with the
         first step): hd's own forward computes the keys and values only; a transformers model runs
         its head on one row where it takes `logits_to_keep`, as its generate() does (for a
         400-token prompt that saves 400 rows of the head). Every prefill of plain, speculative and
-        served decoding goes through here."""
+        served decoding goes through here. With a prefix cache, the longest prefix of ids that
+        `scope` stored is restored and the rest computed (engine/prefix.py). Returns how many
+        tokens came from the prefix cache."""
+        if self.prefix is not None:
+            return self.prefix.prefill(self.model, ids, cache, scope)
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         if hasattr(self.model, "prefill"):   # hd's own forward (hdcli/engine/forward/)
             self.model.prefill(inp, cache)
-            return
+            return 0
         try:
             self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)
         except TypeError:  # an older model class without logits_to_keep; the cache is untouched
             self.model(input_ids=inp, past_key_values=cache, use_cache=True)
+        return 0
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
                  sampling: Sampling = Sampling(), seed: int | None = None,
                  stop_check: Callable[[list[int]], int | None] | None = None,
-                 on_tokens: TokenCallback | None = None) -> Generation:
-        """stop_check(tokens) may return a length to cut the output at (a stop string was seen)."""
-        s = self.stream(prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens)
+                 on_tokens: TokenCallback | None = None, logprobs: int | None = None) -> Generation:
+        """stop_check(tokens) may return a length to cut the output at (a stop string was seen).
+        logprobs: None, or k >= 0 to return each token's log-probability and its k best
+        alternatives (Generation.logprobs; verify.logprobs_of)."""
+        s = self.stream(prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens, logprobs=logprobs)
         while not s.done:
             tree = s.propose()
             s.accept(tree_forward(self.model, tree, s.history[-1], s.cache))
@@ -88,13 +98,14 @@ class Decoder:
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
                sampling: Sampling = Sampling(), seed: int | None = None,
                stop_check: Callable[[list[int]], int | None] | None = None,
-               on_tokens: TokenCallback | None = None, drafter: Drafter | None | str = "own") -> "Stream":
+               on_tokens: TokenCallback | None = None, drafter: Drafter | None | str = "own",
+               logprobs: int | None = None, scope: str = "") -> "Stream":
         """A generation to be stepped by the caller (generate() steps one; a server steps many and
         verifies their trees in one forward, hdcli/engine/batch.py). The prompt is prefilled here.
         drafter: this one's own ("own"), or another (one per concurrent stream: drafters keep
-        per-generation state)."""
+        per-generation state). scope: whose prefix-cache entries it may reuse (hd serve)."""
         return Stream(self, prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens,
-                      self.drafter if isinstance(drafter, str) else drafter)
+                      self.drafter if isinstance(drafter, str) else drafter, logprobs, scope=scope)
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
@@ -115,7 +126,7 @@ class Stream:
     @torch.inference_mode()
     def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], max_new_tokens: int,
                  sampling: Sampling, seed: int | None, stop_check, on_tokens: TokenCallback | None,
-                 drafter: Drafter | None):
+                 drafter: Drafter | None, logprobs: int | None = None, scope: str = ""):
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if max_new_tokens < 1:
@@ -131,14 +142,17 @@ class Stream:
         self.t_start = time.perf_counter()
         self.cache = new_cache(decoder.model)
         self.history = [int(t) for t in prompt_ids]
+        self.scope = scope
         if len(self.history) > 1:
-            decoder._prefill(self.history[:-1], self.cache)
+            self.stats.cached_tokens = decoder._prefill(self.history[:-1], self.cache, scope)
         self.stats.prefill_seconds = time.perf_counter() - self.t_start
         if drafter is not None:
             drafter.reset(self.history)
         self.trees_ok = supports_trees(self.cache)
         self.out: list[int] = []
         self.out_layers: list[str | None] = []
+        self.logprobs = logprobs
+        self.out_logprobs: list | None = [] if logprobs is not None else None
         self.stop_reason = "length"
         self.done = False
         self.tree: Tree | None = None
@@ -189,11 +203,14 @@ class Stream:
         Sampling walks the same way: at each node the children are tried in order, a child x
         (a point-mass draft) kept with probability p(x), else p(x) := 0 and renormalise; a draft
         model's chain (x drawn from q) is kept with probability min(1, p(x)/q(x)), else the token
-        is drawn from norm(max(0, p - q)). Either way the output has the target's distribution."""
+        is drawn from norm(max(0, p - q)). Either way the output has the target's distribution.
+        Penalties and biases process every row first, each with its own path's counts
+        (verify.processed), so all of this holds for the processed distribution."""
         tree, history, stats, drafter = self.tree, self.history, self.stats, self.drafter
         self.tree = None
         t2 = time.perf_counter()
         stats.forward_seconds += t2 - self._t_drafted
+        logits = processed(logits, self.sampling, self.out, tree.parents, tree.tokens)
         past = len(history) - 1            # cache length before this step
         records = drafter is not None and getattr(drafter, "records", False)
         greedy = self.sampling.greedy
@@ -219,6 +236,8 @@ class Stream:
                 new, new_layers, self.stop_reason = new[:i + 1], new_layers[:i + 1], "eos"
                 break
         stats.accept_lengths.append(len(new))
+        if self.out_logprobs is not None:   # row 0 predicted the first new token, each kept node the next
+            self.out_logprobs.extend(logprobs_of(logits, ([0] + path)[:len(new)], new, self.logprobs))
         history.extend(new)
         out = self.out
         before = len(out)
@@ -229,6 +248,8 @@ class Stream:
             cut = self.stop_check(out)
             if cut is not None:
                 del out[cut:], self.out_layers[cut:]
+                if self.out_logprobs is not None:
+                    del self.out_logprobs[cut:]
                 self.stop_reason = "stop"
         if self.on_tokens is not None and len(out) > before:
             self.on_tokens(out[before:], self.out_layers[before:])
@@ -248,7 +269,7 @@ class Stream:
         self.stats.new_tokens = len(self.out)
         self.stats.wall_seconds = time.perf_counter() - self.t_start
         return Generation(tokens=self.out, layers=self.out_layers, stop_reason=self.stop_reason,
-                          stats=self.stats)
+                          stats=self.stats, logprobs=self.out_logprobs)
 
     def _record(self, tree: Tree, path: list[int]) -> None:
         """Per-layer counts of what was sent, kept and which candidate won; feeds `adaptive`."""

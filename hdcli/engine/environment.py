@@ -23,6 +23,42 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HD_CACHE_DIR") or Path.home() / ".cache" / "hdcli")
 
 
+CACHE_FOLDERS = ("costs", "invariant", "attention", "choices", "tokenizers", "gguf")   # what hd keeps there
+_checked: set[str] = set()
+
+
+def check_cache_dir() -> Path:
+    """cache_dir(), made where missing and checked once per process before anything is measured:
+    a path that is a file (or has a file on the way, or where one of CACHE_FOLDERS should be) is
+    a one-line HdError saying how to set HD_CACHE_DIR; one that cannot be written is said in one
+    line on stderr (hd then works, measuring its choices again on every run)."""
+    import sys
+    from ..errors import HdError
+    root = cache_dir()
+    if str(root) in _checked:
+        return root
+    name = f"HD_CACHE_DIR {root}" if os.environ.get("HD_CACHE_DIR") else f"the cache folder {root}"
+    fix = "set HD_CACHE_DIR to a writable folder (default ~/.cache/hdcli)"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        what = "is a file, not a folder" if root.exists() else "is not a folder (a file lies on its path)"
+        raise HdError(f"{name} {what}: {fix}") from None
+    except OSError as exc:
+        print(f"warning: {name} cannot be made ({exc.strerror or exc}): hd measures its choices again on every "
+              f"run (slower, and timed choices may differ between runs); {fix}", file=sys.stderr, flush=True)
+        _checked.add(str(root))
+        return root
+    for sub in CACHE_FOLDERS:
+        if (root / sub).exists() and not (root / sub).is_dir():
+            raise HdError(f"{root / sub} is a file, not a folder: remove it (hd keeps its measurements there) or {fix}")
+    if not os.access(root, os.W_OK | os.X_OK):
+        print(f"warning: {name} is not writable: hd measures its choices again on every run (slower, and "
+              f"timed choices may differ between runs); {fix}", file=sys.stderr, flush=True)
+    _checked.add(str(root))
+    return root
+
+
 def fused_attention() -> str:
     """"0", "1" or "auto"."""
     asked = os.environ.get("HD_FUSED_ATTENTION", "auto").strip().lower() or "auto"

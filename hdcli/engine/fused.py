@@ -73,7 +73,9 @@ def _name() -> str:
 def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
     """(module, None) or (None, why) for a C++ source of csrc/, compiled once per name
     (extension_name) by torch.utils.cpp_extension (g++ and ninja) and cached under torch's
-    extensions folder; `what` names it in the progress lines on stderr."""
+    extensions folder; `what` names it in the progress lines on stderr. A build there that does
+    not load is dropped and built again once, in one line on stderr."""
+    rebuilt = False
     try:
         from torch.utils import cpp_extension
         if shutil.which("ninja") is None:   # pip's ninja, in a virtual environment not activated
@@ -83,20 +85,43 @@ def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
             except (ImportError, AttributeError):
                 pass
         try:   # a build already there loads in a moment: say "compiling" only when it compiles
-            built = (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists()
+            folder = Path(cpp_extension._get_build_directory(name, False))
+            built = (folder / f"{name}.so").exists()
         except Exception:
-            built = False
+            folder, built = None, False
         t0 = time.perf_counter()
         if not quiet and not built:
             print(f"hd: compiling {what} (once per machine, ~30 s)...", file=sys.stderr, flush=True)
-        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=FLAGS,
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+
+        def build():
+            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=FLAGS,
+                                      extra_ldflags=["-fopenmp"], verbose=False)
+        try:
+            module = build()
+        except (ImportError, OSError) as exc:
+            if not built:
+                raise
+            # a build that does not load (a truncated or foreign .so in the cache): dropped and
+            # built again once, said, so the kernels in use never change without a word
+            print(f"warning: {folder / (name + '.so')} does not load ({_why(exc)}); rebuilding {what} (~30 s)",
+                  file=sys.stderr, flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)   # else this process skips the build
+            built, rebuilt = False, True
+            module = build()
         if not quiet and not built:
             print(f"hd: {what} ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
         return module, None
     except Exception as exc:   # no compiler, no ninja, a read-only home: the torch path stays
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return None, f"{type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''}"
+        why = _why(exc)
+        if rebuilt:
+            print(f"warning: {what} could not be rebuilt ({why})", file=sys.stderr, flush=True)
+        return None, why
+
+
+def _why(exc: Exception) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''}"
 
 
 def load(quiet: bool = False):
@@ -257,8 +282,9 @@ def _measured(hq: int, hkv: int, d: int, quiet: bool) -> dict:
     from . import costs
     key = f"{_name()}|heads {hq}/{hkv}x{d}|threads {torch.get_num_threads()}"
     path = costs.cache_file("attention", key)
-    got = costs.read_json(path, key)
-    if got is not None and got.get("format") == FORMAT:
+    got = costs.read_record(path, key, FORMAT, lambda d: isinstance(d["ms"], dict) and all(
+        costs.number(d["ms"][k], 0) for k in ("fused", "torch")), "the attention timing record")
+    if got is not None:
         return got["ms"]
     if not quiet:
         print("hd: timing the fused attention against torch ops (once per machine)...", file=sys.stderr, flush=True)

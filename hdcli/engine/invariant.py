@@ -434,10 +434,19 @@ def _path(key: str):
     return costs.cache_file("invariant", key)
 
 
+def _valid(d: dict) -> bool:
+    """A calibration record's shape: {shape key: least rows (int >= 1) or None}, self_check None or
+    [rows equal, rows]."""
+    rows, check = d["linear_min_rows"], d.get("self_check")
+    return (isinstance(rows, dict) and all(r is None or costs.number(r, 1) and int(r) == r for r in rows.values())
+            and (check is None or isinstance(check, list) and len(check) == 2
+                 and all(costs.number(c, 0) and int(c) == c for c in check)))
+
+
 def _read(key: str | None) -> dict | None:
     """The cached calibration record ({"linear_min_rows", "self_check"}), or None."""
-    data = None if key is None else costs.read_json(_path(key), key)
-    if data is None or data.get("format") != FORMAT or "linear_min_rows" not in data:
+    data = None if key is None else costs.read_record(_path(key), key, FORMAT, _valid, "the invariant calibration record")
+    if data is None:
         return None
     return {"linear_min_rows": data["linear_min_rows"], "self_check": data.get("self_check")}
 
@@ -457,8 +466,10 @@ def enable(model, cache_key: str | None = None) -> dict:
     NotInvariant (the model is left out of the mode)."""
     cache_key = None if cache_key is None else f"{cache_key}|owned|attention:{fused.name()}"
     record = _read(cache_key)
-    measured = record is None
     layers = model.linears()
+    if record is not None and any(lin.shape_key() not in record["linear_min_rows"] for lin in layers):
+        record = None   # calibrated for another model once at this path: calibrated again
+    measured = record is None
     if measured:
         found: dict = {}
         for lin in layers:

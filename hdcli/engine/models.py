@@ -159,6 +159,8 @@ def _bundled_gguf(name: str) -> Path:
         return path
     # Packages that ship the GGUF in parts assemble it once into our cache.
     import importlib
+    from .environment import check_cache_dir
+    check_cache_dir()   # assembled into it
     try:
         mod = importlib.import_module(package)
         out = cache_dir() / "gguf" / mod.MODEL_NAME
@@ -256,8 +258,9 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
     from transformers import AutoTokenizer
     kind, source = resolve(name)
     if kind == "gguf":
+        from .environment import check_cache_dir
         from .forward.gguf import GGUFFile, tokenizer
-        return tokenizer(GGUFFile(source), cache_dir())
+        return tokenizer(GGUFFile(source), check_cache_dir())
     _check_folder(kind, source)
     offline = _offline_kwargs(kind)
     try:
@@ -280,6 +283,8 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto", k
     refuses to load where it does not, "off" keeps the plain forward. attention: a recorded run's
     attention ("fused", "torch"), or "auto". Raises HdError."""
     from . import kernels as kern
+    from .environment import check_cache_dir
+    check_cache_dir()   # before anything is converted or measured into it
     dev = resolve_device(device)
     if invariant not in INVARIANT:
         raise HdError(f"--invariant must be one of {', '.join(INVARIANT)}, not '{invariant}'")

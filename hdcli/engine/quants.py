@@ -138,9 +138,10 @@ def activation_choice(remeasure: bool = False) -> dict:
     key = _choice_key()
     path = costs.cache_file("choices", key)
     if not remeasure:
-        got = costs.read_json(path, key)
-        if got is not None and got.get("format") == CHOICE_FORMAT and got.get("activations") in ("int8", "bf16") \
-                and isinstance(got.get("us"), dict):
+        got = costs.read_record(path, key, CHOICE_FORMAT, lambda d: d["activations"] in ("int8", "bf16") and all(
+            isinstance(v, dict) and all(costs.number(t, 0) for t in v.values()) for v in d["us"].values()),
+            "the GGUF activation choice record")
+        if got is not None:
             return got
     import time
     rng = np.random.default_rng(0)

@@ -52,6 +52,7 @@ class RunStats:
     new_tokens: int = 0
     wall_seconds: float = 0.0     # whole generation, prefill included
     prefill_seconds: float = 0.0
+    cached_tokens: int = 0        # prompt tokens restored from the prefix cache (engine/prefix.py)
     draft_seconds: float = 0.0        # asking the layers and building the tree
     forward_seconds: float = 0.0      # the target's verification forwards (after prefill)
     bookkeeping_seconds: float = 0.0  # acceptance, KV cache crop, statistics, layer updates

@@ -5,6 +5,13 @@ token is kept while it equals that argmax; the first position where it differs, 
 after the last drafted token, contributes the target's own argmax. Every kept token is therefore
 exactly what plain greedy decoding would have produced.
 
+Logits processors (frequency and presence penalties, logit_bias) are part of the target's
+distribution: each row of a verification forward is processed with the counts of the tokens
+generated before it on its own path (the output so far, then the row's ancestors in the tree), as
+plain decoding processes its one row, elementwise in fp32, so a processed row is torch.equal to
+plain decoding's and both rules above stay exact (`processed`). Log-probabilities are those of the
+processed row, before temperature and truncation (`logprobs_of`), one row at a time.
+
 Sampling: a drafted token x is a point-mass proposal q = delta_x. Accept x with probability p(x)
 (p: the target's distribution after temperature/top-k/top-p). On rejection set p(x) = 0 and
 renormalise; then try the next candidate at this position, if any, or sample from what remains.
@@ -14,19 +21,31 @@ output has exactly the target's distribution, candidate by candidate.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
 
+MAX_PENALTY = 2.0     # OpenAI's range for frequency_penalty and presence_penalty: [-2, 2]
+MAX_BIAS = 100.0      # and for a logit_bias value: [-100, 100]
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation."""
+    """How the target's next token is chosen.
+
+    temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation.
+    frequency_penalty, presence_penalty: OpenAI's, over the tokens generated so far (the prompt
+    is not counted): logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty.
+    logit_bias: ((token id, bias), ...) added to those logits (a tuple, so Sampling stays hashable)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # nan fails >= too
@@ -35,10 +54,67 @@ class Sampling:
             raise ValueError("top_k must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:   # nan fails too
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], not {v}")
+        bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
+        for t, b in bias:
+            if t < 0 or not -MAX_BIAS <= b <= MAX_BIAS:
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-{MAX_BIAS:g}, "
+                                 f"{MAX_BIAS:g}], not {t}: {b}")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes(self) -> bool:
+        """Whether logits go through a processor (penalties, biases) before the choice."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+
+
+def processed(logits: torch.Tensor, s: Sampling, generated: Sequence[int],
+              parents: Sequence[int] = (0,), tokens: Sequence[int] = (0,)) -> torch.Tensor:
+    """The logits [n, V] after the processors, fp32: row i is the prediction after node i of a tree
+    (parents[i], tokens[i]; row 0 is the root, the last token of the history) and is penalised by
+    the counts of `generated` (the output before this step) plus the tokens on its path below the
+    root. Elementwise per row, so row i is torch.equal to plain decoding's row for the same path.
+    Without processors, the logits as they are."""
+    if not s.processes:
+        return logits
+    x = logits.float()
+    n, vocab = x.shape
+    if s.frequency_penalty or s.presence_penalty:
+        base = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=vocab)[:vocab]
+        counts = base.to(x.device, torch.float32).repeat(n, 1)
+        for i in range(1, n):   # a parent comes before its children (engine/tree.py)
+            counts[i] = counts[parents[i]]
+            counts[i, tokens[i]] += 1.0
+        x = x - (counts * s.frequency_penalty + (counts > 0).float() * s.presence_penalty)
+    if s.logit_bias:
+        bias = torch.zeros(vocab, dtype=torch.float32, device=x.device)
+        ids = [t for t, _ in s.logit_bias if t < vocab]   # an id past the vocabulary biases nothing
+        bias[ids] = torch.tensor([b for t, b in s.logit_bias if t < vocab], dtype=torch.float32)
+        x = x + bias
+    return x
+
+
+def logprobs_of(logits: torch.Tensor, rows: Sequence[int], chosen: Sequence[int],
+                top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of `rows`: (log-probability of chosen[i], the `top` best (token, log-probability)),
+    from the row's (processed) logits. Each row is computed alone ([1, V] log_softmax and topk),
+    so its numbers are those of plain decoding's one-row forward, whatever else was verified."""
+    out = []
+    for r, tok in zip(rows, chosen):
+        lp = torch.log_softmax(logits[r:r + 1].float(), dim=-1)[0]
+        best = []
+        if top:
+            v, i = torch.topk(lp, top)
+            best = list(zip(i.tolist(), v.tolist()))
+        out.append((float(lp[tok]), best))
+    return out
 
 
 def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

@@ -361,6 +361,10 @@ def read_plan_file(path) -> dict:
         raise HdError(f"plan {path} not found: make one with `hd plan --out {path}`") from None
     except (OSError, ValueError, KeyError, TypeError):
         raise HdError(f"{path} is not a plan written by `hd plan`") from None
+    bad = [k for k in ("target", "dtype", "kernels") if data.get(k) is not None and not isinstance(data[k], str)]
+    if bad:   # read as if the user had typed them: named as the plan's, not as an option
+        raise HdError(f"plan {path}: field '{bad[0]}' must be a string, not {json.dumps(data[bad[0]])}; "
+                      "run `hd plan` again")
     return data
 
 

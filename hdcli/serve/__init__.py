@@ -14,33 +14,45 @@ precedence over its sampling settings. The modules:
   metrics.py    /metrics (prometheus-client)
   protocol.py   the request bodies and OpenAI's error schema
   app.py        the routes (Starlette, run by uvicorn)
+  limits.py     connection bounds: header timeout, connection cap, rate-limited out-of-files log
   spawn.py      `hd serve` in a process of its own on a free port (tests, benchmarks, apps)
 
 Exactness under load: a request's greedy tokens equal `hd generate`'s with the same options,
 whatever else is served at the same time, in the M-invariant mode (the server says at start
 whether the model is in it; tests/test_serve.py checks it).
+
+Bounded shutdown: once SIGTERM/SIGINT arrives, run() ends within drain_timeout + SHUTDOWN_MARGIN
+seconds whatever the HTTP side or the lifespan does; past that a watchdog says so on stderr in
+one line and ends the process (exit 1).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import os
 import signal
 import socket
+import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from .. import api, compose
-from ..drafting import RecycledTable
-from ..engine import costs
+from ..engine import costs, prefix
 from ..engine.prompts import encode_messages
 from ..engine.verify import Sampling
 from ..errors import HdError
+from . import tenants
 from .learner import Learner
+from .limits import http_protocol, limit_log
 from .metrics import Metrics
 from .protocol import ApiError
 from .scheduler import Job, Scheduler
 
 MAX_BODY = 1 << 20   # bytes: a request body beyond this is refused (413)
+# seconds past drain_timeout a signalled shutdown may take (cancelling what still runs: 30 s,
+# writing what is left to learn) before the watchdog ends the process
+SHUTDOWN_MARGIN = 60.0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -67,13 +79,25 @@ class Server:
 
     cfg: the run's configuration (model, dtype, layers, DBs, --learn, default sampling).
     host/port: where to listen (port 0: a free port, see `port` after bind()); only what the
-    caller gives, 127.0.0.1 by default. api_key: a bearer token /v1 routes require (None: open).
+    caller gives, 127.0.0.1 by default. api_key: a bearer token /v1 routes require, or several
+    (one per tenant; None: open); api_keys_file: more, one a line (tenants.Keys.load).
+    learn_scope: shared|key|user, whose learned drafts a request uses (tenants.py; None: `key`
+    with several keys, else `shared`). protect_metrics: /metrics takes a key too.
     max_batch: requests decoded at once; max_queue: requests waiting beyond those (then 503).
-    drain_timeout: seconds SIGTERM waits for running requests before cancelling them."""
+    drain_timeout: seconds SIGTERM waits for running requests before cancelling them.
+    max_connections: open connections at most (one beyond: 503 and closed); keep_alive_timeout:
+    seconds an idle kept-alive connection stays open; header_timeout: seconds a connection has to
+    send a whole request header, from its opening or its last response (hdcli/serve/limits.py).
+    prefix_cache_mb: MiB of prompts' keys and values kept for later requests of the same scope
+    (engine/prefix.py; 0: off; off by itself where the model cannot use it)."""
 
     def __init__(self, cfg: api.DecodingConfig, lm=None, *, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None, max_batch: int = 8, max_queue: int = 64,
+                 api_key: str | Sequence[str] | None = None, api_keys_file: str | None = None,
+                 learn_scope: str | None = None, protect_metrics: bool = False,
+                 max_batch: int = 8, max_queue: int = 64,
                  name: str | None = None, max_body: int = MAX_BODY, drain_timeout: float = 60.0,
+                 max_connections: int = 512, keep_alive_timeout: float = 5.0, header_timeout: float = 10.0,
+                 prefix_cache_mb: float = 256,
                  on_status: Callable[[str], None] = lambda m: None):
         if max_batch < 1 or max_queue < 0:
             raise HdError("--max-batch must be >= 1 and --max-queue >= 0")
@@ -81,10 +105,24 @@ class Server:
             raise HdError(f"--port {port} is not a port: give 0..65535 (0: any free one)")
         if drain_timeout < 0:
             raise HdError("--drain-timeout must be >= 0 seconds")
-        if api_key is not None and not api_key.strip():
-            raise HdError("--api-key is empty: give a token, or leave the option out for an open server")
-        self.host, self.port, self.api_key = host, port, api_key
+        if max_connections < 1:
+            raise HdError("--max-connections must be >= 1")
+        if prefix_cache_mb < 0:
+            raise HdError("--prefix-cache-mb must be >= 0 (0: off)")
+        if not (keep_alive_timeout > 0 and header_timeout > 0):
+            raise HdError("the keep-alive and header timeouts must be > 0 seconds")
+        self.keys = tenants.Keys.load([api_key] if isinstance(api_key, str) else list(api_key or []),
+                                      api_keys_file)
+        if learn_scope is not None and learn_scope not in tenants.SCOPES:
+            raise HdError(f"--learn-scope must be one of {', '.join(tenants.SCOPES)}, not '{learn_scope}'")
+        self.learn_scope = learn_scope or tenants.default_scope(self.keys)
+        self.protect_metrics = protect_metrics
+        if protect_metrics and self.keys is None:
+            raise HdError("--protect-metrics needs an API key (--api-key or --api-keys-file)")
+        self.host, self.port = host, port
         self.max_body, self.drain_timeout, self.say = max_body, drain_timeout, on_status
+        self.max_connections, self.keep_alive_timeout = max_connections, keep_alive_timeout
+        self.header_timeout = header_timeout
         run = api.prepare(cfg, lm, on_status)
         self.config, self.lm, self.dbs = run.config, run.lm, run.dbs
         self.name = name or self.lm.name
@@ -97,24 +135,55 @@ class Server:
             self.learner = Learner(self.config.model_db, on_error=on_status,
                                    on_learned=lambda keys: (m.learned.inc(), m.learned_keys.inc(keys)),
                                    on_dropped=m.learn_dropped.inc)
-        self.recycled = RecycledTable()   # the target's predictions, shared by all requests
+        from ..drafting import model as model_layer
+        # what requests teach (recycled predictions, answers), kept per scope (tenants.py)
+        self.tenants = tenants.Tenants(self.dbs.model, model_layer.uses_answers(self.dbs.model))
+        if self.learner is not None:
+            self._private(self.config.model_db)
         drafting = self.config.drafting
         cost = costs.curve_for(self.lm) if drafting else None
+        self.prefix = None
+        why = prefix.why_not(self.lm.model) if prefix_cache_mb > 0 else None
+        if why:
+            on_status(f"prefix cache off: {why}")
+        elif prefix_cache_mb > 0:
+            self.prefix = prefix.PrefixCache(int(prefix_cache_mb * (1 << 20)))
+            self.metrics.watch_prefix(self.prefix)
         self.scheduler = Scheduler(self.lm, self._drafter, cost=cost, max_batch=max_batch, max_queue=max_queue,
-                                   on_finish=self._finished, on_step=self._stepped)
+                                   on_finish=self._finished, on_step=self._stepped, prefix=self.prefix)
         self._sock: socket.socket | None = None
         self._main_loop = False
         self._closed = self._signalled = False
+        self._signalled_at: float | None = None
+        self._ended = threading.Event()   # run() is over: the shutdown watchdog stands down
         self.served = {"requests": 0, "completion_tokens": 0, "steps": 0, "learned_generations": 0}
 
     # ------------------------------------------------------------ requests
 
-    def _drafter(self):
+    def _drafter(self, scope: str = ""):
+        """A drafter for one request of this scope: its recycled predictions and answers."""
         if not self.config.drafting:
             return None
-        return compose.build_drafter(self.config, self.lm, self.dbs, recycle_table=self.recycled)
+        return compose.build_drafter(self.config, self.lm, self.dbs, recycle_table=self.tenants.recycled(scope),
+                                     answer_index=self.tenants.answers(scope))
 
-    def job_for(self, req, chat: bool) -> Job:
+    def scope_for(self, key_name: str | None, user: str | None) -> str:
+        return tenants.scope_of(self.learn_scope, key_name, user)
+
+    def _private(self, path) -> None:
+        """The learned DB holds users' text: readable by its owner only (it may have been built
+        world-readable, as any output is under a usual umask)."""
+        from pathlib import Path
+        p = Path(path)
+        for f in [p] + ([p.with_name(p.name + "-lock")] if p.is_file() else []):
+            try:
+                if f.exists() and f.stat().st_mode & 0o077:
+                    os.chmod(f, f.stat().st_mode & 0o700)
+                    self.say(f"{f}: made readable by its owner only (--learn writes requests' text into it)")
+            except OSError as exc:
+                self.say(f"warning: cannot restrict {f} to its owner ({exc.strerror}): it holds what requests generate")
+
+    def job_for(self, req, chat: bool, scope: str = "") -> Job:
         """The decode job of a parsed request, or ApiError (unknown model, too long)."""
         if req.model != self.name:
             raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{self.name}'",
@@ -133,12 +202,32 @@ class Server:
                            f"the model's context of {self.lm.max_context} (at most {room})",
                            "max_tokens", "context_length_exceeded")
         cfg = self.config
-        temperature = cfg.temperature if req.temperature is None else req.temperature
-        top_p = cfg.top_p if req.top_p is None else req.top_p
         return Job(prompt_ids=ids, max_tokens=min(limit or cfg.max_new_tokens, room),
-                   sampling=Sampling(temperature, cfg.top_k, top_p),
-                   seed=cfg.seed if req.seed is None else req.seed, stop=req.stops() or list(cfg.stop),
-                   emit=lambda ev: None, streamed=req.stream)
+                   sampling=self._sampling(req), seed=cfg.seed if req.seed is None else req.seed,
+                   stop=req.stops() or list(cfg.stop), emit=lambda ev: None, streamed=req.stream,
+                   logprobs=req.logprobs_wanted(), scope=scope)
+
+    def _sampling(self, req) -> Sampling:
+        """The request's sampling and logits processors; what it leaves out, the server's."""
+        cfg = self.config
+
+        def pick(name):
+            value = getattr(req, name)
+            return getattr(cfg, name) if value is None else value
+        bias = cfg.logit_bias
+        if req.logit_bias is not None:
+            vocab = self.lm.model.config.vocab_size
+            bias = {}
+            for key, value in req.logit_bias.items():
+                if not key.isdigit() or int(key) >= vocab:
+                    raise ApiError(400, f"logit_bias: '{key}' is not a token id of this model (0..{vocab - 1})",
+                                   "logit_bias")
+                if not -100 <= value <= 100:
+                    raise ApiError(400, f"logit_bias: the bias of token {key} must be in [-100, 100], not {value}",
+                                   "logit_bias")
+                bias[int(key)] = value
+        return Sampling(pick("temperature"), cfg.top_k, pick("top_p"), pick("frequency_penalty"),
+                        pick("presence_penalty"), tuple(bias.items()))
 
     def _encode(self, req, chat: bool) -> tuple[list[int], str]:
         """The request's prompt as token ids, and the field it came from."""
@@ -148,6 +237,8 @@ class Server:
                         for m in req.messages]
             try:
                 ids = encode_messages(tok, messages, chat=self.config.chat)
+            except HdError as exc:   # a control token the tokenizer cannot keep as text
+                raise ApiError(400, f"messages: {exc}", "messages") from None
             except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
                 raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
             where = "messages"
@@ -167,6 +258,26 @@ class Server:
             where = "prompt"
         return ids, where
 
+    def jobs_for(self, req, chat: bool, scope: str = "") -> list[Job]:
+        """One job per choice (`n`): the same prompt, each its own stream in the decode loop
+        (they share a forward like any requests). A seed gives choice i seed + i: seeded choices
+        differ from each other and repeat across calls; greedy choices are all the same."""
+        import dataclasses
+        job = self.job_for(req, chat, scope)
+        return [job] + [dataclasses.replace(job, seed=None if job.seed is None else (job.seed + i) % 2**63)
+                        for i in range(1, req.n)]
+
+    def usage_of(self, jobs: list[Job]) -> dict:
+        """A response's usage: the prompt counted once, the choices' tokens summed; `hd` is the
+        first choice's, with every choice's under hd.choices when there are several."""
+        first = self.usage(jobs[0])
+        if len(jobs) == 1:
+            return first
+        each = [self.usage(j) for j in jobs]
+        n = sum(u["completion_tokens"] for u in each)
+        return first | {"completion_tokens": n, "total_tokens": first["prompt_tokens"] + n,
+                        "hd": first["hd"] | {"choices": [u["hd"] for u in each]}}
+
     def usage(self, job: Job) -> dict:
         n = len(job.stream.out) if job.stream else 0
         hd = {"steps": 0, "mean_accepted_tokens": None, "layers": {}}
@@ -176,9 +287,12 @@ class Server:
             hd = {"steps": steps, "mean_accepted_tokens": (sum(st.accept_lengths) / steps) if steps else None,
                   "layers": {name: {"drafted": s.drafted, "accepted": s.accepted} for name, s in st.layers.items()},
                   "queue_seconds": round(job.started - job.submitted, 4) if job.started else None,
-                  "seconds": round(job.finished - job.submitted, 4)}
+                  "seconds": round(job.finished - job.submitted, 4),
+                  "cached_prompt_tokens": st.cached_tokens, "prefill_seconds": round(st.prefill_seconds, 4)}
+        cached = job.stream.stats.cached_tokens if job.stream is not None else 0
         return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(job.prompt_ids) + n, "hd": hd}
+                "total_tokens": len(job.prompt_ids) + n,
+                "prompt_tokens_details": {"cached_tokens": cached}, "hd": hd}
 
     def _finished(self, job: Job) -> None:  # decode thread
         m = self.metrics
@@ -198,7 +312,7 @@ class Server:
         self.served["completion_tokens"] += n
         self.served["steps"] += len(st.accept_lengths)
         if self.learner is not None and job.finish_reason in ("eos", "length", "stop") and n:
-            self.learner.put(job.prompt_ids, job.stream.out)
+            self.learner.put(job.prompt_ids, job.stream.out, tenants.tag(job.scope))
 
     def _stepped(self, jobs, counts) -> None:  # decode thread
         self.metrics.step(len(jobs), sum(counts))
@@ -226,14 +340,28 @@ class Server:
             yield
         finally:
             import asyncio
-            await asyncio.get_running_loop().run_in_executor(None, self.close)
+            # close() in a thread of its own, not the loop's executor (shut down already when the
+            # loop is being torn down): once started it finishes even if this lifespan is cancelled
+            done: concurrent.futures.Future = concurrent.futures.Future()
+
+            def closing():
+                try:
+                    self.close()
+                    done.set_result(None)
+                except BaseException as exc:  # noqa: BLE001 - handed to the lifespan below
+                    done.set_exception(exc)
+            threading.Thread(target=closing, name="hd-close", daemon=True).start()
+            await asyncio.shield(asyncio.wrap_future(done))
 
     def close(self) -> None:
         """Let running requests finish (up to drain_timeout), then write what is left to learn."""
         if self._closed:
             return
         self._closed = True
-        if not self.scheduler.stop(drain=True, timeout=self.drain_timeout):
+        drain = self.drain_timeout
+        if self._signalled_at is not None:   # uvicorn's graceful shutdown spent part of it already
+            drain = max(0.0, drain - (time.monotonic() - self._signalled_at))
+        if not self.scheduler.stop(drain=True, timeout=drain):
             self.scheduler.stop(drain=False, timeout=30)
         if self.learner is not None:
             self.learner.close()
@@ -259,8 +387,13 @@ class Server:
                 finally:
                     for sig, handler in old.items():
                         signal.signal(sig, handler)
+        limit_log()
+        # limit_concurrency: uvicorn's own 503 counts the asking connection too; Bounded (limits.py)
+        # already keeps connections to max_connections, each of which may ask
         config = uvicorn.Config(build_app(self), log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=self.drain_timeout, access_log=False)
+                                timeout_graceful_shutdown=self.drain_timeout, access_log=False,
+                                http=http_protocol(self), limit_concurrency=self.max_connections + 1,
+                                timeout_keep_alive=self.keep_alive_timeout)
         return Uvicorn(config)
 
     def run(self) -> dict:
@@ -284,6 +417,9 @@ class Server:
             if self._signalled:   # a second Ctrl-C: stop now
                 http.force_exit = True
                 self.scheduler.stop(drain=False)
+            else:
+                self._signalled_at = time.monotonic()
+                threading.Thread(target=self._watchdog, name="hd-shutdown-watchdog", daemon=True).start()
             self._signalled = True
         old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -291,17 +427,31 @@ class Server:
             self.scheduler.run()      # returns once the HTTP side has shut down and closed it
             thread.join(self.drain_timeout + 30)
         finally:
+            self._ended.set()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
         if self.scheduler.failed is not None:
             raise HdError(f"the decode loop failed: {type(self.scheduler.failed).__name__}: {self.scheduler.failed}")
         return self.summary()
 
+    def _watchdog(self) -> None:
+        """Ends the process if run() has not returned drain_timeout + SHUTDOWN_MARGIN seconds
+        after the first signal: a hung HTTP thread or lifespan must not keep a stopped server
+        alive (one did for over 10 minutes). Committed LMDB transactions are safe from this."""
+        bound = self.drain_timeout + SHUTDOWN_MARGIN
+        if self._ended.wait(bound):
+            return
+        sys.stderr.write(f"hd serve: still stopping {bound:g} s after the signal (--drain-timeout "
+                         f"{self.drain_timeout:g} + {SHUTDOWN_MARGIN:g} s): exiting now\n")
+        sys.stderr.flush()
+        os._exit(1)
+
     def summary(self) -> dict:
         return {"model": self.name, "source": self.lm.source, "dtype": self.lm.dtype, "device": self.lm.device,
                 "kernels": self.lm.kernels, "invariant": bool(self.lm.invariant),
                 "batched": self.scheduler.batched, "host": self.host, "port": self.port, **self.served,
-                "decode_loop_seconds": {k: round(v, 3) for k, v in self.scheduler.times.items()}}
+                "decode_loop_seconds": {k: round(v, 3) for k, v in self.scheduler.times.items()},
+                "prefix_cache": self.prefix.summary() if self.prefix is not None else None}
 
 
-__all__ = ["Server", "MAX_BODY", "listening_socket"]
+__all__ = ["Server", "MAX_BODY", "SHUTDOWN_MARGIN", "listening_socket"]

@@ -6,21 +6,25 @@ loop (hdcli/serve/scheduler.py).
   GET  /v1/models             the one model served
   GET  /v1/models/{id}        that model's card (the client's models.retrieve), 404 for another id
   GET  /health                200 while the decode loop runs, 503 after it failed
-  GET  /metrics               Prometheus text format (hdcli/serve/metrics.py)
+  GET  /metrics               Prometheus text format (hdcli/serve/metrics.py); open unless the
+                              server runs with --protect-metrics (then any API key)
 
 Both POST routes take max_tokens, temperature, top_p, seed, stop, stream (server-sent events,
-with stream_options.include_usage), n=1. A response's `usage` has the usual token counts and
-`hd`: verification steps, mean accepted tokens a step, drafted/accepted tokens per layer.
+with stream_options.include_usage), n (1-8 choices, each a job), frequency_penalty, presence_penalty, logit_bias,
+logprobs (chat: with top_logprobs), user (the tenant scope's, serve/tenants.py). A response's
+`usage` has the usual token counts and `hd`: verification steps, mean accepted tokens a step,
+drafted/accepted tokens per layer. Log-probabilities are those of the rows plain decoding
+computes, after penalties and biases, before temperature and truncation.
 
-Errors follow OpenAI's schema ({"error": {"message", "type", "param", "code"}}): 400 bad JSON,
-unknown field, wrong type, max_tokens beyond the context; 401 missing or wrong API key (compared
-in constant time); 404 unknown model or route; 413 body over the limit; 503 queue full or the
-server stopping. A client that disconnects cancels its request; others go on.
+Errors follow OpenAI's schema ({"error": {"message", "type", "param", "code"}}): 400 bad JSON
+(nested too deeply included), unknown field, wrong type, max_tokens beyond the context; 401
+missing or wrong API key (compared in constant time); 404 unknown model or route; 413 body over
+the limit; 503 queue full or the server stopping. A client that disconnects cancels its
+request; others go on.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -63,14 +67,17 @@ class Routes:
         self.server.metrics.requests.labels(endpoint, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    def authorised(self, request: Request) -> None:
-        key = self.server.api_key
-        if key is None:
-            return
+    def authorised(self, request: Request) -> str | None:
+        """The name of the request's API key (serve/tenants.py), None on an open server; else 401."""
+        keys = self.server.keys
+        if keys is None:
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        name = keys.identify(token.strip()) if scheme.lower() == "bearer" else None
+        if name is None:
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
+        return name
 
     async def read_json(self, request: Request):
         # a body over the limit is read on (not kept, up to 16x the limit) before the 413, so
@@ -89,47 +96,56 @@ class Routes:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        except RecursionError:   # "[" * 100000: the parser recurses once a level
+            raise ApiError(400, "the body's JSON is nested too deeply: send a flatter document") from None
 
     async def completions(self, request: Request, chat: bool) -> Response:
         server = self.server
         endpoint = "chat" if chat else "completions"
         try:
-            self.authorised(request)
+            key = self.authorised(request)
             req = parse(ChatRequest if chat else CompletionRequest, await self.read_json(request))
-            job = server.job_for(req, chat)
+            jobs = server.jobs_for(req, chat, server.scope_for(key, req.user))
         except ApiError as exc:
             return self.error(exc, endpoint)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue = asyncio.Queue()   # (choice index, event) of every choice's job
 
-        def emit(ev):  # from the decode thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:  # the event loop is gone (shutdown)
-                pass
-        job.emit = emit
-        if not server.scheduler.submit(job):
-            return self.error(ApiError(503, "the server is busy or stopping: retry later", code="overloaded"),
-                              endpoint)
+        def emitter(i):
+            def emit(ev):  # from the decode thread
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                except RuntimeError:  # the event loop is gone (shutdown)
+                    pass
+            return emit
+        for i, job in enumerate(jobs):
+            job.emit = emitter(i)
+            if not server.scheduler.submit(job):
+                for j in jobs[:i]:
+                    j.cancel()
+                return self.error(ApiError(503, "the server is busy or stopping: retry later", code="overloaded"),
+                                  endpoint)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(server, job, events, rid, created, chat, include_usage, endpoint),
+            return StreamingResponse(_sse(server, jobs, events, rid, created, chat, include_usage, endpoint),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        waiter = asyncio.ensure_future(_until_done(events))
+        waiter = asyncio.ensure_future(_until_done(events, len(jobs)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait([waiter, gone], return_when=asyncio.FIRST_COMPLETED)
         if not waiter.done():  # the client went away: stop decoding for it
-            job.cancel()
+            for job in jobs:
+                job.cancel()
             waiter.cancel()
             server.metrics.requests.labels(endpoint, "499").inc()
             return Response(status_code=499)
         gone.cancel()
-        if job.finish_reason == "error":
-            return self.error(ApiError(500, f"generation failed: {job.error}"), endpoint)
+        failed = next((job for job in jobs if job.finish_reason == "error"), None)
+        if failed is not None:
+            return self.error(ApiError(500, f"generation failed: {failed.error}"), endpoint)
         server.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(_answer(server, job, rid, created, chat))
+        return JSONResponse(_answer(server, jobs, rid, created, chat))
 
     async def models(self, request: Request) -> Response:
         try:
@@ -163,19 +179,58 @@ class Routes:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, request: Request) -> Response:
+        if self.server.protect_metrics:
+            try:
+                self.authorised(request)
+            except ApiError as exc:
+                return JSONResponse(exc.body(), status_code=exc.status)
         self.server.refresh_gauges()
         return Response(self.server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _answer(server, job: Job, rid: str, created: int, chat: bool) -> dict:
-    reason = FINISH[job.finish_reason]
+def _logprobs(server, job: Job, entries, chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object for (token id, logprob, [(id, logprob)]) entries: chat's
+    {"content": [{token, logprob, bytes, top_logprobs}]} or completions' {tokens, token_logprobs,
+    top_logprobs, text_offset}. A token's text is its own decode (a piece of a multi-byte
+    character decodes to U+FFFD; `bytes` are those of that text)."""
+    if job.logprobs is None or entries is None:
+        return None
+    with server.scheduler.tokenizer_lock:
+        tok = server.lm.tokenizer
+        names = {t: tok.decode([t]) for e in entries for t in [e[0]] + [b for b, _ in e[2]]}
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": job.text}, "logprobs": None,
-                  "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": job.text, "logprobs": None, "finish_reason": reason}
+        def item(t, lp):
+            return {"token": names[t], "logprob": lp, "bytes": list(names[t].encode())}
+        return {"content": [item(t, lp) | {"top_logprobs": [item(b, blp) for b, blp in best]}
+                            for t, lp, best in entries]}
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(names[t])
+    return {"tokens": [names[t] for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{names[b]: blp for b, blp in best} for _, _, best in entries],
+            "text_offset": offsets}
+
+
+def _all_logprobs(server, job: Job) -> list | None:
+    lps = job.stream.out_logprobs if job.stream is not None else None
+    if lps is None:
+        return None
+    return [(t, *lp) for t, lp in zip(job.stream.out, lps) if t not in server.lm.eos_ids]
+
+
+def _answer(server, jobs: list[Job], rid: str, created: int, chat: bool) -> dict:
+    choices = []
+    for i, job in enumerate(jobs):
+        reason = FINISH[job.finish_reason]
+        lps = _logprobs(server, job, _all_logprobs(server, job), chat)
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": job.text}, "logprobs": lps,
+                            "finish_reason": reason})
+        else:
+            choices.append({"index": i, "text": job.text, "logprobs": lps, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": server.name, "choices": [choice], "usage": server.usage(job)}
+            "model": server.name, "choices": choices, "usage": server.usage_of(jobs)}
 
 
 async def _not_found(request: Request, exc) -> Response:
@@ -188,11 +243,11 @@ async def _crashed(request: Request, exc: Exception) -> Response:
     return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
 
 
-async def _until_done(events: asyncio.Queue) -> None:
-    while True:
-        kind, _ = await events.get()
-        if kind == "done":
-            return
+async def _until_done(events: asyncio.Queue, n: int) -> None:
+    """Returns when all n choices' jobs are done."""
+    while n:
+        _, (kind, _) = await events.get()
+        n -= kind == "done"
 
 
 async def _disconnected(request: Request) -> None:
@@ -203,45 +258,56 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _sse(server, job: Job, events: asyncio.Queue, rid: str, created: int, chat: bool,
+async def _sse(server, jobs: list[Job], events: asyncio.Queue, rid: str, created: int, chat: bool,
                include_usage: bool, endpoint: str):
-    """Server-sent events: one chunk per text piece, a last one with finish_reason, the usage
-    chunk when asked, then [DONE]. Leaving early (the client disconnected) cancels the job."""
+    """Server-sent events: one chunk per text piece of a choice (its `index`), a last one per choice
+    with its finish_reason, the usage chunk when asked (after every choice ended), then [DONE].
+    Leaving early (the client disconnected) cancels the jobs."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    offsets = [0] * len(jobs)   # characters sent per choice: completions' text_offset
 
-    def chunk(piece: str | None, finish: str | None, usage=None, choices=True, role=False) -> bytes:
+    def chunk(i: int, piece: str | None, finish: str | None, usage=None, choices=True, role=False,
+              entries=None) -> bytes:
+        lps = _logprobs(server, jobs[i], entries, chat, offsets[i]) if entries else None
+        offsets[i] += len(piece or "")
         if chat:
             delta = ({"role": "assistant"} if role else {}) | ({} if piece is None else {"content": piece})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "text": piece or "", "logprobs": lps, "finish_reason": finish}
         doc = {"id": rid, "object": obj, "created": created, "model": server.name,
                "choices": [choice] if choices else []}
         if usage is not None or include_usage:
             doc["usage"] = usage
         return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
-    done = False
+    left = len(jobs)
     try:
         if chat:
-            yield chunk("", None, role=True)
-        while True:
-            kind, value = await events.get()
+            for i in range(len(jobs)):
+                yield chunk(i, "", None, role=True)
+        while left:
+            i, (kind, value) = await events.get()
+            job = jobs[i]
             if kind == "text":
-                yield chunk(value, None)
+                yield chunk(i, value[0], None, entries=value[1])
                 continue
-            done = True
+            left -= 1
             if job.finish_reason == "error":
+                for other in jobs:
+                    other.cancel()
                 server.metrics.requests.labels(endpoint, "500").inc()
                 yield b"data: " + json.dumps(ApiError(500, f"generation failed: {job.error}").body()).encode() + b"\n\n"
-            else:
-                yield chunk(None, FINISH[job.finish_reason])
-                if include_usage:
-                    yield chunk(None, None, server.usage(job), choices=False)
-                server.metrics.requests.labels(endpoint, "200").inc()
-            yield b"data: [DONE]\n\n"
-            return
+                yield b"data: [DONE]\n\n"
+                left = -1
+                return
+            yield chunk(i, None, FINISH[job.finish_reason], entries=job.lp_rest)
+        if include_usage:
+            yield chunk(0, None, None, server.usage_of(jobs), choices=False)
+        server.metrics.requests.labels(endpoint, "200").inc()
+        yield b"data: [DONE]\n\n"
     finally:
-        if not done:
-            job.cancel()
+        if left > 0:
+            for job in jobs:
+                job.cancel()
             server.metrics.requests.labels(endpoint, "499").inc()

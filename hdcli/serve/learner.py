@@ -33,7 +33,8 @@ class Learner:
         self._thread = threading.Thread(target=self._run, name="hd-learn", daemon=True)
         self._thread.start()
 
-    def put(self, prompt_ids: list[int], tokens: list[int]) -> None:
+    def put(self, prompt_ids: list[int], tokens: list[int], scope: bytes | None = None) -> None:
+        """Queue a generation; scope: its tenant's tag (serve/tenants.py), None: shared."""
         if not tokens:
             return
         while self._q.qsize() >= self.max_pending:
@@ -43,7 +44,7 @@ class Learner:
                 self.on_dropped()
             except queue.Empty:
                 break
-        self._q.put((list(prompt_ids), list(tokens)))
+        self._q.put((list(prompt_ids), list(tokens), scope))
 
     def pending(self) -> int:
         return self._q.qsize()

@@ -12,6 +12,8 @@ of its own so that several servers in one process (tests) do not share counters.
   hd_tokens_per_second                    completion tokens over the last `window` seconds
   hd_request_seconds, hd_time_to_first_token_seconds   histograms
   hd_learned_generations_total, hd_learned_keys_total, hd_learn_pending, hd_learn_dropped_total
+  hd_prefix_cache_{lookups,hits,hit_tokens,stored_tokens,evicted_tokens}_total, hd_prefix_cache_bytes,
+  hd_prefix_cache_entries                 the prefix cache (engine/prefix.py), read when scraped
 """
 from __future__ import annotations
 
@@ -66,6 +68,24 @@ class Metrics:
         while self._recent and self._recent[0][0] < now - self._window:
             self._recent.popleft()
         self.tps.set(sum(n for _, n in self._recent) / self._window)
+
+    def watch_prefix(self, cache) -> None:
+        """Expose a PrefixCache's counters, read from it at each scrape (the decode loop counts)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        class Prefix:
+            def collect(self):
+                c = cache.summary()
+                for key, what in (("lookups", "Prompts looked up in the prefix cache"),
+                                  ("hits", "Prompts whose prefix was restored from the prefix cache"),
+                                  ("hit_tokens", "Prompt tokens restored from the prefix cache"),
+                                  ("stored_tokens", "Tokens stored in the prefix cache"),
+                                  ("evicted_tokens", "Tokens evicted from the prefix cache")):
+                    yield CounterMetricFamily(f"hd_prefix_cache_{key}", what, value=c[key])
+                yield GaugeMetricFamily("hd_prefix_cache_bytes", "Bytes the prefix cache holds", value=c["bytes"])
+                yield GaugeMetricFamily("hd_prefix_cache_entries", "Sequences the prefix cache holds",
+                                        value=c["entries"])
+        self.registry.register(Prefix())
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

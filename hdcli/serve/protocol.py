@@ -5,19 +5,26 @@ out of range is a 400 with OpenAI's error schema naming the field (`param`), nev
 a request leaves out take the server's configuration (`hd serve` options, as `hd generate`'s):
 temperature 0 (greedy) unless the server was started with another.
 
-Fields apps send by default are taken at their neutral values (penalties 0, `logit_bias` {},
-`logprobs` off, `response_format` text, no tools, `tool_choice` "none"; `parallel_tool_calls`,
-`store`, `metadata`, `service_tier` whatever their value: they change nothing hd computes); any
-other value of them is a 400 naming the field, since hd does not implement it yet
-(`neutral_problem`).
+Implemented: `frequency_penalty`, `presence_penalty`, `logit_bias` (logits processors applied
+to every verified row with its own path's counts, engine/verify.py) and `logprobs` with
+`top_logprobs` (chat) or `logprobs` (completions): plain decoding's numbers exactly, in streams
+too. Fields apps send by default are taken at their neutral values (`response_format` text, no
+tools, `tool_choice` "none" or "auto" with no tools; `parallel_tool_calls`, `store`, `metadata`,
+`service_tier` whatever their value: they change nothing hd computes); any other value of them is
+a 400 naming the field, since hd does not implement it (`neutral_problem`).
+An assistant message's `content: null` is empty text; "tool" and "function" messages are a 400
+naming their role (no tool calls).
 """
 from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4
+MAX_CHOICES = 8   # `n`: each choice is a request of its own in the decode loop (--max-batch)
+TOOL_ROLES = ("tool", "function")   # refused by name: hd serve does not implement tool calls
 
 
 class ApiError(Exception):
@@ -43,11 +50,22 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant"]   # "tool"/"function": parse() says why not
+    # null: an assistant turn without text (OpenAI clients send it so), taken as empty text
+    content: Union[str, list[TextPart], None]
     name: Optional[str] = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_unless_assistant(cls, content, info: ValidationInfo):
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise PydanticCustomError("null_content", "null is taken only in assistant messages: give the "
+                                      "message's text (a string or a list of text parts)")
+        return content
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -76,16 +94,12 @@ class _Common(_Strict):
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: Optional[str] = None
 
     # field -> (the values taken besides unset, as the message names them, what is not
     # implemented); a response_format is judged by its type
-    NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {
-        "frequency_penalty": ((0,), "0", "penalties are not implemented"),
-        "presence_penalty": ((0,), "0", "penalties are not implemented"),
-        "logit_bias": (({},), "{}", "biases are not implemented"),
-    }
+    NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {}
 
     def neutral_problem(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value hd does not implement, else None."""
@@ -116,8 +130,6 @@ class ChatRequest(_Common):
 
     NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {
         **_Common.NEUTRAL,
-        "logprobs": ((False,), "false", "log-probabilities are not returned yet"),
-        "top_logprobs": ((0,), "0", "log-probabilities are not returned yet"),
         "response_format": (("text",), "type 'text'", "other formats are not implemented"),
         "tools": (([],), "none or []", "tool calls are not implemented"),
         "tool_choice": (("none", "auto"), "'none'", "tool calls are not implemented"),
@@ -126,16 +138,22 @@ class ChatRequest(_Common):
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token to return with its log-probability, or None (no logprobs)."""
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int]]
     logprobs: Optional[int] = Field(None, ge=0, le=5)
 
-    NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {
-        **_Common.NEUTRAL, "logprobs": ((0,), "0 or null", "log-probabilities are not returned yet")}
-
     def limit(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 def parse(kind: type[_Strict], data) -> _Strict:
@@ -145,12 +163,16 @@ def parse(kind: type[_Strict], data) -> _Strict:
     try:
         req = kind.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # a tool turn also has fields a message lacks (tool_call_id): its role says more than those
+        err = next((e for e in errors if e["loc"][-1:] == ("role",) and e.get("input") in TOOL_ROLES), errors[0])
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[")))
-        if err["type"] == "extra_forbidden":
+        if err["loc"][-1:] == ("role",) and err.get("input") in TOOL_ROLES:
+            msg = f"{loc}: '{err['input']}' messages are not supported (hd serve does not implement tool calls)"
+        elif err["type"] == "extra_forbidden":
             msg = f"unknown field '{loc}': hd serve does not take it"
         elif loc == "n":
-            msg = "n: hd serve makes one choice per request (n=1)"
+            msg = f"n: hd serve makes 1 to {MAX_CHOICES} choices per request"
         else:
             msg = f"{loc}: {err['msg']}"
         raise ApiError(400, msg, loc or None) from None

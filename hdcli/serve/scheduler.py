@@ -15,6 +15,9 @@ Invariants
     rows of each forward depend only on its own path in the M-invariant mode, and its prefill runs
     alone. Without the mode (another architecture, --invariant off) requests are still stepped
     together, each in a forward of its own.
+  * With a prefix cache (engine/prefix.py, --prefix-cache-mb) a prompt's longest prefix stored by
+    a request of the same Job.scope is restored instead of computed: torch.equal to its prefill.
+    A finished request stores its prompt and answer, after its client has the answer.
   * A cancelled request (its client went away) leaves at the next loop turn; the others go on.
   * stop(drain=True) lets running and queued requests finish; stop(drain=False) ends them with
     finish_reason "cancelled".
@@ -36,7 +39,8 @@ from ..engine.tree import cap_jointly
 from ..engine.prompts import cut_at_stop, stop_checker
 from ..engine.verify import Sampling
 
-# what a request hands its client: ("text", piece) while it runs, ("done", Job) at the end
+# what a request hands its client: ("text", (piece, log-probability entries of the tokens the
+# text completes, or None)) while it runs, ("done", Job) at the end
 Event = tuple[str, object]
 
 
@@ -50,6 +54,11 @@ class Job:
     stop: list[str]
     emit: Callable[[Event], None]          # called from the decode thread; must not block
     streamed: bool = False                 # hand text pieces while running (else only the end)
+    scope: str = ""                        # whose learned drafts and cached prefixes it may use
+                                           # (serve/tenants.py; "" = shared by all)
+    logprobs: int | None = None            # return log-probabilities with this many alternatives
+    lp_sent: int = 0                       # tokens whose log-probabilities went with the text
+    lp_rest: list | None = None            # those left at the end (sent with the last chunk)
     id: str = ""
     submitted: float = field(default_factory=time.perf_counter)
     started: float = 0.0                   # prefill done
@@ -67,21 +76,24 @@ class Job:
 
 
 class Scheduler:
-    """Runs Jobs on one model. drafter_for(): a new drafter for one request (None: plain
-    decoding); on_finish(job): called in the decode thread when a job ends (learning, metrics)."""
+    """Runs Jobs on one model. drafter_for(scope): a new drafter for one request of that scope
+    (None: plain decoding); on_finish(job): called in the decode thread when a job ends (learning, metrics)."""
 
-    def __init__(self, lm, drafter_for: Callable[[], object], cost=None, max_batch: int = 8,
+    def __init__(self, lm, drafter_for: Callable[[str], object], cost=None, max_batch: int = 8,
                  max_queue: int = 64, on_finish: Callable[[Job], None] = lambda job: None,
-                 on_step: Callable[[list[Job], list[int]], None] = lambda jobs, n: None):
+                 on_step: Callable[[list[Job], list[int]], None] = lambda jobs, n: None,
+                 prefix=None):
         self.lm, self.drafter_for, self.cost = lm, drafter_for, cost
+        self.prefix = prefix   # engine/prefix.PrefixCache: prompts' keys kept across requests, or None
         self.max_batch, self.max_queue = max_batch, max_queue
         self.on_finish, self.on_step = on_finish, on_step
-        self.decoder = Decoder(lm.model, lm.eos_ids, None, cost=cost)
+        self.decoder = Decoder(lm.model, lm.eos_ids, None, cost=cost, prefix=prefix)
         self.batched = batch.can_batch(lm.model)
         self.queue: deque[Job] = deque()
         self.running: list[Job] = []
         self._cv = threading.Condition()
         self._stopping = False
+        self._admitting: list[Job] = []   # taken from the queue, not yet running (this turn)
         self._drain = True
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -147,8 +159,10 @@ class Scheduler:
                     pass
         except BaseException as exc:  # noqa: BLE001 - reported by /health, every job gets an error
             self.failed = exc
-            for job in list(self.running) + list(self.queue):
-                self._end(job, "error", f"the decode loop failed: {type(exc).__name__}: {exc}")
+            # those being admitted are in neither list yet: they must hear of it too
+            for job in self._admitting + [j for j in self.running if j not in self._admitting] + list(self.queue):
+                if not job.finished:
+                    self._end(job, "error", f"the decode loop failed: {type(exc).__name__}: {exc}")
             self.running.clear()
             self.queue.clear()
 
@@ -168,8 +182,10 @@ class Scheduler:
             while self.queue and len(self.running) + len(admit) < self.max_batch:
                 admit.append(self.queue.popleft())
         t0 = time.perf_counter()
+        self._admitting = admit
         for job in admit:
             self._admit(job)
+        self._admitting = []
         t1 = time.perf_counter()
         self.times["prefill"] += t1 - t0
         for job in [j for j in self.running if j.cancelled]:
@@ -218,7 +234,8 @@ class Scheduler:
         try:
             job.stream = self.decoder.stream(job.prompt_ids, job.max_tokens, job.sampling, job.seed,
                                              stop_check=stop_checker(self.lm.tokenizer, job.stop),
-                                             drafter=self.drafter_for())
+                                             drafter=self.drafter_for(job.scope), logprobs=job.logprobs,
+                                             scope=job.scope)
         except (ValueError, RuntimeError) as exc:
             self._end(job, "error", str(exc))
             return
@@ -239,8 +256,27 @@ class Scheduler:
             hold = max((len(s) for s in job.stop), default=1) - 1
             text = text[:len(text) - hold] if hold else text
         if text.startswith(job.sent) and len(text) > len(job.sent):
-            job.emit(("text", text[len(job.sent):]))
+            job.emit(("text", (text[len(job.sent):], self._logprobs_upto(job, len(text), final))))
             job.sent = text
+
+    def _logprobs_upto(self, job: Job, chars: int, final: bool) -> list | None:
+        """The log-probability entries (token id, logprob, [(id, logprob)]) of the tokens not yet
+        sent whose text lies within the first `chars` characters of the output (all of them at the
+        end), the end-of-sequence token left out."""
+        lps = job.stream.out_logprobs
+        if lps is None:
+            return None
+        out, n = job.stream.out, job.lp_sent
+        if final:
+            n = len(lps)
+        else:
+            with self.tokenizer_lock:
+                while n < len(lps) and len(self.lm.tokenizer.decode(out[:n + 1], skip_special_tokens=True)) <= chars:
+                    n += 1
+        eos = self.lm.eos_ids
+        entries = [(out[i], *lps[i]) for i in range(job.lp_sent, n) if out[i] not in eos]
+        job.lp_sent = n
+        return entries
 
     def _end(self, job: Job, reason: str, error: str | None = None) -> None:
         job.finish_reason, job.error = reason, error
@@ -249,7 +285,12 @@ class Scheduler:
             if not job.stream.done:
                 job.stream.stop(reason)
             self._send_text(job, final=True)
+            job.lp_rest = self._logprobs_upto(job, 0, True)   # tokens whose text came to nothing
         try:
             self.on_finish(job)
         finally:
             job.emit(("done", job))
+        if self.prefix is not None and job.stream is not None and reason in ("eos", "length", "stop"):
+            # after the answer went out: the next turn of a chat starts with this prompt and
+            # answer, and the cache holds history[:-1] (engine/decode.py's invariant)
+            self.prefix.store(job.scope, job.stream.history[:-1], job.stream.cache)

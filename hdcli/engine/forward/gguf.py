@@ -140,16 +140,19 @@ class GGUFFile:
                 infos.append((name, dims, read("<I"), read("<Q")))
             align = int(self.fields.get("general.alignment") or 32)
             start = -(-f.tell() // align) * align
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self.tensors = {}
+        spans = []
         for name, dims, type_id, offset in infos:
             block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
             rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
-            row_bytes = dims[0] // block * nbytes
-            a = start + offset
+            spans.append((rows, dims[0] // block * nbytes, start + offset))
+        size = self.path.stat().st_size
+        need = max((a + rows * row_bytes for rows, row_bytes, a in spans), default=start)
+        if need > size:   # checked before any tensor is read: an interrupted download or copy
+            raise HdError(f"{self.path} is truncated ({size} bytes, its tensors need {need}): download it again")
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.tensors = {}
+        for (name, dims, type_id, _), (rows, row_bytes, a) in zip(infos, spans):
             data = self._map[a:a + rows * row_bytes]
-            if len(data) != rows * row_bytes:
-                raise ValueError(f"tensor {name} runs past the end of the file")
             self.tensors[name] = Tensor(name, type_id, dims, data.reshape(rows, row_bytes) if len(dims) > 1 else data)
 
     def release(self) -> None:
@@ -249,8 +252,11 @@ def tokenizer(gf: GGUFFile, cache_dir: Path):
     if (folder / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(folder))
-        except (OSError, ValueError):
-            pass   # a damaged copy: built again below
+        except Exception:  # noqa: BLE001 - a damaged copy (transformers raises many kinds): built again below
+            import shutil
+            import sys
+            print(f"warning: {folder}: the cached tokenizer is malformed; rebuilding it", file=sys.stderr, flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
     try:
         tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
     except Exception as exc:  # transformers raises many kinds for a file it cannot read

@@ -182,7 +182,8 @@ class LlamaForward(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, input_ids, cache) -> None:
-        """Fill an empty cache with a prompt's keys and values, and nothing else (no logits)."""
+        """Fill a cache with a prompt's keys and values, and nothing else (no logits): appended
+        to what the cache holds (engine/prefix.py prefills in pieces)."""
         self.forward_many([(input_ids, cache, None, None)], keys_only=True)
 
     @torch.inference_mode()

@@ -1,0 +1,128 @@
+"""What bounds the connections `hd serve` holds, and the log they can cause.
+
+  http_protocol(server)  uvicorn's HTTP protocol (h11, or httptools where installed) with a header
+                         timeout and a connection cap, read from the Server at each connection
+  RateLimited            a logging filter: a kind of record at most once per period, the next one
+                         let through counting those dropped meanwhile
+
+Invariants
+  * A connection that has not sent a whole request header within `server.header_timeout`
+    seconds, counted from its opening or from the end of its last response, is closed: idle
+    sockets and slow partial headers cannot hold file descriptors (uvicorn's keep-alive timeout
+    starts only after a first response, and stops at the first byte of the next request).
+    A request being answered is never cut by it.
+  * At most `server.max_connections` connections are open: one beyond is answered 503 (OpenAI's
+    error schema) and closed at once, so the process keeps file descriptors to accept with
+    (1,100 idle sockets under `ulimit -n 1024` used to time every request out).
+  * Running out of file descriptors is logged once per period with a count, not once per failed
+    accept (asyncio logs each, with a traceback: 60 MB in 15 s once).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import threading
+import time
+from typing import Callable
+
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def _refusal(max_connections: int) -> bytes:
+    body = json.dumps({"error": {"message": f"the server holds its limit of {max_connections} connections: "
+                                            "retry later", "type": "server_error", "param": None,
+                                 "code": "overloaded"}}).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def http_protocol(server):
+    """A subclass of uvicorn's HTTP protocol bounded by server.header_timeout (seconds) and
+    server.max_connections, both read when a connection opens (tests change them on a live server)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class Bounded(AutoHTTPProtocol):
+        header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > server.max_connections:
+                transport.write(_refusal(server.max_connections))
+                transport.close()
+                return
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()   # the next request's header has the same time, from now
+
+        def connection_lost(self, exc) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            self.header_timer = self.loop.call_later(server.header_timeout, self._header_timed_out)
+
+        def _header_timed_out(self) -> None:
+            self.header_timer = None
+            if self.transport.is_closing():
+                return
+            # no cycle, or a finished one: still waiting for a whole header (a request being
+            # answered is left alone; its response re-arms the timer)
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+    return Bounded
+
+
+def out_of_files(record: logging.LogRecord) -> bool:
+    """A record of a failed accept for want of file descriptors (asyncio's, or uvicorn's)."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, OSError) and exc.errno in OUT_OF_FILES:
+        return True
+    text = str(record.msg)
+    return "out of system resource" in text or "Too many open files" in text
+
+
+class RateLimited(logging.Filter):
+    """Lets one record that `match` picks through per `every` seconds; the next one let through
+    says how many were dropped in between. Records it does not pick pass untouched."""
+
+    def __init__(self, every: float = 10.0, match: Callable[[logging.LogRecord], bool] = out_of_files,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.every, self.match, self.clock = every, match, clock
+        self.last: float | None = None
+        self.dropped = 0
+        self.lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.match(record):
+            return True
+        now = self.clock()
+        with self.lock:
+            if self.last is not None and now - self.last < self.every:
+                self.dropped += 1
+                return False
+            self.last, dropped, self.dropped = now, self.dropped, 0
+        if dropped:
+            record.msg = f"{record.msg} ({dropped} more like it in the last {self.every:g} s not logged)"
+        return True
+
+
+LOGGERS = ("asyncio", "uvicorn.error")
+
+
+def limit_log(every: float = 10.0) -> None:
+    """Rate-limit out-of-files records on the loggers that write them (once per process)."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RateLimited) for f in logger.filters):
+            logger.addFilter(RateLimited(every))
+
+
+__all__ = ["http_protocol", "RateLimited", "out_of_files", "limit_log"]
