@@ -163,6 +163,8 @@ def main() -> None:
             "cached_tokens_mean": statistics.mean(t2(on, "cached_tokens")),
             "prefill_seconds_cached": pre_on, "prefill_seconds_uncached": pre_off,
             "prefill_share": pre_on / pre_off,
+            "prefill_seconds_cached_median": statistics.median(t2(on, "prefill_seconds")),
+            "prefill_seconds_uncached_median": statistics.median(t2(off, "prefill_seconds")),
             "latency_cached": statistics.mean(t2(on, "seconds")), "latency_uncached": statistics.mean(t2(off, "seconds")),
             "answers_differ": sum(a != b for a, b in zip(texts[on], texts[off])),
             "runs": {str(mb): runs["turn2"][mb] for mb in (on, off)}}

@@ -700,3 +700,18 @@ def test_a_failing_decode_loop_ends_the_job_it_was_admitting(served):
     sched.start()
     assert ended.wait(30) and job.finish_reason == "error" and "ZeroDivisionError" in job.error
     assert isinstance(sched.failed, ZeroDivisionError)
+
+
+def test_the_official_client_with_every_neutral_field_gets_the_plain_answer(served):
+    """Issue 39: what apps send by default goes through the official client and raw HTTP alike."""
+    s, c = served.server, served.client()
+    plain = chat(c, s.name, PROMPTS[2], max_tokens=20).choices[0].message.content
+    neutral = dict(frequency_penalty=0, presence_penalty=0, logit_bias={}, logprobs=False,
+                   response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=True,
+                   store=False, metadata={"app": "x"}, service_tier="auto", user="u-1")
+    r = chat(c, s.name, PROMPTS[2], max_tokens=20, **neutral)
+    assert r.choices[0].message.content == plain and r.choices[0].logprobs is None
+    body = {"model": s.name, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 20,
+            "temperature": 0, **neutral}
+    status, text = http("POST", served.url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == plain

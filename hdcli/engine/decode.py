@@ -23,6 +23,7 @@ import torch
 
 from . import invariant
 from .draft import Drafter
+from .prefix import prefill_pieces
 from .stats import RunStats
 from .costs import CostCurve
 from .tree import Tree, build_tree, keep_path, new_cache, node_estimates, reached, supports_trees, tree_forward
@@ -67,12 +68,21 @@ class Decoder:
         400-token prompt that saves 400 rows of the head). Every prefill of plain, speculative and
         served decoding goes through here. With a prefix cache, the longest prefix of ids that
         `scope` stored is restored and the rest computed (engine/prefix.py). Returns how many
-        tokens came from the prefix cache."""
+        tokens came from the prefix cache.
+
+        In the M-invariant mode every prefill is split-invariant, in causal pieces of at most
+        invariant.MAX_ROWS rows (prefix.prefill_pieces), cache or not: so `hd generate`, `hd serve`
+        with and without its prefix cache write the same keys for a prompt on any machine (one
+        forward of all a prompt's rows takes SDPA where the fused attention is off, and Linear
+        widths the mode never calibrated). It cost ~10% of a 1,000-token prefill (AMD EPYC)."""
         if self.prefix is not None:
             return self.prefix.prefill(self.model, ids, cache, scope)
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         if hasattr(self.model, "prefill"):   # hd's own forward (hdcli/engine/forward/)
-            self.model.prefill(inp, cache)
+            if invariant.is_enabled(self.model):
+                prefill_pieces(self.model, ids, cache)
+            else:
+                self.model.prefill(inp, cache)
             return 0
         try:
             self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)
