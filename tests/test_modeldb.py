@@ -234,6 +234,19 @@ def test_learn_refuses_a_statistics_db(tiny_lm, tmp_path):
     assert db.verify()["content_digest"] == before
 
 
+def test_verify_catches_counts_a_pruned_statistics_db_would_not_hold(tiny_lm, tmp_path):
+    """Issue 40: counts written into a pruned statistics DB after its build (as --learn once did:
+    digest kept current, so the digest alone said OK) break what its header states, and verify
+    says so; a model DB, which learns counts of 1, is not held to min_count."""
+    out = tmp_path / "st.lmdb"
+    statsdb.build([[5, 6, 7, 5, 6, 7, 5, 6, 8]], out, tiny_lm.tokenizer, "tiny", tokenized=True, min_count=2)
+    assert stores.Store(out).verify()["ok"]
+    db = stores.Store(out, writable=True)
+    statsdb.add_counts(db, [[1, 2, 3, 4]])          # what learning writes: counts of 1, digest updated
+    report = stores.Store(out).verify()
+    assert not report["ok"] and "pruning" in report["problems"][0], report
+
+
 def test_resume_with_other_prompts_or_settings_is_refused(tiny_lm, tmp_path):
     s = tmp_path / "s.jsonl"
     kw = dict(max_new_tokens=6, temperature=0.0, batch_size=2, seed=0)

@@ -476,6 +476,11 @@ class Store:
         lmdb = _lmdb()
         problems, keys, total = [], 0, 0
         width = self.draft_len + 2
+        # a pruned statistics DB keeps per key at most top_k continuations, each counted
+        # min_count times or more; a model DB learns (counts of 1) and is not checked so
+        h = self.header
+        pruned = bool(h.get("pruned")) and h.get("kind", "stats") != "model"
+        top_k, min_count = int(h.get("top_k") or 0), int(h.get("min_count") or 1)
         try:
             with self.env.begin(buffers=True) as txn:
                 for k, v in txn.cursor():
@@ -491,6 +496,12 @@ class Store:
                     if (len(k) % 4 or not self.min_n <= len(k) // 4 <= self.max_n or len(v) % 4
                             or words < 1 or (words - 1) % width) and len(problems) < 5:
                         problems.append(f"record {keys} has a malformed key or value")
+                    elif pruned and len(problems) < 5:
+                        counts = np.frombuffer(bytes(v), dtype="<u4")[1::width]
+                        if (top_k and len(counts) > top_k) or (len(counts) and int(counts.min()) < min_count):
+                            problems.append(f"record {keys} holds continuations its header's pruning "
+                                            f"(top_k {top_k}, min_count {min_count}) would not keep: "
+                                            "the DB was written after it was built")
         except lmdb.Error as exc:
             problems.append(f"reading stopped after {keys} records: {str(exc).splitlines()[0]}")
         digest = digest_hex(total)
