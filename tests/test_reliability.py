@@ -8,6 +8,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -582,6 +583,28 @@ def test_an_extension_that_does_not_load_is_rebuilt_once(tmp_path, monkeypatch, 
     assert calls == ["hd_x", "hd_x"]
     err = capsys.readouterr().err
     assert f"warning: {folder / 'hd_x.so'} does not load (ImportError: " in err and "rebuilding the test kernel" in err
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, monkeypatch, capsys):
+    """A process killed while compiling left torch's `lock` file: every later run waited on it
+    forever without a word. A lock older than a build can take is removed, said in one line;
+    a young one (another process building now) is waited for, said too."""
+    from torch.utils import cpp_extension
+    from hdcli.engine import fused
+    folder = tmp_path / "hd_y"
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.write_bytes(b"")
+    old = time.time() - fused.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(folder))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, **kw: "module" if not lock.exists() else 1 / 0)
+    assert fused.compile_extension(fused.SOURCE, "hd_y", "the test kernel", quiet=True) == ("module", None)
+    assert "left by a build that was killed: removing it" in capsys.readouterr().err
+    lock.write_bytes(b"")                       # a build running now: waited for, then loaded
+    threading.Timer(1.0, lock.unlink).start()
+    assert fused.compile_extension(fused.SOURCE, "hd_y", "the test kernel", quiet=True) == ("module", None)
+    assert "waiting for another process building the test kernel" in capsys.readouterr().err
 
 
 # --- issue 40: bad input that got a traceback or a silent wrong run -------------------------------

@@ -89,6 +89,8 @@ def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
             built = (folder / f"{name}.so").exists()
         except Exception:
             folder, built = None, False
+        if folder is not None:
+            _wait_for_build_lock(folder, what)
         t0 = time.perf_counter()
         if not quiet and not built:
             print(f"hd: compiling {what} (once per machine, ~30 s)...", file=sys.stderr, flush=True)
@@ -117,6 +119,32 @@ def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
         if rebuilt:
             print(f"warning: {what} could not be rebuilt ({why})", file=sys.stderr, flush=True)
         return None, why
+
+
+STALE_LOCK_SECONDS = 180   # a build takes ~30 s (a minute on a loaded machine); a lock older is dead
+
+
+def _wait_for_build_lock(folder: Path, what: str) -> None:
+    """torch's build lock (`lock` in the extension's folder) is a file that a process killed while
+    compiling leaves behind, and torch waits on it forever, saying nothing: every later hd run
+    hung at load. Wait here for another process's build, saying so, and remove a lock older
+    than STALE_LOCK_SECONDS, in one line."""
+    lock = folder / "lock"
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:   # no lock (or none left): build or load
+            return
+        if age > STALE_LOCK_SECONDS:
+            print(f"warning: {lock} is {age / 60:.0f} min old, left by a build that was killed: removing "
+                  f"it and building {what}", file=sys.stderr, flush=True)
+            lock.unlink(missing_ok=True)
+            return
+        if not said:
+            print(f"hd: waiting for another process building {what} ({lock})...", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(0.5)
 
 
 def _why(exc: Exception) -> str:
