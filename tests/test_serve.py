@@ -486,6 +486,9 @@ def test_penalties_bias_and_logprobs_served_equal_hd_generate(served, model_dir)
     status, body = http("POST", served.url + "/v1/chat/completions", json.dumps(
         {"model": s.name, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 1}}).encode())
     assert status == 400 and json.loads(body)["error"]["param"] == "logit_bias"
+    status, body = http("POST", served.url + "/v1/chat/completions", json.dumps(
+        {"model": s.name, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}).encode())
+    assert status == 400 and json.loads(body)["error"]["param"] == "logit_bias"
 
 
 def test_several_choices_are_jobs_of_their_own(served, model_dir):
@@ -504,7 +507,9 @@ def test_several_choices_are_jobs_of_their_own(served, model_dir):
     # sampled: each choice a job with its own seed (a sampled speculative answer depends on the
     # drafts as well as the seed, so it is not compared with a single request's here)
     r = c.completions.create(model=s.name, prompt="the cat sat", max_tokens=20, temperature=1.0, n=2, seed=11)
-    assert sorted(ch.index for ch in r.choices) == [0, 1] and all(ch.text for ch in r.choices)
+    # (a choice's text may be empty: the tiny model can sample its end token first)
+    assert sorted(ch.index for ch in r.choices) == [0, 1] and all(ch.finish_reason in ("stop", "length")
+                                                                  for ch in r.choices)
     assert len(r.usage.model_extra["hd"]["choices"]) == 2 and r.usage.completion_tokens <= 40
 
 
