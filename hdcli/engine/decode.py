@@ -77,12 +77,12 @@ class Decoder:
         widths the mode never calibrated). It cost ~10% of a 1,000-token prefill (AMD EPYC)."""
         if self.prefix is not None:
             return self.prefix.prefill(self.model, ids, cache, scope)
+        if hasattr(self.model, "prefill") and invariant.is_enabled(self.model):
+            prefill_pieces(self.model, ids, cache)
+            return 0
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         if hasattr(self.model, "prefill"):   # hd's own forward (hdcli/engine/forward/)
-            if invariant.is_enabled(self.model):
-                prefill_pieces(self.model, ids, cache)
-            else:
-                self.model.prefill(inp, cache)
+            self.model.prefill(inp, cache)
             return 0
         try:
             self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -217,17 +217,16 @@ class Server:
         bias = cfg.logit_bias
         if req.logit_bias is not None:
             vocab = self.lm.model.config.vocab_size
-            bias = {}
-            for key, value in req.logit_bias.items():
-                if not key.isdigit() or int(key) >= vocab:
-                    raise ApiError(400, f"logit_bias: '{key}' is not a token id of this model (0..{vocab - 1})",
-                                   "logit_bias")
-                if not -100 <= value <= 100:
-                    raise ApiError(400, f"logit_bias: the bias of token {key} must be in [-100, 100], not {value}",
-                                   "logit_bias")
-                bias[int(key)] = value
-        return Sampling(pick("temperature"), cfg.top_k, pick("top_p"), pick("frequency_penalty"),
-                        pick("presence_penalty"), tuple(bias.items()))
+            bad = next((key for key in req.logit_bias if not key.isdigit() or int(key) >= vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"logit_bias: '{bad}' is not a token id of this model (0..{vocab - 1})",
+                               "logit_bias")
+            bias = {int(key): value for key, value in req.logit_bias.items()}
+        try:   # the other fields' ranges are the request schema's: only a bias can be out of range here
+            return Sampling(pick("temperature"), cfg.top_k, pick("top_p"), pick("frequency_penalty"),
+                            pick("presence_penalty"), tuple(bias.items()))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "logit_bias") from None
 
     def _encode(self, req, chat: bool) -> tuple[list[int], str]:
         """The request's prompt as token ids, and the field it came from."""

@@ -212,18 +212,11 @@ def _logprobs(server, job: Job, entries, chat: bool, offset: int = 0) -> dict | 
             "text_offset": offsets}
 
 
-def _all_logprobs(server, job: Job) -> list | None:
-    lps = job.stream.out_logprobs if job.stream is not None else None
-    if lps is None:
-        return None
-    return [(t, *lp) for t, lp in zip(job.stream.out, lps) if t not in server.lm.eos_ids]
-
-
 def _answer(server, jobs: list[Job], rid: str, created: int, chat: bool) -> dict:
     choices = []
     for i, job in enumerate(jobs):
         reason = FINISH[job.finish_reason]
-        lps = _logprobs(server, job, _all_logprobs(server, job), chat)
+        lps = _logprobs(server, job, server.scheduler.logprob_entries(job), chat)
         if chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": job.text}, "logprobs": lps,
                             "finish_reason": reason})

@@ -22,6 +22,8 @@ from typing import ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from ..config import MAX_LOGPROBS
+
 MAX_STOP = 4
 MAX_CHOICES = 8   # `n`: each choice is a request of its own in the decode loop (--max-batch)
 TOOL_ROLES = ("tool", "function")   # refused by name: hd serve does not implement tool calls
@@ -122,7 +124,7 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None

@@ -273,10 +273,18 @@ class Scheduler:
             with self.tokenizer_lock:
                 while n < len(lps) and len(self.lm.tokenizer.decode(out[:n + 1], skip_special_tokens=True)) <= chars:
                     n += 1
-        eos = self.lm.eos_ids
-        entries = [(out[i], *lps[i]) for i in range(job.lp_sent, n) if out[i] not in eos]
+        entries = self.logprob_entries(job, job.lp_sent, n)
         job.lp_sent = n
         return entries
+
+    def logprob_entries(self, job: Job, start: int = 0, end: int | None = None) -> list | None:
+        """(token id, logprob, [(id, logprob)]) of the job's output tokens start..end, the
+        end-of-sequence token left out; None where the job returns no log-probabilities."""
+        lps = job.stream.out_logprobs if job.stream is not None else None
+        if lps is None:
+            return None
+        out, eos = job.stream.out, self.lm.eos_ids
+        return [(out[i], *lps[i]) for i in range(start, len(lps) if end is None else end) if out[i] not in eos]
 
     def _end(self, job: Job, reason: str, error: str | None = None) -> None:
         job.finish_reason, job.error = reason, error
