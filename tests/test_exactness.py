@@ -196,3 +196,30 @@ def test_recycled_predictions_equal_plain_greedy(make):
             accepted += st.accepted if st else 0
     assert drafted > 0 and accepted > 0
     assert table.bigram and table.unigram
+
+
+def test_a_tenants_scoped_answers_draft_and_equal_plain_greedy():
+    """hd serve --learn-scope key|user: a request drafts from the DB's shared answers and its own
+    scope's (drafting.model.ScopedAnswers) and grows only its own; greedy output is plain decoding's,
+    and what one scope generated is never proposed to another."""
+    from hdcli.drafting import model as model_layer
+    if not model_layer.available():
+        pytest.skip("arctic-inference is not installed")
+    from hdcli.drafting.model import AnswerIndex, AnswerLayer, ScopedAnswers
+    m = tiny_llama(vocab_size=50, seed=1, scale=4.0)
+    refs = {tuple(p): plain(m, p, 40) for p in PROMPTS}
+    base = AnswerIndex([refs[tuple(PROMPTS[0])]])          # the built DB's answers: shared
+    a, b = ScopedAnswers(base, AnswerIndex()), ScopedAnswers(base, AnswerIndex())
+    accepted = 0
+    for p in PROMPTS * 2:    # scope a asks everything twice: the second round drafts from its own answers
+        g = Decoder(m, (), Hierarchy([AnswerLayer(a)], draft_len=8)).generate(p, max_new_tokens=40)
+        assert g.tokens == refs[tuple(p)]
+        accepted += g.stats.layers["model"].accepted if "model" in g.stats.layers else 0
+    assert accepted > 0
+    p = PROMPTS[1]   # scope b never asked it: a's answer to it is not proposed to b
+    seen = p + refs[tuple(p)][:3]
+    assert a.propose(seen, 8, 4) and not b.own.propose(seen, 8, 4)
+    # and the shared answers are still the DB's alone: b proposes what the DB did
+    assert b.propose(seen, 8, 4) == AnswerIndex([refs[tuple(PROMPTS[0])]]).propose(seen, 8, 4)
+    g = Decoder(m, (), Hierarchy([AnswerLayer(b)], draft_len=8)).generate(p, max_new_tokens=40)
+    assert g.tokens == refs[tuple(p)]
