@@ -119,13 +119,13 @@ def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int], scope: byt
                       "into a DB built by `hd build-model-db` (pass a statistics DB with --stats-db)")
     if scope is not None:
         return model_db.add_sequences([list(tokens)], scope=scope) if tokens else 0
-    if model_db.sequence_count and tokens:
-        model_db.add_sequences([list(tokens)])
     max_n = int(model_db.header["n_range"][1])
     context = list(prompt_ids[-max_n:]) if prompt_ids else []
     doc = context + list(tokens)
-    # counting starts where a continuation is generated: drop keys that end before the output
-    return add_counts(model_db, [doc], first_end=len(context) - 1)
+    # counting starts where a continuation is generated: drop keys that end before the output;
+    # the answer whole and its n-grams in one transaction
+    return add_counts(model_db, [doc], first_end=len(context) - 1,
+                      answers=[list(tokens)] if model_db.sequence_count and tokens else [])
 
 
 @dataclass
@@ -175,7 +175,7 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     else:
         DecodingConfig(max_new_tokens=max_new_tokens, seed=seed).validate()
     if prompt_ids is None:
-        prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=chat, system=system)
+        prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=chat, system=system, max_tokens=lm.max_context)
     room = lm.max_context - len(prompt_ids)
     if room < 1:
         raise HdError(f"the prompt is {len(prompt_ids)} tokens but the model's context is "
@@ -278,8 +278,11 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
         data["model_db_index"] = "answers" if model_layer.uses_answers(run.dbs.model) else "ngrams"
     if hasattr(run.drafter, "level_stats"):
         data["levels"] = run.drafter.level_stats()
-    if cfg.learn:
-        data["learned_keys"] = learn(run.dbs.model, res.prompt_ids, res.tokens)
+    if cfg.learn:   # the answer is shown whatever becomes of learning it (learn_error: why not)
+        try:
+            data["learned_keys"] = learn(run.dbs.model, res.prompt_ids, res.tokens)
+        except HdError as exc:
+            data["learned_keys"], data["learn_error"] = 0, f"the answer was not learned: {exc}"
     report = GenerateReport(data, {"hd": res.stats})
     if compare:
         plain = generate(lm, prompt, config=cfg, drafter=None)

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich import box
 from rich.table import Table
+from rich.markup import escape
 from rich.text import Text
 
 from . import __version__, api, bench
@@ -249,6 +250,8 @@ def generate(
         typer.echo(json.dumps(rep.data))
     else:
         _print_generate(out, rep)
+    if rep.data.get("learn_error"):   # after the answer: a full disk loses the learning, not the answer
+        raise HdError(rep.data["learn_error"])
 
 
 # Options of `hd serve` alone (beside _RUN's).
@@ -262,8 +265,11 @@ _SERVE = {
     "learn_scope": typer.Option(None, "--learn-scope", help="shared|key|user: whose "
     "learned drafts and cached prefixes a request may use "
     "(default: key with several keys, else shared; docs/serve.md)."),
-    "protect_metrics": typer.Option(False, "--protect-metrics", help="/metrics takes an API key "
-    "too (default: open, like /health)."),
+    "protect_metrics": typer.Option(False, "--protect-metrics", help="/metrics takes the API key "
+    "too (one key; default: open, like /health)."),
+    "metrics_key": typer.Option(None, "--metrics-key", envvar="HD_METRICS_KEY", help="The only "
+    "bearer token /metrics takes, no tenant's key (also HD_METRICS_KEY). With several API keys "
+    "/metrics answers to nothing else: it shows every tenant's requests."),
     "max_batch": typer.Option(8, "--max-batch", help="Requests decoded at once; their "
     "verification forwards are batched into one."),
     "max_queue": typer.Option(64, "--max-queue", help="Requests waiting beyond those (then 503)."),
@@ -271,6 +277,8 @@ _SERVE = {
     "send (default: the --model given)."),
     "drain_timeout": typer.Option(60.0, "--drain-timeout", help="Seconds SIGTERM waits for "
     "running requests before cancelling them."),
+    "body_timeout": typer.Option(30.0, "--body-timeout", help="Seconds a request has to send its "
+    "whole body once its header arrived (then 408)."),
     "max_connections": typer.Option(512, "--max-connections", help="Open connections at most; "
     "one beyond gets 503 (keep it under `ulimit -n`)."),
     "prefix_cache_mb": typer.Option(256, "--prefix-cache-mb", help="MiB of prompts' keys and "
@@ -322,11 +330,13 @@ def serve(
     api_keys_file: Optional[Path] = _SERVE["api_keys_file"],
     learn_scope: Optional[str] = _SERVE["learn_scope"],
     protect_metrics: bool = _SERVE["protect_metrics"],
+    metrics_key: Optional[str] = _SERVE["metrics_key"],
     max_batch: int = _SERVE["max_batch"],
     max_queue: int = _SERVE["max_queue"],
     served_name: Optional[str] = _SERVE["served_name"],
     drain_timeout: float = _SERVE["drain_timeout"],
     max_connections: int = _SERVE["max_connections"],
+    body_timeout: float = _SERVE["body_timeout"],
     prefix_cache_mb: float = _SERVE["prefix_cache_mb"],
     as_json: bool = typer.Option(False, "--json", help="At exit, write one JSON object (what was "
                                  "served) to stdout."),
@@ -336,11 +346,18 @@ def serve(
     cfg = _run_config(ctx, locals())
     say = _status(False)
     server = Server(cfg, host=host, port=port, api_key=_api_keys(api_key), api_keys_file=api_keys_file,
-                    learn_scope=learn_scope, protect_metrics=protect_metrics, max_batch=max_batch, max_queue=max_queue,
+                    learn_scope=learn_scope, protect_metrics=protect_metrics, metrics_key=metrics_key,
+                    max_batch=max_batch, max_queue=max_queue,
                     name=served_name or model, drain_timeout=drain_timeout, max_connections=max_connections,
+                    body_timeout=body_timeout,
                     prefix_cache_mb=prefix_cache_mb, on_status=say)
     _serve_banner(server, server.bind(), say)
     summary = server.run()
+    if server.forced_by is not None:
+        say(f"stopped at once by a second signal: running requests cancelled; {summary['requests']} served")
+        if as_json:
+            typer.echo(json.dumps(summary))
+        raise typer.Exit(128 + server.forced_by)
     if as_json:
         typer.echo(json.dumps(summary))
     else:
@@ -366,7 +383,7 @@ def _serve_banner(server, port: int, say) -> None:
     n_keys = len(server.keys) if server.keys else 0
     say(f"{n_keys or 'no'} API key{'s' if n_keys != 1 else ''}" + ("" if n_keys else " (an open server)")
         + f"; learned drafts and cached prefixes scoped: {server.learn_scope}"
-        + ("; /metrics open (--protect-metrics to require a key)" if n_keys and not server.protect_metrics else ""))
+        + f"; {server.metrics_readers.describe()}")
 
 
 def _layer_style(layer: Optional[str]) -> Optional[str]:
@@ -543,15 +560,19 @@ def merge_stats(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Default: the inputs' K (4 for shards)."),
     min_count: Optional[int] = typer.Option(None, "--min-count", help="Default: the inputs' (2 for shards)."),
     overwrite: bool = typer.Option(False),
+    allow_same_sources: bool = typer.Option(False, "--allow-same-sources", help="Sum inputs counted "
+                                            "from the same corpus file anyway (its documents then "
+                                            "count twice)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Sum the counts of several statistics DBs and prune again. Each input's content digest is
-    checked as it is read; the same DB twice, DBs of different kinds, and pruned DBs mixed with
-    unpruned shards are refused (their sum would be wrong counts)."""
+    checked as it is read; the same DB twice, DBs of different kinds, pruned DBs mixed with
+    unpruned shards, and builds of the same corpus file that are not shards of one build are
+    refused (their sum would be wrong counts)."""
     from .db import statsdb
     check_output_path(out, overwrite)
     header = statsdb.merge([str(p) for p in inputs], out, top_k=top_k, min_count=min_count,
-                           overwrite=overwrite)
+                           overwrite=overwrite, allow_same_sources=allow_same_sources)
     if as_json:
         typer.echo(json.dumps({"path": str(out), "header": header}))
     else:
@@ -650,16 +671,19 @@ def _print_verify(report: dict) -> None:
         con.print(f"{report['path']}: [green]OK[/green], {report['records']} records, content digest "
                   f"{report['content_digest']} {stored}")
     else:
-        con.print(f"{report['path']}: [red]DAMAGED[/red]: " + "; ".join(report["problems"]))
+        con.print(f"{report['path']}: [red]DAMAGED[/red]: " + escape("; ".join(report["problems"])))
+    for note in report.get("notes", []):
+        con.print(f"[dim]{report['path']}: {note}[/dim]")
 
 
 @db_app.command("verify")
 def db_verify(paths: List[Path] = typer.Argument(..., help="DB files to check."),
               as_json: bool = typer.Option(False, "--json")):
-    """Read every record of each DB: shapes, key count and content digest against the header.
-    Exit code 1 when any is damaged (2 when one cannot be opened at all)."""
-    from .db.stores import Store
-    reports = [Store(p).verify() for p in paths]
+    """Read every record of each DB: shapes, entry lengths, token ids against the vocabulary, key
+    count and content digest against the header, and the header's fields. Exit code 1 when any is
+    damaged (2 when one cannot be opened at all)."""
+    from .db.stores import verify_file
+    reports = [verify_file(p) for p in paths]
     if as_json:
         typer.echo(json.dumps({"ok": all(r["ok"] for r in reports), "dbs": reports}))
     else:

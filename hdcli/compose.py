@@ -70,7 +70,7 @@ def open_dbs(cfg: DecodingConfig, lm: models.LoadedModel | None = None) -> DBs:
 
 def check_tokenizers(dbs: DBs, lm: models.LoadedModel) -> None:
     for db in dbs.all():
-        db.check_tokenizer(lm.tokenizer, lm.name)
+        db.check_tokenizer(lm.tokenizer, lm.name, embedding_rows=lm.model.config.vocab_size)
 
 
 def layer_inputs(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool,

@@ -22,6 +22,7 @@ once: the result equals a single build.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import os
@@ -314,8 +315,11 @@ class _Encoder:
 
 
 def check_params(min_n: int, max_n: int, draft_len: int, top_k: int, min_count: int) -> None:
-    if not 1 <= min_n <= max_n:
-        raise HdError(f"n range needs 1 <= --min-n <= --max-n, got {min_n}..{max_n}")
+    if not 1 <= min_n <= max_n <= stores.MAX_KEY_TOKENS:
+        raise HdError(f"n range needs 1 <= --min-n <= --max-n <= {stores.MAX_KEY_TOKENS}, "
+                      f"got {min_n}..{max_n}")
+    if draft_len > stores.MAX_DRAFT_LEN:
+        raise HdError(f"--draft-len is at most {stores.MAX_DRAFT_LEN}")
     if draft_len < 1 or top_k < 0 or min_count < 1:
         raise HdError("--draft-len and --min-count must be >= 1 and --top-k >= 0 (0: keep all)")
 
@@ -406,6 +410,7 @@ def header_for(*, kind: str, model_name: str, tokenizer, min_n: int, max_n: int,
     """The header of a statistics or model DB (what build() and a cluster build store)."""
     return {"kind": kind, "model": model_name,
             "tokenizer_fingerprint": stores.tokenizer_fingerprint(tokenizer),
+            "vocab_size": stores.tokenizer_vocab_size(tokenizer),
             "n_range": [min_n, max_n], "draft_len": draft_len, "top_k": top_k,
             "min_count": min_count, "pruned": shard[1] == 1, "shard": list(shard),
             "documents": documents, "tokens": tokens, "continuations": continuations,
@@ -421,19 +426,26 @@ def _prune(counts: dict, top_k: int, min_count: int, draft_len: int) -> list[tup
 
 
 def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None,
-          min_count: int | None = None, overwrite: bool = False, extra_header: dict | None = None) -> dict:
+          min_count: int | None = None, overwrite: bool = False, extra_header: dict | None = None,
+          allow_same_sources: bool = False) -> dict:
     """Sum the counts of several stores key by key and prune again. Merging the shards of one
-    build (unpruned) gives exactly the single build; merging pruned DBs sums what they kept."""
+    build (unpruned) gives exactly the single build; merging pruned DBs sums what they kept;
+    model DBs' answers are kept whole, each once (_merge_answers).
+    Inputs counted from the same source file (other than distinct shards of one build) are
+    refused unless allow_same_sources: their sum counts that file's documents twice."""
     if len(inputs) < 1:
         raise HdError("merge-stats needs at least one input DB")
     t0 = time.time()
     dbs = [stores.Store(p) for p in inputs]
     h0 = dbs[0].header
     meaning = _check_mergeable(dbs)
-    shard_k = [db.header["top_k"] for db in dbs if db.header.get("pruned")]
+    if not allow_same_sources:
+        _check_sources_apart(dbs)
+    shard_k = [db.header.get("top_k", DEFAULTS["top_k"]) for db in dbs if db.header.get("pruned")]
     top_k = top_k if top_k is not None else (min(shard_k) if shard_k else DEFAULTS["top_k"])
     min_count = (min_count if min_count is not None else
-                 max([db.header["min_count"] for db in dbs if db.header.get("pruned")] or
+                 max([db.header.get("min_count", DEFAULTS["min_count"]) for db in dbs
+                      if db.header.get("pruned")] or
                      [DEFAULTS["min_count"]]))
     draft_len = int(h0["draft_len"])
     pairs = 0
@@ -459,7 +471,8 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
             for cont, cnt in entries:
                 counts[tuple(cont)] = counts.get(tuple(cont), 0) + cnt
         flush()
-        header = {**h0, "top_k": top_k, "min_count": min_count, "pruned": True, "shard": [0, 1],
+        answers = _merge_answers(dbs, writer)
+        header = {**h0, **answers, "top_k": top_k, "min_count": min_count, "pruned": True, "shard": [0, 1],
                   "documents": sum(db.header.get("documents", 0) for db in dbs),
                   "tokens": sum(db.header.get("tokens", 0) for db in dbs),
                   "continuations": pairs, "merged_from": [str(p) for p in inputs], "counts": meaning,
@@ -472,6 +485,26 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
     for db in dbs:
         db.close()
     return header
+
+
+def _merge_answers(dbs: list, writer) -> dict:
+    """Copy the inputs' answers kept whole (model DBs'): each distinct answer once, the first
+    input's first; a tenant's answers under their scope tag (the same answer of two tenants is
+    kept for each). Returns the header fields that count them, and the learning figures summed."""
+    seen: set = set()
+    counts = {"sequences": 0, "scoped_sequences": 0}
+    for db in dbs:
+        for scope, tokens in db.answer_records():
+            ident = (scope, hashlib.blake2b(tokens, digest_size=16).digest())
+            if ident in seen:
+                continue
+            seen.add(ident)
+            field = "sequences" if scope is None else "scoped_sequences"
+            writer.put(stores.sequence_key(counts[field], scope), tokens)
+            counts[field] += 1
+    fields = {**counts, "learned_tokens": 0, "learned_updates": 0}
+    return {f: counts.get(f, sum(db.header.get(f, 0) for db in dbs)) for f in fields
+            if counts.get(f) or any(f in db.header for db in dbs)}
 
 
 def _check_mergeable(dbs: list) -> str:
@@ -511,9 +544,35 @@ def _check_mergeable(dbs: list) -> str:
             "not every shard of one build is here")
 
 
-def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int = 0) -> int:
-    """Add the n-gram continuations of `docs` to a writable store in ONE write transaction
-    (atomic; concurrent writers serialise on LMDB's lock, so no update is lost), re-pruning each
+def _check_sources_apart(dbs: list) -> None:
+    """Refuse two inputs counted from one source file (the header's `sources`: path, bytes and
+    sha256 per file read), unless they are distinct shards of one build (each shard counts its
+    own documents of every file)."""
+    seen: dict = {}   # source identity -> (db, its shard)
+    for db in dbs:
+        h = db.header
+        shard = tuple(h.get("shard", (0, 1))) if not h.get("pruned", True) else None
+        for src in h.get("sources", []):
+            ident = src.get("sha256") or src.get("path")
+            if ident is None:
+                continue
+            other, other_shard = seen.get(ident, (None, None))
+            apart = (shard is not None and other_shard is not None and shard[1] == other_shard[1]
+                     and shard[0] != other_shard[0])
+            if other is not None and other is not db and not apart:
+                name = Path(str(src.get("path", "a source"))).name
+                raise HdError(f"{other.path} and {db.path} were both counted from {name} (same "
+                              "contents): merging them counts its documents twice. Merge the shards "
+                              "of one build (hd build-stats --shard I/N), or pass --allow-same-sources "
+                              "to sum them anyway")
+            seen.setdefault(ident, (db, shard))
+
+
+def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int = 0,
+               answers: list[list[int]] = ()) -> int:
+    """Add the n-gram continuations of `docs` (and `answers` whole, stores.put_sequences) to a
+    writable store in ONE write transaction (atomic: a generation is learned whole or not at
+    all; concurrent writers serialise on LMDB's lock, so no update is lost), re-pruning each
     touched key to the store's top_k. min_count is not applied: one generation rarely repeats an
     n-gram, and learning exists to keep what the model wrote recently. Keys end at positions
     >= first_end of each doc (earlier tokens serve as key context only). Returns keys touched."""
@@ -531,6 +590,8 @@ def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int 
                 per[cont] = per.get(cont, 0) + 1
 
     def write(txn):
+        if answers:
+            stores.put_sequences(txn, answers)
         header = stores.read_header(txn)
         digest = int(header.get("content_digest", "0"), 16)  # additive: swap each key's share
         new_keys = 0

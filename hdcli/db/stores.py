@@ -13,7 +13,12 @@ Invariants
   * `total` counts every occurrence of the key that had a continuation, including continuations
     that were pruned (so count/total is the continuation's empirical probability);
   * the file at the output path is always complete: builds write `PATH.tmp-*` and rename it into
-    place only after the last commit (os.replace is atomic on one filesystem);
+    place only after the last commit (os.replace is atomic on one filesystem); an interrupted
+    build (Ctrl-C, SIGTERM) removes its own `PATH.tmp-*` files, a killed one leaves them to
+    sweep_stale;
+  * a file refused on open leaves no lock file that was not there before;
+  * writes (--learn) go only into the file now at the DB's path: Store.update checks the file's
+    identity (st_dev, st_ino) before and after each write transaction (Replaced);
   * a build never replaces a file it did not expect: without overwrite the rename is a hard link
     that fails if the output appeared during the build (another build racing to the same path);
     an output path that is a folder is refused;
@@ -57,6 +62,7 @@ from ..errors import HdError
 FORMAT_VERSION = 1
 HEADER_KEY = b"__hd_header__"   # 13 bytes: never a multiple of 4
 PAD = 0xFFFFFFFF
+VERIFY_BATCH = 4096             # n-gram records whose entries verify checks at once
 INITIAL_MAP_SIZE = 1 << 28     # 256 MiB; doubled whenever LMDB reports the map full
 DIGEST_MOD = 1 << 128
 SEQ_PREFIX = b"__hd_seq__"      # + 8-byte index: 18 bytes, never a multiple of 4
@@ -117,6 +123,12 @@ def check_output_path(path: Path, overwrite: bool) -> None:
         raise HdError(f"{path} already exists: pass --overwrite to replace it")
 
 
+def tokenizer_vocab_size(tokenizer) -> int:
+    """Ids the tokenizer can give: its largest id + 1 (added tokens included). A DB records it
+    (header `vocab_size`): every id it stores must be below it (`hd db verify`)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of the vocabulary and special tokens: a DB is valid only for one tokenization."""
     h = hashlib.sha256()
@@ -136,7 +148,8 @@ class MalformedRecord(ValueError):
 
 def decode_value(buf, draft_len: int) -> tuple[int, list[tuple[list[int], int]]]:
     """(total, [(continuation tokens, count), ...]) from a stored value; MalformedRecord where its
-    length is not 4 bytes times 1 + k * (draft_len + 2)."""
+    length is not 4 bytes times 1 + k * (draft_len + 2), or an entry claims more than draft_len
+    tokens (it would read the next entry's words as tokens)."""
     width = draft_len + 2
     if len(buf) % 4 or not len(buf) or (len(buf) // 4 - 1) % width:
         raise MalformedRecord(f"a record of {len(buf)} bytes is malformed")
@@ -144,6 +157,8 @@ def decode_value(buf, draft_len: int) -> tuple[int, list[tuple[list[int], int]]]
     out = []
     for j in range(1, len(arr), width):
         count, length = int(arr[j]), int(arr[j + 1])
+        if length > draft_len:
+            raise MalformedRecord(f"an entry of {length} tokens exceeds the header's draft_len {draft_len}")
         out.append((arr[j + 2:j + 2 + length].tolist(), count))
     return int(arr[0]), out
 
@@ -197,14 +212,25 @@ class StoreWriter:
         sweep_stale(self.path.parent, self.path.name + ".tmp-")
         if not self.path.exists():  # the lock file of a DB deleted since is an orphan
             Path(str(self.path) + "-lock").unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.tmp-{os.getpid()}-", dir=self.path.parent)
-        os.close(fd)
-        self.tmp = Path(tmp)
+        self.temps: list[Path] = []   # every temporary file made: abort() removes them all
+        self.tmp = self._new_temp()
         self.map_size = INITIAL_MAP_SIZE
-        self.env = lmdb.open(str(self.tmp), subdir=False, map_size=self.map_size, lock=False,
-                             sync=False, metasync=False, writemap=False, max_dbs=0)
+        try:
+            self.env = lmdb.open(str(self.tmp), subdir=False, map_size=self.map_size, lock=False,
+                                 sync=False, metasync=False, writemap=False, max_dbs=0)
+        except BaseException:   # Ctrl-C or SIGTERM here, before writing() can abort
+            self._remove_temps()
+            raise
         self.pending: list[tuple[bytes, bytes]] = []
         self.batch, self.keys, self.done = batch, 0, False
+
+    def _new_temp(self) -> Path:
+        """An empty `OUT.tmp-PID-*` beside the output, recorded before anything can interrupt
+        between its creation and its removal by abort()."""
+        fd, name = tempfile.mkstemp(prefix=f"{self.path.name}.tmp-{os.getpid()}-", dir=self.path.parent)
+        self.temps.append(Path(name))
+        os.close(fd)
+        return Path(name)
 
     def put(self, key: bytes, value: bytes) -> None:
         self.pending.append((key, value))
@@ -272,8 +298,7 @@ class StoreWriter:
         digest). Both files carry the temporary prefix, so a kill here leaves only what
         sweep_stale removes."""
         lmdb = _lmdb()
-        fd, name = tempfile.mkstemp(prefix=f"{self.path.name}.tmp-{os.getpid()}-", dir=self.path.parent)
-        os.close(fd)
+        name = str(self._new_temp())
         psize = self.env.stat()["psize"]
         used = (self.env.info()["last_pgno"] + 8) * psize  # the copy needs no more, header aside
         dst = lmdb.open(name, subdir=False, map_size=max(used, 1 << 20), lock=False, sync=False,
@@ -288,7 +313,6 @@ class StoreWriter:
                 write_header(txn, header)
             dst.sync(True)
         except lmdb.Error as exc:
-            Path(name).unlink(missing_ok=True)
             raise self._write_error(exc) from None
         finally:
             dst.close()
@@ -300,35 +324,83 @@ class StoreWriter:
                 self.env.close()
             except Exception:
                 pass
-            self.tmp.unlink(missing_ok=True)
-            self._drop_lock()
+            self._remove_temps()
 
-    def _drop_lock(self) -> None:
-        Path(str(self.tmp) + "-lock").unlink(missing_ok=True)
+    def _remove_temps(self) -> None:
+        for tmp in self.temps:   # the packed copy too, wherever commit() was interrupted
+            tmp.unlink(missing_ok=True)
 
 
 @contextmanager
 def writing(path: str | Path, overwrite: bool = False) -> Iterator[StoreWriter]:
     """`with writing(out) as w: w.put(...); w.commit(header)`: nothing reaches `out` unless
-    commit() ran; any exception (Ctrl-C included) removes the temporary file."""
-    w = StoreWriter(path, overwrite=overwrite)
+    commit() ran; any exception (Ctrl-C included) removes the temporary files, and so does SIGTERM
+    (raised as KeyboardInterrupt while writing: its default action would end the process with
+    no cleanup)."""
+    with _sigterm_interrupts():
+        w = StoreWriter(path, overwrite=overwrite)
+        try:
+            yield w
+        finally:
+            w.abort()
+
+
+@contextmanager
+def _sigterm_interrupts():
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield   # only the main thread may set handlers; a handler someone set is theirs
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
     try:
-        yield w
+        yield
     finally:
-        w.abort()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-_ENVS: dict = {}  # realpath -> (lmdb.Environment, writable): LMDB allows one open per file per process
+# realpath -> ((realpath, st_dev, st_ino), lmdb.Environment, writable, whether this process made
+# its lock file): LMDB allows one open per file per process
+_ENVS: dict = {}
 
 
 def _open_env(path: Path, writable: bool):
     """Readers take LMDB's lock file so a concurrent writer (`--learn`) never reuses pages a
     reader still sees; where no lock file can be made (read-only filesystem) no writer can exist
     either, and we read without one."""
-    lmdb = _lmdb()
     real = os.path.realpath(path)
-    st = os.stat(real)
-    key = (real, st.st_ino)  # a rebuilt file (renamed into place) is a new file
+    for _ in range(3):
+        st = os.stat(real)
+        env = _open_env_of(path, real, (real, st.st_dev, st.st_ino), writable, st.st_size)
+        now = os.stat(real)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            return env
+        forget_env(path)   # replaced while it was opened: the identity must be the mapped file's
+    raise HdError(f"{path} is being replaced again and again (a build writing to it?): try again when it is done")
+
+
+def file_identity(env) -> tuple:
+    """(st_dev, st_ino) of the file an open environment maps."""
+    return next(entry[0][1:] for entry in _ENVS.values() if entry[1] is env)
+
+
+def forget_env(path) -> None:
+    """Close a file's cached environment, and remove its lock file if this process made it (a
+    file refused on open leaves nothing behind)."""
+    real = os.path.realpath(path)
+    entry = _ENVS.pop(real, None)
+    if entry is not None:
+        entry[1].close()
+        if entry[3]:
+            Path(real + "-lock").unlink(missing_ok=True)
+
+
+def _open_env_of(path, real: str, key: tuple, writable: bool, size: int):
+    lmdb = _lmdb()
     cached = _ENVS.get(real)
     if cached and cached[0] == key and (cached[2] or not writable):
         return cached[1]
@@ -341,7 +413,7 @@ def _open_env(path: Path, writable: bool):
             Path(real + "-lock").unlink(missing_ok=True)
     try:
         if writable:
-            env = lmdb.open(real, subdir=False, map_size=max(INITIAL_MAP_SIZE, 2 * st.st_size),
+            env = lmdb.open(real, subdir=False, map_size=max(INITIAL_MAP_SIZE, 2 * size),
                             max_readers=512)
         else:
             try:
@@ -350,7 +422,11 @@ def _open_env(path: Path, writable: bool):
                 env = lmdb.open(real, subdir=False, readonly=True, lock=False, readahead=False)
     except lmdb.Error as exc:
         drop_new_lock()
-        raise HdError(f"{path} is not an hd DB ({str(exc).splitlines()[0]})") from None
+        why = str(exc).splitlines()[0]
+        if any(k in why for k in ("No space", "too large", "Disk quota")):   # writing its lock file
+            raise HdError(f"cannot open {path} ({why}): the disk may be full or a file-size limit "
+                          "reached: free space and try again") from None
+        raise HdError(f"{path} is not an hd DB ({why})") from None
     need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]  # both read from the meta page
     size = os.stat(real).st_size
     if size < need:
@@ -358,8 +434,72 @@ def _open_env(path: Path, writable: bool):
         drop_new_lock()
         raise HdError(f"{path} is truncated: {size} bytes, but its pages reach {need} (an interrupted "
                       "copy or a full disk?): rebuild it or restore a good copy")
-    _ENVS[real] = (key, env, writable)
+    _ENVS[real] = (key, env, writable, not had_lock and os.path.exists(real + "-lock"))
     return env
+
+
+MAX_DRAFT_LEN = 1 << 16   # a record's entries are draft_len + 2 words each
+MAX_KEY_TOKENS = 63       # record_hash prefixes a key with its byte length in one byte (4 * 63 = 252)
+
+
+class HeaderError(HdError):
+    """A DB header readers cannot use (header_problem): Store refuses the file in one line (exit 2),
+    `hd db verify` reports it DAMAGED (verify_file)."""
+
+    def __init__(self, path, problem: str):
+        super().__init__(f"{path}: its header {problem}: the DB is damaged or was not written by hd; "
+                         "rebuild it or restore a good copy")
+        self.problem = problem
+
+
+def _is_int(v, low: int = 0, high: int | None = None) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)   # JSON true is no count
+            and v >= low and (high is None or v <= high))
+
+
+# Every header field a reader uses: (required, test, what is expected). Checked once, where the
+# header is read (Store), so that no reader meets a field of another type or range.
+HEADER_FIELDS = {
+    "draft_len": (True, lambda v: _is_int(v, 1, MAX_DRAFT_LEN), f"an integer 1..{MAX_DRAFT_LEN}"),
+    "n_range": (True, lambda v: isinstance(v, list) and len(v) == 2 and all(_is_int(x, 1) for x in v)
+                and v[0] <= v[1] <= MAX_KEY_TOKENS,
+                f"[min_n, max_n] with 1 <= min_n <= max_n <= {MAX_KEY_TOKENS}"),
+    "kind": (False, lambda v: v in ("stats", "model"), '"stats" or "model"'),
+    "model": (False, lambda v: isinstance(v, str), "a model name (a string)"),
+    "tokenizer_fingerprint": (False, lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "vocab_size": (False, lambda v: _is_int(v, 1, PAD), f"an integer 1..{PAD}"),
+    "top_k": (False, _is_int, "an integer >= 0"),
+    "min_count": (False, lambda v: _is_int(v, 1), "an integer >= 1"),
+    "pruned": (False, lambda v: isinstance(v, bool), "true or false"),
+    "shard": (False, lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_int, v)) and v[0] < v[1],
+              "[i, n] with 0 <= i < n"),
+    "content_digest": (False, lambda v: isinstance(v, str) and len(v) == 32
+                       and all(c in "0123456789abcdef" for c in v), "32 hexadecimal digits"),
+    "sources": (False, lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+                "a list of objects"),
+    **{f: (False, _is_int, "an integer >= 0") for f in ("keys", "sequences", "scoped_sequences", "documents",
+                                                        "tokens", "continuations", "learned_tokens",
+                                                        "learned_updates")},
+}
+_JSON_TYPES = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
+def header_problem(header) -> str | None:
+    """What is wrong with a DB header, as the end of "its header ...", or None."""
+    if not isinstance(header, dict):
+        return f"is a JSON {_JSON_TYPES.get(type(header), 'null')}, expected an object"
+    for field, (required, ok, expected) in HEADER_FIELDS.items():
+        if field not in header:
+            if required:
+                return f"has no {field} (expected {expected})"
+        elif not ok(header[field]):
+            shown = json.dumps(header[field])
+            return f"{field} is {shown if len(shown) <= 40 else shown[:37] + '...'}, expected {expected}"
+    return None
+
+
+class Replaced(HdError):
+    """The file a Store opened is no longer the one at its path (Store.update)."""
 
 
 def read_header(txn) -> dict:
@@ -371,10 +511,69 @@ def write_header(txn, header: dict) -> None:
     txn.put(HEADER_KEY, json.dumps(header).encode())
 
 
+def _outside(token: int, vocab: int) -> str:
+    return f"holds token id {token}, outside the vocabulary (the header's vocab_size is {vocab})"
+
+
+def verify_file(path: str | Path) -> dict:
+    """`hd db verify` of one file: Store(path).verify(), or a DAMAGED report where the header
+    itself is unusable (HeaderError: no record can be read without it)."""
+    try:
+        store = Store(path)
+    except HeaderError as exc:
+        return {"path": str(path), "ok": False, "records": 0, "content_digest": None, "header_digest": None,
+                "problems": [f"its header {exc.problem}"], "notes": []}
+    return store.verify()
+
+
+def put_sequences(txn, seqs, scope: bytes | None = None) -> None:
+    """Append answers (token lists) in a write transaction, keeping the header's key count,
+    sequence count and content digest current; scope: a tenant's tag (kept apart, see the
+    module header)."""
+    counter = "sequences" if scope is None else "scoped_sequences"
+    header = read_header(txn)
+    first = int(header.get(counter, 0) or 0)
+    digest = int(header.get("content_digest", "0"), 16)
+    for i, seq in enumerate(seqs):
+        k, v = sequence_key(first + i, scope), np.asarray(seq, dtype="<u4").tobytes()
+        txn.put(k, v)
+        digest += record_hash(k, v)
+    if "content_digest" in header:
+        header["content_digest"] = digest_hex(digest)
+    header[counter] = first + len(seqs)
+    header["keys"] = header.get("keys", 0) + len(seqs)
+    write_header(txn, header)
+
+
 class Store:
-    """A read-only, memory-mapped n-gram store."""
+    """A read-only, memory-mapped n-gram store.
+
+    No read snapshot outlives the read that needs it: each lookup (get) reads in a transaction
+    of its own (about 1 us). A snapshot held open keeps every page it sees from reuse, and a
+    Store kept one from its opening on (the model DB whose answers a model layer indexes once),
+    so that each transaction of `--learn` wrote its pages anew (a model DB grew from 80 KB to
+    32 MB in 200 answers, 98.8% of its pages free and never reused)."""
 
     def __init__(self, path: str | Path, writable: bool = False):
+        self._txn = None
+        shared = _ENVS.get(os.path.realpath(path), (None, None))[1]   # other Stores' environment
+        try:
+            self._open(path, writable)
+        except HdError:
+            if _ENVS.get(os.path.realpath(path), (None, None))[1] not in (None, shared):
+                forget_env(path)   # a refused file keeps no environment and leaves no lock file of ours
+            raise
+        self.identity = file_identity(self.env)
+        self.refresh()
+
+    @property
+    def txn(self):
+        """The snapshot the header is read from while opening (ended by refresh())."""
+        if self._txn is None:
+            self._txn = self.env.begin(buffers=True)
+        return self._txn
+
+    def _open(self, path: str | Path, writable: bool) -> None:
         self.path = Path(path)
         if self.path.is_dir():
             raise HdError(f"{self.path} is a folder, not a DB file: pass the .lmdb file itself")
@@ -384,57 +583,112 @@ class Store:
         if writable and not os.access(self.path, os.W_OK):
             raise HdError(f"{self.path} is not writable: --learn needs to write to it")
         self.env = _open_env(self.path, writable)
-        self.txn = self.env.begin(buffers=True)
         lmdb = _lmdb()
         try:
             self.header = read_header(self.txn)
         except ValueError:
-            raise HdError(f"{self.path}: the header record is not valid JSON") from None
+            raise HeaderError(self.path, "is not valid JSON") from None
         except lmdb.Error as exc:
             raise damaged(self.path, exc) from None
         if self.header is None:
             raise HdError(f"{self.path} is an LMDB file but not an hd DB (no header record)")
-        version = self.header.get("format_version")
-        if version != FORMAT_VERSION:
+        version = self.header.get("format_version") if isinstance(self.header, dict) else None
+        if isinstance(self.header, dict) and version != FORMAT_VERSION:
             raise HdError(f"{self.path} has DB format version {version}; this hd reads version "
                           f"{FORMAT_VERSION}: rebuild the DB")
-        self.draft_len = int(self.header["draft_len"])
-        self.min_n, self.max_n = (int(x) for x in self.header["n_range"])
+        problem = header_problem(self.header)
+        if problem:
+            raise HeaderError(self.path, problem)
+        self.draft_len = self.header["draft_len"]
+        self.min_n, self.max_n = self.header["n_range"]
+        # drafts hold only ids below this: the header's vocab_size, lowered to the model's by
+        # check_tokenizer (None: neither known, as for an older DB not yet checked)
+        self.vocab_limit = self.header.get("vocab_size")
 
-    def check_tokenizer(self, tokenizer, model_name: str = "") -> None:
-        fp = tokenizer_fingerprint(tokenizer)
-        if fp != self.header.get("tokenizer_fingerprint"):
-            raise HdError(f"{self.path} was built for the tokenizer of '{self.header.get('model')}', "
-                          f"which differs from {model_name or 'this model'}'s: rebuild it with "
-                          f"--model {model_name or 'NAME'}")
+    def check_tokenizer(self, tokenizer, model_name: str = "", embedding_rows: int | None = None) -> None:
+        """Refuse a DB built for another tokenizer, or one that may hold ids the model has no
+        embedding for (embedding_rows: the model's vocabulary); then set vocab_limit, the bound
+        the drafting layers keep their ids under."""
+        name = model_name or "this model"
+        build = "hd build-model-db" if self.header.get("kind") == "model" else "hd build-stats CORPUS"
+        rebuild = f"rebuild it with `{build} -o {self.path} --overwrite --model {model_name or 'NAME'}`"
+        stored, fp = self.header.get("tokenizer_fingerprint"), tokenizer_fingerprint(tokenizer)
+        built_for = self.header.get("model")
+        if stored is None:
+            raise HdError(f"{self.path} records no tokenizer fingerprint, so no model can be known to "
+                          f"match its token ids (damaged, or not written by hd): {rebuild}")
+        if stored != fp:
+            differs = (f"another version of the tokenizer of '{built_for}'" if built_for == model_name
+                       else f"the tokenizer of '{built_for}', not {name}'s")
+            raise HdError(f"{self.path} was built with {differs} (tokenizer fingerprint {stored[:12]}..., "
+                          f"this one's {fp[:12]}...): its token ids would mean other text; {rebuild}")
+        bound = self.header.get("vocab_size")
+        if embedding_rows is not None and bound is not None and bound > embedding_rows:
+            raise HdError(f"{self.path} holds token ids below {bound} (its header's vocab_size), but "
+                          f"{name} has only {embedding_rows} token embeddings: its drafts could name "
+                          "tokens the model does not have; use a model whose embedding covers its "
+                          "tokenizer, or a DB built for this one")
+        self.vocab_limit = min(x for x in (bound, tokenizer_vocab_size(tokenizer), embedding_rows) if x)
 
     def refresh(self) -> None:
-        """Start a new read snapshot: see what other processes committed since, and stop
-        pinning old pages."""
-        self.txn.abort()
-        self.txn = self.env.begin(buffers=True)
+        """End the opening's snapshot, if any (every lookup reads the last committed state)."""
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
 
     def update(self, fn):
-        """Run fn(write_txn) in one write transaction, growing the map when it is full."""
+        """Run fn(write_txn) in one write transaction, growing the map when it is full, on the
+        file this Store opened: Replaced where another file is at its path now (rebuilt with
+        --overwrite: writing on would land in a file nobody reads); HdError where the commit
+        fails (a full disk: nothing was written, the DB keeps its last committed state)."""
         lmdb = _lmdb()
+        self._check_same_file()
+        self.env.reader_check()   # the slots of killed readers would pin their pages for good
         while True:
+            txn = self.env.begin(write=True)
             try:
-                with self.env.begin(write=True) as txn:
-                    result = fn(txn)
-                break
+                result = fn(txn)
+                header = read_header(txn)
             except lmdb.MapFullError:
-                self.txn.abort()
+                txn.abort()
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                continue
             except lmdb.ReadonlyError:
+                txn.abort()
                 raise HdError(f"{self.path} is open read-only") from None
-        self.refresh()
-        self.header = read_header(self.txn)
+            except lmdb.Error as exc:
+                txn.abort()
+                raise damaged(self.path, exc) from None
+            except BaseException:
+                txn.abort()
+                raise
+            try:
+                txn.commit()
+            except lmdb.Error as exc:   # the pages are written at commit: a full disk shows here
+                raise HdError(f"could not write to {self.path} ({str(exc).splitlines()[0]}): the disk may "
+                              "be full or a file-size limit reached; nothing was written (the DB keeps "
+                              "its last committed state)") from None
+            break
+        self._check_same_file()   # replaced during the write: it went to the old file
+        self.header = header
         return result
+
+    def _check_same_file(self) -> None:
+        try:
+            st = os.stat(self.path)
+            now = (st.st_dev, st.st_ino)
+        except OSError:
+            now = None
+        if now != self.identity:
+            raise Replaced(f"{self.path} was {'removed' if now is None else 'replaced'} since hd opened "
+                           "it (rebuilt with --overwrite, or moved): nothing more is written to the "
+                           "old file; restart hd to use the new one")
 
     def get(self, key_tokens) -> tuple[int, list[tuple[list[int], int]]] | None:
         try:
-            buf = self.txn.get(encode_key(key_tokens))
-            return None if buf is None else decode_value(buf, self.draft_len)
+            with self.env.begin(buffers=True) as txn:   # a snapshot of its own: see the class's docstring
+                buf = txn.get(encode_key(key_tokens))
+                return None if buf is None else decode_value(buf, self.draft_len)
         except (_lmdb().Error, MalformedRecord) as exc:
             raise damaged(self.path, exc) from None
 
@@ -463,6 +717,18 @@ class Store:
             if problem:
                 raise HdError(f"{self.path} is damaged ({problem}): rebuild it or restore a good copy")
 
+    def _answer_count_problems(self, found: dict) -> list[str]:
+        """The header's answer counts against the answer records read: the key count and digest
+        cannot see a header that counts answers no record holds (merge-stats once wrote model DBs
+        so), and the answer indices run from those counts."""
+        out = []
+        for prefix, field, what in ((SEQ_PREFIX, "sequences", "answers"),
+                                    (SCOPED_SEQ_PREFIX, "scoped_sequences", "tenants' answers")):
+            claimed = self.header.get(field) or 0
+            if found[prefix] != claimed:
+                out.append(f"its header counts {claimed} {what} ({field}) but {found[prefix]} records hold one")
+        return out
+
     def _content_problem(self, keys: int, digest: str) -> str | None:
         if self.header.get("keys") is not None and keys != self.header["keys"]:
             return f"{keys} records read, the header says {self.header['keys']}"
@@ -472,15 +738,21 @@ class Store:
         return None
 
     def verify(self) -> dict:
-        """Read every record: its shape, the key count and the content digest against the header."""
+        """Read every record: its shape, its entries' lengths (at most draft_len) and token ids
+        (below the header's vocab_size), the key count and the content digest against the header;
+        and that the header has a tokenizer fingerprint. notes: what could not be checked (the
+        header of a DB built before hd recorded vocab_size has none: its ids are not checked here,
+        and the drafting layers still drop ids outside the model's vocabulary)."""
         lmdb = _lmdb()
-        problems, keys, total = [], 0, 0
-        width = self.draft_len + 2
-        # a pruned statistics DB keeps per key at most top_k continuations, each counted
-        # min_count times or more; a model DB learns (counts of 1) and is not checked so
-        h = self.header
-        pruned = bool(h.get("pruned")) and h.get("kind", "stats") != "model"
-        top_k, min_count = int(h.get("top_k") or 0), int(h.get("min_count") or 1)
+        problems, notes, keys, total = [], [], 0, 0
+        if not self.header.get("tokenizer_fingerprint"):
+            problems.append("its header has no tokenizer_fingerprint: no model can be known to match "
+                            "its token ids")
+        if self.header.get("vocab_size") is None:
+            notes.append("token ids not checked against the vocabulary: the header records no "
+                         "vocab_size (built by an older hd)")
+        pending: list = []   # n-gram records of a valid shape: their entries are checked in batches
+        answers = {SEQ_PREFIX: 0, SCOPED_SEQ_PREFIX: 0}   # answer records read, by kind
         try:
             with self.env.begin(buffers=True) as txn:
                 for k, v in txn.cursor():
@@ -488,36 +760,115 @@ class Store:
                         continue
                     keys += 1
                     total += record_hash(k, v)
-                    words = len(v) // 4
                     if is_sequence_key(k):
-                        if (len(v) % 4 or not words) and len(problems) < 5:
-                            problems.append(f"record {keys} (a stored answer) is malformed")
-                        continue
-                    if (len(k) % 4 or not self.min_n <= len(k) // 4 <= self.max_n or len(v) % 4
-                            or words < 1 or (words - 1) % width) and len(problems) < 5:
-                        problems.append(f"record {keys} has a malformed key or value")
-                    elif pruned and len(problems) < 5:
-                        counts = np.frombuffer(bytes(v), dtype="<u4")[1::width]
-                        if (top_k and len(counts) > top_k) or (len(counts) and int(counts.min()) < min_count):
-                            problems.append(f"record {keys} holds continuations its header's pruning "
-                                            f"(top_k {top_k}, min_count {min_count}) would not keep: "
-                                            "the DB was written after it was built")
+                        answers[bytes(k[:len(SEQ_PREFIX)])] += 1
+                    problem = self._record_problem(keys, k, v, pending) if len(problems) < 5 else None
+                    if pending and (problem or len(pending) >= VERIFY_BATCH):   # in record order
+                        problems += filter(None, [self._entries_problem(pending)])
+                    problems += filter(None, [problem])
+            problems += filter(None, [self._entries_problem(pending)])
         except lmdb.Error as exc:
             problems.append(f"reading stopped after {keys} records: {str(exc).splitlines()[0]}")
         digest = digest_hex(total)
         problem = self._content_problem(keys, digest)
         if problem:
             problems.append(problem)
+        problems += self._answer_count_problems(answers)
         return {"path": str(self.path), "ok": not problems, "records": keys, "content_digest": digest,
-                "header_digest": self.header.get("content_digest"), "problems": problems}
+                "header_digest": self.header.get("content_digest"), "problems": problems, "notes": notes}
+
+    def _record_problem(self, number: int, k, v, pending: list) -> str | None:
+        """verify's check of one record's shape (an answer's ids too); an n-gram record of a valid
+        shape is appended to pending, for _entries_problem."""
+        words = len(v) // 4
+        if is_sequence_key(k):
+            if len(v) % 4 or not words:
+                return f"record {number} (a stored answer) is malformed"
+            ids = np.frombuffer(v, dtype="<u4")
+            vocab = self.header.get("vocab_size")
+            return (f"record {number} {_outside(int(ids.max()), vocab)}"
+                    if vocab is not None and len(ids) and int(ids.max()) >= vocab else None)
+        if (len(k) % 4 or not self.min_n <= len(k) // 4 <= self.max_n or len(v) % 4
+                or words < 1 or (words - 1) % (self.draft_len + 2)):
+            return f"record {number} has a malformed key or value"
+        pending.append((number, bytes(k), bytes(v)))
+        return None
+
+    def _entries_problem(self, pending: list) -> str | None:
+        """The first problem among n-gram records of valid shapes (pending, emptied): an entry
+        longer than draft_len, continuations the header's pruning would not keep, an id outside
+        the vocabulary. In batches: numpy a record at a time tripled verify's time."""
+        if not pending:
+            return None
+        h, width, found = self.header, self.draft_len + 2, []
+        sizes = np.array([len(v) // 4 for _, _, v in pending])
+        rows = np.delete(np.frombuffer(b"".join(v for _, _, v in pending), dtype="<u4"),
+                         np.cumsum(sizes) - sizes).reshape(-1, width)   # the entries, totals dropped
+        per_record = (sizes - 1) // width
+        owner = np.repeat(np.arange(len(pending)), per_record)          # each entry's record
+        lengths = rows[:, 1]
+        at = np.flatnonzero(lengths > self.draft_len)
+        if at.size:
+            found.append((owner[at[0]], f"holds a continuation of {int(lengths[at[0]])} tokens, more "
+                                        f"than the header's draft_len {self.draft_len}"))
+        # a pruned statistics DB keeps per key at most top_k continuations, each counted
+        # min_count times or more; a model DB learns (counts of 1) and is not checked so
+        top_k, min_count = h.get("top_k") or 0, h.get("min_count") or 1
+        if h.get("pruned") and h.get("kind", "stats") != "model":
+            over = np.flatnonzero(per_record > top_k) if top_k else np.zeros(0, dtype=int)
+            rare = owner[rows[:, 0] < min_count]
+            for i in [over[:1], rare[:1]]:
+                if len(i):
+                    found.append((int(i[0]), f"holds continuations its header's pruning (top_k {top_k}, "
+                                             f"min_count {min_count}) would not keep: the DB was "
+                                             "written after it was built"))
+        vocab = h.get("vocab_size")
+        if vocab is not None:
+            used = np.arange(self.draft_len) < np.minimum(lengths, self.draft_len)[:, None]
+            tokens = np.where(used, rows[:, 2:], 0)
+            bad = np.flatnonzero((tokens >= vocab).any(axis=1))
+            if bad.size:
+                found.append((owner[bad[0]], _outside(int(tokens[bad[0]].max()), vocab)))
+            key_ids = np.frombuffer(b"".join(k for _, k, _ in pending), dtype="<u4")
+            bad = np.flatnonzero(key_ids >= vocab)
+            if bad.size:
+                key_of = np.repeat(np.arange(len(pending)), [len(k) // 4 for _, k, _ in pending])
+                found.append((key_of[bad[0]], _outside(int(key_ids[bad[0]]), vocab)))
+        first = min(found, default=None, key=lambda f: f[0])
+        problem = None if first is None else f"record {pending[int(first[0])][0]} {first[1]}"
+        pending.clear()
+        return problem
 
     @property
     def sequence_count(self) -> int:
         return int(self.header.get("sequences", 0) or 0)
 
+    def answer_records(self) -> Iterator[tuple[bytes | None, bytes]]:
+        """Every answer kept whole, as stored: (scope tag, None for a shared one; its <u4 token
+        bytes), the shared ones oldest first, then the tenants', by tag, each oldest first."""
+        lmdb = _lmdb()
+        try:
+            with self.env.begin() as txn:
+                for prefix in (SEQ_PREFIX, SCOPED_SEQ_PREFIX):
+                    cur = txn.cursor()
+                    if not cur.set_range(prefix):
+                        continue
+                    for k, v in cur:
+                        if not k.startswith(prefix):
+                            break
+                        if is_sequence_key(k):
+                            if len(v) % 4:
+                                raise damaged(self.path, MalformedRecord("an answer record is malformed"))
+                            yield (None if prefix == SEQ_PREFIX else k[len(prefix):-8]), v
+        except lmdb.Error as exc:
+            raise damaged(self.path, exc) from None
+
     def sequences(self, scope: bytes | None = None) -> Iterator[np.ndarray]:
         """The answers kept whole (a model DB's), oldest first, as <u4 arrays (copies): the
-        shared ones, or with scope (a tag) those learned for that tenant only."""
+        shared ones, or with scope (a tag) those learned for that tenant only. Ids outside the
+        vocabulary (vocab_limit; a damaged record, found by `hd db verify`) are dropped where
+        they are read: the answer is cut there and its pieces kept, so that no index or draft
+        ever holds one."""
         lmdb = _lmdb()
         prefix = SEQ_PREFIX if scope is None else SCOPED_SEQ_PREFIX + scope
         try:
@@ -531,41 +882,36 @@ class Store:
                     if len(v) % 4:
                         raise HdError(f"{self.path} holds a malformed answer record: run `hd db verify "
                                       f"{self.path}`, then rebuild it")
-                    yield np.frombuffer(bytes(v), dtype="<u4")
+                    yield from self._in_vocabulary(np.frombuffer(bytes(v), dtype="<u4"))
         except lmdb.Error as exc:
             raise damaged(self.path, exc) from None
 
-    def add_sequences(self, seqs, scope: bytes | None = None) -> int:
-        """Append answers (token lists) in one write transaction, keeping the header's key count,
-        sequence count and content digest current; scope: a tenant's tag (kept apart, see the
-        module header). Returns how many were added."""
-        seqs = [np.asarray(s, dtype="<u4") for s in seqs if len(s)]
-        if not seqs:
-            return 0
-        counter = "sequences" if scope is None else "scoped_sequences"
+    def _in_vocabulary(self, tokens: np.ndarray) -> list[np.ndarray]:
+        if self.vocab_limit is None or not len(tokens) or int(tokens.max()) < self.vocab_limit:
+            return [tokens]
+        pieces = np.split(tokens, np.flatnonzero(tokens >= self.vocab_limit))
+        return [p for p in [pieces[0]] + [p[1:] for p in pieces[1:]] if len(p)]
 
-        def write(txn):
-            header = read_header(txn)
-            first = int(header.get(counter, 0) or 0)
-            digest = int(header.get("content_digest", "0"), 16)
-            for i, arr in enumerate(seqs):
-                k, v = sequence_key(first + i, scope), arr.tobytes()
-                txn.put(k, v)
-                digest += record_hash(k, v)
-            if "content_digest" in header:
-                header["content_digest"] = digest_hex(digest)
-            header[counter] = first + len(seqs)
-            header["keys"] = header.get("keys", 0) + len(seqs)
-            write_header(txn, header)
-        self.update(write)
+    def add_sequences(self, seqs, scope: bytes | None = None) -> int:
+        """Append answers (token lists) in one write transaction (put_sequences). Returns how
+        many were added."""
+        seqs = [s for s in seqs if len(s)]
+        if seqs:
+            self.update(lambda txn: put_sequences(txn, seqs, scope))
         return len(seqs)
 
     def size_info(self) -> dict:
-        st = self.env.stat()
+        """Size figures (`hd db info`): pages up to the file's last one, those the records and the
+        two meta pages use, and the rest, free (the free list's own few pages among them): free
+        pages are reused by later writes, so learning should not make them grow without bound."""
+        st, info = self.env.stat(), self.env.info()
+        pages = info["last_pgno"] + 1
+        used = st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"] + 2
         return {"file_bytes": self.path.stat().st_size, "entries": st["entries"] - 1,
                 "depth": st["depth"], "leaf_pages": st["leaf_pages"],
-                "overflow_pages": st["overflow_pages"]}
+                "overflow_pages": st["overflow_pages"], "page_bytes": st["psize"], "pages": pages,
+                "used_pages": used, "free_pages": pages - used}
 
     def close(self) -> None:
         """End this reader's transaction (the environment stays open for other readers)."""
-        self.txn.abort()
+        self.refresh()

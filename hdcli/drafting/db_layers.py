@@ -22,7 +22,9 @@ class StatsDB:
       min_expected  draft only when the expected number of accepted tokens (the sum of the
                   prefix probabilities along the walk) reaches this: a verification forward over
                   a draft costs more than a plain step (fp32 on CPU: ~0.65 of a step more).
-    The layer keeps no per-request state: it reads the history it is given.
+    The layer keeps no per-request state: it reads the history it is given. A continuation is cut
+    at its first id outside the vocabulary (store.vocab_limit: a damaged record, which `hd db
+    verify` reports), so no drafted id can reach the model's embedding out of range.
     """
 
     def __init__(self, store, name: str = "stats", min_prob: float = 0.0, walk: bool = True,
@@ -46,8 +48,18 @@ class StatsDB:
                 # total + 1: a continuation seen once after a key seen once is a coin flip, not a
                 # certainty; without this discount the walk drafts 16-token runs from single
                 # samples of the model DB (replay: model layer accepted 5% of its tokens in fp32)
-                return [(c, count / (total + 1)) for c, count in entries]
+                found = [(c, count / (total + 1)) for c, count in entries]
+                return found if st.vocab_limit is None else self._in_vocabulary(found, st.vocab_limit)
         return []
+
+    @staticmethod
+    def _in_vocabulary(found: list, limit: int) -> list:
+        out = []
+        for c, p in found:
+            cut = next((i for i, t in enumerate(c) if t >= limit), len(c))
+            if cut:
+                out.append((c[:cut], p))
+        return out
 
     def _walk(self, history: Sequence[int], cand: list[int], prob: float, max_len: int):
         """Extend a candidate greedily; returns (tokens, expected accepted tokens along it)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, Sequence
 
-from ..engine.draft import Draft, base_name, bucket
+from ..engine.draft import Draft, base_name, bucket, clamped
 from . import registry
 
 
@@ -181,7 +181,7 @@ class Hierarchy:
         cands = layer.propose(history, length, slots) if length > 0 and slots > 0 else []
         if stats is not None:
             stats.layer(layer.name).record_query(cands, time.perf_counter() - t0)
-        return [Draft(tuple(c), layer.name) for c in cands]
+        return clamped([Draft(tuple(c), layer.name) for c in cands], length)   # a layer may ignore length
 
     def propose(self, history: Sequence[int], max_len: int | None = None,
                 stats=None) -> list[Draft]:

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import invariant
-from .draft import Drafter
+from .draft import Drafter, clamped
 from .prefix import prefill_pieces
 from .stats import RunStats
 from .costs import CostCurve
@@ -180,7 +180,7 @@ class Stream:
         cap = dec.max_nodes if max_nodes is None else min(max_nodes, dec.max_nodes)
         room = self.max_new_tokens - len(self.out) - 1
         t0 = time.perf_counter()
-        drafts = drafter.propose(self.history, room, self.stats) if drafter and cap > 0 else []
+        drafts = clamped(drafter.propose(self.history, room, self.stats), room) if drafter and cap > 0 else []
         self._q_rows = drafts[0].q if drafts else None
         if self._q_rows is not None:  # a draft model's sampled chain: verified with its distribution
             tree = build_tree(drafts[:1], None, None, cap)

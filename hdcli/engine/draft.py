@@ -32,6 +32,19 @@ class Draft:
 
 
 
+def clamped(drafts: Sequence[Draft], max_len: int) -> list[Draft]:
+    """Drafts cut to max_len tokens, empty ones dropped: the decode loop never verifies past the
+    room it asked for, whatever a drafter (a custom one included) returns, so the output never
+    grows past max_new_tokens."""
+    out = []
+    for d in drafts:
+        if len(d.tokens) > max_len:
+            d = Draft(tuple(d.tokens[:max(max_len, 0)]), d.layer, None if d.q is None else d.q[:max(max_len, 0)])
+        if d.tokens:
+            out.append(d)
+    return out
+
+
 def base_name(layer: str | None) -> str:
     """'stats:wiki' -> 'stats' (several statistics DBs share the stats settings)."""
     return (layer or "").split(":", 1)[0]

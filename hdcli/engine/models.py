@@ -318,7 +318,10 @@ def _owned_source(name: str, kind: str, source: str):
         return "its weights are not safetensors files"
     ckpt = Checkpoint(folder, name=source)
     why = ckpt.unsupported()
-    return ckpt if why is None else f"hd's forward does not compute {why}"
+    if why is not None:
+        return f"hd's forward does not compute {why}"
+    ckpt.check()
+    return ckpt
 
 
 def _stock(name: str, kind: str, source: str, why: str, dtype: str, device: str, kernels: str,
@@ -360,29 +363,106 @@ def _transformers_model(name: str, kind: str, source: str, dtype: str):
     hf_logging.disable_progress_bar()
     if kind == "gguf":
         path = Path(source)
+        report: list[str] = []
         try:   # its own progress bar for the GGUF's tensors takes no switch: kept off the terminal
             with contextlib.redirect_stderr(io.StringIO()):
                 tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch_dtype(dtype))
+                with load_report(report):
+                    model, info = AutoModelForCausalLM.from_pretrained(
+                        str(path.parent), gguf_file=path.name, dtype=torch_dtype(dtype), **LOADING_INFO)
         except Exception as exc:  # transformers raises many kinds for a file it cannot read
-            raise HdError(f"could not read GGUF {path} with transformers: {str(exc).splitlines()[0]}") from None
+            raise HdError(f"could not read GGUF {path} with transformers: {_first_line(exc, report)}") from None
+        check_loaded(source, model, info)
         return tok, model
     _check_folder(kind, source)
     offline = _offline_kwargs(kind)
+    report = []
     try:
         tok = AutoTokenizer.from_pretrained(source, **offline)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype), **offline)
+        with load_report(report):
+            model, info = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype), **LOADING_INFO, **offline)
     except OSError as exc:
         if kind == "hub":
             raise _not_found(name, source, offline) from None
-        raise HdError(f"could not load model from {source}: {str(exc).strip().splitlines()[0]}") from None
-    except ValueError as exc:  # e.g. a config transformers cannot build a tokenizer or model from
-        raise HdError(f"could not load model from {source}: {str(exc).strip().splitlines()[0]}") from None
+        raise HdError(f"could not load model from {source}: {_first_line(exc, report)}") from None
+    except (ValueError, RuntimeError) as exc:  # e.g. a config transformers cannot build a model from
+        raise HdError(f"could not load model from {source}: {_first_line(exc, report)}") from None
+    check_loaded(source, model, info)
     import warnings   # hd calls its forward with past_key_values, which the pinned transformers takes;
     # the rename notice is transformers' to its own callers, not the user's
     warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
     return tok, model
+
+
+# transformers' loading report as data: mismatched shapes come back in it rather than raising
+# (its error says "look at the above report", a report hd keeps off the terminal)
+LOADING_INFO = {"output_loading_info": True, "ignore_mismatched_sizes": True}
+
+
+class load_report:
+    """What transformers logs as its loading report while a model loads (a list of lines, ANSI
+    colours removed): hd silences transformers' logging, and an error may point at the report."""
+
+    def __init__(self, lines: list[str]):
+        self.lines = lines
+
+    def __enter__(self) -> list[str]:
+        import logging
+        self.logger = logging.getLogger("transformers.modeling_utils")
+        self.saved = self.logger.level, self.logger.propagate
+        lines = self.lines
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                import re
+                lines.extend(re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage()).splitlines())
+        self.handler = Keep(logging.WARNING)
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.WARNING)
+        self.logger.propagate = False
+        return self.lines
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.saved[0])
+        self.logger.propagate = self.saved[1]
+
+
+def _first_line(exc: Exception, report: list[str]) -> str:
+    """An exception's first line; where it points at the loading report, the report's rows."""
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "above report" in line:
+        rows = [" ".join(r.replace("|", " ").split()) for r in report if "|" in r and not r.startswith("Key")]
+        line = f"{line.split('. For details')[0]}: {'; '.join(rows[:3]) or 'no report'}"
+    return line
+
+
+def check_loaded(source: str, model, info: dict) -> None:
+    """A transformers model must hold the file's weights, every one, in the model's shapes, and
+    keep a key/value cache hd can crop: transformers fills missing or mismatched weights with
+    random ones (a `qwen2moe` file without its experts ran, exit 0) and runs state-space models
+    whose state cannot be cut back after a rejected draft."""
+    from transformers.utils.loading_report import update_key_name
+    missing = sorted(update_key_name(sorted(info.get("missing_keys") or ())))
+    mismatched = [f"{k} (file {list(a)}, model {list(b)})" for k, a, b in sorted(info.get("mismatched_keys") or ())]
+    if missing or mismatched:
+        said = ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
+            [f"of another shape {', '.join(mismatched[:2])}"] if mismatched else [])
+        n = len(info.get("missing_keys") or ()) + len(mismatched)
+        raise HdError(f"{source}: transformers' {type(model).__name__} would run with randomly initialised weights "
+                      f"({n} in all): {'; '.join(said)}; the file is incomplete or of another architecture")
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:   # noqa: BLE001 - a config transformers builds no cache from: said below
+        layers = [None]
+    if not all(isinstance(layer, DynamicLayer) and not isinstance(layer, LinearAttentionCacheLayerMixin)
+               for layer in layers):
+        from .forward import FAMILIES
+        raise HdError(f"{source}: {getattr(model.config, 'model_type', '?')} ({type(model).__name__}) keeps a recurrent "
+                      "state, not a key/value cache a rejected draft can be cut from: hd cannot verify drafts on it; "
+                      f"hd runs attention models ({', '.join(FAMILIES)} on its own forward, others through transformers)")
 
 
 def peak_rss_bytes() -> int | None:

@@ -23,12 +23,17 @@ whether the model is in it; tests/test_serve.py checks it).
 
 Bounded shutdown: once SIGTERM/SIGINT arrives, run() ends within drain_timeout + SHUTDOWN_MARGIN
 seconds whatever the HTTP side or the lifespan does; past that a watchdog says so on stderr in
-one line and ends the process (exit 1).
+one line and ends the process (exit 1). Requests still running drain_timeout seconds after the
+signal end with finish_reason "cancelled": a stream gets its last chunk and `data: [DONE]`, never a
+cut body. A second SIGTERM/SIGINT ends running requests the same way at once and stops (`hd serve`
+then exits 128 + the signal's number: 130 after two Ctrl-C, 143 after a second SIGTERM).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
+import math
 import os
 import signal
 import socket
@@ -39,13 +44,13 @@ from typing import Callable, Sequence
 
 from .. import api, compose
 from ..engine import costs, prefix
-from ..engine.prompts import encode_messages
+from ..engine.prompts import PromptTooLong, encode_messages, refuse_too_long
 from ..engine.verify import Sampling
 from ..errors import HdError
 from . import tenants
 from .learner import Learner
 from .limits import http_protocol, limit_log
-from .metrics import Metrics
+from .metrics import Metrics, Readers as MetricsReaders
 from .protocol import ApiError
 from .scheduler import Job, Scheduler
 
@@ -53,6 +58,11 @@ MAX_BODY = 1 << 20   # bytes: a request body beyond this is refused (413)
 # seconds past drain_timeout a signalled shutdown may take (cancelling what still runs: 30 s,
 # writing what is left to learn) before the watchdog ends the process
 SHUTDOWN_MARGIN = 60.0
+# seconds uvicorn waits for responses beyond drain_timeout: requests still running then are ended
+# by hd, and their streams need a moment to send their last chunk and [DONE]
+CUT_GRACE = 10.0
+# seconds a second signal leaves streams to send their last chunk before the HTTP side stops
+FORCE_GRACE = 1.0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -68,10 +78,21 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise HdError(f"cannot listen on {host}:{port}: {exc.strerror}; choose another "
-                      "--port (0: any free one)") from None
+        fix = _bind_fix(host, exc)
+        raise HdError(f"cannot listen on {host}:{port}: {exc.strerror}; {fix}") from None
     sock.listen(128)
     return sock
+
+
+def _bind_fix(host: str, exc: OSError) -> str:
+    """What to change when binding failed: the host where it is not this machine's, else the port."""
+    if isinstance(exc, socket.gaierror):
+        wrong = f"--host {host} is neither an IP address nor a name that resolves"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        wrong = f"--host {host} is not an address of this machine"
+    else:
+        return "choose another --port (0: any free one)"
+    return wrong + ": give an address of this machine (127.0.0.1: itself only; 0.0.0.0: all its addresses)"
 
 
 class Server:
@@ -82,47 +103,51 @@ class Server:
     caller gives, 127.0.0.1 by default. api_key: a bearer token /v1 routes require, or several
     (one per tenant; None: open); api_keys_file: more, one a line (tenants.Keys.load).
     learn_scope: shared|key|user, whose learned drafts a request uses (tenants.py; None: `key`
-    with several keys, else `shared`). protect_metrics: /metrics takes a key too.
+    with several keys, else `shared`). protect_metrics, metrics_key: who may read /metrics
+    (metrics.Readers: with several keys, only the holder of metrics_key).
     max_batch: requests decoded at once; max_queue: requests waiting beyond those (then 503).
     drain_timeout: seconds SIGTERM waits for running requests before cancelling them.
     max_connections: open connections at most (one beyond: 503 and closed); keep_alive_timeout:
     seconds an idle kept-alive connection stays open; header_timeout: seconds a connection has to
-    send a whole request header, from its opening or its last response (hdcli/serve/limits.py).
+    send a whole request header, from its opening or its last response (hdcli/serve/limits.py);
+    body_timeout: seconds a request has to send its whole body, from its header (then 408).
     prefix_cache_mb: MiB of prompts' keys and values kept for later requests of the same scope
     (engine/prefix.py; 0: off; off by itself where the model cannot use it)."""
 
     def __init__(self, cfg: api.DecodingConfig, lm=None, *, host: str = "127.0.0.1", port: int = 8000,
                  api_key: str | Sequence[str] | None = None, api_keys_file: str | None = None,
-                 learn_scope: str | None = None, protect_metrics: bool = False,
+                 learn_scope: str | None = None, protect_metrics: bool = False, metrics_key: str | None = None,
                  max_batch: int = 8, max_queue: int = 64,
                  name: str | None = None, max_body: int = MAX_BODY, drain_timeout: float = 60.0,
                  max_connections: int = 512, keep_alive_timeout: float = 5.0, header_timeout: float = 10.0,
+                 body_timeout: float = 30.0,
                  prefix_cache_mb: float = 256,
                  on_status: Callable[[str], None] = lambda m: None):
         if max_batch < 1 or max_queue < 0:
             raise HdError("--max-batch must be >= 1 and --max-queue >= 0")
         if not 0 <= port <= 65535:
             raise HdError(f"--port {port} is not a port: give 0..65535 (0: any free one)")
-        if drain_timeout < 0:
-            raise HdError("--drain-timeout must be >= 0 seconds")
+        if not (math.isfinite(drain_timeout) and drain_timeout >= 0):   # nan passes a plain `< 0`
+            raise HdError(f"--drain-timeout must be a finite number of seconds >= 0, not {drain_timeout:g}")
         if max_connections < 1:
             raise HdError("--max-connections must be >= 1")
-        if prefix_cache_mb < 0:
-            raise HdError("--prefix-cache-mb must be >= 0 (0: off)")
+        if not (math.isfinite(prefix_cache_mb) and prefix_cache_mb >= 0):
+            raise HdError(f"--prefix-cache-mb must be a finite number of MiB >= 0 (0: off), not {prefix_cache_mb:g}")
         if not (keep_alive_timeout > 0 and header_timeout > 0):
             raise HdError("the keep-alive and header timeouts must be > 0 seconds")
+        if not (math.isfinite(body_timeout) and body_timeout > 0):
+            raise HdError(f"--body-timeout must be a finite number of seconds > 0, not {body_timeout:g}")
         self.keys = tenants.Keys.load([api_key] if isinstance(api_key, str) else list(api_key or []),
                                       api_keys_file)
         if learn_scope is not None and learn_scope not in tenants.SCOPES:
             raise HdError(f"--learn-scope must be one of {', '.join(tenants.SCOPES)}, not '{learn_scope}'")
         self.learn_scope = learn_scope or tenants.default_scope(self.keys)
         self.protect_metrics = protect_metrics
-        if protect_metrics and self.keys is None:
-            raise HdError("--protect-metrics needs an API key (--api-key or --api-keys-file)")
+        self.metrics_readers = MetricsReaders(self.keys, metrics_key, protect_metrics)
         self.host, self.port = host, port
         self.max_body, self.drain_timeout, self.say = max_body, drain_timeout, on_status
         self.max_connections, self.keep_alive_timeout = max_connections, keep_alive_timeout
-        self.header_timeout = header_timeout
+        self.header_timeout, self.body_timeout = header_timeout, body_timeout
         run = api.prepare(cfg, lm, on_status)
         self.config, self.lm, self.dbs = run.config, run.lm, run.dbs
         self.name = name or self.lm.name
@@ -156,18 +181,19 @@ class Server:
         self._closed = self._signalled = False
         self._signalled_at: float | None = None
         self._ended = threading.Event()   # run() is over: the shutdown watchdog stands down
+        self.forced_by: int | None = None   # the second signal that stopped the server at once
         self.served = {"requests": 0, "completion_tokens": 0, "steps": 0, "learned_generations": 0}
 
     # ------------------------------------------------------------ requests
 
-    def _drafter(self, scope: str = ""):
+    def _drafter(self, scope: tenants.Scope = tenants.SHARED):
         """A drafter for one request of this scope: its recycled predictions and answers."""
         if not self.config.drafting:
             return None
         return compose.build_drafter(self.config, self.lm, self.dbs, recycle_table=self.tenants.recycled(scope),
                                      answer_index=self.tenants.answers(scope))
 
-    def scope_for(self, key_name: str | None, user: str | None) -> str:
+    def scope_for(self, key_name: str | None, user: str | None) -> tenants.Scope:
         return tenants.scope_of(self.learn_scope, key_name, user)
 
     def _private(self, path) -> None:
@@ -183,13 +209,12 @@ class Server:
             except OSError as exc:
                 self.say(f"warning: cannot restrict {f} to its owner ({exc.strerror}): it holds what requests generate")
 
-    def job_for(self, req, chat: bool, scope: str = "") -> Job:
+    def job_for(self, req, chat: bool, scope: tenants.Scope = tenants.SHARED) -> Job:
         """The decode job of a parsed request, or ApiError (unknown model, too long)."""
         if req.model != self.name:
             raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{self.name}'",
                            "model", "model_not_found")
-        with self.scheduler.tokenizer_lock:
-            ids, where = self._encode(req, chat)
+        ids, where = self._encode(req, chat)   # takes the tokenizer lock itself (not while a template renders)
         if not ids:
             raise ApiError(400, f"{where}: the prompt is empty", where)
         room = self.lm.max_context - len(ids)
@@ -217,7 +242,9 @@ class Server:
         bias = cfg.logit_bias
         if req.logit_bias is not None:
             vocab = self.lm.model.config.vocab_size
-            bad = next((key for key in req.logit_bias if not key.isdigit() or int(key) >= vocab), None)
+            # ASCII digits only: str.isdigit takes "²" (int() refuses it) and "٣" (int() reads 3)
+            bad = next((key for key in req.logit_bias
+                        if not (key.isascii() and key.isdigit()) or int(key) >= vocab), None)
             if bad is not None:
                 raise ApiError(400, f"logit_bias: '{bad}' is not a token id of this model (0..{vocab - 1})",
                                "logit_bias")
@@ -235,8 +262,11 @@ class Server:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in req.messages]
             try:
-                ids = encode_messages(tok, messages, chat=self.config.chat)
-            except HdError as exc:   # a control token the tokenizer cannot keep as text
+                ids = encode_messages(tok, messages, chat=self.config.chat, max_tokens=self.lm.max_context,
+                                      lock=self.scheduler.tokenizer_lock)
+            except PromptTooLong as exc:
+                raise ApiError(400, f"messages: {exc}", "messages", "context_length_exceeded") from None
+            except HdError as exc:   # the template failed or hit a bound; a control token kept as text
                 raise ApiError(400, f"messages: {exc}", "messages") from None
             except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
                 raise ApiError(400, f"messages: the chat template refused them: {exc}", "messages") from None
@@ -248,7 +278,13 @@ class Server:
                     raise ApiError(400, "prompt: hd serve takes one prompt per request", "prompt")
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                ids = [int(t) for t in tok(prompt, add_special_tokens=True)["input_ids"]]
+                try:
+                    refuse_too_long(tok, [prompt], self.lm.max_context, as_text=False,
+                                    lock=self.scheduler.tokenizer_lock)
+                except PromptTooLong as exc:
+                    raise ApiError(400, f"prompt: {exc}", "prompt", "context_length_exceeded") from None
+                with self.scheduler.tokenizer_lock:
+                    ids = [int(t) for t in tok(prompt, add_special_tokens=True)["input_ids"]]
             else:
                 vocab = self.lm.model.config.vocab_size
                 if any(not 0 <= t < vocab for t in prompt):
@@ -257,7 +293,7 @@ class Server:
             where = "prompt"
         return ids, where
 
-    def jobs_for(self, req, chat: bool, scope: str = "") -> list[Job]:
+    def jobs_for(self, req, chat: bool, scope: tenants.Scope = tenants.SHARED) -> list[Job]:
         """One job per choice (`n`): the same prompt, each its own stream in the decode loop
         (they share a forward like any requests). A seed gives choice i seed + i: seeded choices
         differ from each other and repeat across calls; greedy choices are all the same."""
@@ -390,7 +426,7 @@ class Server:
         # limit_concurrency: uvicorn's own 503 counts the asking connection too; Bounded (limits.py)
         # already keeps connections to max_connections, each of which may ask
         config = uvicorn.Config(build_app(self), log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=self.drain_timeout, access_log=False,
+                                timeout_graceful_shutdown=self.drain_timeout + CUT_GRACE, access_log=False,
                                 http=http_protocol(self), limit_concurrency=self.max_connections + 1,
                                 timeout_keep_alive=self.keep_alive_timeout)
         return Uvicorn(config)
@@ -411,13 +447,17 @@ class Server:
                 self.close()   # also where uvicorn stopped without its lifespan shutdown
         thread = threading.Thread(target=serve_http, name="hd-http", daemon=True)
 
-        def on_signal(sig, frame):
+        def on_signal(sig, frame):   # in this (the decode loop's) thread: nothing here may wait for it
             http.should_exit = True
-            if self._signalled:   # a second Ctrl-C: stop now
-                http.force_exit = True
-                self.scheduler.stop(drain=False)
+            if self._signalled:   # a second signal: stop now
+                self.forced_by = sig
+                self.scheduler.stop(drain=False, timeout=0)   # running requests end: streams get their last chunk
+                force = threading.Timer(FORCE_GRACE, lambda: setattr(http, "force_exit", True))
+                force.daemon = True   # ... and FORCE_GRACE s to send it before uvicorn stops waiting
+                force.start()
             else:
                 self._signalled_at = time.monotonic()
+                threading.Thread(target=self._cut_after_drain, name="hd-drain", daemon=True).start()
                 threading.Thread(target=self._watchdog, name="hd-shutdown-watchdog", daemon=True).start()
             self._signalled = True
         old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -432,6 +472,13 @@ class Server:
         if self.scheduler.failed is not None:
             raise HdError(f"the decode loop failed: {type(self.scheduler.failed).__name__}: {self.scheduler.failed}")
         return self.summary()
+
+    def _cut_after_drain(self) -> None:
+        """drain_timeout s after the first signal, the requests still running end (finish_reason
+        "cancelled"): their streams close with a last chunk and [DONE] while uvicorn still waits
+        for them (it cuts what is left CUT_GRACE s later, mid-body)."""
+        if not self.scheduler.stop(drain=True, timeout=self.drain_timeout):
+            self.scheduler.stop(drain=False, timeout=0)
 
     def _watchdog(self) -> None:
         """Ends the process if run() has not returned drain_timeout + SHUTDOWN_MARGIN seconds

@@ -6,8 +6,8 @@ loop (hdcli/serve/scheduler.py).
   GET  /v1/models             the one model served
   GET  /v1/models/{id}        that model's card (the client's models.retrieve), 404 for another id
   GET  /health                200 while the decode loop runs, 503 after it failed
-  GET  /metrics               Prometheus text format (hdcli/serve/metrics.py); open unless the
-                              server runs with --protect-metrics (then any API key)
+  GET  /metrics               Prometheus text format (hdcli/serve/metrics.py); with several API
+                              keys only to --metrics-key, else open or (--protect-metrics) the key
 
 Both POST routes take max_tokens, temperature, top_p, seed, stop, stream (server-sent events,
 with stream_options.include_usage), n (1-8 choices, each a job), frequency_penalty, presence_penalty, logit_bias,
@@ -18,9 +18,9 @@ computes, after penalties and biases, before temperature and truncation.
 
 Errors follow OpenAI's schema ({"error": {"message", "type", "param", "code"}}): 400 bad JSON
 (nested too deeply included), unknown field, wrong type, max_tokens beyond the context; 401
-missing or wrong API key (compared in constant time); 404 unknown model or route; 413 body over
-the limit; 503 queue full or the server stopping. A client that disconnects cancels its
-request; others go on.
+missing or wrong API key (compared in constant time); 404 unknown model or route; 408 a body not
+received whole within --body-timeout; 413 body over the limit; 503 queue full or the server
+stopping. A client that disconnects cancels its request; others go on.
 """
 from __future__ import annotations
 
@@ -65,7 +65,9 @@ class Routes:
 
     def error(self, exc: ApiError, endpoint: str) -> JSONResponse:
         self.server.metrics.requests.labels(endpoint, str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # a body cut short by its timeout may still be arriving: the connection ends with the answer
+        return JSONResponse(exc.body(), status_code=exc.status,
+                            headers={"connection": "close"} if exc.status == 408 else None)
 
     def authorised(self, request: Request) -> str | None:
         """The name of the request's API key (serve/tenants.py), None on an open server; else 401."""
@@ -82,14 +84,24 @@ class Routes:
     async def read_json(self, request: Request):
         # a body over the limit is read on (not kept, up to 16x the limit) before the 413, so
         # that clients still sending see the answer instead of a reset connection
-        limit = self.server.max_body
-        body, seen = bytearray(), 0
-        async for chunk in request.stream():
-            seen += len(chunk)
-            if seen <= limit:
-                body += chunk
-            elif seen > 16 * limit:
-                break
+        limit, body = self.server.max_body, bytearray()
+
+        async def receive() -> int:
+            seen = 0
+            async for chunk in request.stream():
+                seen += len(chunk)
+                if seen <= limit:
+                    body.extend(chunk)
+                elif seen > 16 * limit:
+                    break
+            return seen
+        # the whole body within body_timeout: a body trickled a byte at a time held its
+        # connection for ever (8 of them filled --max-connections 8)
+        try:
+            seen = await asyncio.wait_for(receive(), self.server.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.server.body_timeout:g} s: "
+                           "send it whole at once", code="body_timeout") from None
         if seen > limit:
             raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
         try:
@@ -105,7 +117,8 @@ class Routes:
         try:
             key = self.authorised(request)
             req = parse(ChatRequest if chat else CompletionRequest, await self.read_json(request))
-            jobs = server.jobs_for(req, chat, server.scope_for(key, req.user))
+            # off the event loop: a chat template renders for up to templates.TEMPLATE_SECONDS
+            jobs = await asyncio.to_thread(server.jobs_for, req, chat, server.scope_for(key, req.user))
         except ApiError as exc:
             return self.error(exc, endpoint)
         loop = asyncio.get_running_loop()
@@ -179,11 +192,10 @@ class Routes:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, request: Request) -> Response:
-        if self.server.protect_metrics:
-            try:
-                self.authorised(request)
-            except ApiError as exc:
-                return JSONResponse(exc.body(), status_code=exc.status)
+        try:   # who may read it: serve/metrics.Readers
+            self.server.metrics_readers.check(request.headers.get("authorization", ""))
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         self.server.refresh_gauges()
         return Response(self.server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -12,6 +12,10 @@ Invariants
   * Decoding never waits for the writer: put() only queues; when more than max_pending
     generations wait, the oldest are dropped and counted (a slow disk loses learning, not speed).
   * close() writes what is queued, then stops.
+  * `learned` counts committed writes into the file at the DB's path, no other: where that file
+    was replaced since the learner opened it (`hd build-model-db -o M --overwrite` while serving),
+    the learner says so once (on_error) and stops learning, rather than write on into a file
+    nobody reads (stores.Store.update checks the file's identity around each transaction).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class Learner:
         self.max_pending = max_pending
         self.on_error, self.on_learned, self.on_dropped = on_error, on_learned, on_dropped
         self.learned = self.keys = self.dropped = self.failed = 0
+        self.stopped: str | None = None   # why learning stopped (the file was replaced)
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="hd-learn", daemon=True)
         self._thread.start()
@@ -55,15 +60,23 @@ class Learner:
 
     def _run(self) -> None:
         from .. import api
+        from ..db.stores import Replaced
         while True:
             item = self._q.get()
             if item is None:
                 return
+            if self.stopped:
+                self.failed += 1
+                continue
             try:
                 keys = api.learn(self.store, *item)
                 self.keys += keys
                 self.learned += 1
                 self.on_learned(keys)
+            except Replaced as exc:
+                self.failed += 1
+                self.stopped = str(exc)
+                self.on_error(f"--learn stopped after {self.learned} generations: {exc}")
             except Exception as exc:  # noqa: BLE001 - a failed write must not stop serving
                 self.failed += 1
                 self.on_error(f"learning failed ({self.store.path}): {exc}")

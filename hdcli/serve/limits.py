@@ -14,11 +14,13 @@ Invariants
   * At most `server.max_connections` connections are open: one beyond is answered 503 (OpenAI's
     error schema) and closed at once, so the process keeps file descriptors to accept with
     (1,100 idle sockets under `ulimit -n 1024` used to time every request out).
+  * A request task uvicorn cancels at a stop is logged in one line, without a traceback.
   * Running out of file descriptors is logged once per period with a count, not once per failed
     accept (asyncio logs each, with a traceback: 60 MB in 15 s once).
 """
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import logging
@@ -117,12 +119,32 @@ class RateLimited(logging.Filter):
 LOGGERS = ("asyncio", "uvicorn.error")
 
 
+class CutAtShutdown(logging.Filter):
+    """uvicorn logs a request task it cancels (a stop that cannot wait longer) as "Exception in
+    ASGI application" with a CancelledError traceback, and the lifespan cancelled by a forced
+    stop as its traceback's text: one line says each instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "a request still running was cut as the server stopped", None, None, None)
+        elif isinstance(record.msg, str) and record.msg.rstrip().endswith("CancelledError"):
+            # starlette hands the lifespan's traceback to uvicorn as the message's text
+            record.msg, record.args = "the app's lifespan was cut as the server stopped", None
+        return True
+
+
 def limit_log(every: float = 10.0) -> None:
-    """Rate-limit out-of-files records on the loggers that write them (once per process)."""
+    """Rate-limit out-of-files records on the loggers that write them, and log requests cut at a
+    stop in one line (once per process)."""
     for name in LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, RateLimited) for f in logger.filters):
             logger.addFilter(RateLimited(every))
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, CutAtShutdown) for f in logger.filters):
+        logger.addFilter(CutAtShutdown())
 
 
-__all__ = ["http_protocol", "RateLimited", "out_of_files", "limit_log"]
+__all__ = ["http_protocol", "RateLimited", "CutAtShutdown", "out_of_files", "limit_log"]

@@ -14,9 +14,16 @@ of its own so that several servers in one process (tests) do not share counters.
   hd_learned_generations_total, hd_learned_keys_total, hd_learn_pending, hd_learn_dropped_total
   hd_prefix_cache_{lookups,hits,hit_tokens,stored_tokens,evicted_tokens}_total, hd_prefix_cache_bytes,
   hd_prefix_cache_entries                 the prefix cache (engine/prefix.py), read when scraped
+
+Who may read it (Readers): every series moves with each request, so a reader polling it sees
+another client's requests as they finish (prompt tokens, cached prefix tokens, latency). With
+several API keys (tenants) /metrics answers only to --metrics-key, an admin token that is no
+tenant's key (403 without one, 401 to any other key, tenant keys included); with one key or none
+it is open, or takes that key (--protect-metrics), or the metrics key.
 """
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from collections import deque
@@ -92,3 +99,49 @@ class Metrics:
         with self._lock:
             self._tps(time.monotonic())
         return generate_latest(self.registry)
+
+
+class Readers:
+    """Who may read /metrics (module header). keys: serve/tenants.Keys or None; admin_key: the
+    --metrics-key; protect: --protect-metrics."""
+
+    def __init__(self, keys, admin_key: str | None = None, protect: bool = False):
+        from ..errors import HdError
+        from . import tenants
+        tenants_n = len(keys) if keys is not None else 0
+        self.admin = tenants.check_key(admin_key, "--metrics-key").encode() if admin_key is not None else None
+        if self.admin is not None and keys is not None and any(hmac.compare_digest(self.admin, key)
+                                                               for _, key in keys.named):
+            raise HdError("--metrics-key is also an API key: give the metrics reader a key no tenant has")
+        if protect and tenants_n > 1 and self.admin is None:
+            raise HdError(f"--protect-metrics with {tenants_n} API keys would show each tenant the others' "
+                          "requests: give --metrics-key (a key of its own for whoever reads /metrics)")
+        if protect and keys is None and self.admin is None:
+            raise HdError("--protect-metrics needs an API key (--api-key or --api-keys-file) or --metrics-key")
+        self.keys, self.protect, self.tenants = keys, protect, tenants_n
+
+    def check(self, authorization: str) -> None:
+        """Nothing where a request with this Authorization header may read /metrics, else ApiError."""
+        from .protocol import ApiError
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip().encode("utf-8", "replace") if scheme.lower() == "bearer" else b""
+        if self.admin is not None:
+            if not hmac.compare_digest(token, self.admin):
+                raise ApiError(401, "/metrics takes the --metrics-key only: send 'Authorization: Bearer "
+                               "<metrics key>'", code="invalid_api_key")
+        elif self.tenants > 1:
+            raise ApiError(403, f"/metrics would show each of this server's {self.tenants} tenants the "
+                           "others' requests: start it with --metrics-key to read it", code="metrics_disabled")
+        elif self.protect and self.keys.identify(token.decode("utf-8", "replace")) is None:
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def describe(self) -> str:
+        """For the start line."""
+        if self.admin is not None:
+            return "/metrics takes the --metrics-key only"
+        if self.tenants > 1:
+            return "/metrics off (several tenants: --metrics-key to read it)"
+        if self.protect:
+            return "/metrics takes the API key"
+        return "/metrics open" + (" (--protect-metrics to require the key)" if self.tenants else "")

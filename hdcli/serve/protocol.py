@@ -162,6 +162,10 @@ def parse(kind: type[_Strict], data) -> _Strict:
     """The request, or ApiError(400) naming the first bad field."""
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    where = _not_unicode(data)
+    if where is not None:
+        raise ApiError(400, f"{where or 'the body'}: holds a lone surrogate escape (such as \\ud800), "
+                       "which is not Unicode text: send the text as valid UTF-16 pairs or UTF-8", where or None)
     try:
         req = kind.model_validate(data)
     except ValidationError as exc:
@@ -182,3 +186,33 @@ def parse(kind: type[_Strict], data) -> _Strict:
     if problem:
         raise ApiError(400, problem[1], problem[0])
     return req
+
+
+def _not_unicode(doc) -> str | None:
+    """Where (a dotted field path, "" for the body) a parsed JSON document holds a string with a
+    lone surrogate (JSON's "\\ud800" escape parses to one; no tokenizer or UTF-8 encoder takes
+    it), else None. A bad key is named by its object's path (the answer must not echo it)."""
+    stack = [(doc, "")]   # not recursive: the document may be nested as deeply as json allows
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                return where
+        elif isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) and not _encodes(key):
+                    return where
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, f"{where}.{key}" if where else str(key)))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

@@ -19,12 +19,20 @@ Invariants
     a request of the same Job.scope is restored instead of computed: torch.equal to its prefill.
     A finished request stores its prompt and answer, after its client has the answer.
   * A cancelled request (its client went away) leaves at the next loop turn; the others go on.
+  * An exception while serving one request (admitting, drafting, verifying, accepting, handing
+    its text) ends that request with finish_reason "error" (the client gets a 500 naming it),
+    logged once (at most once per 10 s); the loop goes on. A request's KV cache is its own, so the
+    others are untouched, except where the failing step was a forward shared with them: any of
+    their caches may hold part of it, so they end with an error too, never with wrong tokens.
+    Only a fault outside any one request's step (or a dead CUDA context) ends the loop
+    (`failed`, /health 503).
   * stop(drain=True) lets running and queued requests finish; stop(drain=False) ends them with
     finish_reason "cancelled".
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -38,6 +46,11 @@ from ..engine.decode import Decoder, Stream
 from ..engine.tree import cap_jointly
 from ..engine.prompts import cut_at_stop, stop_checker
 from ..engine.verify import Sampling
+from .limits import RateLimited
+
+log = logging.getLogger("hdcli.serve")
+if not any(isinstance(f, RateLimited) for f in log.filters):
+    log.addFilter(RateLimited(10.0, match=lambda record: getattr(record, "request_fault", False)))
 
 # what a request hands its client: ("text", (piece, log-probability entries of the tokens the
 # text completes, or None)) while it runs, ("done", Job) at the end
@@ -54,8 +67,8 @@ class Job:
     stop: list[str]
     emit: Callable[[Event], None]          # called from the decode thread; must not block
     streamed: bool = False                 # hand text pieces while running (else only the end)
-    scope: str = ""                        # whose learned drafts and cached prefixes it may use
-                                           # (serve/tenants.py; "" = shared by all)
+    scope: tuple = ()                      # whose learned drafts and cached prefixes it may use
+                                           # (serve/tenants.py; () = shared by all)
     logprobs: int | None = None            # return log-probabilities with this many alternatives
     lp_sent: int = 0                       # tokens whose log-probabilities went with the text
     lp_rest: list | None = None            # those left at the end (sent with the last chunk)
@@ -137,7 +150,10 @@ class Scheduler:
         """Ask the loop to end (drain: after the running and queued jobs); wait up to timeout for
         it where it runs in another thread. Returns whether it has ended."""
         with self._cv:
-            self._stopping, self._drain = True, drain
+            # once asked to stop without draining, a later drain=True (close() after a second
+            # signal) does not bring draining back: that kept a forced stop waiting for every job
+            self._drain = drain and (self._drain or not self._stopping)
+            self._stopping = True
             self._cv.notify()
         if not self._running.is_set() or threading.current_thread() is self._thread:
             return self._ended.is_set()
@@ -194,38 +210,86 @@ class Scheduler:
         if not self.running:
             self.times["busy"] += time.perf_counter() - t0
             return True
-        jobs = list(self.running)
-        if self.batched and len(jobs) > 1 and self.cost is not None:
-            # one forward for all: the nodes worth its cost are chosen over all trees together
-            for j in jobs:
-                j.stream.propose(invariant.MAX_ROWS - len(jobs), capped=False)
-            keep = cap_jointly([j.stream.tree for j in jobs], [j.stream.estimates for j in jobs], self.cost,
-                               invariant.MAX_ROWS)
-            trees = [j.stream.restrict(k) for j, k in zip(jobs, keep)]
-        else:
-            trees = [j.stream.propose() for j in jobs]
+        jobs = self._propose(list(self.running))
         t2 = time.perf_counter()
-        logits = batch.forward_many(self.lm.model, [(t, j.stream.history[-1], j.stream.cache)
-                                                    for j, t in zip(jobs, trees)])
+        logits = self._forward(jobs)
         t3 = time.perf_counter()
-        counts = []
+        stepped, counts = [], []
         for job, rows in zip(jobs, logits):
-            new = job.stream.accept(rows)
-            counts.append(len(new))
-            if new and not job.first_token:
-                job.first_token = time.perf_counter()
-            if job.streamed:
-                self._send_text(job)
+            if rows is None:
+                continue
+            try:
+                new = job.stream.accept(rows)
+                stepped.append(job)
+                counts.append(len(new))
+                if new and not job.first_token:
+                    job.first_token = time.perf_counter()
+                if job.streamed:
+                    self._send_text(job)
+            except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
+                self._fail(job, exc)
+                continue
             if job.stream.done:
                 self.running.remove(job)
                 self._end(job, job.stream.stop_reason)
-        self.on_step(jobs, counts)
+        self._quietly(self.on_step, stepped, counts)
         t4 = time.perf_counter()
         self.times["draft"] += t2 - t1
         self.times["forward"] += t3 - t2
         self.times["accept"] += t4 - t3
         self.times["busy"] += t4 - t0
         return True
+
+    def _propose(self, jobs: list[Job]) -> list[Job]:
+        """Each job's tree for this step, in job.stream.tree; returns the jobs that have one (a job
+        whose drafting fails is ended). Batched: one forward for all, the nodes worth its cost
+        chosen over all trees together."""
+        joint = self.batched and len(jobs) > 1 and self.cost is not None
+        vocab = self.lm.model.config.vocab_size
+        proposed = []
+        for job in jobs:
+            try:
+                tree = (job.stream.propose(invariant.MAX_ROWS - len(jobs), capped=False) if joint
+                        else job.stream.propose())
+                if max(tree.tokens[1:], default=0) >= vocab:   # the forward's embedding would raise
+                    raise ValueError(f"a drafted token id ({max(tree.tokens[1:])}) is outside the model's "
+                                     f"vocabulary of {vocab}")
+                proposed.append(job)
+            except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
+                self._fail(job, exc)
+        if joint and proposed:
+            try:
+                keep = cap_jointly([j.stream.tree for j in proposed], [j.stream.estimates for j in proposed],
+                                   self.cost, invariant.MAX_ROWS)
+                for job, k in zip(proposed, keep):
+                    job.stream.restrict(k)
+            except Exception as exc:  # noqa: BLE001 - no cache touched yet; but whose fault is unknown
+                for job in proposed:
+                    self._fail(job, exc)
+                return []
+        return proposed
+
+    def _forward(self, jobs: list[Job]) -> list:
+        """Each job's logits over its tree (each cache grows by its tree), None for a job whose
+        forward failed (it is ended). A forward shared by several jobs that fails ends them all:
+        any of their caches may hold part of it."""
+        items = [(j.stream.tree, j.stream.history[-1], j.stream.cache) for j in jobs]
+        if self.batched and len(jobs) > 1:
+            try:
+                return batch.forward_many(self.lm.model, items)
+            except Exception as exc:  # noqa: BLE001 - module header
+                for job in jobs:
+                    self._fail(job, exc, f"the verification forward it shared with {len(jobs) - 1} other "
+                                         "request(s) failed")
+                return [None] * len(jobs)
+        out = []
+        for job, item in zip(jobs, items):   # a forward each (what forward_many does here)
+            try:
+                out.append(batch.forward_many(self.lm.model, [item])[0])
+            except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
+                self._fail(job, exc)
+                out.append(None)
+        return out
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:
@@ -236,11 +300,33 @@ class Scheduler:
                                              stop_check=stop_checker(self.lm.tokenizer, job.stop),
                                              drafter=self.drafter_for(job.scope), logprobs=job.logprobs,
                                              scope=job.scope)
-        except (ValueError, RuntimeError) as exc:
-            self._end(job, "error", str(exc))
+        except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
+            if self.prefix is not None:   # its prefill may have stored part of an entry
+                self.prefix.clear()
+            self._fail(job, exc)
             return
         job.started = time.perf_counter()
         self.running.append(job)
+
+    def _fail(self, job: Job, exc: Exception, why: str = "") -> None:
+        """End one job whose serving raised exc (module header): logged, the client told."""
+        if _fatal(exc):
+            raise exc
+        if job in self.running:
+            self.running.remove(job)
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        message = f"{why}: {what}" if why else what
+        log.error("hd serve: request %s failed (the server goes on): %s", job.id, message,
+                  extra={"request_fault": True})
+        self._end(job, "error", message)
+
+    def _quietly(self, fn, *args) -> None:
+        """Call fn (bookkeeping: metrics, learning); a fault is logged, the request's answer stands."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - module header
+            log.error("hd serve: %s failed: %s: %s", getattr(fn, "__name__", fn), type(exc).__name__, exc,
+                      extra={"request_fault": True})
 
     def _send_text(self, job: Job, final: bool = False) -> None:
         """Hand the client the text that can no longer change: held back are an incomplete UTF-8
@@ -287,18 +373,37 @@ class Scheduler:
         return [(out[i], *lps[i]) for i in range(start, len(lps) if end is None else end) if out[i] not in eos]
 
     def _end(self, job: Job, reason: str, error: str | None = None) -> None:
-        job.finish_reason, job.error = reason, error
+        """Finish a job once: its last text, bookkeeping, then the client hears "done" (always)."""
+        if job.finished:
+            return
         job.finished = time.perf_counter()
-        if job.stream is not None:
-            if not job.stream.done:
-                job.stream.stop(reason)
-            self._send_text(job, final=True)
-            job.lp_rest = self._logprobs_upto(job, 0, True)   # tokens whose text came to nothing
         try:
-            self.on_finish(job)
+            if job.stream is not None:
+                if not job.stream.done:
+                    job.stream.stop(reason)
+                self._send_text(job, final=True)
+                job.lp_rest = self._logprobs_upto(job, 0, True)   # tokens whose text came to nothing
+        except Exception as exc:  # noqa: BLE001 - the client gets the error, not a half answer
+            reason, error = "error", " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            log.error("hd serve: request %s failed (the server goes on): %s", job.id, error,
+                      extra={"request_fault": True})
+        job.finish_reason, job.error = reason, error
+        try:
+            self._quietly(self.on_finish, job)
         finally:
             job.emit(("done", job))
         if self.prefix is not None and job.stream is not None and reason in ("eos", "length", "stop"):
             # after the answer went out: the next turn of a chat starts with this prompt and
             # answer, and the cache holds history[:-1] (engine/decode.py's invariant)
-            self.prefix.store(job.scope, job.stream.history[:-1], job.stream.cache)
+            try:
+                self.prefix.store(job.scope, job.stream.history[:-1], job.stream.cache)
+            except Exception as exc:  # noqa: BLE001 - a half-stored entry must never be restored
+                self.prefix.clear()
+                log.error("hd serve: storing request %s's prefix failed (the prefix cache is emptied): %s: %s",
+                          job.id, type(exc).__name__, exc, extra={"request_fault": True})
+
+
+def _fatal(exc: BaseException) -> bool:
+    """Whether exc leaves the device unusable for every request (a CUDA context after a
+    device-side assert): the loop must end, /health say so."""
+    return "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError"

@@ -18,9 +18,14 @@ writes them: the model DB as built by `hd build-model-db`, statistics DBs, the c
 (one request's own text).
 
 Parameters and invariants
-  * A scope is a string: "" for shared, "key:<name>", "user:<name>:<user>". Its tag in a DB is
-    the first 8 bytes of its BLAKE2b digest (stores.SCOPE_TAG_BYTES), so no key or user id is
-    written to the file.
+  * A scope is a tuple, never a joined string: () for shared, ("key", name), ("user", name,
+    user). A string "user:<name>:<user>" was ambiguous (key `acme` with user `eu:bob` and key
+    `acme:eu` with user `bob` shared one). Its tag in a DB is the first 8 bytes of the BLAKE2b
+    digest of its parts, each length-prefixed (`encoded`), so no key or user id is written to the
+    file. A key scope keeps the tag it had as the string "key:<name>" (unambiguous: the name is all
+    the rest), so keys' learned answers stay theirs; user scopes learned before are read by no one.
+  * Key names are unique. Names hd makes up ("--api-key 1", "<file> line 3", "open server") hold a
+    space, which a keys file's NAME cannot: no line of a file can take over a generated name's scope.
   * API keys are compared in constant time against every key (no early exit that would time
     which one matched). A key must be printable ASCII without spaces (an HTTP header carries it).
   * At most max_scopes scopes keep learned state in memory; beyond, the least recently used
@@ -39,6 +44,9 @@ from ..errors import HdError
 
 SCOPES = ("shared", "key", "user")
 PRINTABLE = set(string.printable) - set(string.whitespace)
+Scope = tuple   # () shared, ("key", name) or ("user", name, user): module header
+SHARED: Scope = ()
+OPEN = "open server"   # the key name of requests to a server without keys
 
 
 def check_key(key: str, where: str) -> str:
@@ -57,18 +65,24 @@ class Keys:
 
     def __init__(self, named: Sequence[tuple[str, str]]):
         self.named = [(name, key.encode()) for name, key in named]
-        seen = set()
+        seen, names = set(), set()
         for name, key in self.named:
             if key in seen:
                 raise HdError(f"API key '{name}' is given twice: each tenant needs a key of its own")
+            if name in names:
+                raise HdError(f"two API keys are named '{name}': each tenant needs a name of its own")
             seen.add(key)
+            names.add(name)
 
     @classmethod
     def load(cls, keys: Sequence[str] = (), file: str | Path | None = None) -> "Keys | None":
-        """From --api-key values (named key-1, key-2, ...) and a keys file: one key a line, or
-        `NAME KEY`; blank lines and lines starting with # are skipped. None: no key, an open server."""
-        named = [(f"key-{i + 1}", check_key(k, "--api-key" if i else "--api-key (or HD_API_KEY)"))
+        """From --api-key values (named "--api-key 1", "--api-key 2", ...) and a keys file: one key
+        a line (named "<file> line N"), or `NAME KEY`; blank lines and lines starting with # are
+        skipped. A generated name holds a space, which a file's NAME cannot (module header).
+        None: no key, an open server."""
+        named = [(f"--api-key {i + 1}", check_key(k, "--api-key" if i else "--api-key (or HD_API_KEY)"))
                  for i, k in enumerate(keys)]
+        lines_of: dict[str, int] = {}   # a name of the file -> its line
         if file is not None:
             try:
                 lines = Path(file).read_text(encoding="utf-8-sig").splitlines()
@@ -80,7 +94,11 @@ class Keys:
                     continue
                 if len(parts) > 2:
                     raise HdError(f"{file} line {n}: give KEY or NAME KEY")
-                name, key = parts if len(parts) == 2 else (f"{Path(file).name}:{n}", parts[0])
+                name, key = parts if len(parts) == 2 else (f"{Path(file).name} line {n}", parts[0])
+                if name in lines_of:
+                    raise HdError(f"{file} line {n}: the name '{name}' is also on line {lines_of[name]}: "
+                                  "give each key a name of its own (its tenant's learned drafts go by it)")
+                lines_of[name] = n
                 named.append((name, check_key(key, f"{file} line {n}")))
             if len(named) == len(keys):
                 raise HdError(f"--api-keys-file {file} holds no key")
@@ -104,16 +122,28 @@ def default_scope(keys: Keys | None) -> str:
     return "key" if keys is not None and len(keys) > 1 else "shared"
 
 
-def scope_of(mode: str, key_name: str | None, user: str | None) -> str:
+def scope_of(mode: str, key_name: str | None, user: str | None) -> Scope:
     if mode == "shared":
-        return ""
-    key = key_name or "open"
-    return f"key:{key}" if mode == "key" else f"user:{key}:{user or ''}"
+        return SHARED
+    key = key_name or OPEN
+    return ("key", key) if mode == "key" else ("user", key, user or "")
 
 
-def tag(scope: str) -> bytes | None:
+def _utf8(part: str) -> bytes:
+    return part.encode("utf-8", "surrogatepass")   # a JSON `user` may hold a lone surrogate
+
+
+def encoded(scope: Scope) -> bytes:
+    """A scope as bytes that no other scope has: its parts length-prefixed after a zero byte. A
+    key scope keeps the bytes of its former string "key:<name>" (module header): never a zero first."""
+    if scope[0] == "key":
+        return b"key:" + _utf8(scope[1])
+    return b"\0" + b"".join(len(b).to_bytes(4, "big") + b for b in map(_utf8, scope))
+
+
+def tag(scope: Scope) -> bytes | None:
     """A scope's tag in a model DB (None: shared)."""
-    return hashlib.blake2b(scope.encode(), digest_size=8).digest() if scope else None
+    return hashlib.blake2b(encoded(scope), digest_size=8).digest() if scope else None
 
 
 class Tenants:
@@ -124,9 +154,9 @@ class Tenants:
         from ..drafting import RecycledTable
         self.model_db, self.uses_answers, self.max_scopes = model_db, uses_answers, max_scopes
         self.shared_table = RecycledTable()
-        self._scopes: OrderedDict[str, tuple] = OrderedDict()
+        self._scopes: OrderedDict[Scope, tuple] = OrderedDict()
 
-    def _state(self, scope: str) -> tuple:
+    def _state(self, scope: Scope) -> tuple:
         from ..drafting import RecycledTable
         from ..drafting.model import AnswerIndex, ScopedAnswers, index_for
         if scope in self._scopes:
@@ -142,10 +172,10 @@ class Tenants:
             self._scopes.popitem(last=False)
         return state
 
-    def recycled(self, scope: str):
+    def recycled(self, scope: Scope):
         return self.shared_table if not scope else self._state(scope)[0]
 
-    def answers(self, scope: str):
+    def answers(self, scope: Scope):
         """The answer index a request of this scope drafts from and grows (None: the DB's shared one)."""
         return None if not scope else self._state(scope)[1]
 

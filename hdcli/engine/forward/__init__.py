@@ -5,11 +5,12 @@ transformers checkpoint's safetensors.
   gemma3.py      Gemma 3 text models: sliding windows, (1 + w) norms, two ropes
   gguf.py        a GGUF file: metadata as a ModelConfig, tensors as the file holds them, the tokenizer
   checkpoint.py  a transformers checkpoint read as a GGUF is: GGUF tensor names mapped to its own
+  checks.py      what the forwards expect of a file (numbers, every tensor's shape and type), checked at open
   layers.py      Linear by kernel, the embedding read from the file, RMSNorm
   rope.py        rotary embeddings
   numerics.py    the Numerics record: every choice that changes the bits a forward computes
 
-A source (gguf.GGUFFile, checkpoint.Checkpoint) answers `arch`, `has(name)`, `raw(name)`,
+A source (gguf.GGUFFile, checkpoint.Checkpoint) answers `arch`, `has(name)`, `shape(name)`, `raw(name)`,
 `config()`, `release()` and `type_counts()`, in GGUF tensor names; the forwards read nothing else.
 Other architectures run on transformers' forward (engine/models.py says so in one line).
 """

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import HdError
+from . import checks
 from .gguf import ModelConfig
 
 # transformers' model_type -> the architecture name forward/__init__.py's FAMILIES knows
@@ -139,6 +140,22 @@ class Checkpoint:
         values = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
         return types[t.dtype], values, tuple(t.shape)
 
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """A GGUF-named tensor's shape (torch order), from the file's header; None where absent."""
+        key = self.hf_name(name)
+        if key not in self.files:
+            return None
+        return tuple(self._handle(self.files[key]).get_slice(key).get_shape())
+
+    def check(self) -> None:
+        """config.json's numbers, and every tensor the forward reads against them (checks.py):
+        before the forward is built, one line naming the field or tensor."""
+        from . import family_of
+        cfg = self.config()
+        checks.check_config(cfg, str(self.path / "config.json"), lambda attr: attr)
+        checks.check_tensors(self, cfg, family_of(self.arch), str(self.path), label=self.hf_name)
+        self.release()   # the headers read: their maps go
+
     def _handle(self, file: Path, private: bool = False):
         """An open safetensors file (its map); `private`: one of its own, not dropped by release()."""
         from safetensors import safe_open
@@ -232,6 +249,8 @@ class Checkpoint:
         if self.arch == "gemma3":
             extra["query_pre_attn_scalar"] = t.query_pre_attn_scalar
             extra["rope_local_base_freq"] = float(self._rope("sliding_attention")["rope_theta"])
+        if not heads or not isinstance(heads, int):   # checks.check_config says what it must be
+            checks.positive_int(heads, str(self.path / "config.json"), "num_attention_heads")
         return ModelConfig(
             architecture=self.arch, vocab_size=t.vocab_size, hidden_size=t.hidden_size,
             intermediate_size=t.intermediate_size, num_hidden_layers=t.num_hidden_layers,

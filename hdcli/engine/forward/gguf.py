@@ -17,6 +17,7 @@ tokenizer.json under the cache folder: no weights are ever written there).
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import HdError
+from . import checks
 
 
 @dataclass
@@ -69,6 +71,14 @@ _ARRAY_KEPT = 4096   # numeric arrays up to this many items are read (per-layer 
                      # (the tokenizer's) and every string array are skipped: transformers reads those
 
 
+def readable_types() -> set[str]:
+    """The tensor types hd's forward reads as weights: its own kernels', the float ones, and every
+    type gguf-py dequantizes."""
+    import gguf
+    from .. import quants
+    return set(quants.TYPES) | {"F32", "F16", "BF16"} | {t.name for t in gguf.quants._type_traits}
+
+
 class Tensor:
     """One tensor of the file: name, ggml type, shape in ggml order [K, N], its bytes (a view of
     the map, [N rows, bytes a row] for 2-D tensors)."""
@@ -96,9 +106,11 @@ class GGUFFile:
             raise HdError(f"could not read GGUF {self.path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
                           " (the file is truncated or not a GGUF); download it again") from None
         self.arch = str(self.field("general.architecture", "llama"))
+        self._config = None
+        self._check()
 
     def _parse(self) -> None:
-        import gguf
+        size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise HdError(f"{self.path} is not a GGUF file (bad magic bytes); pass a .gguf model file")
@@ -109,51 +121,92 @@ class GGUFFile:
             def read(fmt):
                 return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
 
-            def string() -> str:
-                return f.read(read("<Q")).decode("utf-8")
+            def fits(count: int, item_bytes: int, what: str) -> int:
+                """count items of at least item_bytes each must fit in the rest of the file: checked
+                before anything is read or allocated for them (a count of 2**63 is one header word)."""
+                if count * item_bytes > size - f.tell():
+                    raise HdError(f"{self.path}: the header says {count} {what}, more than the file's {size} bytes "
+                                  "can hold; the file is damaged or not a GGUF")
+                return count
 
-            def value(kind: int):
+            def string() -> str:
+                return f.read(fits(read("<Q"), 1, "bytes in a string")).decode("utf-8")
+
+            def value(key: str, kind: int):
                 if kind in _SCALAR:
                     return read(_SCALAR[kind])
                 if kind == 8:
                     return string()
                 if kind != 9:
-                    raise ValueError(f"unknown metadata type {kind}")
+                    raise ValueError(f"unknown metadata type {kind} of {key}")
                 item, count = read("<I"), read("<Q")
+                if item not in _SCALAR and item != 8:
+                    raise ValueError(f"unknown array item type {item} of {key}")
+                size_of = 8 if item == 8 else struct.calcsize(_SCALAR[item])
+                self.array_lengths[key] = fits(count, size_of, f"items in {key}")
                 if item == 8:
                     for _ in range(count):
-                        f.seek(read("<Q"), 1)
+                        f.seek(fits(read("<Q"), 1, f"bytes in a string of {key}"), 1)
                     return None
-                size = struct.calcsize(_SCALAR[item])
                 if count > _ARRAY_KEPT:
-                    f.seek(size * count, 1)
+                    f.seek(size_of * count, 1)
                     return None
-                return list(struct.unpack(f"<{count}{_SCALAR[item][1]}", f.read(size * count)))
-            self.fields = {}
-            for _ in range(n_kv):
+                return list(struct.unpack(f"<{count}{_SCALAR[item][1]}", f.read(size_of * count)))
+            self.fields, self.array_lengths = {}, {}
+            for _ in range(fits(n_kv, 12, "metadata fields")):       # key length, a key, a type
                 key = string()
-                self.fields[key] = value(read("<I"))
+                self.fields[key] = value(key, read("<I"))
             infos = []
-            for _ in range(n_tensors):
+            for _ in range(fits(n_tensors, 24, "tensors")):          # name length, name, dims, type, offset
                 name = string()
-                dims = [read("<Q") for _ in range(read("<I"))]
+                dims = [read("<Q") for _ in range(fits(read("<I"), 8, f"dimensions of tensor {name}"))]
                 infos.append((name, dims, read("<I"), read("<Q")))
-            align = int(self.fields.get("general.alignment") or 32)
+            align = self.fields.get("general.alignment") or 32
+            if not isinstance(align, int) or align <= 0 or align & (align - 1):
+                raise HdError(f"{self.path}: general.alignment is {align!r}; expected a power of two (32 by default)")
             start = -(-f.tell() // align) * align
-        spans = []
-        for name, dims, type_id, offset in infos:
-            block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
-            rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
-            spans.append((rows, dims[0] // block * nbytes, start + offset))
-        size = self.path.stat().st_size
-        need = max((a + rows * row_bytes for rows, row_bytes, a in spans), default=start)
+        spans = self._spans(infos, start, align)
+        need = max((a + nbytes for _, a, nbytes in spans), default=start)
         if need > size:   # checked before any tensor is read: an interrupted download or copy
             raise HdError(f"{self.path} is truncated ({size} bytes, its tensors need {need}): download it again")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         self.tensors = {}
-        for (name, dims, type_id, _), (rows, row_bytes, a) in zip(infos, spans):
-            data = self._map[a:a + rows * row_bytes]
-            self.tensors[name] = Tensor(name, type_id, dims, data.reshape(rows, row_bytes) if len(dims) > 1 else data)
+        for (name, dims, type_id, _), (rows, a, nbytes) in zip(infos, spans):
+            data = self._map[a:a + nbytes]
+            self.tensors[name] = Tensor(name, type_id, dims, data.reshape(rows, nbytes // rows) if len(dims) > 1 else data)
+
+    def _spans(self, infos, start: int, align: int) -> list[tuple[int, int, int]]:
+        """(rows, first byte, bytes) of each tensor, after checking what gguf-py and the kernels take
+        for granted: a known type, 1 to 4 dimensions none of them 0, a row length its type's block
+        divides, an aligned offset, one name per tensor, no two tensors sharing bytes."""
+        import gguf
+        spans, names = [], set()
+        for name, dims, type_id, offset in infos:
+            where = f"{self.path}: tensor {name}"
+            if name in names:
+                raise HdError(f"{where} appears twice; the file is damaged")
+            names.add(name)
+            try:
+                qtype = gguf.GGMLQuantizationType(type_id)
+            except ValueError:
+                raise HdError(f"{where} has type id {type_id}, which hd's GGUF reader (gguf-py) does not know; "
+                              "the file is damaged or newer than hd") from None
+            if not 1 <= len(dims) <= 4 or 0 in dims:
+                raise HdError(f"{where} has shape {dims}; expected 1 to 4 dimensions, none of them 0")
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            if dims[0] % block:
+                raise HdError(f"{where}: its row length {dims[0]} is not a multiple of {qtype.name}'s block of "
+                              f"{block} values; the file is damaged")
+            if offset % align:
+                raise HdError(f"{where}: its data offset {offset} is not a multiple of the alignment {align}")
+            rows = math.prod(dims[1:])
+            spans.append((rows, start + offset, rows * (dims[0] // block) * block_bytes))
+        order = sorted(range(len(spans)), key=lambda i: spans[i][1])
+        for i, j in zip(order, order[1:]):
+            if spans[i][1] + spans[i][2] > spans[j][1]:
+                raise HdError(f"{self.path}: tensors {infos[i][0]} and {infos[j][0]} overlap (their data share "
+                              "bytes); the file is damaged")
+        return spans
 
     def release(self) -> None:
         """Let the kernel drop the file's pages this process has read (they stay in the page
@@ -190,46 +243,104 @@ class GGUFFile:
         return out
 
     def config(self) -> ModelConfig:
-        a = self.arch_field
-        need = {"block_count": a("block_count"), "embedding_length": a("embedding_length"),
-                "attention.head_count": a("attention.head_count")}
-        missing = [k for k, v in need.items() if v is None]
+        if self._config is None:
+            self._config = self._read_config()
+        return self._config
+
+    def _int(self, key: str, default=None) -> int | None:
+        """A count or length of the architecture's metadata (`{arch}.{key}`), checked; one value
+        where the file gives one per layer (hd's forwards have no per-layer head counts)."""
+        value = self.arch_field(key, default)
+        if isinstance(value, list):
+            if not value or len(set(value)) != 1:
+                raise HdError(f"{self.path}: {self.arch}.{key} differs between layers ({value[:8]}); "
+                              "hd's forward needs one value for every layer")
+            value = value[0]
+        return None if value is None else checks.positive_int(value, str(self.path), f"{self.arch}.{key}")
+
+    def _float(self, key: str, default: float) -> float:
+        return checks.positive_float(self.arch_field(key, default), str(self.path), f"{self.arch}.{key}")
+
+    def _read_config(self) -> ModelConfig:
+        need = ("block_count", "embedding_length", "attention.head_count")
+        missing = [k for k in need if self.arch_field(k) is None]
         if missing:
             raise HdError(f"{self.path}: metadata {', '.join(f'{self.arch}.{k}' for k in missing)} missing; "
                           "not a model file hd can run")
-        hidden, heads = int(need["embedding_length"]), int(need["attention.head_count"])
-        kv = a("attention.head_count_kv", heads)
-        kv = int(kv[0] if isinstance(kv, list) else kv)
-        head_dim = int(a("attention.key_length", 0) or a("rope.dimension_count", 0) or hidden // heads)
+        hidden, heads = self._int("embedding_length"), self._int("attention.head_count")
+        kv = self._int("attention.head_count_kv", heads)
+        key_length = self._int("attention.key_length") or self._int("rope.dimension_count")
+        if key_length is None and hidden % heads:
+            raise HdError(f"{self.path}: {self.arch}.embedding_length {hidden} is not a multiple of "
+                          f"{self.arch}.attention.head_count {heads} and no {self.arch}.attention.key_length "
+                          "gives the head size")
+        head_dim = key_length or hidden // heads
+        value_length = self._int("attention.value_length")
+        if value_length is not None and value_length != head_dim:
+            raise HdError(f"{self.path}: {self.arch}.attention.value_length {value_length} differs from the key "
+                          f"length {head_dim}; hd's forward needs them equal")
         emb = self.tensor("token_embd.weight")
-        vocab = int(a("vocab_size", 0) or emb.shape[1])
-        ff = a("feed_forward_length", 4 * hidden)
-        ff = int(ff[0] if isinstance(ff, list) else ff)
+        vocab = self._int("vocab_size") or int(emb.shape[-1])
         scaling = None
-        kind = a("rope.scaling.type")
+        kind = self.arch_field("rope.scaling.type")
         if self.arch == "llama" and self.has("rope_freqs.weight"):
             # llama 3.1+: llama.cpp stores the scaled frequencies' factors; transformers' config
             # names the same parameters (the published ones of the llama3 rope)
-            scaling = {"rope_type": "llama3", "factor": float(a("rope.scaling.factor", 8.0) or 8.0),
+            scaling = {"rope_type": "llama3", "factor": self._float("rope.scaling.factor", 8.0),
                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                       "original_max_position_embeddings": int(a("rope.scaling.original_context_length", 8192) or 8192)}
+                       "original_max_position_embeddings": self._int("rope.scaling.original_context_length", 8192)}
         elif kind in ("linear", "yarn"):
-            scaling = {"rope_type": kind, "factor": float(a("rope.scaling.factor", 1.0))}
+            scaling = {"rope_type": kind, "factor": self._float("rope.scaling.factor", 1.0)}
             if kind == "yarn":
-                scaling["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length", 4096))
-        eos = self.field("tokenizer.ggml.eos_token_id")
+                scaling["original_max_position_embeddings"] = self._int("rope.scaling.original_context_length", 4096)
         return ModelConfig(
-            architecture=self.arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=ff,
-            num_hidden_layers=int(need["block_count"]), num_attention_heads=heads, num_key_value_heads=kv,
-            head_dim=head_dim, rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(a("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(a("context_length", 4096)), rope_scaling=scaling,
+            architecture=self.arch, vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=self._int("feed_forward_length", 4 * hidden),
+            num_hidden_layers=self._int("block_count"), num_attention_heads=heads, num_key_value_heads=kv,
+            head_dim=head_dim, rms_norm_eps=self._float("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=self._float("rope.freq_base", 10000.0),
+            max_position_embeddings=self._int("context_length", 4096), rope_scaling=scaling,
             rope_interleaved=self.arch in INTERLEAVED_ROPE,
             tie_word_embeddings=not self.has("output.weight"),
-            sliding_window=a("attention.sliding_window"),
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"), eos_token_id=eos,
+            sliding_window=self._int("attention.sliding_window"),
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
             pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
             name=str(self.field("general.name", self.path.stem)))
+
+    def _check(self) -> None:
+        """What any forward (hd's or transformers') takes for granted: every tokenizer id has an
+        embedding row; and for an architecture hd owns a forward for, the configuration's numbers
+        and every tensor's shape and type (checks.py)."""
+        from . import family_of
+        emb = self.tensors.get("token_embd.weight")
+        if emb is not None:
+            checks.check_token_ids(str(self.path), int(emb.shape[-1]), self.array_lengths.get("tokenizer.ggml.tokens"),
+                                   {f"tokenizer.ggml.{k}_token_id": self.fields.get(f"tokenizer.ggml.{k}_token_id")
+                                    for k in ("bos", "eos")})
+        family = family_of(self.arch)
+        if family is None:
+            return
+        cfg = self.config()
+        names = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+                 "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
+                 "num_key_value_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+                 "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+                 "max_position_embeddings": "context_length", "sliding_window": "attention.sliding_window",
+                 "rope_scaling": "rope.scaling.factor"}
+        checks.check_config(cfg, str(self.path), lambda attr: f"{self.arch}.{names.get(attr, attr)}")
+        checks.check_tensors(self, cfg, family, str(self.path), readable=readable_types())
+        if cfg.vocab_size != int(emb.shape[-1]):
+            raise HdError(f"{self.path}: {self.arch}.vocab_size is {cfg.vocab_size} but token_embd.weight has "
+                          f"{emb.shape[-1]} rows; the file is damaged")
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """A tensor's shape in torch order ([N, K] or [N]), None where the file has none."""
+        t = self.tensors.get(name)
+        return None if t is None else tuple(int(x) for x in reversed(t.shape))
+
+    def qtype(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
 
     def raw(self, name: str) -> tuple[str, np.ndarray, tuple[int, ...]]:
         """(type name, bytes or values as the file holds them, shape in torch order [N, K] or [N])."""
