@@ -261,6 +261,34 @@ def test_drafts_past_max_len_never_lengthen_the_output(n, kind):
     assert tree.size() <= n - 1
 
 
+class OutOfVocabulary(Oracle):
+    """A drafter of another model: its drafts hold ids past this model's embedding."""
+
+    def propose(self, history, max_len, stats=None):
+        from hdcli.engine.draft import Draft
+        done = len(history) - self.prompt_len
+        right = tuple(self.ref[done:done + 3])
+        return [Draft(right + (50, 7), "oracle"), Draft((10**9,) + right, "oracle")] if done < len(self.ref) else []
+
+
+def test_drafted_ids_outside_the_vocabulary_never_reach_the_embedding():
+    """A drafter naming ids past the embedding (a damaged DB, a drafter of another tokenizer) made
+    the verification forward raise IndexError; now each draft is cut before its first such id and
+    the output is plain greedy decoding's (control: uncut, the forward raises)."""
+    from conftest import tiny_llama
+    from hdcli.engine.decode import Decoder
+    from hdcli.engine.draft import Draft, clamped
+    model = tiny_llama(vocab_size=50, seed=1, scale=4.0)
+    prompt = [1, 5, 6, 7, 8, 9]
+    ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=12).tokens
+    g = Decoder(model, (), OutOfVocabulary(len(prompt), ref)).generate(prompt, max_new_tokens=12)
+    assert g.tokens == ref and g.stats.layer("oracle").accepted > 0   # the cut drafts still paid
+    assert [d.tokens for d in clamped([Draft((3, 50, 4), "x")], 8, vocab=50)] == [(3,)]
+    import torch
+    with pytest.raises(IndexError):
+        model(torch.tensor([[3, 50]]))
+
+
 # --- architectures hd has no forward for: transformers runs them, or one line says why not ---------
 
 @pytest.mark.parametrize("k_rows,want", [

@@ -60,6 +60,7 @@ class Decoder:
         if invariant.is_enabled(model) and max_nodes + 1 > invariant.MAX_ROWS:
             raise ValueError(f"the M-invariant forward verifies at most {invariant.MAX_ROWS - 1} nodes a step")
         self.device = next(model.parameters()).device
+        self.vocab_size = int(model.config.vocab_size)   # the embedding's rows: drafts never name an id past them
 
     def _prefill(self, ids: Sequence[int], cache, scope: str = "") -> int:
         """Fill the cache with ids. No logits are needed (the last prompt token is fed with the
@@ -180,7 +181,8 @@ class Stream:
         cap = dec.max_nodes if max_nodes is None else min(max_nodes, dec.max_nodes)
         room = self.max_new_tokens - len(self.out) - 1
         t0 = time.perf_counter()
-        drafts = clamped(drafter.propose(self.history, room, self.stats), room) if drafter and cap > 0 else []
+        drafts = (clamped(drafter.propose(self.history, room, self.stats), room, dec.vocab_size)
+                  if drafter and cap > 0 else [])
         self._q_rows = drafts[0].q if drafts else None
         if self._q_rows is not None:  # a draft model's sampled chain: verified with its distribution
             tree = build_tree(drafts[:1], None, None, cap)

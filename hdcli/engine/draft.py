@@ -32,14 +32,18 @@ class Draft:
 
 
 
-def clamped(drafts: Sequence[Draft], max_len: int) -> list[Draft]:
-    """Drafts cut to max_len tokens, empty ones dropped: the decode loop never verifies past the
-    room it asked for, whatever a drafter (a custom one included) returns, so the output never
-    grows past max_new_tokens."""
+def clamped(drafts: Sequence[Draft], max_len: int, vocab: int | None = None) -> list[Draft]:
+    """Drafts cut to max_len tokens and before their first id outside [0, vocab), empty ones
+    dropped: the decode loop never verifies past the room it asked for, whatever a drafter (a
+    custom one included) returns, so the output never grows past max_new_tokens; and no drafted id
+    reaches the embedding it would index out of range (a damaged DB, a drafter of another model)."""
     out = []
     for d in drafts:
-        if len(d.tokens) > max_len:
-            d = Draft(tuple(d.tokens[:max(max_len, 0)]), d.layer, None if d.q is None else d.q[:max(max_len, 0)])
+        keep = max(max_len, 0)
+        if vocab is not None:
+            keep = next((i for i, t in enumerate(d.tokens[:keep]) if not 0 <= t < vocab), keep)
+        if len(d.tokens) > keep:
+            d = Draft(tuple(d.tokens[:keep]), d.layer, None if d.q is None else d.q[:keep])
         if d.tokens:
             out.append(d)
     return out

@@ -29,6 +29,8 @@ Intel Xeon with AMX, whose MKL path is better: there `--kernels torch` is the fa
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..errors import HdError
@@ -39,11 +41,26 @@ GGUF = ("gguf", "gguf-int8")   # the sets that multiply a GGUF's own blocks (eng
 ALIASES = {"int4": "gguf"}   # the older name of the GGUF 4-bit set: scripts and recorded configs keep working
 
 
-def available() -> bool:
-    """oneDNN packed linear ops exist in this torch build and oneDNN is usable."""
+def available(dtype: str = "fp32") -> bool:
+    """oneDNN packed linear ops exist in this torch build and pack weights of `dtype` ("fp32" or
+    "bf16") on this CPU. bf16 packing needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT: on an AVX2-only
+    CPU (e.g. AMD Zen 3) oneDNN raises at pack time, so the bf16 answer is probed once, not assumed."""
     ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
+        return False
+    return dtype != "bf16" or _packs_bf16()
+
+
+@functools.lru_cache(maxsize=None)
+def _packs_bf16() -> bool:
+    try:
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), PACK_ROWS)
+            torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
+        return True
+    except RuntimeError:
+        return False
 
 
 def resolve(kernels: str) -> str:

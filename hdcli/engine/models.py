@@ -337,7 +337,7 @@ def _stock(name: str, kind: str, source: str, why: str, dtype: str, device: str,
         raise HdError(f"--kernels {kernels}: {name} runs on transformers' forward ({why}), which has no "
                       "GGUF kernels; use --kernels auto, onednn or torch")
     dt = resolve_dtype(dtype, device)
-    if kernels == "onednn" and not (device == "cpu" and dt in ("fp32", "bf16") and kern.available()):
+    if kernels == "onednn" and not (device == "cpu" and dt in ("fp32", "bf16") and kern.available(dt)):
         raise HdError("--kernels onednn needs a CPU model in fp32 or bf16 and a torch built with "
                       "oneDNN; use --kernels torch")
     t0 = time.perf_counter()
@@ -510,7 +510,7 @@ def owned_kernels(kernels: str, device: str, dtype: str, gguf: bool) -> str:
             from . import quants
             return "gguf-int8" if quants.activation_choice()["activations"] == "int8" else "gguf"
         return "gguf"
-    return "onednn" if device == "cpu" and dtype in ("bf16", "fp32") and kern.available() else "torch"
+    return "onednn" if device == "cpu" and dtype in ("bf16", "fp32") and kern.available(dtype) else "torch"
 
 
 def _int8_here() -> bool:

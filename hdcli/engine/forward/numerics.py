@@ -91,8 +91,8 @@ class Numerics:
             if bias is not None:
                 dense.bias = torch.nn.Parameter(bias, requires_grad=False)
             kind = "torch"
-            if self.kernels in kernels.GGUF + ("onednn",) and self.device == "cpu" and kernels.available() \
-                    and self.dtype in ("bf16", "fp32"):
+            if self.kernels in kernels.GGUF + ("onednn",) and self.device == "cpu" and self.dtype in ("bf16", "fp32") \
+                    and kernels.available(self.dtype):
                 with torch.inference_mode():
                     dense, kind = kernels.PackedLinear(dense), "onednn"
             layer = Linear(dense, kind, qtype)
