@@ -210,8 +210,9 @@ def run_jobs(sched: Scheduler, prompts: list[list[int]], n: int = 24) -> list[Jo
 @pytest.mark.parametrize("fault", ["oov", "raise"])
 def test_a_fault_in_one_batched_request_leaves_the_others_exact(served, fault):
     """Four requests in one batch, one whose drafter fails (an id outside the vocabulary used to
-    raise IndexError in the shared forward and end the loop): that one ends with an error, the
-    others' tokens are plain decoding's, and the loop serves the next requests."""
+    raise IndexError in the shared forward and end the loop): a raising drafter ends its request
+    with an error, ids outside the vocabulary are cut from the drafts (that request is exact too),
+    the others' tokens are plain decoding's, and the loop serves the next requests."""
     s = served.server
     prompts = [ids_of(s, p) for p in PROMPTS[:4]]
     bad = prompts[2]
@@ -222,8 +223,10 @@ def test_a_fault_in_one_batched_request_leaves_the_others_exact(served, fault):
                       max_batch=8)
     try:
         jobs = run_jobs(sched, prompts)
-        assert jobs[2].finish_reason == "error"
-        assert ("vocabulary" if fault == "oov" else "IndexError: index 99") in jobs[2].error
+        if fault == "oov":   # the decode loop cuts drafts before an id outside the vocabulary
+            assert jobs[2].finish_reason in ("eos", "length") and jobs[2].stream.out == plain(s, bad, 24)
+        else:
+            assert jobs[2].finish_reason == "error" and "IndexError: index 99" in jobs[2].error
         for job in jobs[:2] + jobs[3:]:
             assert job.finish_reason in ("eos", "length") and job.stream.out == plain(s, job.prompt_ids, 24)
         assert sched.failed is None and sched.alive()
