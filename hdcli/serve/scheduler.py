@@ -245,15 +245,13 @@ class Scheduler:
         whose drafting fails is ended). Batched: one forward for all, the nodes worth its cost
         chosen over all trees together."""
         joint = self.batched and len(jobs) > 1 and self.cost is not None
-        vocab = self.lm.model.config.vocab_size
         proposed = []
         for job in jobs:
-            try:
-                tree = (job.stream.propose(invariant.MAX_ROWS - len(jobs), capped=False) if joint
-                        else job.stream.propose())
-                if max(tree.tokens[1:], default=0) >= vocab:   # the forward's embedding would raise
-                    raise ValueError(f"a drafted token id ({max(tree.tokens[1:])}) is outside the model's "
-                                     f"vocabulary of {vocab}")
+            try:   # Stream.propose already cuts drafts before an id outside the vocabulary
+                if joint:
+                    job.stream.propose(invariant.MAX_ROWS - len(jobs), capped=False)
+                else:
+                    job.stream.propose()
                 proposed.append(job)
             except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
                 self._fail(job, exc)
