@@ -24,7 +24,7 @@ from .compose import (DBs, build_drafter, cheap_verification, check_tokenizers, 
 from .config import (DEFAULT_CANDIDATES, DEFAULT_LEVEL_TOKENS, DEFAULT_POLICY, SEED_RANGE,
                      DecodingConfig, level_problems, parse_draft_len, split_list)
 from .drafting import Hierarchy, RecycledTable, registry
-from .engine import costs, models
+from .engine import constrain, costs, models
 from .engine.decode import Decoder, Generation
 from .engine.prompts import TextStream, cut_at_stop, encode_messages, encode_prompt, stop_checker
 from .engine.verify import Sampling
@@ -38,7 +38,7 @@ __all__ = [
     "cheap_verification", "default_min_n", "default_min_prob", "default_min_expected", "resolved",
     "open_dbs", "open_stats_dbs", "check_tokenizers", "check_seed", "DBs",
     # models, prompts, generation
-    "load_model", "load_model_for", "encode_prompt", "encode_messages", "TextStream", "generate", "Result",
+    "load_model", "load_model_for", "compile_grammar", "prediction_ids", "encode_prompt", "encode_messages", "TextStream", "generate", "Result",
     "learn", "warm_up", "prepare", "Prepared", "generate_report", "GenerateReport",
     "compare_with_baselines", "stock_model", "hf_generate", "first_difference",
     # the other commands
@@ -138,6 +138,7 @@ class Result:
     prompt_ids: list[int]
     # per token where asked: (log-probability, [(token, log-probability) of the best ones])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prediction_usage: dict | None = None   # with a prediction: accepted/rejected_prediction_tokens
 
     def to_dict(self, tokenizer=None) -> dict:
         out = {"text": self.text, "tokens": self.tokens, "stop_reason": self.stop_reason,
@@ -157,7 +158,8 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
              system: str | None = None, stop: Sequence[str] = (), drafter="default",
              on_text: Callable[[str, str | None], None] | None = None,
              cost: costs.CostCurve | None = None, logprobs: int | None = None,
-             on_status: Callable[[str], None] | None = None) -> Result:
+             on_status: Callable[[str], None] | None = None, grammar: constrain.Grammar | None = None,
+             prediction: str | Sequence[int] | None = None) -> Result:
     """Generate a completion. config: take the generation settings (max_new_tokens, sampling,
     seed, chat, system, stop) and, with drafter "default", the drafter from it. drafter: a
     Hierarchy or ModelStack, None for plain decoding, "default" for the configuration's (or the
@@ -166,7 +168,11 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     logprobs: None, or k to return each token's log-probability and its k best alternatives
     (Result.logprobs; plain decoding's numbers exactly, verify.logprobs_of). on_status: told in
     one line when max_new_tokens is more than the context leaves after the prompt (then cut to it).
-    Greedy output equals plain greedy decoding token for token whatever the drafts."""
+    grammar: constrain.compile(lm, kind, source): the output follows it (engine/constrain.py).
+    prediction: text (or token ids) the answer is expected to repeat, drafted by its own layer at
+    the top of the hierarchy (engine/prediction.py); it drafts with drafter None too.
+    Greedy output equals plain greedy decoding (under the same grammar) token for token whatever
+    the drafts."""
     if config is not None:
         config.validate()
         max_new_tokens, sampling, seed = config.max_new_tokens, config.sampling, config.seed
@@ -189,16 +195,36 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
         raise HdError(f"--logit-bias: token {outside[0]} is not in the model's vocabulary (ids 0..{vocab - 1})")
     if isinstance(drafter, str) and drafter == "default":
         drafter = build_drafter(config or DecodingConfig(), lm)
-    if drafter and cost is None:
+    predicted = prediction_ids(lm, prediction, room)
+    if (drafter or predicted) and cost is None:
         cost = costs.curve_for(lm)
     decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)
     stream = TextStream(lm.tokenizer, on_text) if on_text else None
     g: Generation = decoder.generate(prompt_ids, min(max_new_tokens, room), sampling, seed,
                                      stop_check=stop_checker(lm.tokenizer, stop), on_tokens=stream,
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, grammar=grammar, prediction=predicted)
     text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), stop)
     return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
-                  stats=g.stats, prompt_ids=list(prompt_ids), logprobs=g.logprobs)
+                  stats=g.stats, prompt_ids=list(prompt_ids), logprobs=g.logprobs,
+                  prediction_usage=g.prediction_usage)
+
+
+def prediction_ids(lm: models.LoadedModel, prediction: str | Sequence[int] | None, room: int) -> list[int] | None:
+    """A predicted output as token ids (text is tokenized without special tokens), or HdError
+    when it is longer than the room the context leaves after the prompt."""
+    if prediction is None or len(prediction) == 0:
+        return None
+    ids = ([int(t) for t in lm.tokenizer(prediction, add_special_tokens=False)["input_ids"]]
+           if isinstance(prediction, str) else [int(t) for t in prediction])
+    if len(ids) > room:
+        raise HdError(f"the prediction is {len(ids)} tokens, more than the {room} the model's context "
+                      "leaves after the prompt: shorten it")
+    return ids
+
+
+def compile_grammar(lm: models.LoadedModel, kind: str, source=None) -> constrain.Grammar:
+    """A grammar for lm's tokenizer (constrain.KINDS); GrammarError (an HdError) when unusable."""
+    return constrain.compile(lm, kind, source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +271,33 @@ def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
     return Prepared(cfg, lm, dbs, build_drafter(cfg, lm, dbs), plan)
 
 
+@dataclass(frozen=True)
+class OutputSpec:
+    """What one output is held to or expected to repeat, given per request like its prompt:
+    a grammar (kind: one of constrain.KINDS; source: its text, a JSON schema, None for
+    json_object) and a predicted output (text). origin names where each came from in messages
+    (a flag and file, or a request field)."""
+    kind: str | None = None
+    source: object = None
+    prediction: str | None = None
+    origin: str = "the grammar"
+    prediction_origin: str = "the prediction"
+
+    def compile(self, lm: models.LoadedModel) -> constrain.Grammar | None:
+        if self.kind is None:
+            return None
+        try:
+            return constrain.compile(lm, self.kind, self.source)
+        except constrain.GrammarError as exc:
+            raise HdError(f"{self.origin}: {exc}") from None
+
+    def prediction_ids(self, lm: models.LoadedModel, room: int) -> list[int] | None:
+        try:
+            return prediction_ids(lm, self.prediction, room)
+        except HdError as exc:
+            raise HdError(f"{self.prediction_origin}: {exc}") from None
+
+
 @dataclass
 class GenerateReport:
     """What `hd generate` shows: data (its --json document) and the RunStats per run."""
@@ -254,16 +307,22 @@ class GenerateReport:
 
 def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
                     lm: models.LoadedModel | None = None, on_text=None,
-                    on_status: Status = lambda m: None) -> GenerateReport:
+                    on_status: Status = lambda m: None, output: OutputSpec = OutputSpec()) -> GenerateReport:
     """hd generate: one generation with the configuration's drafter (and, with compare, plain
-    decoding and transformers' generate on the same prompt), as a report."""
+    decoding and transformers' generate on the same prompt), as a report. output: a grammar the
+    answer follows and a predicted output (plain decoding in compare follows the same grammar,
+    with no prediction: the baseline a user has)."""
     if not prompt or not prompt.strip():
         raise HdError("the prompt is empty: pass --prompt TEXT or --prompt-file FILE")
     run = prepare(cfg, lm, on_status)
     cfg, lm = run.config, run.lm
+    grammar = output.compile(lm)
+    prompt_ids = encode_prompt(lm.tokenizer, prompt, chat=cfg.chat, system=cfg.system, max_tokens=lm.max_context)
+    predicted = output.prediction_ids(lm, lm.max_context - len(prompt_ids))
     if compare:
         warm_up(lm)
-    res = generate(lm, prompt, config=cfg, drafter=run.drafter, on_text=on_text, on_status=on_status)
+    res = generate(lm, prompt_ids=prompt_ids, config=cfg, drafter=run.drafter, on_text=on_text,
+                   on_status=on_status, grammar=grammar, prediction=predicted)
     used = resolved(cfg, lm, run.dbs)
     data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
             "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
@@ -273,6 +332,12 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
             "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
             "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "plan": cfg.plan,
             "sampling": vars(cfg.sampling) | {"seed": cfg.seed}, "config": used.to_dict(), **res.to_dict(lm.tokenizer)}
+    if grammar is not None:
+        rows = res.stats.grammar_rows
+        data["grammar"] = {"kind": grammar.kind, "seconds": res.stats.grammar_seconds, "rows": rows,
+                           "ms_per_row": 1e3 * res.stats.grammar_seconds / rows if rows else None}
+    if predicted is not None:
+        data["prediction"] = {"tokens": len(predicted)} | (res.prediction_usage or {})
     if run.dbs.model is not None:  # what the model layer drafts from (drafting/model.py)
         from .drafting import model as model_layer
         data["model_db_index"] = "answers" if model_layer.uses_answers(run.dbs.model) else "ngrams"
@@ -285,7 +350,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
             data["learned_keys"], data["learn_error"] = 0, f"the answer was not learned: {exc}"
     report = GenerateReport(data, {"hd": res.stats})
     if compare:
-        plain = generate(lm, prompt, config=cfg, drafter=None)
+        plain = generate(lm, prompt_ids=prompt_ids, config=cfg, drafter=None, grammar=grammar)
         report.runs["plain"] = plain.stats
         data["compare"] = compare_with_baselines(lm, cfg, res, plain)
     return report

@@ -22,6 +22,7 @@ from rich.text import Text
 from . import __version__, api, bench
 from . import config as config_mod
 from .bench import report as bench_report
+from .bench import agents as bench_agents_mod
 from .config import DEFAULT_CANDIDATES, DEFAULT_POLICY, DecodingConfig
 from .db.stores import check_output_path
 from .drafting import registry
@@ -57,6 +58,40 @@ def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
     if prompt is None:
         raise HdError("no prompt: pass --prompt TEXT or --prompt-file FILE")
     return prompt
+
+
+GRAMMAR_SUFFIXES = {".lark": "lark", ".gbnf": "gbnf", ".regex": "regex", ".re": "regex"}
+
+
+def _read_text(path: Path, flag: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HdError(f"cannot read {flag} {path}: {exc}") from None
+
+
+def _output_spec(json_schema: Optional[Path], json_object: bool, grammar: Optional[Path],
+                 grammar_format: Optional[str], prediction: Optional[Path]) -> api.OutputSpec:
+    """hd generate's grammar and prediction flags as one api.OutputSpec (files read here)."""
+    given = [f for f, v in (("--json-schema", json_schema), ("--json-object", json_object),
+                            ("--grammar", grammar)) if v]
+    if len(given) > 1:
+        raise HdError(f"pass one of {', '.join(given)}: an answer follows one grammar")
+    if grammar_format is not None and grammar is None:
+        raise HdError("--grammar-format goes with --grammar FILE")
+    kind, source, origin = None, None, "the grammar"
+    if json_schema is not None:
+        kind, source, origin = "json_schema", _read_text(json_schema, "--json-schema"), f"--json-schema {json_schema}"
+    elif json_object:
+        kind, origin = "json_object", "--json-object"
+    elif grammar is not None:
+        kind = grammar_format or GRAMMAR_SUFFIXES.get(grammar.suffix.lower())
+        if kind not in ("lark", "gbnf", "regex"):
+            raise HdError(f"--grammar {grammar}: say its format with --grammar-format lark|gbnf|regex "
+                          f"(its suffix {grammar.suffix or '(none)'!r} does not)")
+        source, origin = _read_text(grammar, "--grammar"), f"--grammar {grammar}"
+    text = _read_text(prediction, "--prediction") if prediction is not None else None
+    return api.OutputSpec(kind, source, text, origin, f"--prediction {prediction}")
 
 
 def _stats_table(title: str, runs: dict) -> Table:
@@ -230,6 +265,15 @@ def generate(
     attention: str = _RUN["attention"],
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="With --json: each token's "
                                            "log-probability and this many best alternatives (0-20)."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="The answer is JSON valid "
+                                               "under this JSON Schema file (docs/structured.md)."),
+    json_object: bool = typer.Option(False, "--json-object", help="The answer is a JSON object."),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", help="The answer follows this grammar "
+                                           "file: Lark (.lark), GBNF (.gbnf) or a regex (.regex)."),
+    grammar_format: Optional[str] = typer.Option(None, "--grammar-format", help="lark|gbnf|regex: "
+                                                 "the --grammar file's format where its suffix does not say."),
+    prediction: Optional[Path] = typer.Option(None, "--prediction", help="A file the answer is "
+                                              "expected to repeat much of (the text being edited): drafted first."),
     compare: bool = typer.Option(False, help="Also run plain decoding and report speedup and identity."),
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object to stdout, nothing else."),
     color: bool = typer.Option(True, "--color/--no-color", help="Colour drafted tokens by layer."),
@@ -244,8 +288,9 @@ def generate(
     def show(piece: str, layer: Optional[str]) -> None:
         out.print(piece, end="", style=_layer_style(layer), markup=False)
 
+    output = _output_spec(json_schema, json_object, grammar, grammar_format, prediction)
     rep = api.generate_report(cfg, text, compare=compare, on_text=None if as_json else show,
-                              on_status=_status(as_json))
+                              on_status=_status(as_json), output=output)
     if as_json:
         typer.echo(json.dumps(rep.data))
     else:
@@ -832,6 +877,54 @@ def bench_spec_bench(
     if out_dir is not None:
         Console(stderr=True, highlight=False).print(
             f"wrote {out_dir}/summary.json, {out_dir}/answers/*.jsonl, {out_dir}/speedup.png")
+
+
+@bench_app.command("agents")
+def bench_agents(
+    workloads: str = typer.Option("tools,json,edits", "--workloads",
+                                  help="Comma-separated: tools (BFCL calls, tool_choice auto and required), json "
+                                  "(JSON-schema output), edits (code edits with the file as the prediction)."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m"),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated, 'ar' included (default: ar, "
+                                          "hd, suffix where installed, llama-cpp where installed and the model "
+                                          "is a GGUF file). Known: " + bench_agents_mod.method_help()),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Questions per workload, taken in turn from its "
+                                        "categories (default: all)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Default per workload: " + ", ".join(
+        f"{k} {v}" for k, v in bench_agents_mod.MAX_NEW_TOKENS.items()) + "."),
+    bfcl: Optional[Path] = typer.Option(None, "--bfcl", help="BFCL data folder (default: ../shared/data/bfcl)."),
+    corpora: Optional[Path] = typer.Option(None, "--corpora", help="Code corpora folder (default: ../shared/corpora)."),
+    temperature: float = typer.Option(0.0, help="0 = greedy (exactness is checked only then)."),
+    seed: int = typer.Option(0, help="Seed for sampling."),
+    stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB (repeatable)."),
+    model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option("auto", help="auto|cpu|cuda."),
+    kernels: str = typer.Option("auto", help=KERNELS_HELP),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json and answers/<method>.jsonl here."),
+    as_json: bool = typer.Option(False, "--json", help="Write the report as JSON to stdout."),
+):
+    """Tool calls, JSON-schema output and edits: each method under the same constraint, interleaved."""
+    from tqdm import tqdm
+    cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, stats_dbs=stats_db,
+                         model_db=model_db, temperature=temperature, seed=seed)
+    bar = tqdm(desc="warming up", unit=" answers", file=sys.stderr, disable=as_json, mininterval=1.0)
+
+    def progress(method: str, item, total: int) -> None:
+        bar.total = total
+        bar.set_description(f"{item.category} · {method}")
+        bar.update()
+    try:
+        report = bench_agents_mod.bench(cfg, config_mod.split_list(methods) if methods else None,
+                                        workloads=config_mod.split_list(workloads), bfcl=bfcl, corpora=corpora,
+                                        limit=limit, max_new_tokens=max_new_tokens, out=out_dir,
+                                        progress=progress, on_status=_status(as_json))
+    finally:
+        bar.close()
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    Console(highlight=False).print(bench_agents_mod.table(report))
 
 
 @bench_app.command("report")

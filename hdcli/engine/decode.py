@@ -22,10 +22,12 @@ from typing import Callable, Sequence
 import torch
 
 from . import invariant
-from .draft import Drafter, clamped
+from .draft import Draft, Drafter, clamped
 from .prefix import prefill_pieces
 from .stats import RunStats
+from .constrain import FORCED_RATE, Grammar
 from .costs import CostCurve
+from .prediction import Prediction
 from .tree import Tree, build_tree, keep_path, new_cache, node_estimates, reached, supports_trees, tree_forward
 from .verify import Sampling, accept_chain_q, accept_tree, logprobs_of, processed, top_tokens
 
@@ -42,6 +44,7 @@ class Generation:
     stats: RunStats = field(default_factory=RunStats)
     # per token, where asked (logprobs=k): its log-probability and the k best (token, log-probability)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prediction_usage: dict | None = None   # with a predicted output: Stream.prediction_usage()
 
 
 class Decoder:
@@ -95,11 +98,15 @@ class Decoder:
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
                  sampling: Sampling = Sampling(), seed: int | None = None,
                  stop_check: Callable[[list[int]], int | None] | None = None,
-                 on_tokens: TokenCallback | None = None, logprobs: int | None = None) -> Generation:
+                 on_tokens: TokenCallback | None = None, logprobs: int | None = None,
+                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None) -> Generation:
         """stop_check(tokens) may return a length to cut the output at (a stop string was seen).
         logprobs: None, or k >= 0 to return each token's log-probability and its k best
-        alternatives (Generation.logprobs; verify.logprobs_of)."""
-        s = self.stream(prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens, logprobs=logprobs)
+        alternatives (Generation.logprobs; verify.logprobs_of). grammar: the output follows it
+        (engine/constrain.py). prediction: tokens the output is expected to repeat, drafted by
+        their own layer (engine/prediction.py)."""
+        s = self.stream(prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens, logprobs=logprobs,
+                        grammar=grammar, prediction=prediction)
         while not s.done:
             tree = s.propose()
             s.accept(tree_forward(self.model, tree, s.history[-1], s.cache))
@@ -110,13 +117,15 @@ class Decoder:
                sampling: Sampling = Sampling(), seed: int | None = None,
                stop_check: Callable[[list[int]], int | None] | None = None,
                on_tokens: TokenCallback | None = None, drafter: Drafter | None | str = "own",
-               logprobs: int | None = None, scope: str = "") -> "Stream":
+               logprobs: int | None = None, scope: str = "", grammar: Grammar | None = None,
+               prediction: Sequence[int] | None = None) -> "Stream":
         """A generation to be stepped by the caller (generate() steps one; a server steps many and
         verifies their trees in one forward, hdcli/engine/batch.py). The prompt is prefilled here.
         drafter: this one's own ("own"), or another (one per concurrent stream: drafters keep
         per-generation state). scope: whose prefix-cache entries it may reuse (hd serve)."""
         return Stream(self, prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens,
-                      self.drafter if isinstance(drafter, str) else drafter, logprobs, scope=scope)
+                      self.drafter if isinstance(drafter, str) else drafter, logprobs, scope=scope,
+                      grammar=grammar, prediction=prediction)
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
@@ -137,7 +146,8 @@ class Stream:
     @torch.inference_mode()
     def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], max_new_tokens: int,
                  sampling: Sampling, seed: int | None, stop_check, on_tokens: TokenCallback | None,
-                 drafter: Drafter | None, logprobs: int | None = None, scope: str = ""):
+                 drafter: Drafter | None, logprobs: int | None = None, scope: str = "",
+                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None):
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if max_new_tokens < 1:
@@ -170,6 +180,13 @@ class Stream:
         self._q_rows = None
         self._t_drafted = 0.0
         self.estimates: list[float] = [1.0]   # per node of an uncapped proposal (scheduler joint cap)
+        # the top of the hierarchy, per request: the grammar (its mask on every row; its forced
+        # tokens drafted first) and the predicted output. Plain decoding (no drafter, no
+        # prediction) drafts nothing: the grammar only masks.
+        self.grammar = grammar.start() if grammar is not None else None
+        self.prediction = Prediction(prediction) if prediction else None
+        self.prediction_size = len(prediction or ())
+        self.speculates = drafter is not None or self.prediction is not None
 
     def propose(self, max_nodes: int | None = None, capped: bool = True) -> Tree:
         """Draft at most the room left and build this step's tree (root token: history[-1]);
@@ -181,23 +198,71 @@ class Stream:
         cap = dec.max_nodes if max_nodes is None else min(max_nodes, dec.max_nodes)
         room = self.max_new_tokens - len(self.out) - 1
         t0 = time.perf_counter()
-        drafts = (clamped(drafter.propose(self.history, room, self.stats), room, dec.vocab_size)
-                  if drafter and cap > 0 else [])
+        drafts = self._drafts(room) if cap > 0 else []
         self._q_rows = drafts[0].q if drafts else None
+        rate = self._rate if self.grammar is not None or self.prediction is not None else (
+            drafter.rate if drafter else None)
         if self._q_rows is not None:  # a draft model's sampled chain: verified with its distribution
             tree = build_tree(drafts[:1], None, None, cap)
         else:
-            tree = build_tree(drafts, drafter.rate if drafter else None, dec.cost if capped else None,
-                              cap, self.trees_ok)
+            tree = build_tree(drafts, rate, dec.cost if capped else None, cap, self.trees_ok)
         if not capped:   # for the caller's joint cap; a capped tree's were used in build_tree
             if self._q_rows is not None:   # a draft model's chain: sent whole (its rows of q go with it)
                 self.estimates = [1.0] * (tree.size() + 1)
             else:
-                self.estimates = node_estimates(tree, drafter.rate) if drafter and tree.size() else [1.0]
+                self.estimates = node_estimates(tree, rate) if rate and tree.size() else [1.0]
         self.stats.draft_seconds += time.perf_counter() - t0
         self._t_drafted = time.perf_counter()
         self.tree = tree
         return tree
+
+    def _drafts(self, room: int) -> list[Draft]:
+        """The step's candidates, best first: the grammar's forced tokens, then the prediction's
+        and the drafter's candidates continuing after them in the same tree. Each is cut to the
+        room left, before an id outside the vocabulary and, under a grammar, before the first token
+        it forbids (never verified). Under a grammar a draft model's sampled chain is verified as
+        point masses (its q dropped): the point-mass rule is exact given the drafted tokens, so a
+        cut that depends on them keeps it exact, which the min(1, p/q) rule would not be."""
+        if not self.speculates:
+            return []
+        vocab = self.decoder.vocab_size
+        lead = tuple(self.grammar.forced(room)) if self.grammar is not None else ()
+        rest = room - len(lead)
+        drafts = [Draft(lead, "grammar")] if lead else []
+        if self.prediction is not None and rest > 0:
+            got = self.prediction.peek(self.out, lead, rest) if lead else self.prediction.propose(rest)
+            if got:
+                drafts.append(Draft(lead + tuple(got), "prediction"))
+        if self.drafter is not None and rest > 0:
+            history = self.history + list(lead) if lead else self.history
+            for d in clamped(self.drafter.propose(history, rest, self.stats), rest, vocab):
+                drafts.append(Draft(lead + d.tokens, d.layer, d.q if self.grammar is None else None))
+        drafts = clamped(drafts, room, vocab)
+        if self.grammar is None:
+            return drafts
+        out = []
+        for d in drafts:
+            n = self.grammar.valid_prefix(d.tokens)
+            if n:
+                out.append(d if n == len(d.tokens) else Draft(d.tokens[:n], d.layer))
+        return out
+
+    def _rate(self, layer: str | None, depth: int = 1, first_child: bool = True) -> float:
+        """Per-token acceptance estimates (tree.node_estimates) with the request's own layers."""
+        if layer == "grammar":
+            return FORCED_RATE
+        if layer == "prediction":
+            return self.prediction.rate()
+        return self.drafter.rate(layer, depth, first_child) if self.drafter is not None else 0.0
+
+    def prediction_usage(self) -> dict | None:
+        """OpenAI's counts for a predicted output: accepted = output tokens the prediction drafted
+        and the target kept; rejected = the prediction's other tokens. None without a prediction."""
+        if self.prediction is None:
+            return None
+        kept = self.stats.layers["prediction"].accepted if "prediction" in self.stats.layers else 0
+        return {"accepted_prediction_tokens": kept,
+                "rejected_prediction_tokens": max(0, self.prediction_size - kept)}
 
     def restrict(self, keep: Sequence[int]) -> Tree:
         """Verify only these nodes of the proposed tree (closed under parent, root included)."""
@@ -223,12 +288,21 @@ class Stream:
         t2 = time.perf_counter()
         stats.forward_seconds += t2 - self._t_drafted
         logits = processed(logits, self.sampling, self.out, tree.parents, tree.tokens)
+        greedy = self.sampling.greedy
+        # each row masked with its own path's grammar state; greedy decoding without
+        # log-probabilities needs only each row's masked argmax (GrammarState.greedy_targets)
+        lazy_mask = self.grammar is not None and greedy and self.out_logprobs is None
+        if self.grammar is not None and not lazy_mask:
+            logits = self.grammar.masked(logits, tree.parents, tree.tokens)
         past = len(history) - 1            # cache length before this step
         records = drafter is not None and getattr(drafter, "records", False)
-        greedy = self.sampling.greedy
         # each node's best tokens, computed once: greedy acceptance takes the first, layers that
         # recycle the target's predictions take as many as they keep
         top = top_tokens(logits, drafter.record_k if records else 1) if greedy or records else None
+        if lazy_mask:
+            targets = self.grammar.greedy_targets(logits, tree.parents, tree.tokens, [t[0] for t in top])
+            top = [row if row[0] == t else [t] + [x for x in row if x != t][:len(row) - 1]
+                   for row, t in zip(top, targets)]
         if records:
             drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, top, stats)
         if self._q_rows is not None and not greedy:
@@ -255,6 +329,11 @@ class Stream:
         before = len(out)
         out.extend(new)
         self.out_layers.extend(new_layers)
+        if self.grammar is not None:
+            self.grammar.advance(new)
+            stats.grammar_seconds, stats.grammar_rows = self.grammar.seconds, self.grammar.rows
+        if self.prediction is not None:
+            self.prediction.extend(out, len(new))
         stats.bookkeeping_seconds += time.perf_counter() - t2
         if self.stop_check is not None:
             cut = self.stop_check(out)
@@ -281,7 +360,8 @@ class Stream:
         self.stats.new_tokens = len(self.out)
         self.stats.wall_seconds = time.perf_counter() - self.t_start
         return Generation(tokens=self.out, layers=self.out_layers, stop_reason=self.stop_reason,
-                          stats=self.stats, logprobs=self.out_logprobs)
+                          stats=self.stats, logprobs=self.out_logprobs,
+                          prediction_usage=self.prediction_usage())
 
     def _record(self, tree: Tree, path: list[int]) -> None:
         """Per-layer counts of what was sent, kept and which candidate won; feeds `adaptive`."""
@@ -293,6 +373,8 @@ class Stream:
         tested, accepted = reached(tree, path)
         if path:
             stats.layer(tree.layers[path[-1]]).won += 1
+        if self.drafter is None:   # a prediction alone
+            return
         self.drafter.observe(tested, accepted)
         if hasattr(self.drafter, "record_target"):
             self.drafter.record_target(tree.size(), len(path))

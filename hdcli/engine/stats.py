@@ -56,6 +56,8 @@ class RunStats:
     draft_seconds: float = 0.0        # asking the layers and building the tree
     forward_seconds: float = 0.0      # the target's verification forwards (after prefill)
     bookkeeping_seconds: float = 0.0  # acceptance, KV cache crop, statistics, layer updates
+    grammar_seconds: float = 0.0      # under a grammar: masking rows, cutting drafts (engine/constrain.py)
+    grammar_rows: int = 0             # ... rows masked
 
     def layer(self, name: str) -> LayerStats:
         if name not in self.layers:
@@ -92,6 +94,7 @@ class RunStats:
             "mean_tree_size": self.mean_tree_size, "draft_seconds": self.draft_seconds,
             "forward_seconds": self.forward_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
             "overhead_share": self.overhead_share,
+            "grammar_seconds": self.grammar_seconds, "grammar_rows": self.grammar_rows,
             "accept_lengths": self.accept_lengths, "tree_sizes": self.tree_sizes,
             "layers": {k: v.to_dict() for k, v in self.layers.items()},
         }
