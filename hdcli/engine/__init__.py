@@ -15,6 +15,7 @@
     verify.py    the acceptance rules (greedy and sampling), both lossless
     decode.py    the decode loop: draft, verify in one forward, accept, keep the path, repeat
     prompts.py   prompt -> token ids (chat template); tokens -> text pieces; stop strings
+    tools.py     tool calls: tools checked, rendered into the prompt, call grammars, calls parsed back
     stats.py     what one generation records: per layer and per step
 
 Nothing here imports from the packages above it (db, drafting, hsd, bench).

@@ -182,10 +182,10 @@ class GrammarState:
         t0 = time.perf_counter()
         m = self.matcher
         tokens = m.compute_ff_tokens()
-        if not tokens:
-            text = m.compute_ff_bytes()
+        if not tokens:   # the forced text's last token is left out: the model may merge it with
+            text = m.compute_ff_bytes()   # what follows ('"' then ':' written as '":')
             if text:
-                tokens = self.grammar.tokenizer.tokenize_bytes(text)
+                tokens = self.grammar.tokenizer.tokenize_bytes(text)[:-1]
                 tokens = tokens[:m.validate_tokens(tokens)]
         self.seconds += time.perf_counter() - t0
         return list(tokens[:max_len])

@@ -14,6 +14,7 @@ is the caller's own text: its special tokens' strings stay special.
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Callable, Sequence
 
 from ..errors import HdError
@@ -50,20 +51,22 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True, system: str | None 
 
 
 def encode_messages(tokenizer, messages: list[dict], chat: bool = True, max_tokens: int | None = None,
-                    lock=None) -> list[int]:
+                    lock=None, tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation ending with a user turn, ready for the assistant's answer:
     the chat template when the tokenizer has one (and chat), else the contents of the user and
     assistant turns joined by blank lines (a lone prompt is itself; a system message is dropped).
     Contents are text either way: special tokens' strings in them never become control tokens.
     max_tokens: as encode_prompt's. lock: held around each use of the tokenizer (not while the
-    template renders: hd serve's decode loop decodes with it meanwhile).
+    template renders: hd serve's decode loop decodes with it meanwhile). tools: OpenAI tool dicts
+    for the template's `tools` variable (engine/tools.py renders calls and results for templates
+    without it); their control tokens' strings stay text as the messages' do.
     The template renders with bounded time and size (engine/templates.py): TemplateError else."""
     lock = lock or contextlib.nullcontext()
     contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
     refuse_too_long(tokenizer, contents, max_tokens, lock=lock)
     if chat and getattr(tokenizer, "chat_template", None):
         try:
-            ids = _through_template(tokenizer, messages, sum(len(c) for c in contents), lock)
+            ids = _through_template(tokenizer, messages, sum(len(c) for c in contents), lock, tools)
         except ValueError as exc:
             if "Can't sanitize" not in str(exc):
                 raise
@@ -76,14 +79,14 @@ def encode_messages(tokenizer, messages: list[dict], chat: bool = True, max_toke
         return [int(t) for t in tokenizer(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]]
 
 
-def _through_template(tokenizer, messages: list[dict], chars: int, lock) -> list[int]:
+def _through_template(tokenizer, messages: list[dict], chars: int, lock, tools: list[dict] | None = None) -> list[int]:
     """apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
     sanitize_control_tokens=True) step by step, its template rendered by templates.render:
     transformers marks control tokens in the messages and encodes them as text, the template's
     own as tokens; what holds none is encoded exactly as without the flag."""
     from transformers.utils import chat_template_utils as ctu
     source = getattr(tokenizer, "name_or_path", "") or "this model"
-    template = tokenizer.get_chat_template()
+    template = tokenizer.get_chat_template(None, tools)   # a "tool_use" template where it has one
     literal = templates.literal_text(template, source)   # parsed here: transformers would compile it
     with lock:
         added = list(tokenizer.added_tokens_decoder.values())
@@ -94,8 +97,11 @@ def _through_template(tokenizer, messages: list[dict], chars: int, lock) -> list
         t.content in set(listed) if listed is not None else t.content in literal and not t.content.isspace()))
     marked = ctu.mark_control_tokens(ctu._normalize_chat_messages(messages), ctu._get_control_token_patterns(controls)[0])
     chat = ctu._alias_reasoning_fields(ctu._plain_template_data(marked))
+    if tools is not None:
+        tools = ctu._plain_template_data(ctu.mark_control_tokens(tools, ctu._get_control_token_patterns(controls)[0]))
+        chars += len(json.dumps(tools))
     text = templates.render(template, source,
-                            max_chars=templates.TEMPLATE_CHARS + 2 * chars, messages=chat, tools=None,
+                            max_chars=templates.TEMPLATE_CHARS + 2 * chars, messages=chat, tools=tools,
                             documents=None, add_generation_prompt=True, **variables)
     if not text.strip():   # a prompt of nothing: the template dropped the messages (or failed quietly)
         raise TemplateError(f"the chat template of {source} gave no text for the messages")

@@ -13,6 +13,8 @@ precedence over its sampling settings. The modules:
   learner.py    --learn: finished generations into the model DB, one writer thread
   metrics.py    /metrics (prometheus-client)
   protocol.py   the request bodies and OpenAI's error schema
+  structured.py what a chat request asks of its output: response_format's grammar, tools and
+                tool_choice (call grammars, engine/tools.py), a predicted output; checked here
   app.py        the routes (Starlette, run by uvicorn)
   limits.py     connection bounds: header timeout, connection cap, rate-limited out-of-files log
   spawn.py      `hd serve` in a process of its own on a free port (tests, benchmarks, apps)
@@ -43,11 +45,11 @@ import time
 from typing import Callable, Sequence
 
 from .. import api, compose
-from ..engine import costs, prefix
+from ..engine import costs, prefix, tools
 from ..engine.prompts import PromptTooLong, encode_messages, refuse_too_long
 from ..engine.verify import Sampling
 from ..errors import HdError
-from . import tenants
+from . import structured, tenants
 from .learner import Learner
 from .limits import http_protocol, limit_log
 from .metrics import Metrics, Readers as MetricsReaders
@@ -214,7 +216,12 @@ class Server:
         if req.model != self.name:
             raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{self.name}'",
                            "model", "model_not_found")
-        ids, where = self._encode(req, chat)   # takes the tokenizer lock itself (not while a template renders)
+        spec = None
+        if chat:   # tools, tool messages: checked before the prompt is built from them (serve/structured.py)
+            with self.scheduler.tokenizer_lock:   # compiling a schema may build the grammar engine's tokenizer
+                spec = structured.tool_spec(req, self.lm)
+            structured.check_tool_messages(req)
+        ids, where = self._encode(req, chat, spec)   # takes the tokenizer lock itself (not while a template renders)
         if not ids:
             raise ApiError(400, f"{where}: the prompt is empty", where)
         room = self.lm.max_context - len(ids)
@@ -227,10 +234,18 @@ class Server:
                            f"the model's context of {self.lm.max_context} (at most {room})",
                            "max_tokens", "context_length_exceeded")
         cfg = self.config
+        grammar = prediction = family = None
+        if chat:
+            family = tools.family(self.lm.tokenizer)
+            with self.scheduler.tokenizer_lock:
+                grammar = structured.grammar_for(req, self.lm, spec, family)
+                prediction = structured.prediction_ids(req, self.lm, room)
         return Job(prompt_ids=ids, max_tokens=min(limit or cfg.max_new_tokens, room),
                    sampling=self._sampling(req), seed=cfg.seed if req.seed is None else req.seed,
                    stop=req.stops() or list(cfg.stop), emit=lambda ev: None, streamed=req.stream,
-                   logprobs=req.logprobs_wanted(), scope=scope)
+                   logprobs=req.logprobs_wanted(), scope=scope, grammar=grammar, prediction=prediction,
+                   tool_family=family if structured.parses_calls(req, spec) else None,
+                   tools=spec.tools if spec is not None else [])
 
     def _sampling(self, req) -> Sampling:
         """The request's sampling and logits processors; what it leaves out, the server's."""
@@ -255,15 +270,23 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), "logit_bias") from None
 
-    def _encode(self, req, chat: bool) -> tuple[list[int], str]:
-        """The request's prompt as token ids, and the field it came from."""
+    def _encode(self, req, chat: bool, spec: structured.ToolSpec | None = None) -> tuple[list[int], str]:
+        """The request's prompt as token ids, and the field it came from. A conversation with tools
+        or tool turns is rendered by engine/tools.py (the model's template, or hd's tool prompt)."""
         tok = self.lm.tokenizer
         if chat:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        | ({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {})
+                        | ({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})
                         for m in req.messages]
+            with_tools = bool(spec and spec.tools) or any(m.tool_calls or m.role == "tool" for m in req.messages)
             try:
-                ids = encode_messages(tok, messages, chat=self.config.chat, max_tokens=self.lm.max_context,
-                                      lock=self.scheduler.tokenizer_lock)
+                if with_tools:
+                    ids = tools.render(tok, messages, spec.tools if spec else [], max_tokens=self.lm.max_context,
+                                       lock=self.scheduler.tokenizer_lock)
+                else:
+                    ids = encode_messages(tok, messages, chat=self.config.chat, max_tokens=self.lm.max_context,
+                                          lock=self.scheduler.tokenizer_lock)
             except PromptTooLong as exc:
                 raise ApiError(400, f"messages: {exc}", "messages", "context_length_exceeded") from None
             except HdError as exc:   # the template failed or hit a bound; a control token kept as text
@@ -310,8 +333,12 @@ class Server:
             return first
         each = [self.usage(j) for j in jobs]
         n = sum(u["completion_tokens"] for u in each)
-        return first | {"completion_tokens": n, "total_tokens": first["prompt_tokens"] + n,
-                        "hd": first["hd"] | {"choices": [u["hd"] for u in each]}}
+        out = first | {"completion_tokens": n, "total_tokens": first["prompt_tokens"] + n,
+                       "hd": first["hd"] | {"choices": [u["hd"] for u in each]}}
+        if "completion_tokens_details" in first:   # a prediction's counts, summed over the choices
+            out["completion_tokens_details"] = {k: sum(u["completion_tokens_details"][k] for u in each)
+                                                for k in first["completion_tokens_details"]}
+        return out
 
     def usage(self, job: Job) -> dict:
         n = len(job.stream.out) if job.stream else 0
@@ -325,9 +352,14 @@ class Server:
                   "seconds": round(job.finished - job.submitted, 4),
                   "cached_prompt_tokens": st.cached_tokens, "prefill_seconds": round(st.prefill_seconds, 4)}
         cached = job.stream.stats.cached_tokens if job.stream is not None else 0
-        return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(job.prompt_ids) + n,
-                "prompt_tokens_details": {"cached_tokens": cached}, "hd": hd}
+        out = {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n,
+               "total_tokens": len(job.prompt_ids) + n,
+               "prompt_tokens_details": {"cached_tokens": cached}, "hd": hd}
+        if job.prediction is not None:   # OpenAI's counts for a predicted output (engine/decode.py)
+            counts = job.stream.prediction_usage() if job.stream is not None else None
+            out["completion_tokens_details"] = counts or {"accepted_prediction_tokens": 0,
+                                                          "rejected_prediction_tokens": len(job.prediction)}
+        return out
 
     def _finished(self, job: Job) -> None:  # decode thread
         m = self.metrics

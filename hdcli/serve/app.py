@@ -16,8 +16,19 @@ logprobs (chat: with top_logprobs), user (the tenant scope's, serve/tenants.py).
 drafted/accepted tokens per layer. Log-probabilities are those of the rows plain decoding
 computes, after penalties and biases, before temperature and truncation.
 
+Chat also takes response_format (json_object, json_schema: the answer follows the grammar, exact
+under speculation), tools with tool_choice and parallel_tool_calls, tool messages and assistant
+tool_calls, and prediction (serve/structured.py). An answer that is tool calls (constrained under
+"required" or a named function; parsed, never constrained, under "auto": a call that does not parse
+is text) carries message.tool_calls (ids "call_<hex>", JSON-text arguments), content null or the
+text before the calls, and finish_reason "tool_calls"; streamed, the text that may still become a
+call is held back and the calls come at the end as OpenAI's deltas (index, id, type and name, then
+the arguments). With a prediction, usage.completion_tokens_details has OpenAI's
+accepted_prediction_tokens and rejected_prediction_tokens.
+
 Errors follow OpenAI's schema ({"error": {"message", "type", "param", "code"}}): 400 bad JSON
-(nested too deeply included), unknown field, wrong type, max_tokens beyond the context; 401
+(nested too deeply included), unknown field, wrong type, max_tokens beyond the context, a schema,
+tool, tool_choice, tool message or prediction that cannot be used (param names it); 401
 missing or wrong API key (compared in constant time); 404 unknown model or route; 408 a body not
 received whole within --body-timeout; 413 body over the limit; 503 queue full or the server
 stopping. A client that disconnects cancels its request; others go on.
@@ -38,6 +49,11 @@ from .protocol import ApiError, ChatRequest, CompletionRequest, parse
 from .scheduler import Job
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
+
+
+def _finish(job: Job) -> str:
+    """OpenAI's finish_reason: "tool_calls" where the answer is calls (Job.calls)."""
+    return "tool_calls" if job.calls else FINISH[job.finish_reason]
 
 
 def build_app(server) -> Starlette:
@@ -230,8 +246,10 @@ def _answer(server, jobs: list[Job], rid: str, created: int, chat: bool) -> dict
         reason = FINISH[job.finish_reason]
         lps = _logprobs(server, job, server.scheduler.logprob_entries(job), chat)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": job.text}, "logprobs": lps,
-                            "finish_reason": reason})
+            message = {"role": "assistant", "content": job.text}
+            if job.calls:   # the text before the calls, if any
+                message |= {"content": job.text or None, "tool_calls": job.calls}
+            choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": _finish(job)})
         else:
             choices.append({"index": i, "text": job.text, "logprobs": lps, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -272,11 +290,12 @@ async def _sse(server, jobs: list[Job], events: asyncio.Queue, rid: str, created
     offsets = [0] * len(jobs)   # characters sent per choice: completions' text_offset
 
     def chunk(i: int, piece: str | None, finish: str | None, usage=None, choices=True, role=False,
-              entries=None) -> bytes:
+              entries=None, calls=None) -> bytes:
         lps = _logprobs(server, jobs[i], entries, chat, offsets[i]) if entries else None
         offsets[i] += len(piece or "")
         if chat:
             delta = ({"role": "assistant"} if role else {}) | ({} if piece is None else {"content": piece})
+            delta |= {"tool_calls": calls} if calls else {}
             choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
         else:
             choice = {"index": i, "text": piece or "", "logprobs": lps, "finish_reason": finish}
@@ -306,7 +325,12 @@ async def _sse(server, jobs: list[Job], events: asyncio.Queue, rid: str, created
                 yield b"data: [DONE]\n\n"
                 left = -1
                 return
-            yield chunk(i, None, FINISH[job.finish_reason], entries=job.lp_rest)
+            for k, call in enumerate(job.calls or []):   # OpenAI's deltas: id and name, then the arguments
+                fn = call["function"]
+                yield chunk(i, None, None, calls=[{"index": k, "id": call["id"], "type": "function",
+                                                   "function": {"name": fn["name"], "arguments": ""}}])
+                yield chunk(i, None, None, calls=[{"index": k, "function": {"arguments": fn["arguments"]}}])
+            yield chunk(i, None, _finish(job), entries=job.lp_rest)
         if include_usage:
             yield chunk(0, None, None, server.usage_of(jobs), choices=False)
         server.metrics.requests.labels(endpoint, "200").inc()

@@ -8,25 +8,29 @@ temperature 0 (greedy) unless the server was started with another.
 Implemented: `frequency_penalty`, `presence_penalty`, `logit_bias` (logits processors applied
 to every verified row with its own path's counts, engine/verify.py) and `logprobs` with
 `top_logprobs` (chat) or `logprobs` (completions): plain decoding's numbers exactly, in streams
-too. Fields apps send by default are taken at their neutral values (`response_format` text, no
-tools, `tool_choice` "none" or "auto" with no tools; `parallel_tool_calls`, `store`, `metadata`,
-`service_tier` whatever their value: they change nothing hd computes); any other value of them is
-a 400 naming the field, since hd does not implement it (`neutral_problem`).
-An assistant message's `content: null` is empty text; "tool" and "function" messages are a 400
-naming their role (no tool calls).
+too. `response_format` (text, json_object, json_schema), `tools`, `tool_choice` (none, auto,
+required, {"type": "function", "function": {"name"}}), `parallel_tool_calls` and `prediction`
+({"type": "content", "content": text or text parts}) are implemented by hdcli/serve (grammars:
+engine/constrain.py; tools: engine/tools.py; predictions: engine/prediction.py); this module
+checks their shape, the server what depends on the model (schemas compiled, tool names, lengths).
+`store`, `metadata`, `service_tier` are taken whatever their value (they change nothing hd
+computes); fields listed in NEUTRAL are taken only at their neutral values (`neutral_problem`).
+An assistant message's `content: null` (or none) is empty text, its `tool_calls` the calls it
+made; a "tool" message answers one of them by `tool_call_id`; "function" messages (OpenAI's
+deprecated form) are a 400 naming their role.
 """
 from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..config import MAX_LOGPROBS
 
 MAX_STOP = 4
 MAX_CHOICES = 8   # `n`: each choice is a request of its own in the decode loop (--max-batch)
-TOOL_ROLES = ("tool", "function")   # refused by name: hd serve does not implement tool calls
+TOOL_ROLES = ("function",)   # OpenAI's deprecated function messages: refused by name ("tool" is taken)
 
 
 class ApiError(Exception):
@@ -51,19 +55,38 @@ class TextPart(_Strict):
     text: str
 
 
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]   # "tool"/"function": parse() says why not
-    # null: an assistant turn without text (OpenAI clients send it so), taken as empty text
-    content: Union[str, list[TextPart], None]
-    name: Optional[str] = None
+class FunctionCall(_Strict):
+    name: str
+    arguments: str      # JSON text, as OpenAI sends it
 
-    @field_validator("content")
-    @classmethod
-    def _text_unless_assistant(cls, content, info: ValidationInfo):
-        if content is None and info.data.get("role", "assistant") != "assistant":
-            raise PydanticCustomError("null_content", "null is taken only in assistant messages: give the "
-                                      "message's text (a string or a list of text parts)")
-        return content
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]   # "function": parse() says why not
+    # null or left out: an assistant turn without text (OpenAI clients send it so), taken as empty text
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None    # assistant: the calls it made
+    tool_call_id: Optional[str] = None             # tool: the call this answers
+    refusal: Optional[str] = None                  # sent back by clients that echo an answer; unused
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("null_content", "{field}: give the message's text (a string or a list of "
+                                      "text parts); null is taken only in assistant messages", {"field": "content"})
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("misplaced", "{field}: only assistant messages carry tool calls",
+                                      {"field": "tool_calls"})
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise PydanticCustomError("misplaced", "{field}: a tool message names the call it answers by "
+                                      "tool_call_id; other messages have none", {"field": "tool_call_id"})
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -75,9 +98,32 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")   # checked and compiled by the server
+    strict: Optional[bool] = None    # hd holds every schema strictly: the output always follows it
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.json_schema is None) == (self.type == "json_schema"):
+            raise PydanticCustomError("misplaced", "{field}: given with type 'json_schema' (and only then)",
+                                      {"field": "json_schema"})
+        return self
+
+
+class Prediction(_Strict):
+    type: Literal["content"]
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class _Common(_Strict):
@@ -127,15 +173,9 @@ class ChatRequest(_Common):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict]] = None
-    tool_choice: Optional[Union[str, dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None    # checked against the tools by the server
     parallel_tool_calls: Optional[bool] = None
-
-    NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {
-        **_Common.NEUTRAL,
-        "response_format": (("text",), "type 'text'", "other formats are not implemented"),
-        "tools": (([],), "none or []", "tool calls are not implemented"),
-        "tool_choice": (("none", "auto"), "'none'", "tool calls are not implemented"),
-    }
+    prediction: Optional[Prediction] = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -173,8 +213,12 @@ def parse(kind: type[_Strict], data) -> _Strict:
         # a tool turn also has fields a message lacks (tool_call_id): its role says more than those
         err = next((e for e in errors if e["loc"][-1:] == ("role",) and e.get("input") in TOOL_ROLES), errors[0])
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[")))
-        if err["loc"][-1:] == ("role",) and err.get("input") in TOOL_ROLES:
-            msg = f"{loc}: '{err['input']}' messages are not supported (hd serve does not implement tool calls)"
+        if err.get("ctx", {}).get("field"):   # a check of several fields (a model validator): it names one
+            loc = f"{loc}.{err['ctx']['field']}" if loc else err["ctx"]["field"]
+            msg = err["msg"].replace(f"{err['ctx']['field']}:", f"{loc}:", 1)
+        elif err["loc"][-1:] == ("role",) and err.get("input") in TOOL_ROLES:
+            msg = (f"{loc}: '{err['input']}' messages are not supported (OpenAI's deprecated form): send the "
+                   "function's result as a 'tool' message with the tool_call_id it answers")
         elif err["type"] == "extra_forbidden":
             msg = f"unknown field '{loc}': hd serve does not take it"
         elif loc == "n":

@@ -6,7 +6,9 @@ what `hd generate` would build); every running request proposes its draft tree, 
 forward's rows shared among them (invariant.MAX_ROWS in all, the widest forward the M-invariant
 mode is calibrated for); one forward verifies all trees; each request accepts its tokens and
 hands the new text to its client. A finished request goes to the learner (hdcli/serve/learner.py)
-when the server learns.
+when the server learns. A job's grammar and predicted output go to its decode stream (engine/decode.py);
+a job parsed for tool calls holds back the text that may still become one (engine/tools.held) and
+ends with its calls in Job.calls.
 
 Invariants
   * Only this thread touches the model, the KV caches, the drafters and the shared tables (the
@@ -41,7 +43,8 @@ from typing import Callable
 
 import torch
 
-from ..engine import batch, invariant
+from ..engine import batch, invariant, tools
+from ..engine.constrain import Grammar
 from ..engine.decode import Decoder, Stream
 from ..engine.tree import cap_jointly
 from ..engine.prompts import cut_at_stop, stop_checker
@@ -72,13 +75,18 @@ class Job:
     logprobs: int | None = None            # return log-probabilities with this many alternatives
     lp_sent: int = 0                       # tokens whose log-probabilities went with the text
     lp_rest: list | None = None            # those left at the end (sent with the last chunk)
+    grammar: Grammar | None = None         # the output follows it (engine/constrain.py)
+    prediction: list[int] | None = None    # a predicted output's ids, drafted by its own layer
+    tool_family: str | None = None         # parse the answer for tool calls in this format (engine/tools.py)
+    tools: list = field(default_factory=list)   # the tools offered (engine/tools.Tool): calls name one
+    calls: list | None = None              # the tool calls the answer is (OpenAI's shape), or None
     id: str = ""
     submitted: float = field(default_factory=time.perf_counter)
     started: float = 0.0                   # prefill done
     first_token: float = 0.0
     finished: float = 0.0
     stream: Stream | None = None
-    text: str = ""                         # final text (stop strings cut)
+    text: str = ""                         # final text (stop strings cut; with calls, the text before them)
     sent: str = ""                         # text handed to the client so far
     finish_reason: str = ""
     error: str | None = None
@@ -297,7 +305,7 @@ class Scheduler:
             job.stream = self.decoder.stream(job.prompt_ids, job.max_tokens, job.sampling, job.seed,
                                              stop_check=stop_checker(self.lm.tokenizer, job.stop),
                                              drafter=self.drafter_for(job.scope), logprobs=job.logprobs,
-                                             scope=job.scope)
+                                             scope=job.scope, grammar=job.grammar, prediction=job.prediction)
         except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
             if self.prefix is not None:   # its prefill may have stored part of an entry
                 self.prefix.clear()
@@ -328,17 +336,23 @@ class Scheduler:
 
     def _send_text(self, job: Job, final: bool = False) -> None:
         """Hand the client the text that can no longer change: held back are an incomplete UTF-8
-        sequence and, while running, a tail that could start a stop string."""
+        sequence and, while running, a tail that could start a stop string or a tool call. At the
+        end an answer that is tool calls (job.calls) hands only the text before them."""
         with self.tokenizer_lock:
             text = self.lm.tokenizer.decode(job.stream.out, skip_special_tokens=True)
         text = cut_at_stop(text, job.stop)
         if final:
+            if job.tool_family and job.stream.stop_reason in ("eos", "stop"):
+                content, job.calls = tools.split_calls(text, job.tool_family, job.tools)
+                text = text if job.calls is None else content or ""
             job.text = text
         else:
             if text.endswith("\ufffd"):
                 return
             hold = max((len(s) for s in job.stop), default=1) - 1
             text = text[:len(text) - hold] if hold else text
+            if job.tool_family:
+                text = text[:tools.held(text, job.tool_family)]
         if text.startswith(job.sent) and len(text) > len(job.sent):
             job.emit(("text", (text[len(job.sent):], self._logprobs_upto(job, len(text), final))))
             job.sent = text
