@@ -193,9 +193,9 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     outside = [t for t, _ in sampling.logit_bias if t >= vocab]
     if outside:
         raise HdError(f"--logit-bias: token {outside[0]} is not in the model's vocabulary (ids 0..{vocab - 1})")
+    predicted = prediction_ids(lm, prediction, room)
     if isinstance(drafter, str) and drafter == "default":
         drafter = build_drafter(config or DecodingConfig(), lm)
-    predicted = prediction_ids(lm, prediction, room)
     if (drafter or predicted) and cost is None:
         cost = costs.curve_for(lm)
     decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)

@@ -45,7 +45,7 @@ import time
 from typing import Callable, Sequence
 
 from .. import api, compose
-from ..engine import costs, prefix, tools
+from ..engine import constrain, costs, prefix, tools
 from ..engine.prompts import PromptTooLong, encode_messages, refuse_too_long
 from ..engine.verify import Sampling
 from ..errors import HdError
@@ -156,6 +156,9 @@ class Server:
         self.created = int(time.time())
         self.metrics = Metrics()
         compose.warm_up(self.lm)
+        # the grammar engine's view of the tokenizer (~0.5-1.4 s), built now rather than by the first
+        # request with a schema or tools, which builds it holding the tokenizer lock the decode loop needs
+        constrain.prepare(self.lm)
         self.learner = None
         if self.config.learn:
             m = self.metrics
