@@ -283,10 +283,14 @@ class OutputSpec:
     origin: str = "the grammar"
     prediction_origin: str = "the prediction"
 
-    def compile(self, lm: models.LoadedModel) -> constrain.Grammar | None:
+    def compile(self, lm: models.LoadedModel | None) -> constrain.Grammar | None:
+        """The grammar for lm; with lm None only checked (before a model is loaded)."""
         if self.kind is None:
             return None
         try:
+            if lm is None:
+                constrain.check(self.kind, self.source)
+                return None
             return constrain.compile(lm, self.kind, self.source)
         except constrain.GrammarError as exc:
             raise HdError(f"{self.origin}: {exc}") from None
@@ -314,6 +318,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     with no prediction: the baseline a user has)."""
     if not prompt or not prompt.strip():
         raise HdError("the prompt is empty: pass --prompt TEXT or --prompt-file FILE")
+    output.compile(None)   # a bad schema or grammar is said before the model loads
     run = prepare(cfg, lm, on_status)
     cfg, lm = run.config, run.lm
     grammar = output.compile(lm)

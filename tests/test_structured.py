@@ -220,3 +220,21 @@ def test_a_grammar_that_cannot_finish_ends_at_the_length(tiny):
 def test_a_prediction_longer_than_the_context_is_refused(tiny):
     with pytest.raises(api.HdError, match="the prediction is .* tokens, more than"):
         api.generate(tiny, "Hi", max_new_tokens=4, drafter=None, prediction="word " * (tiny.max_context + 10))
+
+
+def test_hd_generate_bad_grammar_files_are_one_line_and_exit_2(tmp_path):
+    """Checked before the model loads: each is one line naming the flag and file, exit 2."""
+    from test_reliability import hd_proc, one_line_error
+    bad_schema = tmp_path / "bad.json"
+    bad_schema.write_text('{"type": "frobnicated"}')
+    empty = tmp_path / "none.lark"
+    empty.write_text('start: a\na: a "x"\n')
+    unknown = tmp_path / "answer.txt"
+    unknown.write_text("yes|no")
+    for args, says in [(["--json-schema", str(bad_schema)], f"--json-schema {bad_schema}: Invalid type"),
+                       (["--grammar", str(unknown)], "say its format with --grammar-format"),
+                       (["--json-object", "--grammar", str(empty)], "pass one of --json-object, --grammar"),
+                       (["--json-schema", str(tmp_path / "missing.json")], "cannot read --json-schema")]:
+        proc = hd_proc("generate", "-p", "Hi", "-n", "4", *args)
+        assert proc.returncode == 2, proc.stderr
+        assert says in one_line_error(proc)

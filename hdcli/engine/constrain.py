@@ -136,6 +136,15 @@ class Grammar:
         return GrammarState(self, self.eos_ids)
 
 
+def check(kind: str, source=None) -> None:
+    """What compile() would refuse in the grammar itself, found without a model or tokenizer
+    (hd generate checks its grammar before loading the model): GrammarError, else None."""
+    from llguidance import LLMatcher
+    problem = LLMatcher.validate_grammar(_grammar_text(kind, source))
+    if problem:
+        raise GrammarError(_one_line(problem))
+
+
 def compile(lm, kind: str, source=None) -> Grammar:  # noqa: A001 - the module's verb
     """A Grammar of `kind` (KINDS) for lm's tokenizer, or GrammarError saying what is wrong: the
     engine's own message for a schema or grammar it refuses, "admits nothing" for one whose
