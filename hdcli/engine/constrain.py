@@ -283,9 +283,10 @@ class GrammarState:
     def _masked_argmax(self, row: torch.Tensor) -> int:
         bm = np.zeros((1, self.words), dtype=np.int32)
         self._fill(bm, 0)
-        allowed = _unpack(bm, self.grammar.vocab)[0]
-        x = row.float().cpu().numpy()[:allowed.shape[0]]
-        return int(np.where(allowed[:x.shape[0]], x, -np.inf).argmax())
+        x = row.float().cpu().numpy()
+        allowed = _unpack(bm, self.grammar.vocab)[0][:x.shape[0]]
+        ids = np.flatnonzero(allowed)
+        return int(ids[x[ids].argmax()])   # the first of equal maxima: ids ascend
 
     def masked(self, logits: torch.Tensor, parents: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """logits [nodes, V] of a tree (row 0: the root) with what each row's own path forbids set
@@ -309,8 +310,14 @@ class GrammarState:
             self._fill(bitmask, node)
             stack.append((node, True))
             stack.extend((c, False) for c in reversed(children[node]))
-        allowed = torch.from_numpy(_unpack(bitmask, self.grammar.vocab)).to(logits.device)
-        out = logits.float().masked_fill(~allowed[:, :logits.shape[-1]], float("-inf"))
+        allowed = _unpack(bitmask, self.grammar.vocab)[:, :logits.shape[-1]]
+        if logits.device.type == "cpu":
+            out = logits.float().clone()
+            rows = out.numpy()
+            for i in range(n):
+                _mask_row(rows[i], allowed[i])
+        else:
+            out = logits.float().masked_fill(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
         self.seconds += time.perf_counter() - t0
         self.rows += n
         return out
@@ -323,6 +330,19 @@ class GrammarState:
                 break   # an end-of-sequence id after a complete grammar: nothing more to follow
             self._consume(int(t), "output")
         self.seconds += time.perf_counter() - t0
+
+
+def _mask_row(row: np.ndarray, allowed: np.ndarray) -> None:
+    """row[~allowed] = -inf in place, touching only the smaller side: a grammar state allows a
+    handful of tokens (JSON punctuation, a key) or nearly all (inside a string), and these index
+    writes cost ~0.02 ms at 49k where a whole-row boolean op cost 0.25 (AMD EPYC)."""
+    ids = np.flatnonzero(allowed)
+    if 2 * len(ids) < len(row):
+        kept = row[ids]
+        row.fill(-np.inf)
+        row[ids] = kept
+    else:
+        row[np.flatnonzero(~allowed)] = -np.inf
 
 
 def _unpack(bitmask: np.ndarray, vocab: int) -> np.ndarray:
