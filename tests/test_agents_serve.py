@@ -208,19 +208,6 @@ def test_streamed_tool_call_deltas_reassemble_to_the_calls(served):
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
-def test_four_concurrent_clients_with_json_schema_each_get_the_plain_answer(served):
-    lm = served.server.lm
-    grammar = constrain.compile(lm, "json_schema", PERSON)
-    asks = [[{"role": "user", "content": f"Make up a {who} and give their name and age as JSON."}]
-            for who in ("pirate", "teacher", "child", "farmer")]
-    refs = [plain(served, m, grammar, max_tokens=24).text for m in asks]
-    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    with ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda m: post(served, messages=m, max_tokens=24, response_format=fmt)[1]
-                            ["choices"][0]["message"]["content"], asks))
-    assert got == refs
-
-
 def test_prediction_usage_is_reported_and_the_answer_unchanged(served):
     messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}]
     ref = plain(served, messages, max_tokens=24)
@@ -256,3 +243,47 @@ def test_auto_answers_the_same_streamed_and_whole(served):
         pieces.append(chunk.choices[0].delta.content or "")
         finish = chunk.choices[0].finish_reason or finish
     assert "".join(pieces) == (whole.message.content or "") and finish == whole.finish_reason
+
+
+@pytest.fixture(scope="module")
+def served_batched(tmp_path_factory):
+    """A tiny random llama over the bundled tokenizer, served in the M-invariant mode: concurrent
+    requests are verified in shared forwards (the bundled model's calibration takes minutes here)."""
+    require_bundled()
+    from hdcli.engine import models
+    from conftest import tiny_llama
+    folder = tmp_path_factory.mktemp("tiny-real-tokenizer")
+    tok = models.load_tokenizer(models.DEFAULT_MODEL)
+    tiny_llama(vocab_size=len(tok), seed=7, hidden=64, scale=2.0).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(costs, "curve_for", lambda lm, *a, **k: costs.CostCurve({1: 1.0, 8: 1.3, 64: 4.0}))
+    r = Running(api.DecodingConfig(model=str(folder), dtype="fp32", kernels="torch", max_new_tokens=MAX), max_batch=4)
+    assert r.server.scheduler.batched, "the test model must hold the M-invariant mode"
+    yield r
+    r.stop()
+    mp.undo()
+
+
+def test_four_concurrent_clients_in_shared_forwards_each_get_the_plain_answer(served_batched):
+    """json_schema under 4 concurrent clients, their trees verified together in one forward a
+    step: each answer equals plain decoding under the grammar in this process, token for token."""
+    s = served_batched.server
+    widest = []
+    step = s.scheduler.on_step
+    s.scheduler.on_step = lambda jobs, counts: (widest.append(len(jobs)), step(jobs, counts))
+    asks = [[{"role": "user", "content": f"Describe person number {i} as JSON."}] for i in range(4)]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    def one(messages):
+        status, body = post(served_batched, messages=messages, response_format=fmt, max_tokens=MAX)
+        assert status == 200, body
+        return body
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(one, asks))
+    g = constrain.compile(s.lm, "json_schema", PERSON)
+    for messages, body in zip(asks, answers):
+        want = plain(served_batched, messages, grammar=g)
+        assert body["choices"][0]["message"]["content"] == want.text
+        assert body["usage"]["completion_tokens"] == len(want.tokens)
+    assert max(widest) > 1   # requests really shared forwards
