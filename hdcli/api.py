@@ -25,6 +25,7 @@ from .config import (DEFAULT_CANDIDATES, DEFAULT_LEVEL_TOKENS, DEFAULT_POLICY, S
                      DecodingConfig, level_problems, parse_draft_len, split_list)
 from .drafting import Hierarchy, RecycledTable, registry
 from .engine import constrain, costs, models
+from .engine.prediction import prediction_ids
 from .engine.decode import Decoder, Generation
 from .engine.prompts import TextStream, cut_at_stop, encode_messages, encode_prompt, stop_checker
 from .engine.verify import Sampling
@@ -43,7 +44,7 @@ __all__ = [
     "compare_with_baselines", "stock_model", "hf_generate", "first_difference",
     # the other commands
     "cost_report", "calibration_prompts", "plan", "read_plan", "read_plan_file", "plan_dbs",
-    "bench_spec_bench", "build_stats", "build_model_db", "HdError", "Sampling", "SEED_RANGE"]
+    "bench_spec_bench", "bench_agents", "build_stats", "build_model_db", "HdError", "Sampling", "SEED_RANGE"]
 
 load_model = models.load
 LAYER_NAMES = registry.names()
@@ -207,19 +208,6 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
                   stats=g.stats, prompt_ids=list(prompt_ids), logprobs=g.logprobs,
                   prediction_usage=g.prediction_usage)
-
-
-def prediction_ids(lm: models.LoadedModel, prediction: str | Sequence[int] | None, room: int) -> list[int] | None:
-    """A predicted output as token ids (text is tokenized without special tokens), or HdError
-    when it is longer than the room the context leaves after the prompt."""
-    if prediction is None or len(prediction) == 0:
-        return None
-    ids = ([int(t) for t in lm.tokenizer(prediction, add_special_tokens=False)["input_ids"]]
-           if isinstance(prediction, str) else [int(t) for t in prediction])
-    if len(ids) > room:
-        raise HdError(f"the prediction is {len(ids)} tokens, more than the {room} the model's context "
-                      "leaves after the prompt: shorten it")
-    return ids
 
 
 def compile_grammar(lm: models.LoadedModel, kind: str, source=None) -> constrain.Grammar:
@@ -550,6 +538,43 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
 
 # ---------------------------------------------------------------------------------------------
 # hd build-stats, hd build-model-db
+
+def bench_agents(cfg: DecodingConfig, methods: Sequence[str] | None = None, *,
+                 workloads: Sequence[str] | None = None, bfcl=None, corpora=None, limit: int | None = None,
+                 max_new_tokens: int | None = None, out: Path | None = None, progress=None,
+                 on_status: Callable = lambda m: None) -> dict:
+    """hd bench agents: tools, JSON-schema output and edits with a prediction, several methods
+    interleaved on one model (hdcli/bench/agents.py): the report (meta and per method its figures
+    by workload and category); out: where summary.json and each method's answers go."""
+    from .bench import agents, runner
+    workloads = list(workloads or agents.WORKLOADS)
+    cfg.validate()
+    if limit is not None and limit < 1:
+        raise HdError(f"--limit must be >= 1, not {limit}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
+    if methods is not None:
+        agents.check_methods(methods)
+    items = agents.load(list(workloads), bfcl, corpora, limit)
+    dbs = open_dbs(cfg)
+    on_status(f"loading {cfg.model} ...")
+    lm = load_model_for(cfg.replace(layers=None))
+    check_tokenizers(dbs, lm)
+    names = agents.default_methods(lm) if methods is None else list(methods)
+    runners = agents.make_runners(lm, names, cfg, dbs)
+    results, checks = agents.run(lm, items, runners, cfg.sampling, cfg.seed, max_new_tokens, progress)
+    report = {"model": lm.name, "source": str(lm.source), "dtype": lm.dtype, "device": lm.device,
+              "kernels": lm.kernels, "workloads": list(workloads), "questions": len(items),
+              "max_new_tokens": max_new_tokens or {w: agents.MAX_NEW_TOKENS[w] for w in workloads},
+              "temperature": cfg.temperature, "seed": cfg.seed, "machine": runner.machine(),
+              "methods_run": names, "config": resolved(cfg, lm, dbs).to_dict(),
+              "methods": agents.summarize(results, checks, cfg.sampling.greedy)}
+    if "llama-cpp" in names:
+        report["llama_cpp"] = runners["llama-cpp"].llama.settings()
+    if out is not None:
+        agents.save(out, report, results, checks, items)
+    return report
+
 
 def build_stats(corpus: Sequence[str], out, model: str = models.DEFAULT_MODEL, *, field: str = "text",
                 with_prompt: bool = False, limit: int | None = None, shard: tuple[int, int] = (0, 1),

@@ -908,19 +908,21 @@ def bench_agents(
     from tqdm import tqdm
     cfg = DecodingConfig(model=model, dtype=dtype, device=device, kernels=kernels, stats_dbs=stats_db,
                          model_db=model_db, temperature=temperature, seed=seed)
-    bar = tqdm(desc="warming up", unit=" answers", file=sys.stderr, disable=as_json, mininterval=1.0)
+    bars = []   # made at the first answer: an error before it stays one line on stderr
 
     def progress(method: str, item, total: int) -> None:
-        bar.total = total
-        bar.set_description(f"{item.category} · {method}")
-        bar.update()
+        if not bars:
+            bars.append(tqdm(total=total, unit=" answers", file=sys.stderr, disable=as_json, mininterval=1.0))
+        bars[0].set_description(f"{item.category} · {method}")
+        bars[0].update()
     try:
-        report = bench_agents_mod.bench(cfg, config_mod.split_list(methods) if methods else None,
-                                        workloads=config_mod.split_list(workloads), bfcl=bfcl, corpora=corpora,
-                                        limit=limit, max_new_tokens=max_new_tokens, out=out_dir,
-                                        progress=progress, on_status=_status(as_json))
+        report = api.bench_agents(cfg, config_mod.split_list(methods) if methods else None,
+                                  workloads=config_mod.split_list(workloads), bfcl=bfcl, corpora=corpora,
+                                  limit=limit, max_new_tokens=max_new_tokens, out=out_dir,
+                                  progress=progress, on_status=_status(as_json))
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
     if as_json:
         typer.echo(json.dumps(report))
         return

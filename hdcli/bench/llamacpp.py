@@ -69,8 +69,10 @@ class LlamaCppModel:
         """What a bench run records of it."""
         return {"version": version(), "threads": self.threads, "n_ctx": self.n_ctx}
 
-    def answer(self, prompt_ids, max_new_tokens: int, sampling, seed: int | None) -> tuple[list[int], float]:
-        """(new tokens, wall seconds). Greedy: llama.cpp's argmax sampler; no repeat penalty."""
+    def answer(self, prompt_ids, max_new_tokens: int, sampling, seed: int | None,
+               grammar=None) -> tuple[list[int], float]:
+        """(new tokens, wall seconds). Greedy: llama.cpp's argmax sampler; no repeat penalty.
+        grammar: a llama_cpp.LlamaGrammar the output follows (llama.cpp's own grammar sampler)."""
         if len(prompt_ids) + max_new_tokens > self.n_ctx:
             raise HdError(f"method 'llama-cpp': {len(prompt_ids)} prompt + {max_new_tokens} new tokens "
                           f"exceed its context of {self.n_ctx}")
@@ -83,7 +85,7 @@ class LlamaCppModel:
         out: list[int] = []
         t0 = time.perf_counter()
         self.llm.reset()  # an empty cache: no prefix reuse across answers, as hd's runs
-        for tok in self.llm.generate(list(prompt_ids), repeat_penalty=1.0, reset=True, **opts):
+        for tok in self.llm.generate(list(prompt_ids), repeat_penalty=1.0, reset=True, grammar=grammar, **opts):
             out.append(int(tok))
             if tok in eos or len(out) >= max_new_tokens:
                 break

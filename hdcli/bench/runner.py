@@ -102,6 +102,8 @@ class Turn:
     layers: dict = field(default_factory=dict)  # layer -> LayerStats.to_dict()
     forward_seconds: float = 0.0
     overhead_seconds: float = 0.0
+    grammar_seconds: float = 0.0     # masking and cutting under a grammar, and the rows masked
+    grammar_rows: int = 0
 
 
 class Runner:
@@ -112,16 +114,19 @@ class Runner:
         self.name, self.lm, self.factory = name, lm, drafter_factory
         self.cost = costs.curve_for(lm) if drafter_factory and capped else None
 
-    def answer(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, seed: int | None) -> Turn:
+    def answer(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, seed: int | None,
+               grammar=None, prediction: list[int] | None = None) -> Turn:
+        """grammar (constrain.Grammar), prediction (token ids): as Decoder.generate takes them."""
         drafter = self.factory() if self.factory else None
         dec = Decoder(self.lm.model, self.lm.eos_ids, drafter, cost=self.cost)
-        g = dec.generate(prompt_ids, max_new_tokens, sampling, seed)
+        g = dec.generate(prompt_ids, max_new_tokens, sampling, seed, grammar=grammar, prediction=prediction)
         s = g.stats
         return Turn(text=self.lm.tokenizer.decode(g.tokens, skip_special_tokens=True), tokens=g.tokens,
                     wall_time=s.wall_seconds, accept_lengths=list(s.accept_lengths),
                     layers={k: v.to_dict() for k, v in s.layers.items()},
                     forward_seconds=s.forward_seconds,
-                    overhead_seconds=s.draft_seconds + s.bookkeeping_seconds)
+                    overhead_seconds=s.draft_seconds + s.bookkeeping_seconds,
+                    grammar_seconds=s.grammar_seconds, grammar_rows=s.grammar_rows)
 
     def turn(self, tokens: list[int], wall: float) -> Turn:
         """A baseline's answer from its tokens and wall time (its steps are not exposed)."""

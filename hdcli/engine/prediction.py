@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..errors import HdError
+
 ALIGN_N = 4            # longest suffix of the output looked up in the prediction to re-align
 MIN_RATE, MAX_RATE = 0.5, 0.98
 
@@ -70,3 +72,16 @@ class Prediction:
             if places:
                 return next((p for p in places if p >= start), places[0])
         return None
+
+
+def prediction_ids(lm, prediction: str | Sequence[int] | None, room: int) -> list[int] | None:
+    """A predicted output as token ids (text is tokenized without special tokens), or HdError
+    when it is longer than the room the context leaves after the prompt."""
+    if prediction is None or len(prediction) == 0:
+        return None
+    ids = ([int(t) for t in lm.tokenizer(prediction, add_special_tokens=False)["input_ids"]]
+           if isinstance(prediction, str) else [int(t) for t in prediction])
+    if len(ids) > room:
+        raise HdError(f"the prediction is {len(ids)} tokens, more than the {room} the model's context "
+                      "leaves after the prompt: shorten it")
+    return ids
