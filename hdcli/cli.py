@@ -829,6 +829,18 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against plain dec
 app.add_typer(bench_app, name="bench")
 
 
+# Options shared by the `hd bench` commands (as _RUN is by generate and serve).
+_BENCH = {
+    "temperature": typer.Option(0.0, help="0 = greedy (exactness is checked only then)."),
+    "seed": typer.Option(0, help="Seed for sampling."),
+    "stats_db": typer.Option([], "--stats-db", help="Statistics DB (repeatable)."),
+    "model_db": typer.Option(None, "--model-db", help="Model DB."),
+    "dtype": typer.Option("auto", help=DTYPE_HELP),
+    "device": typer.Option("auto", help="auto|cpu|cuda."),
+    "kernels": typer.Option("auto", help=KERNELS_HELP),
+}
+
+
 @bench_app.command("spec-bench")
 def bench_spec_bench(
     data: Optional[Path] = typer.Option(None, "--data", help="Spec-Bench question.jsonl (default: "
@@ -836,18 +848,17 @@ def bench_spec_bench(
     model: str = typer.Option("smollm2-135m", "--model", "-m"),
     methods: Optional[str] = typer.Option(None, "--methods",
                                 help="Comma-separated, 'ar' included (default: ar, the single layers "
-                                "whose DBs are given, hd, hf-ar, hf-pld, suffix where installed). Known: " + "; ".join(
-                                    f"{k}: {v}" for k, v in bench.METHOD_HELP.items())),
+                                "whose DBs are given, hd, hf-ar, hf-pld, suffix where installed). Known: " + bench.method_help()),
     limit: Optional[int] = typer.Option(None, "--limit", help="Questions per category (default: all)."),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated (default: all)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n"),
-    temperature: float = typer.Option(0.0, help="0 = greedy (exactness is checked only then)."),
-    seed: int = typer.Option(0, help="Seed for sampling."),
-    stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB (repeatable)."),
-    model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB."),
-    dtype: str = typer.Option("auto", help=DTYPE_HELP),
-    device: str = typer.Option("auto", help="auto|cpu|cuda."),
-    kernels: str = typer.Option("auto", help=KERNELS_HELP),
+    temperature: float = _BENCH["temperature"],
+    seed: int = _BENCH["seed"],
+    stats_db: List[Path] = _BENCH["stats_db"],
+    model_db: Optional[Path] = _BENCH["model_db"],
+    dtype: str = _BENCH["dtype"],
+    device: str = _BENCH["device"],
+    kernels: str = _BENCH["kernels"],
     invariant: str = typer.Option("auto", help=INVARIANT_HELP),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json, answers/<method>.jsonl "
                                            "(Spec-Bench's answer schema) and speedup.png here."),
@@ -894,13 +905,13 @@ def bench_agents(
         f"{k} {v}" for k, v in bench_agents_mod.MAX_NEW_TOKENS.items()) + "."),
     bfcl: Optional[Path] = typer.Option(None, "--bfcl", help="BFCL data folder (default: ../shared/data/bfcl)."),
     corpora: Optional[Path] = typer.Option(None, "--corpora", help="Code corpora folder (default: ../shared/corpora)."),
-    temperature: float = typer.Option(0.0, help="0 = greedy (exactness is checked only then)."),
-    seed: int = typer.Option(0, help="Seed for sampling."),
-    stats_db: List[Path] = typer.Option([], "--stats-db", help="Statistics DB (repeatable)."),
-    model_db: Optional[Path] = typer.Option(None, "--model-db", help="Model DB."),
-    dtype: str = typer.Option("auto", help=DTYPE_HELP),
-    device: str = typer.Option("auto", help="auto|cpu|cuda."),
-    kernels: str = typer.Option("auto", help=KERNELS_HELP),
+    temperature: float = _BENCH["temperature"],
+    seed: int = _BENCH["seed"],
+    stats_db: List[Path] = _BENCH["stats_db"],
+    model_db: Optional[Path] = _BENCH["model_db"],
+    dtype: str = _BENCH["dtype"],
+    device: str = _BENCH["device"],
+    kernels: str = _BENCH["kernels"],
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json and answers/<method>.jsonl here."),
     as_json: bool = typer.Option(False, "--json", help="Write the report as JSON to stdout."),
 ):

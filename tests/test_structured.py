@@ -133,7 +133,7 @@ def test_masking_rows_with_the_wrong_path_is_caught(tiny, monkeypatch):
     g = constrain.compile(tiny, "json_schema", PERSON)
     plain = _decode(tiny, None, g)
 
-    def root_state_only(self, logits, parents, tokens, best):
+    def root_state_only(self, logits, children, tokens, best):
         allowed = self.allowed_now()
         x = logits.float().numpy()
         return [b if allowed[b] else int(np.where(allowed, x[i], -np.inf).argmax()) for i, b in enumerate(best)]

@@ -6,8 +6,8 @@
     baselines.py   transformers' own generate() on the stock model: what users run today
     llamacpp.py    llama.cpp on the same GGUF (llama-cpp-python, optional): the CPU yardstick
 """
-from .runner import (METHOD_HELP, METHODS, HfGenerate, Runner, Turn, check_methods, default_methods,
+from .runner import (METHOD_HELP, METHODS, HfGenerate, Runner, Turn, check_methods, method_help, default_methods,
                      machine, make_runners, method_config, run, run_question, save, summarize)
 
-__all__ = ["METHOD_HELP", "METHODS", "HfGenerate", "Runner", "Turn", "check_methods", "default_methods",
+__all__ = ["METHOD_HELP", "METHODS", "HfGenerate", "Runner", "Turn", "check_methods", "method_help", "default_methods",
            "machine", "make_runners", "method_config", "run", "run_question", "save", "summarize"]

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import HdError
+from . import runner
 
 WORKLOADS = ("tools", "json", "edits")
 METHODS = ("ar", "hd", "suffix", "llama-cpp")
@@ -485,15 +486,11 @@ def _checked_gbnf(text: str) -> str:
 
 
 def method_help() -> str:
-    return "; ".join(f"{k}: {v}" for k, v in METHOD_HELP.items())
+    return runner.method_help(METHOD_HELP)
 
 
 def check_methods(names) -> None:
-    unknown = [m for m in names if m not in METHODS]
-    if unknown:
-        raise HdError(f"unknown method '{unknown[0]}'; known methods: {', '.join(METHODS)}")
-    if "ar" not in names:
-        raise HdError("--methods must include 'ar': every speedup is measured against it")
+    runner.check_methods(names, METHODS)
 
 
 def default_methods(lm) -> list[str]:
@@ -518,15 +515,13 @@ class LlamaCppGrammar:
 
     def answer(self, prompt_ids, max_new_tokens, sampling, seed, gbnf: str | None = None):
         from llama_cpp import LlamaGrammar
-        from .runner import Turn
         grammar = LlamaGrammar.from_string(gbnf, verbose=False) if gbnf else None
         tokens, wall = self.llama.answer(prompt_ids, max_new_tokens, sampling, seed, grammar=grammar)
-        return Turn(text=self.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
-                    wall_time=wall, accept_lengths=[])
+        return runner.Turn(text=self.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
+                           wall_time=wall, accept_lengths=[])
 
 
 def make_runners(lm, names, cfg, dbs) -> dict:
-    from . import runner
     check_methods(names)
     runners = runner.make_runners(lm, [n for n in names if n != "llama-cpp"], cfg, dbs)
     if "llama-cpp" in names:
@@ -576,7 +571,6 @@ def run(lm, items: list[Item], runners: dict, sampling, seed: int | None = 0,
 def summarize(results: dict, checks: dict, greedy: bool = True) -> dict:
     """runner.summarize's figures per method (overall and per category), per workload too, with
     the share of answers that parse and validate (`valid`) and of plain-text `auto` answers."""
-    from . import runner
     per_workload = {}
     for w in WORKLOADS:
         keep = {m: [(q, t) for q, t in rows if q["category"].startswith(w + "/")] for m, rows in results.items()}

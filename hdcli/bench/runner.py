@@ -159,13 +159,19 @@ class LlamaCpp(Runner):
         return self.turn(*self.llama.answer(prompt_ids, max_new_tokens, sampling, seed))
 
 
-def check_methods(names) -> None:
-    """Known names, `ar` among them (checked before the model is loaded, and again here)."""
-    unknown = [m for m in names if m not in METHODS]
+def check_methods(names, known: tuple[str, ...] = METHODS) -> None:
+    """Known names, `ar` among them (checked before the model is loaded, and again here);
+    known: the benchmark's methods (hd bench agents has its own)."""
+    unknown = [m for m in names if m not in known]
     if unknown:
-        raise HdError(f"unknown method '{unknown[0]}'; known methods: {', '.join(METHODS)}")
+        raise HdError(f"unknown method '{unknown[0]}'; known methods: {', '.join(known)}")
     if "ar" not in names:
         raise HdError("--methods must include 'ar': every speedup is measured against it")
+
+
+def method_help(helps: dict[str, str] = METHOD_HELP) -> str:
+    """The methods' one-line descriptions for --methods' help."""
+    return "; ".join(f"{k}: {v}" for k, v in helps.items())
 
 
 def method_config(name: str, cfg: DecodingConfig) -> DecodingConfig:

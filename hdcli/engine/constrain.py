@@ -47,7 +47,6 @@ MAX_SOURCE_BYTES = 1 << 20    # a grammar or schema over 1 MiB is refused before
 # false) forces more text for the grammar layer to draft, but moved the bundled model off the
 # pretty-printed JSON it was trained on, into loops (measured: an array repeating one item until
 # max_tokens). A schema may ask for it in llguidance's "x-guidance" key: {"whitespace_flexible": false}.
-JSON_STYLE: dict = {}
 
 
 class GrammarError(HdError):
@@ -91,7 +90,7 @@ def _grammar_text(kind: str, source) -> str:
     if kind not in KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(KINDS)}")
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
+        return LLMatcher.grammar_from_json_schema({"type": "object"})
     if source is None or (isinstance(source, str) and not source.strip()):
         raise GrammarError("the grammar is empty")
     if isinstance(source, str) and len(source.encode("utf-8", "replace")) > MAX_SOURCE_BYTES:
@@ -105,7 +104,7 @@ def _grammar_text(kind: str, source) -> str:
         if not isinstance(source, dict):
             raise GrammarError("a JSON schema must be a JSON object")
         try:
-            return LLMatcher.grammar_from_json_schema(source, defaults=JSON_STYLE)
+            return LLMatcher.grammar_from_json_schema(source)
         except ValueError as exc:
             raise GrammarError(f"the schema is not usable: {exc}") from None
     if not isinstance(source, str):
@@ -133,7 +132,7 @@ class Grammar:
     eos_ids: tuple[int, ...] = ()
 
     def start(self) -> "GrammarState":
-        return GrammarState(self, self.eos_ids)
+        return GrammarState(self)
 
 
 def check(kind: str, source=None) -> None:
@@ -174,10 +173,10 @@ class GrammarState:
     """One generation's place in its grammar (an llguidance matcher), advanced by the decode loop
     by the tokens it outputs and never by drafts: trees are explored with consume + rollback."""
 
-    def __init__(self, grammar: Grammar, eos_ids: Sequence[int] = ()):
+    def __init__(self, grammar: Grammar):
         from llguidance import LLMatcher
         self.grammar = grammar
-        self.eos = frozenset(int(e) for e in eos_ids)
+        self.eos = frozenset(grammar.eos_ids)
         self.matcher = LLMatcher(grammar.tokenizer, grammar.text, log_level=0)
         self.words = (grammar.vocab + 31) // 32
         self.seconds = 0.0   # time spent masking and cutting (RunStats.grammar_seconds)
@@ -248,36 +247,40 @@ class GrammarState:
             return self.matcher.is_accepting()
         return self.matcher.validate_tokens([token]) == 1
 
-    def greedy_targets(self, logits: torch.Tensor, parents: Sequence[int], tokens: Sequence[int],
-                       best: Sequence[int]) -> list[int]:
-        """Per row of a tree, the argmax of the row masked by its own path's grammar state:
-        best[i] (the unmasked argmax, the lowest index among equal maxima) where the grammar allows
-        it, since no allowed token then scores higher nor ties it at a lower index; else the masked
-        row's argmax. Equal to masking every row (`masked`) then taking argmax, at a few
-        microseconds a row instead of a mask's tens: greedy decoding without log-probabilities."""
-        t0 = time.perf_counter()
-        n = len(tokens)
-        targets = list(best)
-        children: list[list[int]] = [[] for _ in range(n)]
-        for i in range(1, n):
-            children[parents[i]].append(i)
-        m = self.matcher
+    def _walk(self, children: Sequence[Sequence[int]], tokens: Sequence[int]):
+        """Every node of a tree (root 0 first), depth first, yielded with the matcher in the state
+        after the node's path: its token is consumed before it is yielded and rolled back after
+        its subtree. A drafted end-of-sequence id and what follows it are not visited: the
+        generation ends there, so those rows are never the output's."""
         stack = [(0, False)]
         while stack:
             node, leaving = stack.pop()
             if leaving:
-                m.rollback(1)
+                self.matcher.rollback(1)
                 continue
             if node:
                 if tokens[node] in self.eos:
-                    continue   # the generation ends there: its row is never read
+                    continue
                 self._consume(int(tokens[node]), "drafted")
                 stack.append((node, True))
+            yield node
+            stack.extend((c, False) for c in reversed(children[node]))
+
+    def greedy_targets(self, logits: torch.Tensor, children: Sequence[Sequence[int]], tokens: Sequence[int],
+                       best: Sequence[int]) -> list[int]:
+        """Per row of a tree (its children and tokens), the argmax of the row masked by its own
+        path's grammar state: best[i] (the unmasked argmax, the lowest index among equal maxima)
+        where the grammar allows it, since no allowed token then scores higher nor ties it at a
+        lower index; else the masked row's argmax. Equal to masking every row (`masked`) then
+        taking argmax, at a few microseconds a row instead of a mask's tens: greedy decoding
+        without log-probabilities."""
+        t0 = time.perf_counter()
+        targets = list(best)
+        for node in self._walk(children, tokens):
             if not self.allows(targets[node]):
                 targets[node] = self._masked_argmax(logits[node])
-            stack.extend((c, False) for c in reversed(children[node]))
         self.seconds += time.perf_counter() - t0
-        self.rows += n
+        self.rows += len(tokens)
         return targets
 
     def _masked_argmax(self, row: torch.Tensor) -> int:
@@ -288,28 +291,14 @@ class GrammarState:
         ids = np.flatnonzero(allowed)
         return int(ids[x[ids].argmax()])   # the first of equal maxima: ids ascend
 
-    def masked(self, logits: torch.Tensor, parents: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    def masked(self, logits: torch.Tensor, children: Sequence[Sequence[int]], tokens: Sequence[int]) -> torch.Tensor:
         """logits [nodes, V] of a tree (row 0: the root) with what each row's own path forbids set
-        to -inf: the matcher walks the tree depth first, consuming a node's token before its row's
-        mask and rolling it back after its subtree. Returns a new tensor (fp32)."""
+        to -inf (`_walk`; the rows after a drafted end-of-sequence id stay whole). A new tensor, fp32."""
         t0 = time.perf_counter()
         n = len(tokens)
-        bitmask = np.zeros((n, self.words), dtype=np.int32)
-        children: list[list[int]] = [[] for _ in range(n)]
-        for i in range(1, n):
-            children[parents[i]].append(i)
-        m = self.matcher
-        self._fill(bitmask, 0)
-        stack = [(c, False) for c in reversed(children[0])]
-        while stack:
-            node, leaving = stack.pop()
-            if leaving:
-                m.rollback(1)
-                continue
-            self._consume(int(tokens[node]), "drafted")
+        bitmask = np.full((n, self.words), -1, dtype=np.int32)   # -1: every token allowed
+        for node in self._walk(children, tokens):
             self._fill(bitmask, node)
-            stack.append((node, True))
-            stack.extend((c, False) for c in reversed(children[node]))
         allowed = _unpack(bitmask, self.grammar.vocab)[:, :logits.shape[-1]]
         if logits.device.type == "cpu":
             out = logits.float().clone()

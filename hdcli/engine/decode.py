@@ -185,7 +185,6 @@ class Stream:
         # prediction) drafts nothing: the grammar only masks.
         self.grammar = grammar.start() if grammar is not None else None
         self.prediction = Prediction(prediction) if prediction else None
-        self.prediction_size = len(prediction or ())
         self.speculates = drafter is not None or self.prediction is not None
 
     def propose(self, max_nodes: int | None = None, capped: bool = True) -> Tree:
@@ -262,7 +261,7 @@ class Stream:
             return None
         kept = self.stats.layers["prediction"].accepted if "prediction" in self.stats.layers else 0
         return {"accepted_prediction_tokens": kept,
-                "rejected_prediction_tokens": max(0, self.prediction_size - kept)}
+                "rejected_prediction_tokens": max(0, len(self.prediction.tokens) - kept)}
 
     def restrict(self, keep: Sequence[int]) -> Tree:
         """Verify only these nodes of the proposed tree (closed under parent, root included)."""
@@ -293,14 +292,14 @@ class Stream:
         # log-probabilities needs only each row's masked argmax (GrammarState.greedy_targets)
         lazy_mask = self.grammar is not None and greedy and self.out_logprobs is None
         if self.grammar is not None and not lazy_mask:
-            logits = self.grammar.masked(logits, tree.parents, tree.tokens)
+            logits = self.grammar.masked(logits, tree.children, tree.tokens)
         past = len(history) - 1            # cache length before this step
         records = drafter is not None and getattr(drafter, "records", False)
         # each node's best tokens, computed once: greedy acceptance takes the first, layers that
         # recycle the target's predictions take as many as they keep
         top = top_tokens(logits, drafter.record_k if records else 1) if greedy or records else None
         if lazy_mask:
-            targets = self.grammar.greedy_targets(logits, tree.parents, tree.tokens, [t[0] for t in top])
+            targets = self.grammar.greedy_targets(logits, tree.children, tree.tokens, [t[0] for t in top])
             top = [row if row[0] == t else [t] + [x for x in row if x != t][:len(row) - 1]
                    for row, t in zip(top, targets)]
         if records:

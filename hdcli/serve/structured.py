@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..engine import constrain, tools
+from ..engine.prediction import prediction_ids as predicted_ids
 from ..errors import HdError
 from .protocol import ApiError
 
@@ -126,9 +127,8 @@ def prediction_ids(req, lm, room: int) -> list[int] | None:
     """The predicted output's token ids (None without one), at most `room` of them."""
     if req.prediction is None:
         return None
-    from .. import api
     try:
-        return api.prediction_ids(lm, req.prediction.text(), room)
+        return predicted_ids(lm, req.prediction.text(), room)
     except HdError as exc:
         raise ApiError(400, f"prediction: {exc}", "prediction", "context_length_exceeded") from None
 
