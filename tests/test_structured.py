@@ -165,23 +165,27 @@ def _two_token_distribution(lm, g, prompt, s):
     return probs
 
 
-def test_sampling_through_a_grammar_keeps_the_masked_distribution(tiny):
+@pytest.mark.parametrize("source", ["layer", "prediction"])
+def test_sampling_through_a_grammar_keeps_the_masked_distribution(tiny, source):
+    """The likeliest pair drafted by a layer, or as the predicted output (its own layer)."""
     lm = tiny
     g = constrain.compile(lm, "regex", "(yes|no|maybe)")
     s = Sampling(temperature=1.0)
     prompt = [1, 42, 314, 15]
     probs = _two_token_distribution(lm, g, prompt, s)
     best = max((k for k in probs if len(k) == 2), key=probs.get)
-    dec = Decoder(lm.model, lm.eos_ids, Hierarchy([FixedLayer(best)], draft_len=2))
+    layer = "fixed" if source == "layer" else "prediction"
+    dec = Decoder(lm.model, lm.eos_ids, Hierarchy([FixedLayer(best)], draft_len=2) if source == "layer" else None)
+    predicted = list(best) if source == "prediction" else None
     n, counts, accepted = 600, {}, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # a 32-wide model: ops this small only lose to a second thread's start-up
     try:
         for seed in range(n):
-            out = dec.generate(prompt, max_new_tokens=3, sampling=s, seed=seed, grammar=g)
+            out = dec.generate(prompt, max_new_tokens=3, sampling=s, seed=seed, grammar=g, prediction=predicted)
             key = tuple(out.tokens[:1]) if out.tokens[0] in lm.eos_ids else tuple(out.tokens[:2])
             counts[key] = counts.get(key, 0) + 1
-            accepted += out.stats.layers["fixed"].accepted if "fixed" in out.stats.layers else 0
+            accepted += out.stats.layers[layer].accepted if layer in out.stats.layers else 0
     finally:
         torch.set_num_threads(threads)
     assert accepted > n / 10
