@@ -38,7 +38,7 @@ def _fake_llama_cpp(lm, calls: list) -> types.ModuleType:
         def set_seed(self, seed):
             pass
 
-        def generate(self, tokens, temp, top_k, top_p, min_p, repeat_penalty, reset):
+        def generate(self, tokens, temp, top_k, top_p, min_p, repeat_penalty, reset, grammar=None):  # llama_cpp.Llama.generate's keywords
             calls.append(("generate", list(tokens), temp, self.resets))
             ids = list(tokens)
             while True:  # the caller stops it
