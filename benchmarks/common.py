@@ -30,8 +30,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from hdcli.engine import costs
-from hdcli.engine.tree import build_tree, reached
+from hdcli.engine import records
+from hdcli.engine.decode.tree import build_tree, reached
 
 
 # ---------------------------------------------------------------- results
@@ -60,7 +60,7 @@ def write_result(path: Path | None, doc: dict) -> None:
 def machine() -> dict:
     """What the timings depend on: CPU model (lscpu's 'Model name'), cores, torch threads, versions."""
     import transformers
-    return {"cpu": costs.cpu_name(), "arch": platform.machine(), "cores": os.cpu_count(),
+    return {"cpu": records.cpu_name(), "arch": platform.machine(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "platform": platform.platform(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "python": platform.python_version(), "torch": torch.__version__,

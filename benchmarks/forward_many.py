@@ -1,9 +1,9 @@
-"""What one verification forward costs with several requests in it (hdcli/engine/batch.py): median
+"""What one verification forward costs with several requests in it (hdcli/engine/decode/batch.py): median
 ms of batch.forward_many for S streams of k tokens each (a chain, or a tree of k nodes), every
 stream on its own cache (--context tokens, +37 a stream), on the bundled model in one dtype and kernel set.
 
 The rows' cost beyond one stream is what `hd serve` pays to decode requests together; the KV
-cache (engine/kvcache.py) and the batched attention (invariant.Many) are what it measures.
+cache (engine/model/kvcache.py) and the batched attention (invariant.Many) are what it measures.
 
     python benchmarks/forward_many.py --dtype bf16 --kernels int4 --out benchmarks/results/forward_many_int4.json
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from hdcli import api
-from hdcli.engine import batch
-from hdcli.engine.tree import Tree, new_cache
+from hdcli.engine.decode import batch
+from hdcli.engine.decode.tree import Tree, new_cache
 
 from common import command_line, machine, write_result
 

@@ -1,7 +1,7 @@
-"""Whole forwards with the fused invariant attention (hdcli/engine/fused.py) against the torch ops'
+"""Whole forwards with the fused invariant attention (hdcli/engine/kernels/fused.py) against the torch ops'
 attention, on the same model, caches and trees, in interleaved rounds (least time of each).
 
-What `hd` picks by itself is `fused.decide`'s measurement of the attention alone (once per machine);
+What `hd` picks by itself is `invariant.decide`'s measurement of the attention alone (once per machine);
 this script shows what that choice is worth in whole forwards of one and of several requests, and
 with --ablate what the attention costs at all (it is replaced by a no-op that returns the queries).
 
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from hdcli import api
-from hdcli.engine import fused, invariant
+from hdcli.engine.kernels import invariant
 
 from common import command_line, machine, write_result
 from forward_many import caches, median_ms, shape
@@ -47,14 +47,14 @@ def main() -> None:
                 if p == "none":   # the attention replaced by a no-op (the fused path's cache work stays)
                     invariant.attend_kv = lambda q, *a: q.transpose(1, 2).contiguous()
                     invariant.attend_many = lambda q, *a: q.transpose(1, 2).contiguous()
-                with fused.pinned("fused" if p != "torch" else "torch"):
+                with invariant.pinned("fused" if p != "torch" else "torch"):
                     best[p] = min(best[p], median_ms(model, items, cs, base, args.reps))
                 invariant.attend_kv, invariant.attend_many = real
         row = {"requests": streams, "rows_each": k, "shape": kind, **{f"{p}_ms": round(v, 2) for p, v in best.items()}}
         rows.append(row)
         print(row, flush=True)
     doc = {"machine": machine(), "model": args.model, "dtype": lm.dtype, "kernels": lm.kernels,
-           "context": args.context, "decision": fused.decide(model), "forwards": rows,
+           "context": args.context, "decision": invariant.decide(model), "forwards": rows,
            "command": command_line("fused_attention.py", args)}
     write_result(args.out, doc)
 

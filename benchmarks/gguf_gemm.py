@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from common import command_line, machine, write_result  # noqa: E402
 from test_quants import make  # noqa: E402
 
-from hdcli.engine import quants  # noqa: E402
+from hdcli.engine.kernels import quants  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,7 @@ Sections (each a key of the JSON):
              docs/dtype.md counts it on a CPU: answers identical, and where the others first differ.
   cost       the least time of a forward over w = 1..64 new tokens with the tree mask (a bushy
              tree of w nodes) on a 256-token cache, relative to w = 1; the chain (causal) curve
-             that `hd` measures for itself beside it (engine/costs.py).
+             that `hd` measures for itself beside it (engine/decode/costs.py).
   overhead   plain decoding's tokens/s against transformers' generate on the same model; per step
              the time outside the target's forward (step time minus the measured forward of its
              width), plain and with oracle drafts.
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from hdcli.engine.decode import Decoder, first_difference
-from hdcli.engine.draft import Draft
-from hdcli.engine.tree import Tree, new_cache, tree_forward
+from hdcli.engine.decode.loop import Decoder, first_difference
+from hdcli.engine.decode.draft import Draft
+from hdcli.engine.decode.tree import Tree, new_cache, tree_forward
 
 from common import machine
 

@@ -1,4 +1,4 @@
-"""hd's own forward (hdcli/engine/forward/) on a GPU: does the M-invariant mode hold there, and is
+"""hd's own forward (hdcli/engine/model/) on a GPU: does the M-invariant mode hold there, and is
 speculative greedy output plain decoding's, token for token?
 
     python benchmarks/gpu_owned_check.py --gguf tiny.gguf --out owned.json   # tiny: synth_gguf.py --shape tiny --mix all
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def rows_equal(model, vocab: int, seed: int = 0) -> list[bool]:
-    from hdcli.engine import invariant
-    from hdcli.engine.tree import Tree
+    from hdcli.engine.decode import calibrate
+    from hdcli.engine.decode.tree import Tree
     rng = random.Random(seed)
     out = []
     for prefix_len in (40, 75):
@@ -33,7 +33,7 @@ def rows_equal(model, vocab: int, seed: int = 0) -> list[bool]:
         while len(tree.tokens) < 13:
             tree.add(rng.randrange(len(tree.tokens)), rng.randrange(3, vocab), "x")
         for t in (chain, tree):
-            out += [eq for eq, _ in invariant.compare_rows(model, t, prefix)]
+            out += [eq for eq, _ in calibrate.compare_rows(model, t, prefix)]
     return out
 
 
@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     import torch
     from common import machine
     from gpu_check import Oracle
-    from hdcli.engine import models
-    from hdcli.engine.decode import Decoder
+    from hdcli.engine import loader as models
+    from hdcli.engine.decode.loop import Decoder
     report = {"machine": machine(), "gguf": args.gguf, "runs": {}}
     for dtype in ("fp32", "bf16"):
         t0 = time.perf_counter()

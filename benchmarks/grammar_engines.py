@@ -10,7 +10,7 @@ hub is not reachable; cached under hd's cache folder):
   mask        per token, walking a JSON answer's tokens one by one (the BFCL question's accepted
               answer, json.dumps'd): the time of one next-token bitmask, median (and p90) over all
               tokens of all schemas; consume (advancing the matcher by one token) beside it;
-  hd row      what hd pays per verified row (llguidance only: engine/constrain.py's masked(), the
+  hd row      what hd pays per verified row (llguidance only: engine/text/constrain.py's masked(), the
               mask of each row's own path unpacked and applied to fp32 logits), over chains of 8
               drafted answer tokens, one chain per answer token: the issue's "grammar cost per
               verified row" target (<= 0.1 ms at the bundled vocabulary).
@@ -205,7 +205,7 @@ def hd_rows(hf_tok, n_vocab: int, eos: int, cases: list[dict], repeats: int, cha
     tokens, one per output token, as a step that verifies them would mask them."""
     import types
     import torch
-    from hdcli.engine import constrain
+    from hdcli.engine.text import constrain
     lm = types.SimpleNamespace(tokenizer=hf_tok, eos_ids={eos},
                                model=types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=n_vocab)))
     per_row = []
@@ -258,7 +258,7 @@ def main() -> None:
     results = []
     for vocab in args.vocabs.split(","):
         if vocab == "bundled":
-            from hdcli.engine import models
+            from hdcli.engine import loader as models
             lm = models.load(models.DEFAULT_MODEL, quiet=True)
             tok, n = lm.tokenizer, int(lm.model.config.vocab_size)
         else:

@@ -5,7 +5,7 @@ the first turns of Spec-Bench `--limit` questions per category and of the 30 use
 benchmarks/prompts/user_questions.jsonl, then replays drafters on them (common.py: replay, with the
 decoder's tree builder and this machine's cost curve): the context DB alone, SuffixDecoding (the
 peer, its global tree learning over the set), the context DB with the model layer as a suffix index
-over the model DB's answers (drafting/model.py) or as its n-gram table, at several settings, and the
+over the model DB's answers (drafting/answer_index.py) or as its n-gram table, at several settings, and the
 context DB with statistics DBs (several probability cut-offs, extra DBs given with --stats-db, e.g.
 one built with --max-n 6 or from one category's corpus). The recycle layer needs the target's
 forward and is not replayed (`hd bench spec-bench` measures it). Mean accepted tokens and the
@@ -24,7 +24,7 @@ from hdcli.bench import specbench
 from hdcli.db import stores
 from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, StatsDB
 from hdcli.drafting.suffix import SuffixDrafter, new_cache
-from hdcli.engine import costs
+from hdcli.engine.decode import costs
 
 from common import command_line, machine, record, replay, write_result
 

@@ -4,10 +4,10 @@ For one model, dtype and kernel set, in one process:
   rows       per-row bit-equality (torch.equal) of a k-token verification forward against the
              same tokens' one-token forwards, for chains of k = 2, 3, 4, 8, 16, 32 and for token
              trees of 6, 17 and 33 nodes, after a 70-token cached prefix: stock forward vs the
-             M-invariant one (hdcli/engine/invariant.py);
+             M-invariant one (hdcli/engine/kernels/invariant.py);
   linear     each Linear shape's calibrated minimum row count (1: rows agree for every M);
   cost       the least time of a forward over w = 1..64 tokens on a 256-token cache, stock vs
-             invariant, interleaved rounds (engine/costs.py's measurement);
+             invariant, interleaved rounds (engine/decode/costs.py's measurement);
   decode     plain greedy decoding tokens/s, stock forward vs invariant vs transformers'
              generate on the stock model, and how many answers differ between them (first
              question of each Spec-Bench category, 128 new tokens, interleaved).
@@ -27,8 +27,9 @@ from pathlib import Path
 
 from hdcli import api
 from hdcli.bench.baselines import first_difference, hf_generate, stock_model
-from hdcli.engine import costs, invariant
-from hdcli.engine.tree import Tree
+from hdcli.engine.decode import costs
+from hdcli.engine.decode.tree import Tree
+from hdcli.engine.decode import calibrate
 
 from common import first_per_subcategory, load_questions, machine
 
@@ -37,7 +38,7 @@ WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 def rows_equal(model, tree: Tree, prefix: list[int]) -> tuple[int, int, float]:
     """(rows equal to their one-token forward, rows, max |difference|)."""
-    rows = invariant.compare_rows(model, tree, prefix)
+    rows = calibrate.compare_rows(model, tree, prefix)
     return sum(eq for eq, _ in rows), len(rows), max(diff for _, diff in rows)
 
 
@@ -82,9 +83,9 @@ def main():
 
     def mode(on: bool):
         if on:
-            invariant.enable(m, cache_key=key)
+            calibrate.enable(m, cache_key=key)
         else:
-            invariant.disable(m)
+            calibrate.disable(m)
 
     for name, on in (("stock", False), ("invariant", True)):
         print(f"{name} forward:", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""torch's kernels against prepacked oneDNN linear layers (hdcli/engine/kernels.py), in one process.
+"""torch's kernels against prepacked oneDNN linear layers (hdcli/engine/kernels/dense.py), in one process.
 
 For the given dtype, loads the bundled model twice (--kernels torch, --kernels onednn) and reports:
   1. forward cost by width (costs.measure): one-token ms and cost(w) / cost(1);
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from hdcli import api
-from hdcli.engine import costs
+from hdcli.engine.decode import costs
 from hdcli.bench import specbench
 
 from common import interleaved, load_questions, machine, speedups

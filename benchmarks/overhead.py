@@ -26,8 +26,9 @@ import time
 import torch
 
 from hdcli import api
-from hdcli.engine import invariant, kernels
-from hdcli.engine.tree import new_cache
+from hdcli.engine.kernels import dense as kernels
+from hdcli.engine.decode.tree import new_cache
+from hdcli.engine.decode import calibrate
 
 from common import machine
 
@@ -200,7 +201,7 @@ def main():
     t = time.perf_counter()
     one_token_ms(m, 3)
     compile_s = time.perf_counter() - t
-    check = list(invariant.self_check(m)) if lm.invariant else None
+    check = list(calibrate.self_check(m)) if lm.invariant else None
     out["compile_norms"] = {"compile_seconds": compile_s, "self_check": check, **ab(m, set_compiled)}
     print("compile", out["compile_norms"], file=sys.stderr)
     if args.out:

@@ -21,7 +21,7 @@ from pathlib import Path
 from hdcli import api
 from hdcli.hsd import draft_models as draftmodels
 from hdcli.bench import specbench
-from hdcli.engine.decode import Decoder
+from hdcli.engine.decode.loop import Decoder
 
 from common import interleaved, load_questions, machine, round_robin, summarize
 

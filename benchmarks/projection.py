@@ -47,10 +47,11 @@ from hdcli.bench.runner import method_config  # noqa: E402
 from hdcli.compose import build_drafter, open_dbs, warm_up  # noqa: E402
 from hdcli.config import DecodingConfig  # noqa: E402
 from hdcli.drafting import RecycledTable  # noqa: E402
-from hdcli.engine import costs  # noqa: E402
-from hdcli.engine.decode import Decoder, first_difference  # noqa: E402
-from hdcli.engine.prompts import encode_messages, encode_prompt  # noqa: E402
-from hdcli.engine.tree import Tree, cap_jointly, new_cache, tree_forward  # noqa: E402
+from hdcli.engine import records  # noqa: E402
+from hdcli.engine.decode import costs  # noqa: E402
+from hdcli.engine.decode.loop import Decoder, first_difference  # noqa: E402
+from hdcli.engine.text.prompts import encode_messages, encode_prompt  # noqa: E402
+from hdcli.engine.decode.tree import Tree, cap_jointly, new_cache, tree_forward  # noqa: E402
 
 SYNTH = Path("/tmp/hd-synth-gguf")
 DEFAULT_MODELS = [str(SYNTH / f"{s}-{m}.gguf") for s in ("smollm2-1.7b", "llama-3.1-8b") for m in ("Q4_0", "Q4_K_M")]
@@ -309,7 +310,7 @@ def main(argv=None) -> int:
         del big
         gc.collect()
 
-    doc = {"command": command_line("projection.py", args), "machine": machine(), "cpu": costs.cpu_name(),
+    doc = {"command": command_line("projection.py", args), "machine": machine(), "cpu": records.cpu_name(),
            "note": "'projection' figures assume the large model accepts as the bundled one does",
            "bundled": bundled, "models": rows}
     write_result(Path(args.out) if args.out else None, doc)

@@ -11,9 +11,9 @@ deterministic for greedy decoding, so small differences are real) and the measur
 import argparse
 
 from hdcli import api, drafting
-from hdcli.engine import costs
+from hdcli.engine.decode import costs
 from hdcli.bench import specbench
-from hdcli.engine.decode import Decoder
+from hdcli.engine.decode.loop import Decoder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--stats-db", required=True)

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from hdcli import api
-from hdcli.engine.prompts import encode_messages
-from hdcli.engine.verify import Sampling
-from hdcli.serve import Server
+from hdcli.engine.text.prompts import encode_messages
+from hdcli.engine.decode.verify import Sampling
+from hdcli.serve.server import Server
 from hdcli.serve.scheduler import Job
 
 from common import command_line, load_questions, machine, requests_from, write_result

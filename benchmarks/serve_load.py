@@ -201,7 +201,7 @@ def main() -> None:
                             invariant="off")
         # transformers' generate on the stock model, one request after another
         stock = stock_model(lm)   # transformers' forward and kernels, in the dtype the server used
-        from hdcli.engine.prompts import encode_messages
+        from hdcli.engine.text.prompts import encode_messages
         ids = [encode_messages(lm.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
         hf_generate(stock, ids[0], 4)
         t0, tokens = time.perf_counter(), 0

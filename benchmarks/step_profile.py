@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, machine, write_result  # noqa: E402
 
 from hdcli import api  # noqa: E402
-from hdcli.engine.decode import Decoder  # noqa: E402
-from hdcli.engine.tree import new_cache  # noqa: E402
+from hdcli.engine.decode.loop import Decoder  # noqa: E402
+from hdcli.engine.decode.tree import new_cache  # noqa: E402
 
 
 def read_bandwidth() -> float:

@@ -2,7 +2,7 @@
 
 Times a forward over W new tokens (W = 1, 2, 4, ..., 64) on top of a ~300-token KV cache, as a
 chain (causal) and as a tree (explicit 4D attention mask), relative to a one-token forward. This
-curve is what caps the draft tree (hdcli/engine/costs.py measures the same curve at run time).
+curve is what caps the draft tree (hdcli/engine/decode/costs.py measures the same curve at run time).
 
     python benchmarks/tree_cost.py --dtype fp32 --out benchmarks/results/tree_cost_fp32.json
 """
@@ -14,7 +14,7 @@ import json
 import torch
 
 from hdcli import api
-from hdcli.engine.tree import Tree, tree_forward
+from hdcli.engine.decode.tree import Tree, tree_forward
 
 from common import machine, median_forward_seconds
 

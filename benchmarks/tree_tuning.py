@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hdcli import api
 from hdcli.bench import specbench
-from hdcli.engine.costs import CostCurve
+from hdcli.engine.decode.costs import CostCurve
 from hdcli.drafting import Hierarchy
 from hdcli.db.stores import Store
 

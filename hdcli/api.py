@@ -24,11 +24,15 @@ from .compose import (DBs, build_drafter, cheap_verification, check_tokenizers, 
 from .config import (DEFAULT_CANDIDATES, DEFAULT_LEVEL_TOKENS, DEFAULT_POLICY, SEED_RANGE,
                      DecodingConfig, level_problems, parse_draft_len, split_list)
 from .drafting import Hierarchy, RecycledTable, registry
-from .engine import constrain, costs, models
-from .engine.prediction import prediction_ids
-from .engine.decode import Decoder, Generation
-from .engine.prompts import TextStream, cut_at_stop, encode_messages, encode_prompt, stop_checker
-from .engine.verify import Sampling
+from .engine.text import constrain
+from .engine import records
+from .engine.kernels import invariant as attention_choice
+from .engine.decode import costs
+from .engine import loader as models
+from .engine.decode.prediction import prediction_ids
+from .engine.decode.loop import Decoder, Generation
+from .engine.text.prompts import TextStream, cut_at_stop, encode_messages, encode_prompt, stop_checker
+from .engine.decode.verify import Sampling
 from .errors import HdError
 from .hsd.planner import plan_dbs, read_plan, read_plan_file
 
@@ -169,9 +173,9 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     logprobs: None, or k to return each token's log-probability and its k best alternatives
     (Result.logprobs; plain decoding's numbers exactly, verify.logprobs_of). on_status: told in
     one line when max_new_tokens is more than the context leaves after the prompt (then cut to it).
-    grammar: constrain.compile(lm, kind, source): the output follows it (engine/constrain.py).
+    grammar: constrain.compile(lm, kind, source): the output follows it (engine/text/constrain.py).
     prediction: text (or token ids) the answer is expected to repeat, drafted by its own layer at
-    the top of the hierarchy (engine/prediction.py); it drafts with drafter None too.
+    the top of the hierarchy (engine/decode/prediction.py); it drafts with drafter None too.
     Greedy output equals plain greedy decoding (under the same grammar) token for token whatever
     the drafts."""
     if config is not None:
@@ -331,8 +335,8 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
                            "ms_per_row": 1e3 * res.stats.grammar_seconds / rows if rows else None}
     if predicted is not None:
         data["prediction"] = {"tokens": len(predicted)} | (res.prediction_usage or {})
-    if run.dbs.model is not None:  # what the model layer drafts from (drafting/model.py)
-        from .drafting import model as model_layer
+    if run.dbs.model is not None:  # what the model layer drafts from (drafting/answer_index.py)
+        from .drafting import answer_index as model_layer
         data["model_db_index"] = "answers" if model_layer.uses_answers(run.dbs.model) else "ngrams"
     if hasattr(run.drafter, "level_stats"):
         data["levels"] = run.drafter.level_stats()
@@ -376,20 +380,19 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
     """What `hd costs` shows: the forward-cost curve of the model as it loads with these options
     on this machine (cached, or measured now; measured again with remeasure)."""
     import torch
-    from .engine import fused
     lm = load_model(model, dtype=dtype, device=device, kernels=kernels, quiet=quiet, invariant=invariant)
     dt = lm.dtype
     curves = {lm.kernels: costs.curve_for(lm, remeasure=remeasure, quiet=quiet)}
-    out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": lm.device, "cpu": costs.cpu_name(),
+    out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": lm.device, "cpu": records.cpu_name(),
            "threads": torch.get_num_threads(), "kernels": lm.kernels, "forward": lm.info.get("forward"),
            "invariant": lm.invariant,
            # which attention the M-invariant forward uses, and the times it was chosen by (decided
            # once per process, when the model loaded)
-           "attention": fused.decide(lm.model) if lm.invariant else None,
+           "attention": attention_choice.decide(lm.model) if lm.invariant else None,
            "curves": {},
-           "cache": str(costs.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}
+           "cache": str(records.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}
     if lm.kernels in ("gguf", "gguf-int8") and lm.device == "cpu":
-        from .engine import quants   # which activations the GGUF GEMMs take here, and the times why
+        from .engine.kernels import quants   # which activations the GGUF GEMMs take here, and the times why
         out["activation_choice"] = {k: v for k, v in quants.activation_choice().items() if k != "key"}
     for k, c in curves.items():
         if c is None:

@@ -387,7 +387,7 @@ def serve(
                                  "served) to stdout."),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (docs/serve.md)."""
-    from .serve import Server
+    from .serve.server import Server
     cfg = _run_config(ctx, locals())
     say = _status(False)
     server = Server(cfg, host=host, port=port, api_key=_api_keys(api_key), api_keys_file=api_keys_file,
@@ -509,7 +509,7 @@ def costs_cmd(
     when = [c["measured_at"] for c in rep["curves"].values() if c.get("measured_at")]
     if when:
         age = (time.time() - min(when)) / 86400
-        con.print(f"measured {age:.1f} days ago; cached under {api.costs.cache_root()} "
+        con.print(f"measured {age:.1f} days ago; cached under {api.records.cache_root()} "
                   f"(re-measured after {api.costs.MAX_AGE_DAYS} days, or with --remeasure)")
 
 
@@ -748,7 +748,7 @@ def db_query(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Show which key of the text's end matches and what the DB would draft."""
-    from .engine import models
+    from .engine import loader as models
     from .drafting import StatsDB
     from .db.stores import Store
     db = Store(path)

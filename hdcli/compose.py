@@ -5,7 +5,7 @@
 `hd generate`, `hd bench`, `hd plan` and the Python API all call it; none composes drafters itself.
 
 Defaults that depend on the machine are chosen here, from the target's measured forward cost
-(engine/costs.py): where a verification forward over a draft costs about one token's forward
+(engine/decode/costs.py): where a verification forward over a draft costs about one token's forward
 (bf16, packed kernels: "cheap"), shorter keys and likelier-to-fail drafts pay; where it costs
 ~1.65 (fp32 with torch's kernels), they do not. `resolved` writes the choices into the
 configuration a run records.
@@ -17,7 +17,8 @@ from typing import Sequence
 
 from .config import DecodingConfig
 from .drafting import Hierarchy, LayerInputs, RecycledTable, build_layers, default_layers, registry
-from .engine import costs, models
+from .engine.decode import costs
+from .engine import loader as models
 from .errors import HdError
 
 
@@ -106,7 +107,7 @@ def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens
     before it returns its batch (default DEFAULT_LEVEL_TOKENS each). loaded: name -> DraftModel
     cache, so repeated stacks share their draft models."""
     from .config import DEFAULT_LEVEL_TOKENS, level_problems
-    from .engine.verify import Sampling
+    from .engine.decode.verify import Sampling
     from .hsd import draft_models as draftmodels
     from .hsd.stack import ModelStack
     bad = level_problems(draft_models, level_tokens)
@@ -159,7 +160,7 @@ def resolved(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs) -> DecodingC
 def _attention(cfg: DecodingConfig, lm: models.LoadedModel) -> str:
     """Which invariant attention the run used (it changes the numbers: a repeated run must use the
     same), or the configuration's where the mode is off."""
-    from .engine import fused
+    from .engine.kernels import fused
     if not lm.invariant:
         return cfg.attention
     return "fused" if fused.enabled() else "torch"
@@ -169,7 +170,7 @@ def warm_up(lm: models.LoadedModel) -> None:
     """Short runs so the first timed generation pays for no allocations or kernel set-up: plain
     steps, chain verification and a branching tree (its mask path), and the cost curve."""
     from .drafting import ContextDB
-    from .engine.decode import Decoder
+    from .engine.decode.loop import Decoder
     eos = next(iter(lm.eos_ids), 0)
     Decoder(lm.model, ()).generate([eos, eos], max_new_tokens=4)
     a, b, c, d = (min(t, lm.model.config.vocab_size - 1) for t in (100, 200, 300, 400))

@@ -12,7 +12,7 @@ is the one place a configuration becomes the thing that drafts.
 
 Fields left at None are chosen for the machine when the run is built (layers: the default
 hierarchy for the DBs given; min_n, stats_min_prob, stats_min_expected: by whether verification
-is nearly free with this model, dtype and kernels, hdcli/engine/costs.py). The configuration a
+is nearly free with this model, dtype and kernels, hdcli/engine/decode/costs.py). The configuration a
 run records has them filled in, with the dtype, device and kernels it ran with, so repeating it
 repeats the run exactly.
 """
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .engine.models import DEFAULT_MODEL
-from .engine.verify import Sampling
+from .engine.loader import DEFAULT_MODEL
+from .engine.decode.verify import Sampling
 from .errors import HdError
 
 DEFAULT_POLICY = "fill-tracked"  # measured: docs/engine.md, "Drafting policies"
@@ -46,7 +46,7 @@ class DecodingConfig:
     dtype: str = "auto"                 # auto|bf16|fp16|fp32
     device: str = "auto"                # auto|cpu|cuda
     kernels: str = "auto"               # auto|gguf|onednn|torch (int4: an alias of gguf)
-    invariant: str = "auto"             # auto|on|off: the M-invariant forward (engine/invariant.py)
+    invariant: str = "auto"             # auto|on|off: the M-invariant forward (engine/kernels/invariant.py)
     attention: str = "auto"             # auto|fused|torch: the invariant attention's kernel (fused.py);
                                         # auto times both once per machine; a run records its choice
     # the database hierarchy

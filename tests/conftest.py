@@ -50,7 +50,7 @@ def private_cache(tmp_path_factory):
     """What the suite measures (cost curves, calibrations: records keyed by tmp paths) goes to a
     fresh folder instead of the user's ~/.cache/hdcli. Assembled bundled GGUFs are shared with the
     user's cache: they hold only the package's file."""
-    from hdcli.engine import models
+    from hdcli.engine import loader as models
     user = models.cache_dir()
     root = tmp_path_factory.mktemp("hd-cache")
     for shared in ("gguf",):
@@ -102,7 +102,8 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_dir):
     """Packed where oneDNN exists: the suite runs the packed path whatever `auto` would keep here."""
-    from hdcli.engine import kernels, models
+    from hdcli.engine.kernels import dense as kernels
+    from hdcli.engine import loader as models
     kn = "onednn" if kernels.available() else "torch"
     return models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels=kn)
 
@@ -119,15 +120,15 @@ def require_bundled() -> None:
 @pytest.fixture(scope="session")
 def bundled_lm():
     require_bundled()
-    from hdcli.engine import models
+    from hdcli.engine import loader as models
     return models.load("smollm2-135m", dtype="fp32", device="cpu")
 
 
 def owned_copy(model, folder, dtype: str = "fp32", kernels: str = "torch", invariant: str = "off"):
     """hd's own forward of a transformers model: saved as a checkpoint folder (with
-    word_tokenizer()) and loaded as hd loads any folder (engine/models.py). Returns the
+    word_tokenizer()) and loaded as hd loads any folder (engine/loader.py). Returns the
     LoadedModel."""
-    from hdcli.engine import models
+    from hdcli.engine import loader as models
     save_with_tokenizer(model, folder)
     return models.load(str(folder), dtype=dtype, device="cpu", kernels=kernels, invariant=invariant, quiet=True)
 
@@ -140,7 +141,7 @@ def load_growth(path, tmp_path) -> int:
     import subprocess
     import sys
     code = ("import json, torch\n"
-            "from hdcli.engine import models, quants, fused\n"
+            "from hdcli.engine import loader as models\nfrom hdcli.engine.kernels import quants, fused\n"
             f"models.load_tokenizer({str(path)!r}); quants.kernel_available(); fused.load(quiet=True)\n"
             "torch.nn.functional.scaled_dot_product_attention(*torch.ones(3, 1, 1, 2, 4))\n"
             "base = models.peak_rss_bytes()  # libraries and the tokenizer: what any model costs\n"

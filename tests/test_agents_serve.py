@@ -3,7 +3,7 @@ tool_choice required / a named function / auto, tool and assistant tool_calls me
 tool-call deltas, predicted outputs, and the bad input of each (a 400 naming the field).
 
 One server on the bundled SmolLM2 (its template has no tools: hd's tool prompt and the hermes
-call format, engine/tools.py) serves the whole module, drafting as configured; every constrained
+call format, engine/text/tools.py) serves the whole module, drafting as configured; every constrained
 answer is compared with plain decoding in this process under the same grammar (drafter None),
 token for token. The cost curve is a fixed one (measuring it took minutes here; exactness does not
 depend on it), the model runs on torch kernels without the M-invariant mode (its calibration took
@@ -16,8 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hdcli import api
-from hdcli.engine import constrain, costs, tools
-from hdcli.engine.prompts import encode_messages
+from hdcli.engine.text import constrain, tools
+from hdcli.engine.decode import costs
+from hdcli.engine.text.prompts import encode_messages
 
 from conftest import require_bundled
 from test_serve import Running, http
@@ -250,7 +251,7 @@ def served_batched(tmp_path_factory):
     """A tiny random llama over the bundled tokenizer, served in the M-invariant mode: concurrent
     requests are verified in shared forwards (the bundled model's calibration takes minutes here)."""
     require_bundled()
-    from hdcli.engine import models
+    from hdcli.engine import loader as models
     from conftest import tiny_llama
     folder = tmp_path_factory.mktemp("tiny-real-tokenizer")
     tok = models.load_tokenizer(models.DEFAULT_MODEL)

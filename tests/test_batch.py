@@ -1,4 +1,4 @@
-"""Several generations verified in one forward (hdcli/engine/batch.py): each stream's logits are
+"""Several generations verified in one forward (hdcli/engine/decode/batch.py): each stream's logits are
 torch.equal to its forward alone, and greedy streams stepped together give plain decoding's
 tokens, whatever else runs beside them (other prompts, trees, streams ending or joining).
 
@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hdcli.engine import batch, invariant
-from hdcli.engine.decode import Decoder
-from hdcli.engine.tree import new_cache, tree_forward
+from hdcli.engine.decode import batch
+from hdcli.engine.kernels import invariant
+from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.tree import new_cache, tree_forward
+from hdcli.engine.decode import calibrate
 
 from test_invariant import V, branchy, build, chain
 
@@ -23,22 +25,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from gpu_check import Oracle  # noqa: E402
 
 # (dtype, kernels, attention): the torch ops' attention shares one GEMM among streams of chains;
-# the fused one (engine/fused.py) takes each stream on its own cache
+# the fused one (engine/kernels/fused.py) takes each stream on its own cache
 CASES = [(torch.float32, "torch", "torch"), (torch.bfloat16, "onednn", "torch"), (torch.bfloat16, "gguf", "torch"),
          (torch.bfloat16, "gguf", "fused")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{str(c[0])[6:]}-{c[1]}-{c[2]}")
 def model(request, tmp_path_factory):
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     dtype, kern, attention = request.param
     if attention == "fused" and fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     mp = pytest.MonkeyPatch()
     mp.setenv("HD_CACHE_DIR", str(tmp_path_factory.mktemp("hdcache")))
-    with fused.pinned(attention):
+    with invariant.pinned(attention):
         m = build("llama", dtype, kern)
-        invariant.enable(m)
+        calibrate.enable(m)
         assert batch.can_batch(m)
         yield m
     mp.undo()
@@ -65,7 +67,7 @@ def test_forward_many_rows_equal_each_forward_alone(model):
 def test_cost_of_streams_is_measured_where_streams_batch(model):
     """costs.measure_extras runs 4 streams through one batched forward here (not a forward
     each): finite, non-negative terms."""
-    from hdcli.engine import costs
+    from hdcli.engine.decode import costs
     branch, stream = costs.measure_extras(model, context=40, rounds=1)
     assert 0.0 <= branch < 50 and 0.0 <= stream < 50 and stream != 1.0
 
@@ -107,7 +109,7 @@ def test_without_row_padding_batched_rows_differ(tmp_path, monkeypatch):
     mode's row padding removed, two one-token forwards batched give a row unlike the forward alone."""
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     m = build("llama", torch.float32, "torch")
-    invariant.enable(m)
+    calibrate.enable(m)
     for lin in m.linears():
         lin.min_rows = 1
     rng = random.Random(2)

@@ -86,8 +86,8 @@ def test_one_question_of_each_workload_same_under_hd_and_valid(bundled_lm, monke
     grammar and prediction layers draft."""
     from hdcli.compose import DBs
     from hdcli.config import DecodingConfig
-    from hdcli.engine import costs
-    from hdcli.engine.verify import Sampling
+    from hdcli.engine.decode import costs
+    from hdcli.engine.decode.verify import Sampling
     # a flat cost curve: no minutes measuring this machine's, and the cap keeps every drafted node
     monkeypatch.setattr(costs, "curve_for", lambda lm, *a, **k: costs.flat(1.0))
     items = [next(i for i in _items("tools", 2) if i.tool_choice == "required"),

@@ -56,7 +56,7 @@ def test_longest_match_wins_over_recent_short_match():
 
 
 def test_no_match_no_draft_and_hierarchy_records_queries():
-    from hdcli.engine.stats import RunStats
+    from hdcli.engine.decode.stats import RunStats
     db = ContextDB(min_n=2, max_n=3)
     h = [1, 2, 3, 4, 5]
     hier = Hierarchy([db], draft_len=4)

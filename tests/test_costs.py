@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from hdcli import api
-from hdcli.engine import costs, kernels, models
+from hdcli.engine import records
+from hdcli.engine.decode import costs
+from hdcli.engine.kernels import dense as kernels
+from hdcli.engine import loader as models
 from conftest import tiny_llama
 
 
@@ -101,7 +104,7 @@ def test_old_foreign_or_stale_records_are_measured_again(tmp_path, monkeypatch):
     path.write_text("{not json")
     assert costs._read("k") is None
     # the CPU model is part of every key: a curve from another machine is never read
-    assert costs.cpu_name() in costs.curve_key("m", "fp32", "cpu", "torch")
+    assert records.cpu_name() in costs.curve_key("m", "fp32", "cpu", "torch")
 
 
 def test_loading_measures_nothing(tiny_model_dir, tmp_path, monkeypatch):
@@ -123,7 +126,7 @@ def test_hd_costs_shows_and_remeasures(tiny_model_dir, tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["costs", "--model", str(tiny_model_dir), "--json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rep["cpu"] == costs.cpu_name() and rep["kernels"] in rep["curves"]
+    assert rep["cpu"] == records.cpu_name() and rep["kernels"] in rep["curves"]
     first = {k: c["measured_at"] for k, c in rep["curves"].items()}
     r = CliRunner().invoke(app, ["costs", "--model", str(tiny_model_dir), "--remeasure", "--json"])
     again = json.loads(r.stdout.strip().splitlines()[-1])

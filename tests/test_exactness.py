@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hdcli import api
-from hdcli.engine.decode import Decoder
+from hdcli.engine.decode.loop import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 
 from conftest import tiny_gemma3, tiny_llama
@@ -202,10 +202,10 @@ def test_a_tenants_scoped_answers_draft_and_equal_plain_greedy():
     """hd serve --learn-scope key|user: a request drafts from the DB's shared answers and its own
     scope's (drafting.model.ScopedAnswers) and grows only its own; greedy output is plain decoding's,
     and what one scope generated is never proposed to another."""
-    from hdcli.drafting import model as model_layer
+    from hdcli.drafting import answer_index as model_layer
     if not model_layer.available():
         pytest.skip("arctic-inference is not installed")
-    from hdcli.drafting.model import AnswerIndex, AnswerLayer, ScopedAnswers
+    from hdcli.drafting.answer_index import AnswerIndex, AnswerLayer, ScopedAnswers
     m = tiny_llama(vocab_size=50, seed=1, scale=4.0)
     refs = {tuple(p): plain(m, p, 40) for p in PROMPTS}
     base = AnswerIndex([refs[tuple(PROMPTS[0])]])          # the built DB's answers: shared

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hdcli.engine.decode import Decoder
-from hdcli.engine.tree import new_cache, tree_forward
-from hdcli.engine.verify import Sampling
+from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.tree import new_cache, tree_forward
+from hdcli.engine.decode.verify import Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_check  # noqa: E402

@@ -1,4 +1,4 @@
-"""The M-invariant forward (hdcli/engine/invariant.py, a property of hd's own forward): every row
+"""The M-invariant forward (hdcli/engine/kernels/invariant.py, a property of hd's own forward): every row
 of a k-token verification forward is bit-identical (torch.equal) to the same token's one-token
 forward, for chains of every width hd sends and for token trees, after a cached prefix, in fp32
 and bf16 (dense torch or oneDNN layers, and bf16 with a GGUF's own blocks: the gguf kernels), on
@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hdcli.engine import invariant, kernels, models, quants
-from hdcli.engine.decode import Decoder
-from hdcli.engine.tree import Tree
+from hdcli.engine.kernels import invariant, dense as kernels, quants
+from hdcli.engine import loader as models
+from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.tree import Tree
+from hdcli.engine.decode import calibrate
 
 from conftest import owned_copy, tiny_llama
 
@@ -84,7 +86,7 @@ def branchy(rng: random.Random, nodes: int) -> Tree:
 def rows_vs_one_token(model, tree: Tree, prefix: list[int]) -> list[bool]:
     """Per node: is the tree forward's row torch.equal to the node's one-token forward, which runs
     after the node's path token by token on the same prefix cache?"""
-    return [equal for equal, _ in invariant.compare_rows(model, tree, prefix)]
+    return [equal for equal, _ in calibrate.compare_rows(model, tree, prefix)]
 
 
 CASES = [("llama", torch.float32, "onednn"), ("llama", torch.float32, "torch"),
@@ -96,12 +98,11 @@ CASES = [("llama", torch.float32, "onednn"), ("llama", torch.float32, "torch"),
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[2]}")
 def invariant_model(request, tmp_path_factory, monkeypatch_module):
     """The torch ops' attention (the fused one: test_fused_attention_rows_equal_one_token_rows)."""
-    from hdcli.engine import fused
     monkeypatch_module.setenv("HD_CACHE_DIR", str(tmp_path_factory.mktemp("hdcache")))
     name, dtype, kern = request.param
-    with fused.pinned("torch"):
+    with invariant.pinned("torch"):
         model = build(name, dtype, kern)
-        info = invariant.enable(model)
+        info = calibrate.enable(model)
         assert info["self_check"][0] == info["self_check"][1]
         yield model
 
@@ -188,15 +189,14 @@ def test_a_linear_whose_rows_depend_on_m_is_padded():
 def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_model_dir):
     """An attention whose rows shift with the number of rows fails the self-check: the mode is
     refused and the model is left out of it; `--invariant on` is a one-line error."""
-    from hdcli.engine import fused
     from hdcli.errors import HdError
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     real = invariant.attend_kv
     monkeypatch.setattr(invariant, "attend_kv", lambda q, *a: real(q, *a) + 1e-3 * q.shape[2])
-    with fused.pinned("torch"):
+    with invariant.pinned("torch"):
         model = build("llama", torch.float32, "torch")
-        with pytest.raises(invariant.NotInvariant, match="self-check"):
-            invariant.enable(model)
+        with pytest.raises(calibrate.NotInvariant, match="self-check"):
+            calibrate.enable(model)
     assert not invariant.is_enabled(model) and not model.numerics.min_rows
     assert all(lin.min_rows == 1 for lin in model.linears())
     monkeypatch.setattr(invariant, "try_enable", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
@@ -246,10 +246,10 @@ def test_bf16_greedy_output_equals_plain_on_spec_bench_questions(bundled_lm):
 @pytest.mark.parametrize("name,dtype,kern", [("llama", torch.float32, "torch"), ("gemma3", torch.bfloat16, "torch"),
                                              ("llama", torch.bfloat16, "gguf")])
 def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, monkeypatch):
-    """The fused attention (engine/fused.py, csrc/attend.cpp): chain and tree rows
+    """The fused attention (engine/kernels/fused.py, csrc/attend.cpp): chain and tree rows
     torch.equal their one-token forwards and greedy trees equal plain decoding, with every
     attention call going through the compiled loop; with its result nudged, rows differ."""
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     if fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
@@ -258,8 +258,8 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
     for f in real:   # on invariant caches the attention appends the keys too (append_attend_many)
         monkeypatch.setattr(fused, f, lambda *a, f=f: calls.append(f) or real[f](*a))
     model = build(name, dtype, kern)
-    with fused.pinned("fused"):
-        info = invariant.enable(model)
+    with invariant.pinned("fused"):
+        info = calibrate.enable(model)
         assert fused.name().startswith("fused-") and info["self_check"][0] == info["self_check"][1]
         rng = random.Random(5)
         for k in (1, 4, 16):
@@ -278,14 +278,14 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
             monkeypatch.setattr(fused, f, lambda q, *a, f=f: real[f](q, *a) * (1 + 1e-2 * (q.shape[-2 if q.dim() == 4 else 0] > 1)))
         prefix = [rng.randrange(3, V) for _ in range(75)]
         assert not all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix))
-    invariant.disable(model)
+    calibrate.disable(model)
 
 
 def test_fused_attention_kernel_on_odd_head_sizes():
     """The compiled function alone, on head sizes with a scalar tail (8, 24), without (80) and those
     it is compiled for (64, 128, 256): the softmax attention within float rounding, and each row
     alone torch.equal to it among others."""
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     if fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     gen = torch.Generator().manual_seed(0)
@@ -310,7 +310,7 @@ def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
     sequences share the call, whether the keys' transposed copy is kept or made afresh, and
     whether keys and values are stored as bf16 or as their fp32 widening. And the comparison can
     fail: a kept copy that is stale (keys changed, kt_len not lowered) gives other rows."""
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     if fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     gen = torch.Generator().manual_seed(1)
@@ -356,8 +356,8 @@ def test_fused_attention_appends_keys_as_the_cache_does():
     compiled call: the layers end as append() leaves them (fp32 keys, [V | 1], zeros past the
     length, the length), and the attention equals attend_many's on them. Sequences of 1 and 3 new
     rows, on an empty layer and on one with keys, share the call; bf16 keys are widened exactly."""
-    from hdcli.engine import fused
-    from hdcli.engine.kvcache import InvariantLayer
+    from hdcli.engine.kernels import fused
+    from hdcli.engine.model.kvcache import InvariantLayer
     if fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     gen = torch.Generator().manual_seed(2)
@@ -390,11 +390,11 @@ def test_fused_attention_appends_keys_as_the_cache_does():
 def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypatch):
     """HD_FUSED_ATTENTION unset: decide() takes the faster of the two timed attentions, caches the
     times per machine (a new process reads them without timing), and 0 / 1 override it."""
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     if fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     model = build("llama", torch.float32, "torch")
-    timed, answer, real = [], {}, fused.time_both
+    timed, answer, real = [], {}, invariant.time_both
     monkeypatch.setattr(fused, "time_both", lambda hq, hkv, d: timed.append((hq, hkv, d)) or dict(answer))
     monkeypatch.delenv("HD_FUSED_ATTENTION", raising=False)
     monkeypatch.setattr(fused, "_decision", None)
@@ -402,19 +402,19 @@ def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypat
     try:
         monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "a"))
         answer.update(fused=1.0, torch=2.0)
-        got = fused.decide(model)
+        got = invariant.decide(model)
         assert got["attention"] == "fused" and got["ms"] == answer and fused.enabled()
         assert timed == [(4, 2, 16)]
-        fused._decision = None                      # another process on this machine: from the cache
+        invariant._decision = None                      # another process on this machine: from the cache
         answer.update(fused=9.0)
-        assert fused.decide(model)["attention"] == "fused" and len(timed) == 1
+        assert invariant.decide(model)["attention"] == "fused" and len(timed) == 1
         monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "b"))   # a machine where torch ops win
-        fused._decision = None
-        assert fused.decide(model)["attention"] == "torch" and not fused.enabled() and len(timed) == 2
+        invariant._decision = None
+        assert invariant.decide(model)["attention"] == "torch" and not fused.enabled() and len(timed) == 2
         for env, kind in (("0", "torch"), ("1", "fused")):
             monkeypatch.setenv("HD_FUSED_ATTENTION", env)
-            fused._decision = None
-            assert fused.decide(model)["attention"] == kind and fused.enabled() == (kind == "fused")
+            invariant._decision = None
+            assert invariant.decide(model)["attention"] == kind and fused.enabled() == (kind == "fused")
         assert len(timed) == 2
     finally:
         fused.use(was)
@@ -430,17 +430,17 @@ def test_prompt_prefill_takes_causal_sdpa_only_for_a_plain_causal_mask(name, att
     attention on, that attention takes the whole prompt instead. Gemma 3's sliding window layer
     keeps its mask. Logits stay within rounding of a masked SDPA's, and speculative greedy output
     equals plain after such a prompt."""
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     if attention == "fused" and fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
-    with fused.pinned(attention):
+    with invariant.pinned(attention):
         _prompt_prefill(name, attention, monkeypatch)
 
 
 def _prompt_prefill(name, attention, monkeypatch):
     model = build(name, torch.float32, "torch")
-    invariant.enable(model)
+    calibrate.enable(model)
     seen = []
     real = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
@@ -465,4 +465,4 @@ def _prompt_prefill(name, attention, monkeypatch):
     ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=30).tokens
     oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=1)
     assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=30).tokens == ref
-    invariant.disable(model)
+    calibrate.disable(model)

@@ -8,8 +8,9 @@ import torch
 
 from hdcli import api
 from hdcli.hsd import draft_models as draftmodels
-from hdcli.engine import kernels, models
-from hdcli.engine.decode import Decoder
+from hdcli.engine.kernels import dense as kernels
+from hdcli.engine import loader as models
+from hdcli.engine.decode.loop import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.errors import HdError
 
@@ -73,7 +74,7 @@ def test_onednn_packs_and_torch_opts_out(tiny_model_dir, tiny_lm):
     assert kernels.resolve("int4") == "gguf"   # the older name of the GGUF kernels
     assert models.owned_kernels("auto", "cuda", "bf16", gguf=False) == "torch"
     assert models.owned_kernels("auto", "cpu", "fp32", gguf=False) == "onednn"
-    from hdcli.engine import quants
+    from hdcli.engine.kernels import quants
     auto = "gguf-int8" if quants.activation_choice()["activations"] == "int8" else "gguf"
     assert models.owned_kernels("auto", "cpu", "bf16", gguf=True) == auto
     assert models.owned_kernels("auto", "cpu", "fp32", gguf=True) == "gguf"   # int8 activations: bf16 only

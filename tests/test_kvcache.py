@@ -1,4 +1,4 @@
-"""The invariant KV cache (hdcli/engine/kvcache.py): it holds what transformers' DynamicCache
+"""The invariant KV cache (hdcli/engine/model/kvcache.py): it holds what transformers' DynamicCache
 holds, through appends, tree crops (keep_path) and growth past its capacity, rows past its length
 stay zero, and hd's forward gives the same logits whether its cache grew on the way or had room
 from the start."""
@@ -8,8 +8,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hdcli.engine import invariant, kvcache
-from hdcli.engine.tree import Tree, keep_path, new_cache, tree_forward
+from hdcli.engine.kernels import invariant
+from hdcli.engine.model import kvcache
+from hdcli.engine.decode.tree import Tree, keep_path, new_cache, tree_forward
+from hdcli.engine.decode import calibrate
 
 from test_invariant import build
 
@@ -70,13 +72,13 @@ def _steps(model, cache) -> list[torch.Tensor]:
 def test_a_cache_that_grows_gives_the_logits_of_one_that_had_room(dtype, kern, attention, tmp_path, monkeypatch):
     """With the fused attention a bf16 model's cache stores bf16 (the attention widens it as it
     reads): logits torch.equal all the same."""
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     if attention == "fused" and fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
-    with fused.pinned(attention):
+    with invariant.pinned(attention):
         model = build("llama", dtype, kern)
-        invariant.enable(model)
+        calibrate.enable(model)
         grows, roomy = new_cache(model), new_cache(model)
         with torch.inference_mode():
             for layer in roomy.layers:   # room for every step from the start: no growth copies

@@ -5,13 +5,20 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "hdcli"
-# bottom first: a module may import from its own unit and the units before it
-ORDER = ["errors", "engine", "db", "drafting", "hsd", "config", "compose", "bench", "api", "serve", "cli"]
+# bottom first: a module may import from its own unit and the units before it. The engine's rooms
+# are units of their own: records and environment at the bottom, then kernels, the model, text
+# (prompts, templates, tools, grammars), the decode loop, and the loader that puts a model together.
+ENGINE = ["engine.environment", "engine.records", "engine.kernels", "engine.model", "engine.text",
+          "engine.decode", "engine.loader", "engine"]
+ORDER = ["errors", *ENGINE, "db", "drafting", "hsd", "config", "compose", "bench", "api", "serve", "cli"]
 
 
 def unit(module: str) -> str:
-    """'hdcli.engine.decode' -> 'engine'; 'hdcli' (the package: __version__) -> 'errors'."""
+    """'hdcli.engine.decode.loop' -> 'engine.decode'; 'hdcli.db.stores' -> 'db'; 'hdcli' (the
+    package: __version__) -> 'errors'."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "engine" and f"engine.{parts[2]}" in ENGINE:
+        return f"engine.{parts[2]}"
     return parts[1] if len(parts) > 1 else "errors"
 
 
@@ -53,3 +60,52 @@ def test_no_function_is_longer_than_80_lines():
                 if n > 80:
                     long.append(f"{path.relative_to(ROOT.parent)}:{node.name} {n} lines")
     assert not long, long
+
+
+def _graph() -> dict[str, set[str]]:
+    """Every hdcli module -> the hdcli modules it imports, at the top or inside a function (a
+    package's own __init__ importing its submodules aside: a re-export, not a dependency)."""
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        mods[".".join(rel.parts[:-1]) if rel.name == "__init__" else ".".join(rel.parts)] = path
+    graph = {}
+    for name, path in mods.items():
+        targets = set()
+        for t in imports(path):
+            while t and t not in mods:   # 'pkg.mod.Name' -> 'pkg.mod'
+                t = t.rpartition(".")[0]
+            if t and t != name and not t.startswith(name + "."):
+                targets.add(t)
+        graph[name] = targets
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[str]:
+    state, circles = {}, []
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return circles
+
+
+def test_no_import_circle():
+    """No module reaches itself through imports, top-level or hidden inside functions: a circle
+    is how a lower room comes to depend on a higher one."""
+    assert not _circles(_graph())
+
+
+def test_the_circle_check_finds_a_circle():
+    """Negative control: the check sees the circle records -> costs -> records once it is added."""
+    graph = _graph()
+    graph["hdcli.engine.records"].add("hdcli.engine.decode.costs")
+    assert any("hdcli.engine.records" in c for c in _circles(graph))

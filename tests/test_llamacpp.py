@@ -127,8 +127,8 @@ def test_llama_cpp_refused_through_the_cli(tiny_model_dir, spec_file):  # noqa: 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                     reason="llama-cpp-python not installed (optional): pip install -e '.[llama-cpp]'")
 def test_real_llama_cpp_on_the_bundled_gguf(bundled_lm):
-    from hdcli.engine.prompts import encode_prompt
-    from hdcli.engine.verify import Sampling
+    from hdcli.engine.text.prompts import encode_prompt
+    from hdcli.engine.decode.verify import Sampling
     model = llamacpp.LlamaCppModel(bundled_lm)
     ids = [int(t) for t in encode_prompt(bundled_lm.tokenizer, "Name three colours.")]
     tokens, wall = model.answer(ids, 16, Sampling(), 0)

@@ -170,7 +170,7 @@ def test_model_layer_greedy_equals_plain_and_drafts_a_known_answer(tiny_lm, tmp_
     """The model layer drafts from the DB's answers (suffix index) or, without arctic-inference,
     from its n-gram table; either way greedy output is plain decoding's, and a prompt whose answer
     the DB holds is drafted mostly by it."""
-    from hdcli.drafting import model
+    from hdcli.drafting import answer_index as model
     if index == "answers" and not model.available():
         pytest.skip("arctic-inference is not installed")
     if index == "ngrams":
@@ -195,7 +195,7 @@ def test_an_answer_is_drafted_for_the_next_request_of_the_process(tiny_lm, tmp_p
     """The index grows with what this process generates (as SuffixDecoding's global tree): the
     second request for the same prompt is drafted by the model layer; a fresh index (no
     learning) drafts none of it (the control)."""
-    from hdcli.drafting import model
+    from hdcli.drafting import answer_index as model
     if not model.available():
         pytest.skip("arctic-inference is not installed")
     mdb, _ = _model_db(tiny_lm, tmp_path, PROMPTS[:1], n=8)

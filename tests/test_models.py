@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hdcli.engine import models
+from hdcli.engine import loader as models
 from hdcli.errors import HdError
 
 

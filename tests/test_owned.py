@@ -1,4 +1,4 @@
-"""hd's own forward (hdcli/engine/forward/) from GGUF files in their own bits.
+"""hd's own forward (hdcli/engine/model/) from GGUF files in their own bits.
 
   * against transformers' forward on the bundled model: logits close in fp32, greedy tokens equal;
   * M-invariance: every verified row (chains, trees, several sequences in one forward) torch.equal
@@ -21,9 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hdcli.engine import batch, models, quants
-from hdcli.engine.decode import Decoder
-from hdcli.engine.tree import Tree, new_cache, tree_forward
+from hdcli.engine.decode import batch
+from hdcli.engine import loader as models
+from hdcli.engine.kernels import quants
+from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.tree import Tree, new_cache, tree_forward
 
 from conftest import load_growth, require_bundled
 
@@ -190,7 +192,7 @@ def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tmp_path)
     JSON records it, and `--config` of that JSON gives the same tokens in a process whose own
     choice is the other one (HD_FUSED_ATTENTION flips it here)."""
     require_bundled()
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     if fused.load(quiet=True) is None:
         pytest.skip("the fused attention does not compile here")
     env = dict(os.environ, HD_CACHE_DIR=str(tmp_path / "cache"))
@@ -211,12 +213,12 @@ def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tmp_path)
 
 
 def test_the_header_parser_reads_what_gguf_py_reads(tiny_gguf, tmp_path):
-    """engine/forward/gguf.py parses the header itself (gguf-py's reader took ~25 s on a 128k
+    """engine/model/gguf.py parses the header itself (gguf-py's reader took ~25 s on a 128k
     vocabulary): every tensor's type, shape and bytes and every scalar field as GGUFReader gives
     them; a truncated file is one clear error."""
     import gguf
     import numpy as np
-    from hdcli.engine.forward.gguf import GGUFFile
+    from hdcli.engine.model.gguf import GGUFFile
     from hdcli.errors import HdError
     mine, ref = GGUFFile(tiny_gguf), gguf.GGUFReader(str(tiny_gguf))
     assert len(mine.tensors) == len(ref.tensors)

@@ -1,4 +1,4 @@
-"""hd's own forward (hdcli/engine/forward/) from transformers checkpoints (forward/checkpoint.py):
+"""hd's own forward (hdcli/engine/model/) from transformers checkpoints (model/checkpoint.py):
 folders saved by save_pretrained run on the forward a GGUF of the same model runs on.
 
   * tiny random llama (a llama3-scaled rope, tied embeddings), mistral (a sliding window in every
@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hdcli.engine import kernels, models
-from hdcli.engine.decode import Decoder
+from hdcli.engine.kernels import dense as kernels
+from hdcli.engine import loader as models
+from hdcli.engine.decode.loop import Decoder
 from hdcli.errors import HdError
 
 from conftest import VOCAB, load_growth, owned_copy, save_with_tokenizer

@@ -1,4 +1,4 @@
-"""The prefix cache (hdcli/engine/prefix.py) and what it rests on.
+"""The prefix cache (hdcli/engine/decode/prefix.py) and what it rests on.
 
   * Split-invariant prefill: a prompt's keys and values filled in causal pieces of at most
     invariant.MAX_ROWS rows are torch.equal whatever the split, on the bundled model (bf16, GGUF
@@ -22,9 +22,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hdcli.engine import fused, invariant, kvcache, prefix
-from hdcli.engine.decode import Decoder
-from hdcli.engine.tree import tree_forward
+from hdcli.engine.kernels import fused, invariant
+from hdcli.engine.model import kvcache
+from hdcli.engine.decode import prefix
+from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.tree import tree_forward
+from hdcli.engine.decode import calibrate
 
 from conftest import require_bundled, save_tiny_model
 
@@ -53,7 +56,7 @@ def bundled():
     """The bundled model as `auto` takes it on an AVX512-VNNI CPU: bf16, GGUF int8 kernels."""
     require_bundled()
     from hdcli import api
-    from hdcli.engine import quants
+    from hdcli.engine.kernels import quants
     if not quants.int8_available():
         pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI")
     lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels="gguf-int8", quiet=True)
@@ -77,7 +80,7 @@ def test_prefill_in_pieces_is_split_invariant(bundled, attention):
     m = bundled.model
     ids = corpus_ids(bundled, 300)
     assert len(ids) == 300
-    with fused.pinned(attention), torch.inference_mode():
+    with invariant.pinned(attention), torch.inference_mode():
         ref = pieces(m, ids)
         for cut in SPLITS:
             assert same(ref, pieces(m, ids, cut)), cut
@@ -121,9 +124,9 @@ def test_gemma3_sliding_window_prefill_is_split_invariant(attention, tmp_path, m
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     from test_invariant import build
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
-    with fused.pinned(attention):
+    with invariant.pinned(attention):
         m = build("gemma3", torch.bfloat16, "torch")
-        invariant.enable(m)
+        calibrate.enable(m)
         assert prefix.why_not(m) is None
         rng = random.Random(2)
         ids = [rng.randrange(3, 64) for _ in range(150)]
@@ -131,7 +134,7 @@ def test_gemma3_sliding_window_prefill_is_split_invariant(attention, tmp_path, m
             ref = pieces(m, ids)
             for cut in (1, 7, 8, 9, 64, 100, 149):
                 assert same(ref, pieces(m, ids, cut)), cut
-        invariant.disable(m)
+        calibrate.disable(m)
         assert prefix.why_not(m) is not None
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hdcli import api
-from hdcli.engine.decode import Decoder
-from hdcli.engine.tree import Tree, new_cache, tree_forward
-from hdcli.engine.verify import Sampling, logprobs_of, processed
+from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.tree import Tree, new_cache, tree_forward
+from hdcli.engine.decode.verify import Sampling, logprobs_of, processed
 
 PROMPTS = [
     "Repeat this sentence three times: the quick brown fox jumps over the lazy dog.",

@@ -1,4 +1,4 @@
-"""GGUF-quantized weights (hdcli/engine/quants.py, csrc/qmm.cpp): dequantization equal bit for bit
+"""GGUF-quantized weights (hdcli/engine/kernels/quants.py, csrc/qmm.cpp): dequantization equal bit for bit
 to gguf-py's reference for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (and F32/F16/BF16), the packing of
 every type in about the file's bytes, and the GEMM on the blocks: close to the dequantized product, its
 weight matrix the dequantized weights exactly, and each row's result independent of the row count
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hdcli.engine import quants
+from hdcli.engine.kernels import quants
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
@@ -253,8 +253,8 @@ def test_compiled_row_ops():
     sum's order, and each row's result depends on that row only (a changed row changes only its
     own output: the control)."""
     kernel()
-    from hdcli.engine.forward.layers import rms_norm
-    from hdcli.engine.forward.rope import Rope
+    from hdcli.engine.model.layers import rms_norm
+    from hdcli.engine.model.rope import Rope
     ops = quants.gemm_module()
     gen = torch.Generator().manual_seed(4)
     for interleaved in (True, False):

@@ -177,7 +177,7 @@ def test_fingerprint_message_says_what_differs(tiny_lm, tmp_path):
 
 def test_a_model_db_answer_holding_a_huge_id_is_not_indexed(tiny_lm, tmp_path):
     """Before: the answer index crashed on id 4,000,000,000 (arctic-inference's int32)."""
-    from hdcli.drafting import model
+    from hdcli.drafting import answer_index as model
     if not model.available():
         pytest.skip("arctic-inference is not installed")
     ids = tiny_lm.tokenizer(DOCS[0], add_special_tokens=False)["input_ids"]

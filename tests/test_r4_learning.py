@@ -145,7 +145,7 @@ def test_learning_grows_the_file_by_a_bounded_amount_per_token(tok, tmp_path):
     read once into the index) while the learner writes one generation per transaction. 120
     answers of 32 tokens grew the file by ~2.5 KB per token (pages pinned by the decoding Store's
     read snapshot are never reused) where ~0.3 KB of records were added."""
-    from hdcli.drafting import model as model_layer
+    from hdcli.drafting import answer_index as model_layer
     path = model_db(tok, tmp_path / "m.lmdb", answers(1, 4))
     before = path.stat().st_size
     decoding = stores.Store(path, writable=True)           # compose.open_dbs with --learn

@@ -169,7 +169,7 @@ CASES = [
 
 @pytest.mark.parametrize("meta,tensors,want", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_hostile_gguf_is_refused_at_open_in_one_line(tmp_path, meta, tensors, want):
-    from hdcli.engine.forward.gguf import GGUFFile
+    from hdcli.engine.model.gguf import GGUFFile
     path = write_gguf(tmp_path / "bad.gguf", meta=meta, tensors=tensors)
     with pytest.raises(HdError) as exc:
         GGUFFile(path)
@@ -183,7 +183,7 @@ def test_hostile_gguf_is_refused_at_open_in_one_line(tmp_path, meta, tensors, wa
 
 def test_the_tiny_file_itself_opens(tmp_path):
     """The writer above makes a file hd reads (so each case fails for its one defect)."""
-    from hdcli.engine.forward.gguf import GGUFFile
+    from hdcli.engine.model.gguf import GGUFFile
     cfg = GGUFFile(write_gguf(tmp_path / "good.gguf")).config()
     assert (cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (VOCAB, HEADS, KV, 8)
 
@@ -198,7 +198,7 @@ def test_a_header_counting_2_63_tensors_is_refused_before_reading(tmp_path):
 
 
 def test_overlapping_tensor_data_is_refused(tmp_path):
-    from hdcli.engine.forward.gguf import GGUFFile
+    from hdcli.engine.model.gguf import GGUFFile
     path = write_gguf(tmp_path / "overlap.gguf")
     patch_tensor_info(path, "blk.0.attn_k.weight", "offset", offset_of(path, "blk.0.attn_q.weight") + 32)
     with pytest.raises(HdError) as exc:
@@ -209,7 +209,7 @@ def test_overlapping_tensor_data_is_refused(tmp_path):
 # --- a drafter that drafts past max_len ----------------------------------------------------------
 
 class Oracle:
-    """A custom Drafter (engine/draft.py) that ignores max_len: it proposes the next 12 tokens of
+    """A custom Drafter (engine/decode/draft.py) that ignores max_len: it proposes the next 12 tokens of
     the reference output, whatever room is left."""
 
     def __init__(self, prompt_len: int, ref: list[int]):
@@ -222,7 +222,7 @@ class Oracle:
         pass
 
     def propose(self, history, max_len, stats=None):
-        from hdcli.engine.draft import Draft
+        from hdcli.engine.decode.draft import Draft
         done = len(history) - self.prompt_len
         return [Draft(tuple(self.ref[done:done + 12]), "oracle")] if done < len(self.ref) else []
 
@@ -249,7 +249,7 @@ def test_drafts_past_max_len_never_lengthen_the_output(n, kind):
     -n (every drafted token was accepted, plus the target's own)."""
     from conftest import tiny_llama
     from hdcli.drafting.hierarchy import Hierarchy
-    from hdcli.engine.decode import Decoder
+    from hdcli.engine.decode.loop import Decoder
     model = tiny_llama(vocab_size=50, seed=1, scale=4.0)
     prompt = [1, 5, 6, 7, 8, 9]
     ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=20).tokens
@@ -265,7 +265,7 @@ class OutOfVocabulary(Oracle):
     """A drafter of another model: its drafts hold ids past this model's embedding."""
 
     def propose(self, history, max_len, stats=None):
-        from hdcli.engine.draft import Draft
+        from hdcli.engine.decode.draft import Draft
         done = len(history) - self.prompt_len
         right = tuple(self.ref[done:done + 3])
         return [Draft(right + (50, 7), "oracle"), Draft((10**9,) + right, "oracle")] if done < len(self.ref) else []
@@ -276,8 +276,8 @@ def test_drafted_ids_outside_the_vocabulary_never_reach_the_embedding():
     the verification forward raise IndexError; now each draft is cut before its first such id and
     the output is plain greedy decoding's (control: uncut, the forward raises)."""
     from conftest import tiny_llama
-    from hdcli.engine.decode import Decoder
-    from hdcli.engine.draft import Draft, clamped
+    from hdcli.engine.decode.loop import Decoder
+    from hdcli.engine.decode.draft import Draft, clamped
     model = tiny_llama(vocab_size=50, seed=1, scale=4.0)
     prompt = [1, 5, 6, 7, 8, 9]
     ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=12).tokens

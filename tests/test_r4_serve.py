@@ -12,11 +12,12 @@ import threading
 import pytest
 
 from hdcli import api
-from hdcli.engine.decode import Decoder
-from hdcli.engine.draft import Draft
-from hdcli.engine.verify import Sampling
+from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.draft import Draft
+from hdcli.engine.decode.verify import Sampling
 from hdcli.errors import HdError
-from hdcli.serve import Server, listening_socket, tenants
+from hdcli.serve.server import Server, listening_socket
+from hdcli.serve import tenants
 from hdcli.serve.scheduler import Job, Scheduler
 
 from test_reliability import hd_proc, one_line_error

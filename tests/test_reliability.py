@@ -15,6 +15,7 @@ import pytest
 
 from hdcli.db import statsdb, stores
 from hdcli.errors import HdError
+from hdcli.engine.kernels import build
 
 from test_cli import run
 
@@ -88,8 +89,8 @@ def test_special_token_strings_in_messages_are_text_not_control_tokens():
     turn (its strings became SmolLM2's control tokens). Contents are text now, in chat requests
     and `hd generate` prompts alike; ordinary prompts keep exactly the template's ids."""
     from conftest import require_bundled
-    from hdcli.engine import models
-    from hdcli.engine.prompts import encode_messages, encode_prompt
+    from hdcli.engine import loader as models
+    from hdcli.engine.text.prompts import encode_messages, encode_prompt
     require_bundled()
     tok = models.load_tokenizer("smollm2-135m")
     specials = set(tok.all_special_ids)
@@ -563,7 +564,7 @@ def test_an_extension_that_does_not_load_is_rebuilt_once(tmp_path, monkeypatch, 
     """A garbage compiled .so was kept: the GGUF GEMM silently fell back to dequantized weights, the
     attention said "does not compile here" on every run. Now it is dropped and built again, said."""
     from torch.utils import cpp_extension
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     folder = tmp_path / "hd_x"
     folder.mkdir()
     (folder / "hd_x.so").write_bytes(b"garbage")
@@ -579,7 +580,7 @@ def test_an_extension_that_does_not_load_is_rebuilt_once(tmp_path, monkeypatch, 
         return "module"
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(folder))
     monkeypatch.setattr(cpp_extension, "load", load)
-    assert fused.compile_extension(fused.SOURCE, "hd_x", "the test kernel", quiet=True) == ("module", None)
+    assert build.compile_extension(fused.SOURCE, "hd_x", "the test kernel", quiet=True) == ("module", None)
     assert calls == ["hd_x", "hd_x"]
     err = capsys.readouterr().err
     assert f"warning: {folder / 'hd_x.so'} does not load (ImportError: " in err and "rebuilding the test kernel" in err
@@ -590,20 +591,20 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, 
     forever without a word. A lock older than a build can take is removed, said in one line;
     a young one (another process building now) is waited for, said too."""
     from torch.utils import cpp_extension
-    from hdcli.engine import fused
+    from hdcli.engine.kernels import fused
     folder = tmp_path / "hd_y"
     folder.mkdir()
     lock = folder / "lock"
     lock.write_bytes(b"")
-    old = time.time() - fused.STALE_LOCK_SECONDS - 60
+    old = time.time() - build.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(folder))
     monkeypatch.setattr(cpp_extension, "load", lambda name, **kw: "module" if not lock.exists() else 1 / 0)
-    assert fused.compile_extension(fused.SOURCE, "hd_y", "the test kernel", quiet=True) == ("module", None)
+    assert build.compile_extension(fused.SOURCE, "hd_y", "the test kernel", quiet=True) == ("module", None)
     assert "left by a build that was killed: removing it" in capsys.readouterr().err
     lock.write_bytes(b"")                       # a build running now: waited for, then loaded
     threading.Timer(1.0, lock.unlink).start()
-    assert fused.compile_extension(fused.SOURCE, "hd_y", "the test kernel", quiet=True) == ("module", None)
+    assert build.compile_extension(fused.SOURCE, "hd_y", "the test kernel", quiet=True) == ("module", None)
     assert "waiting for another process building the test kernel" in capsys.readouterr().err
 
 
@@ -687,7 +688,7 @@ def _tiny_gguf(path):
 
 def test_a_gguf_cut_short_says_it_is_truncated(tmp_path):
     """A GGUF whose tensor data was cut (an interrupted download) failed inside numpy's reshape."""
-    from hdcli.engine.forward.gguf import GGUFFile
+    from hdcli.engine.model.gguf import GGUFFile
     good = _tiny_gguf(tmp_path / "good.gguf")
     GGUFFile(good)
     size = good.stat().st_size

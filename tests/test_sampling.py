@@ -13,9 +13,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hdcli.engine.decode import Decoder
+from hdcli.engine.decode.loop import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
-from hdcli.engine.verify import Sampling, processed, sample_point_masses, target_probs
+from hdcli.engine.decode.verify import Sampling, processed, sample_point_masses, target_probs
 
 from conftest import owned_copy, tiny_llama
 
@@ -95,7 +95,7 @@ def test_first_two_tokens_follow_target_distribution(model, s, layer):
     best = max(probs, key=probs.get)
     if layer == "model":  # the model DB's answer index, holding an answer that continues the prompt
         # with the best pair, and learning every sampled answer as it goes; the default policy
-        from hdcli.drafting import AnswerIndex, AnswerLayer, model as model_layer
+        from hdcli.drafting import AnswerIndex, AnswerLayer, answer_index as model_layer
         if not model_layer.available():
             pytest.skip("arctic-inference is not installed")
         drafter = Hierarchy([AnswerLayer(AnswerIndex([prompt + list(best)]))], policy="fill-tracked",
@@ -140,7 +140,7 @@ def test_greedy_sampling_settings():
 def invariant_model(tmp_path_factory):
     """A tiny llama in the M-invariant mode, where streams share one forward (batch.py); hidden 64
     as in tests/test_invariant.py (at 16 the fp32 GEMMs' rows are not M-invariant: the mode refuses)."""
-    from hdcli.engine import batch
+    from hdcli.engine.decode import batch
     mp = pytest.MonkeyPatch()
     mp.setenv("HD_CACHE_DIR", str(tmp_path_factory.mktemp("hdcache")))
     m = owned_copy(tiny_llama(vocab_size=V, seed=3, hidden=64, scale=3.0), tmp_path_factory.mktemp("sampling-llama"),
@@ -154,7 +154,7 @@ def test_sampling_through_a_shared_forward_follows_target_distribution(invariant
     """hd serve's path: a sampled stream verified in one forward with another stream (greedy,
     drafting a chain of its own) keeps exactly the target's distribution. Checked to fail when
     the forward hands the sampled stream the other stream's rows."""
-    from hdcli.engine import batch
+    from hdcli.engine.decode import batch
     model = invariant_model
     s = Sampling(temperature=1.0)
     prompt, other = [1, 3, 4, 3, 4, 3], [2, 5, 6, 2, 5, 6, 2]

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hdcli import api
-from hdcli.serve import Server
+from hdcli.serve.server import Server
 
 from conftest import save_tiny_model
 
@@ -361,7 +361,7 @@ def test_sigterm_drains_running_requests_then_exits(model_dir):
 
 def test_sigkill_mid_learning_leaves_the_model_db_intact(model_dir, tmp_path):
     from hdcli.db.stores import Store
-    from hdcli.engine import models
+    from hdcli.engine import loader as models
     lm = models.load(str(model_dir), dtype="fp32", device="cpu", kernels="torch", quiet=True)
     db = model_db(lm, tmp_path / "m.lmdb")
     p, port, _ = start_cli(model_dir, "--model-db", str(db), "--learn", "-n", "60")
@@ -400,7 +400,7 @@ def test_served_connections_send_without_waiting_for_acks():
     gets no TCP_NODELAY: the check can fail."""
     import asyncio
     import socket
-    from hdcli.serve import listening_socket
+    from hdcli.serve.server import listening_socket
 
     async def nodelay_of(lsock) -> int:
         got = asyncio.get_running_loop().create_future()
@@ -520,7 +520,7 @@ def test_sampled_logprobs_served_equal_plain_rows(served):
     """Seeded sampling through the server: the logprobs of the tokens drawn are plain decoding's
     rows for that output, exactly."""
     from test_processors import forced_plain_logprobs
-    from hdcli.engine.verify import Sampling
+    from hdcli.engine.decode.verify import Sampling
     s, c = served.server, served.client()
     ids = [int(t) for t in s.lm.tokenizer("the cat sat", add_special_tokens=True)["input_ids"]]
     longest = 0
@@ -643,7 +643,7 @@ def test_a_shutdown_that_hangs_still_ends_within_the_bound(model_dir):
     saying so in one line (exit 1). Here close() never returns; the margin is cut to 1 s."""
     code = (
         "import sys, time\n"
-        "from hdcli import api, serve\n"
+        "from hdcli import api\nfrom hdcli.serve import server as serve\n"
         "serve.SHUTDOWN_MARGIN = 1.0\n"
         f"cfg = api.DecodingConfig(model={str(model_dir)!r}, dtype='fp32', kernels='torch', max_new_tokens=5)\n"
         "server = serve.Server(cfg, port=0, drain_timeout=0)\n"
@@ -701,7 +701,7 @@ def test_a_cancelled_lifespan_still_closes_the_server():
 def test_a_failing_decode_loop_ends_the_job_it_was_admitting(served):
     """A fault while a request is being admitted (here its drafter cannot be built) fails that
     request with an error, and the loop goes on (issue 47): no client waits forever."""
-    from hdcli.engine.verify import Sampling
+    from hdcli.engine.decode.verify import Sampling
     from hdcli.serve.scheduler import Job, Scheduler
 
     def broken(scope):

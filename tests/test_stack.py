@@ -7,11 +7,11 @@ import torch
 
 from hdcli import api
 from hdcli.hsd import draft_models as draftmodels
-from hdcli.engine.decode import Decoder
+from hdcli.engine.decode.loop import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.errors import HdError
 from hdcli.hsd.stack import ModelStack
-from hdcli.engine.verify import Sampling
+from hdcli.engine.decode.verify import Sampling
 
 from conftest import tiny_llama
 from test_sampling import chi2_pvalue, exact_two_token_distribution
@@ -65,7 +65,7 @@ def test_sampling_through_a_three_level_stack_follows_target_distribution():
     dec = Decoder(target, (), stack)
     n, counts = 3000, {}
     # Seeds 10000..12999. The acceptance rules now draw all of a step's uniforms at once
-    # (engine/verify.py), which changed the sample each seed gives: seeds 0..2999 came out at
+    # (engine/decode/verify.py), which changed the sample each seed gives: seeds 0..2999 came out at
     # p = 0.00086, the 1-in-1000 false alarm this test allows; 10000.., 20000.. and 30000.. gave
     # p = 0.48, 0.13 and 0.53.
     for seed in range(10000, 10000 + n):

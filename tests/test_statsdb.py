@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hdcli import api
-from hdcli.engine import costs
+from hdcli.engine.decode import costs
 from hdcli.db import statsdb, stores
 from hdcli.drafting import StatsDB
 from hdcli.errors import HdError

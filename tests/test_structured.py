@@ -17,10 +17,11 @@ import torch
 
 from hdcli import api
 from hdcli.drafting import ContextDB, Hierarchy
-from hdcli.engine import constrain, models
-from hdcli.engine.decode import Decoder
-from hdcli.engine.prediction import Prediction
-from hdcli.engine.verify import Sampling, target_probs
+from hdcli.engine.text import constrain
+from hdcli.engine import loader as models
+from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.prediction import Prediction
+from hdcli.engine.decode.verify import Sampling, target_probs
 
 from conftest import require_bundled, tiny_llama
 from test_sampling import ALPHA, FixedLayer, chi2_pvalue

@@ -1,4 +1,4 @@
-"""engine/tools.py: tools checked, families found from chat templates, conversations with tool
+"""engine/text/tools.py: tools checked, families found from chat templates, conversations with tool
 calls rendered, call grammars, and calls parsed back in the three families' formats.
 
 The templates below are small ones written here that use `tools`, tool_calls and tool messages
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from hdcli.engine import tools
+from hdcli.engine.text import tools
 
 HERMES = """{%- if tools %}<|im_start|>system
 # Tools
@@ -71,7 +71,7 @@ CONVERSATION = [
 def smol():
     from conftest import require_bundled
     require_bundled()
-    from hdcli.engine import models
+    from hdcli.engine import loader as models
     return models.load_tokenizer("smollm2-135m")
 
 
@@ -85,7 +85,7 @@ def smol_lm(smol):
 
 
 def with_template(template: str):
-    from hdcli.engine import models
+    from hdcli.engine import loader as models
     tok = models.load_tokenizer("smollm2-135m")
     tok.chat_template = template
     return tok
@@ -192,7 +192,7 @@ def test_text_is_held_only_while_it_may_become_a_call():
 
 
 def test_call_grammars_admit_only_calls_of_the_chosen_tools(smol_lm):
-    from hdcli.engine import constrain
+    from hdcli.engine.text import constrain
     ts = tools.parse_tools([WEATHER, TIME])
     tok = smol_lm.tokenizer
     good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -8,11 +8,18 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hdcli.engine import costs
-from hdcli.engine.decode import Decoder
+from hdcli.engine.decode import costs
+from hdcli.engine.decode.loop import Decoder
 from hdcli.drafting import AcceptanceTracker, ContextDB, Hierarchy
-from hdcli.engine.tree import Tree, build_tree, cap_by_cost, cap_jointly, keep_path, new_cache, node_estimates, tree_forward
-from hdcli.engine.verify import Sampling
+from hdcli.engine.decode.tree import (Tree,
+                                      build_tree,
+                                      cap_by_cost,
+                                      cap_jointly,
+                                      keep_path,
+                                      new_cache,
+                                      node_estimates,
+                                      tree_forward)
+from hdcli.engine.decode.verify import Sampling
 
 from conftest import tiny_gemma3, tiny_llama
 from test_exactness import ScriptedLayer
@@ -142,7 +149,7 @@ def test_a_kept_rejected_branch_breaks_the_greedy_test(model, monkeypatch):
         remove = cache.get_seq_length() - (past + 1 + len(path))
         if remove:
             cache.crop(-remove)
-    monkeypatch.setattr("hdcli.engine.decode.keep_path", broken)
+    monkeypatch.setattr("hdcli.engine.decode.loop.keep_path", broken)
     assert run() != ref
 
 
@@ -286,7 +293,7 @@ def test_top_tokens_first_is_argmax_even_on_ties_and_logits_stay(dtype):
     """The decoder's one top-k per step: the first is exactly argmax's (lowest index among equal
     maxima: greedy acceptance depends on it), the next the best of the rest, and the logits are
     not touched (an fp32 tensor converts to itself: masking it in place would corrupt them)."""
-    from hdcli.engine.verify import top_tokens
+    from hdcli.engine.decode.verify import top_tokens
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 1000, generator=g).to(dtype)
     x[1, 700] = x[1, 20] = 9.0          # a tie for the best: 20 first
@@ -306,7 +313,7 @@ def test_one_stream_cap_is_the_joint_cap_of_one_stream():
     """cap_by_cost's one-stream path (the decode loop's) keeps exactly what cap_jointly keeps for
     one tree, over random trees, estimates and cost curves (ties included: estimates are coarse)."""
     import random
-    from hdcli.engine.tree import _cap_one
+    from hdcli.engine.decode.tree import _cap_one
     rng = random.Random(0)
     curves = [costs.flat(1.0), costs.CostCurve({1: 1.0, 2: 1.02, 4: 1.12, 8: 1.48, 16: 2.3, 64: 7.3}),
               costs.CostCurve({1: 1.0, 8: 1.3, 64: 4.0}, branch=0.3), lambda w: 1.0 + 0.2 * (w - 1)]

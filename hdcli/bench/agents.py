@@ -4,7 +4,7 @@ Workloads (--workloads; categories are what the tables break figures down by):
   tools   BFCL function calling (../shared/data/bfcl, Apache-2.0, read SOURCE.md): simple_python,
           multiple and parallel questions, each under tool_choice `auto` and `required`. The tools
           are rendered into the prompt by the model's own template, or for one without tool support
-          (the bundled SmolLM2) in hd's system message (engine/tools.py). `required` is constrained
+          (the bundled SmolLM2) in hd's system message (engine/text/tools.py). `required` is constrained
           by the grammar of the calls the tools allow (parallel_tool_calls true for the parallel
           subset only, where one answer holds several calls); `auto` is not constrained (a call is
           parsed from the text, as hd serve does). Categories: tools/<subset>/<choice>.
@@ -143,13 +143,13 @@ def load_bfcl(folder: Path, subset: str) -> list[dict]:
 
 
 def bfcl_schema(parameters: dict) -> dict:
-    """A BFCL function's parameters as JSON Schema (engine/tools.py's mapping)."""
-    from ..engine import tools
+    """A BFCL function's parameters as JSON Schema (engine/text/tools.py's mapping)."""
+    from ..engine.text import tools
     return tools.openai_tool_from_bfcl({"name": "f", "parameters": parameters})["function"]["parameters"]
 
 
 def tools_items(folder: Path) -> list[Item]:
-    from ..engine import tools
+    from ..engine.text import tools
     out = []
     for subset in BFCL_SUBSETS:
         for q in load_bfcl(folder, subset):
@@ -400,7 +400,7 @@ def check(item: Item, text: str, lm=None) -> dict:
             return {"valid": False, "text": False}
     if item.workload == "edits":
         return {"valid": parse_python(code_of(text)) is not None, "text": False}
-    from ..engine import tools
+    from ..engine.text import tools
     family = tools.family(lm.tokenizer) if lm is not None else "hd"
     calls = tools.parse_calls(text, family, item.tools)
     if not calls:
@@ -437,9 +437,9 @@ def call_schema(item: Item) -> dict:
 
 
 def prepare(lm, item: Item, llama: bool = False) -> Prepared:
-    from ..engine import constrain, tools
-    from ..engine.prediction import prediction_ids
-    from ..engine.prompts import encode_messages
+    from ..engine.text import constrain, tools
+    from ..engine.decode.prediction import prediction_ids
+    from ..engine.text.prompts import encode_messages
     grammar = gbnf = None
     if item.workload == "tools":
         family = tools.family(lm.tokenizer)
@@ -495,7 +495,7 @@ def check_methods(names) -> None:
 
 def default_methods(lm) -> list[str]:
     from ..drafting import suffix
-    from ..engine import models
+    from ..engine import loader as models
     from . import llamacpp
     gguf = False
     if llamacpp.available():
@@ -548,8 +548,8 @@ def run(lm, items: list[Item], runners: dict, sampling, seed: int | None = 0,
     preps = [prepare(lm, it, llama="llama-cpp" in runners) for it in items]
     # each method's first call (kernels, caches, the grammar path) is not timed; on a prompt of
     # its own, so that no method has seen an item before it is timed on it
-    from ..engine import constrain
-    from ..engine.prompts import encode_prompt
+    from ..engine.text import constrain
+    from ..engine.text.prompts import encode_prompt
     warm = Item("warm-up", "json/warm-up", [], max_new_tokens=8)
     warm_prep = Prepared(encode_prompt(lm.tokenizer, "Say hello in JSON."),
                          constrain.compile(lm, "json_object"), 'root ::= "{" [^}]* "}"')

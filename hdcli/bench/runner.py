@@ -29,11 +29,12 @@ import torch
 from ..compose import DBs, build_drafter, warm_up
 from ..config import DEFAULT_CANDIDATES, DEFAULT_POLICY, DecodingConfig
 from ..drafting import AnswerIndex, RecycledTable, registry
-from ..drafting import model as model_layer
-from ..engine import costs
-from ..engine.decode import Decoder
-from ..engine.prompts import encode_messages, encode_prompt
-from ..engine.verify import Sampling
+from ..drafting import answer_index as model_layer
+from ..engine import records
+from ..engine.decode import costs
+from ..engine.decode.loop import Decoder
+from ..engine.text.prompts import encode_messages, encode_prompt
+from ..engine.decode.verify import Sampling
 from ..errors import HdError
 from . import specbench
 from .baselines import first_difference, hf_generate, stock_model
@@ -80,7 +81,7 @@ def default_methods(cfg: DecodingConfig) -> list[str]:
     """ar and hf-ar, each layer alone whose DB is given, hd, hf-pld, suffix where installed, and
     llama-cpp where installed and the model is a GGUF file."""
     from ..drafting import suffix
-    from ..engine import models
+    from ..engine import loader as models
     from . import llamacpp
     single = [n for n, spec in registry.LAYERS.items() if spec.bench_default and not spec.missing(cfg)]
     gguf = False
@@ -321,7 +322,7 @@ def summarize(results: dict, greedy: bool = True) -> dict:
 
 def machine() -> dict:
     import transformers
-    return {"platform": platform.platform(), "cpu": costs.cpu_name(),
+    return {"platform": platform.platform(), "cpu": records.cpu_name(),
             "processor": platform.processor() or platform.machine(),
             "cpu_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
             "torch": torch.__version__, "transformers": transformers.__version__}

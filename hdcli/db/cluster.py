@@ -48,7 +48,7 @@ def _map_task(corpus: Sequence[str], model: str, shard: tuple[int, int], partiti
     a value, not an exception: running it again would fail the same way, and the worker would log
     a traceback for it."""
     from . import corpus as corpus_mod, statsdb
-    from ..engine import models
+    from ..engine import loader as models
     try:
         texts, report = corpus_mod.read_corpus(list(corpus), shard=shard, **read_opts)
         tok = models.load_tokenizer(model)
@@ -113,7 +113,7 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
     (header, read report) like api.build_stats; the header adds `cluster` (tasks, partitions,
     workers, seconds and peak memory per phase)."""
     from . import corpus as corpus_mod, stores, statsdb
-    from ..engine import models
+    from ..engine import loader as models
     stores.check_output_path(Path(out), overwrite)
     statsdb.check_params(min_n, max_n, draft_len, top_k, min_count)
     tok = models.load_tokenizer(model)  # here too: the header's fingerprint, and a bad name fails fast

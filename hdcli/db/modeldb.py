@@ -10,7 +10,7 @@ Built in two separate steps so that each can be re-run alone:
      uninterrupted run would have (a half-written batch is dropped and redone), and a resume with
      other prompts or settings is refused instead of mixing two runs;
   2. index(): the answers kept whole (what the model layer's suffix index drafts from,
-     hdcli/drafting/model.py) and their n-gram continuations, in the same LMDB store format as the
+     hdcli/drafting/answer_index.py) and their n-gram continuations, in the same LMDB store format as the
      statistics DB (hdcli/db/stores.py, built by hdcli/db/statsdb.py), with kind "model".
 `hd generate --model-db DB --learn` later adds what the model generated (api.learn).
 """
@@ -103,7 +103,7 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
     batches (for tests of resume). drafter_factory: a new drafter per answer on hd's own forward
     (api.build_model_db passes the default hierarchy: speculative, the same tokens), None for plain
     decoding. Returns throughput figures."""
-    from ..engine.prompts import encode_prompt
+    from ..engine.text.prompts import encode_prompt
     samples_path = Path(samples_path)
     if batch_size < 1 or max_new_tokens < 1:
         raise HdError("--batch-size and --max-new-tokens must be >= 1")
@@ -214,9 +214,9 @@ def _decode_each(lm, ids, width: int, pad: int, max_new_tokens: int, temperature
     padded after EOS) from hd's own decode loop, one prompt at a time (the model DB holds what the
     target writes). With drafter_factory each answer is decoded speculatively: faster, and none of
     its tokens (greedy) or of their distribution (sampled) changes."""
-    from ..engine import costs
-    from ..engine.decode import Decoder
-    from ..engine.verify import Sampling
+    from ..engine.decode import costs
+    from ..engine.decode.loop import Decoder
+    from ..engine.decode.verify import Sampling
     sampling = Sampling(temperature=temperature, top_p=top_p) if temperature > 0 else Sampling()
     cost = costs.curve_for(lm) if drafter_factory else None
     rows = []

@@ -1,11 +1,11 @@
 """Drafting: the layers that propose continuations of the token history, and the hierarchy over
-them (the engine's Drafter, hdcli/engine/draft.py).
+them (the engine's Drafter, hdcli/engine/decode/draft.py).
 
     registry.py    the layers by name: how each is built, its prior, its default place
     hierarchy.py   Hierarchy (asks the layers, policies first-hit/fill/adaptive), AcceptanceTracker
     context.py     `context`: n-grams of the current request (prompt lookup)
     recycle.py     `recycle`: the target's own predictions from earlier forwards
-    model.py       `model`: the target's own earlier answers (a model DB), matched on long suffixes
+    answer_index.py `model`: the target's own earlier answers (a model DB), matched on long suffixes
     db_layers.py   `stats`: continuations from an n-gram store (LMDB); a model DB's n-gram table
     suffix.py      SuffixDecoding's drafts (arctic-inference): a peer `hd bench` runs, not a layer
 
@@ -14,11 +14,11 @@ recycle, stats. The model DB comes before the recycled predictions: both are the
 writing, and a long match in its earlier answers is the stronger evidence (measured:
 docs/model-db.md, "Place in the hierarchy").
 """
-from ..engine.draft import Draft, base_name, bucket
-from . import context, model, recycle, db_layers  # noqa: F401  (registration order = default order)
+from ..engine.decode.draft import Draft, base_name, bucket
+from . import context, answer_index, recycle, db_layers  # noqa: F401  (registration order = default order)
 from .context import ContextDB
 from .db_layers import StatsDB
-from .model import AnswerIndex, AnswerLayer
+from .answer_index import AnswerIndex, AnswerLayer
 from .hierarchy import DEFAULT_PRIOR, AcceptanceTracker, Hierarchy, Layer
 from .recycle import RecycledLayer, RecycledTable
 from .registry import PRIOR_RATES, LayerInputs, LayerSpec, build_layers, default_layers, register

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, Sequence
 
-from ..engine.draft import Draft, base_name, bucket, clamped
+from ..engine.decode.draft import Draft, base_name, bucket, clamped
 from . import registry
 
 

@@ -5,7 +5,7 @@ a suffix tree over the current request's prompt and output, and a global suffix 
 responses of earlier requests of the same cache. Each step it matches the longest suffix of the
 history (up to max_tree_depth tokens) and proposes a token tree whose size is limited by
 max_spec_factor * match length + max_spec_offset tokens and whose tokens each have an estimated
-probability >= min_token_prob. hd verifies that tree with its own tree verifier (hdcli/engine/tree.py),
+probability >= min_token_prob. hd verifies that tree with its own tree verifier (hdcli/engine/decode/tree.py),
 so the output is exactly plain decoding's, as for every other method.
 
 Settings are the library's recommended ones (the vLLM defaults): max_tree_depth 24,
@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from ..engine.draft import Draft
+from ..engine.decode.draft import Draft
 from ..errors import HdError
 
 INSTALL = ("pip install nanobind==2.9.2 ninja cmake grpcio-tools protobuf wheel && "

@@ -5,7 +5,7 @@ functions), so that what can change a run from outside its options is listed in 
                       calibrations and built tokenizers are kept; default ~/.cache/hdcli. None of
                       them changes a run's numerics without being recorded in its Numerics.
   HD_FUSED_ATTENTION  "1": the compiled invariant attention wherever it compiles; "0": never;
-                      unset or anything else: timed once per machine (fused.decide). The choice is
+                      unset or anything else: timed once per machine (invariant.decide). The choice is
                       recorded in the run's config (`attention`) and replayed by --config.
   HD_FUSED_TILE       the compiled attention's tile height, forced (tests and timing only: it
                       changes how rows share loops, never a row's arithmetic); passed to the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from ..errors import HdError
 
 
 def cache_dir() -> Path:
@@ -33,7 +34,6 @@ def check_cache_dir() -> Path:
     a one-line HdError saying how to set HD_CACHE_DIR; one that cannot be written is said in one
     line on stderr (hd then works, measuring its choices again on every run)."""
     import sys
-    from ..errors import HdError
     root = cache_dir()
     if str(root) in _checked:
         return root

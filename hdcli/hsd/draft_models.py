@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import kernels, models
+from ..engine.kernels import dense as kernels
+from ..engine import loader as models
 from ..errors import HdError
 
 
@@ -71,7 +72,7 @@ def int8(model, target=None):
         from torch.ao.quantization import quantize_dynamic
     except ImportError:  # pragma: no cover
         raise HdError("self:int8 needs torch.ao.quantization, missing from this torch") from None
-    from ..engine.forward import is_owned
+    from ..engine.model import is_owned
     if is_owned(model):
         base = models.load(target.name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True).model
     else:

@@ -230,9 +230,9 @@ def measure(lm, drafts, db_factory, prompts: Sequence[list[int]], tokens: int = 
     chance the level keeps its proposed token (greedy: it is the argmax; sampling: p(token))."""
     import torch
 
-    from ..engine import costs
-    from ..engine.decode import Decoder
-    from ..engine.verify import Sampling
+    from ..engine.decode import costs
+    from ..engine.decode.loop import Decoder
+    from ..engine.decode.verify import Sampling
     s = sampling or Sampling()
     names = [d.name for d in drafts]
     model_of = {d.name: d.model for d in drafts}
@@ -268,7 +268,7 @@ def _predictions(model, prompts, refs, s) -> list:
     distributions [len(ref), V] (sampling), from one forward over prompt + reference."""
     import torch
 
-    from ..engine.verify import target_probs
+    from ..engine.decode.verify import target_probs
     rows = []
     dev = next(model.parameters()).device
     with torch.inference_mode():
@@ -339,7 +339,7 @@ def rows_to_measure(rows: list[dict], top: int) -> list[dict]:
 
 def measured_speed(lm, drafter, prompts: Sequence[list[int]], max_new_tokens: int) -> float:
     """Tokens per second of the target with this drafter over the prompts (greedy)."""
-    from ..engine.decode import Decoder
+    from ..engine.decode.loop import Decoder
     toks = secs = 0.0
     for p in prompts:
         g = Decoder(lm.model, lm.eos_ids, drafter).generate(p, max_new_tokens)

@@ -30,9 +30,9 @@ from typing import Sequence
 import torch
 
 from ..drafting import Hierarchy
-from ..engine.draft import Draft
-from ..engine.tree import new_cache
-from ..engine.verify import Sampling, sample_point_masses, sample_with_draft, target_probs
+from ..engine.decode.draft import Draft
+from ..engine.decode.tree import new_cache
+from ..engine.decode.verify import Sampling, sample_point_masses, sample_with_draft, target_probs
 
 
 @dataclass

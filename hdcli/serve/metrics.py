@@ -13,7 +13,7 @@ of its own so that several servers in one process (tests) do not share counters.
   hd_request_seconds, hd_time_to_first_token_seconds   histograms
   hd_learned_generations_total, hd_learned_keys_total, hd_learn_pending, hd_learn_dropped_total
   hd_prefix_cache_{lookups,hits,hit_tokens,stored_tokens,evicted_tokens}_total, hd_prefix_cache_bytes,
-  hd_prefix_cache_entries                 the prefix cache (engine/prefix.py), read when scraped
+  hd_prefix_cache_entries                 the prefix cache (engine/decode/prefix.py), read when scraped
 
 Who may read it (Readers): every series moves with each request, so a reader polling it sees
 another client's requests as they finish (prompt tokens, cached prefix tokens, latency). With

@@ -6,12 +6,12 @@ a request leaves out take the server's configuration (`hd serve` options, as `hd
 temperature 0 (greedy) unless the server was started with another.
 
 Implemented: `frequency_penalty`, `presence_penalty`, `logit_bias` (logits processors applied
-to every verified row with its own path's counts, engine/verify.py) and `logprobs` with
+to every verified row with its own path's counts, engine/decode/verify.py) and `logprobs` with
 `top_logprobs` (chat) or `logprobs` (completions): plain decoding's numbers exactly, in streams
 too. `response_format` (text, json_object, json_schema), `tools`, `tool_choice` (none, auto,
 required, {"type": "function", "function": {"name"}}), `parallel_tool_calls` and `prediction`
 ({"type": "content", "content": text or text parts}) are implemented by hdcli/serve (grammars:
-engine/constrain.py; tools: engine/tools.py; predictions: engine/prediction.py); this module
+engine/text/constrain.py; tools: engine/text/tools.py; predictions: engine/decode/prediction.py); this module
 checks their shape, the server what depends on the model (schemas compiled, tool names, lengths).
 `store`, `metadata`, `service_tier` are taken whatever their value (they change nothing hd
 computes); fields listed in NEUTRAL are taken only at their neutral values (`neutral_problem`).

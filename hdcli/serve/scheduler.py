@@ -1,12 +1,12 @@
 """The decode loop of `hd serve`: one thread steps every running request, their verification
-forwards batched into one (hdcli/engine/batch.py).
+forwards batched into one (hdcli/engine/decode/batch.py).
 
 Each loop turn: admit queued requests up to max_batch (each is prefilled alone, so its cache is
 what `hd generate` would build); every running request proposes its draft tree, with the
 forward's rows shared among them (invariant.MAX_ROWS in all, the widest forward the M-invariant
 mode is calibrated for); one forward verifies all trees; each request accepts its tokens and
 hands the new text to its client. A finished request goes to the learner (hdcli/serve/learner.py)
-when the server learns. A job's grammar and predicted output go to its decode stream (engine/decode.py);
+when the server learns. A job's grammar and predicted output go to its decode stream (engine/decode/loop.py);
 a job parsed for tool calls holds back the text that may still become one (engine/tools.held) and
 ends with its calls in Job.calls.
 
@@ -17,7 +17,7 @@ Invariants
     rows of each forward depend only on its own path in the M-invariant mode, and its prefill runs
     alone. Without the mode (another architecture, --invariant off) requests are still stepped
     together, each in a forward of its own.
-  * With a prefix cache (engine/prefix.py, --prefix-cache-mb) a prompt's longest prefix stored by
+  * With a prefix cache (engine/decode/prefix.py, --prefix-cache-mb) a prompt's longest prefix stored by
     a request of the same Job.scope is restored instead of computed: torch.equal to its prefill.
     A finished request stores its prompt and answer, after its client has the answer.
   * A cancelled request (its client went away) leaves at the next loop turn; the others go on.
@@ -43,12 +43,14 @@ from typing import Callable
 
 import torch
 
-from ..engine import batch, invariant, tools
-from ..engine.constrain import Grammar
-from ..engine.decode import Decoder, Stream
-from ..engine.tree import cap_jointly
-from ..engine.prompts import cut_at_stop, stop_checker
-from ..engine.verify import Sampling
+from ..engine.decode import batch
+from ..engine.kernels import invariant
+from ..engine.text import tools
+from ..engine.text.constrain import Grammar
+from ..engine.decode.loop import Decoder, Stream
+from ..engine.decode.tree import cap_jointly
+from ..engine.text.prompts import cut_at_stop, stop_checker
+from ..engine.decode.verify import Sampling
 from .limits import RateLimited
 
 log = logging.getLogger("hdcli.serve")
@@ -75,9 +77,9 @@ class Job:
     logprobs: int | None = None            # return log-probabilities with this many alternatives
     lp_sent: int = 0                       # tokens whose log-probabilities went with the text
     lp_rest: list | None = None            # those left at the end (sent with the last chunk)
-    grammar: Grammar | None = None         # the output follows it (engine/constrain.py)
+    grammar: Grammar | None = None         # the output follows it (engine/text/constrain.py)
     prediction: list[int] | None = None    # a predicted output's ids, drafted by its own layer
-    tool_family: str | None = None         # parse the answer for tool calls in this format (engine/tools.py)
+    tool_family: str | None = None         # parse the answer for tool calls in this format (engine/text/tools.py)
     tools: list = field(default_factory=list)   # the tools offered (engine/tools.Tool): calls name one
     calls: list | None = None              # the tool calls the answer is (OpenAI's shape), or None
     id: str = ""
@@ -406,7 +408,7 @@ class Scheduler:
             job.emit(("done", job))
         if self.prefix is not None and job.stream is not None and reason in ("eos", "length", "stop"):
             # after the answer went out: the next turn of a chat starts with this prompt and
-            # answer, and the cache holds history[:-1] (engine/decode.py's invariant)
+            # answer, and the cache holds history[:-1] (engine/decode/loop.py's invariant)
             try:
                 self.prefix.store(job.scope, job.stream.history[:-1], job.stream.cache)
             except Exception as exc:  # noqa: BLE001 - a half-stored entry must never be restored

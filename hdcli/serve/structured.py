@@ -9,7 +9,7 @@ Each is checked here against the served model, and a fault is an ApiError(400) n
                                 required or a name needs tools, a name one of theirs. Unset: auto
                                 with tools, else none
   messages.i.tool_call_id       a tool message answers a call of an earlier assistant message
-  response_format...schema      compiled for the model (engine/constrain.py); not with a call grammar
+  response_format...schema      compiled for the model (engine/text/constrain.py); not with a call grammar
   prediction                    at most the tokens the context leaves after the prompt
 
 Under "required" and a named function the output is constrained to calls (engine/tools.call_grammar:
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..engine import constrain, tools
-from ..engine.prediction import prediction_ids as predicted_ids
+from ..engine.text import constrain, tools
+from ..engine.decode.prediction import prediction_ids as predicted_ids
 from ..errors import HdError
 from .protocol import ApiError
 

@@ -13,7 +13,7 @@ requests is kept per *scope*, and a request draws only from its own scope's:
 
 Scoped are: the recycled predictions (drafting/recycle.py), the model DB answers learned while
 serving (drafting/model.ScopedAnswers, written to the DB with the scope's tag by --learn, so a
-restart keeps them apart), and the prefix cache (engine/prefix.py). Not scoped, because no request
+restart keeps them apart), and the prefix cache (engine/decode/prefix.py). Not scoped, because no request
 writes them: the model DB as built by `hd build-model-db`, statistics DBs, the context layer
 (one request's own text).
 
@@ -158,7 +158,7 @@ class Tenants:
 
     def _state(self, scope: Scope) -> tuple:
         from ..drafting import RecycledTable
-        from ..drafting.model import AnswerIndex, ScopedAnswers, index_for
+        from ..drafting.answer_index import AnswerIndex, ScopedAnswers, index_for
         if scope in self._scopes:
             self._scopes.move_to_end(scope)
             return self._scopes[scope]

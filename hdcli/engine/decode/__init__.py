@@ -1,0 +1,13 @@
+"""The decode loop: draft, verify every drafted token in one target forward, accept, repeat.
+
+    loop.py        Decoder, Stream and Generation: the loop itself (one speculative step: Stream.step)
+    draft.py       the Drafter interface the loop asks, and the Draft it gets back
+    prediction.py  predicted outputs (OpenAI's `prediction`) as the top drafting layer
+    tree.py        candidates merged into a token tree, cut to what pays; the tree forward
+    verify.py      the acceptance rules (greedy and sampling), both lossless
+    batch.py       several generations verified in one forward
+    prefix.py      exact prefix caching of prompts and answers
+    costs.py       the forward cost by width, measured once per model and machine, cached
+    calibrate.py   the M-invariant mode's calibration and self-check on a loaded model
+    stats.py       what one generation records: per layer and per step
+"""

@@ -1,0 +1,365 @@
+"""Forward cost against the number of tokens verified, measured on this machine.
+
+cost(w) is the time of one forward over w new tokens on top of a KV cache, divided by the time
+of a one-token forward (so cost(1) = 1 and plain decoding costs 1 per token). It caps the draft
+tree (hdcli/engine/decode/tree.py), picks the drafting defaults (CostCurve.verifies_cheaply) and feeds
+the planner. The curve depends on the
+model, dtype, kernels, device, thread count, torch version and CPU, so it is measured once per
+such combination (a few seconds) and cached as JSON under HD_CACHE_DIR (default
+~/.cache/hdcli/costs); `hd costs` shows and re-measures it. Between measured widths it is
+interpolated linearly; beyond the last it grows linearly with the last slope.
+
+Two more measured terms price what a chain of w tokens does not have (CostCurve.forward):
+  * branch: per row of a tree that branches, over a chain of as many rows. In the M-invariant
+    forward a tree's rows gather their own keys (engine/kernels/invariant.py): measured on the bundled
+    model with 4-bit kernels on an AMD EPYC, an 8-row tree cost 0.9 one-token forwards more than an 8-row
+    chain, so the chain curve alone made the cap keep branches that did not pay;
+  * stream: per stream beyond the first in one batched forward (engine/decode/batch.py: its own cache,
+    its own attention). 4 one-token streams cost 1.77 one-token forwards there, a 4-token chain
+    1.25, so a server that priced streams as rows kept trees that made every forward dearer than
+    they paid for (4 clients were faster with no drafts at all: 70.6 against 58-68 tok/s).
+
+Measurement, made so that a loaded machine cannot fake the curve
+  * rounds: every width is timed once per round, the widths of a round in a rotated order, so a
+    burst of load hits all widths alike rather than one width's block of repeats;
+  * each width's time is the minimum over rounds: load only ever adds time, so the minimum is
+    the estimate least hurt by it (the median let one loaded stretch set the one-token time and
+    turn the whole curve into 1.0, "every width free");
+  * sanity: a wider forward never costs less than a narrower one (noise must not invite wider
+    trees), and where the model is big enough that compute must show (MIN_PARAMS_FOR_SLOPE), a
+    curve whose widest forward costs under FLAT_LIMIT is implausible on a CPU: it is measured
+    again, and if it stays so it is used for this process only and never cached;
+  * a cached curve older than MAX_AGE_DAYS, of an older format or from another CPU is measured
+    again.
+"""
+from __future__ import annotations
+
+import bisect
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..records import cache_file, cpu_name, number, read_record, write_json
+from .tree import new_cache
+from ..kernels.quants import TYPES
+from . import batch
+from .tree import Tree
+from ..kernels import fused
+from ..kernels import quants
+
+WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+CHEAP_VERIFY = 1.45  # cost(8) at or below this (in one-token forwards): verification is nearly free
+ROUNDS = 7           # timed rounds over all widths (the minimum of each width is kept)
+FORMAT = 3           # cache records of another format are measured again (3: branch, stream)
+MAX_AGE_DAYS = 30    # machines change (firmware, microcode, neighbours): re-measure monthly
+FLAT_LIMIT = 1.05    # cost(64) under this on a CPU means the one-token time was inflated
+MIN_PARAMS_FOR_SLOPE = 20_000_000  # below this a forward is overhead-bound and may be flat
+
+
+class CostCurve:
+    """cost(w) relative to a one-token forward; one_token_seconds (when measured) makes it absolute."""
+
+    def __init__(self, points: dict[int, float], one_token_seconds: float | None = None,
+                 info: dict | None = None, branch: float = 0.0, stream: float = 0.0):
+        self.one_token_seconds = one_token_seconds
+        self.branch, self.stream = branch, stream   # see the module docstring
+        self.widths = sorted(int(w) for w in points)
+        self.costs = [float(points[w]) for w in self.widths]
+        self.info = dict(info or {})  # how and when it was measured (cache records)
+        self._memo: dict[int, float] = {}  # w -> cost(w): asked every step by the tree cap
+        if self.widths[0] != 1:
+            raise ValueError("a cost curve starts at width 1")
+
+    def __call__(self, w: int) -> float:
+        got = self._memo.get(w)
+        if got is None:
+            got = self._memo[w] = self._interpolate(w)
+        return got
+
+    def _interpolate(self, w: int) -> float:
+        ws, cs = self.widths, self.costs
+        if w <= ws[0]:
+            return cs[0]
+        i = bisect.bisect_left(ws, w)
+        if i == len(ws):
+            slope = (cs[-1] - cs[-2]) / (ws[-1] - ws[-2]) if len(ws) > 1 else 1.0
+            return cs[-1] + max(slope, 0.0) * (w - ws[-1])
+        if ws[i] == w:
+            return cs[i]
+        f = (w - ws[i - 1]) / (ws[i] - ws[i - 1])
+        return cs[i - 1] + f * (cs[i] - cs[i - 1])
+
+    def forward(self, rows: int, streams: int = 1, branched_rows: int = 0) -> float:
+        """One forward over `rows` rows of `streams` streams, `branched_rows` of them in trees
+        that branch (the rest chains)."""
+        return self(rows) + self.stream * (streams - 1) + self.branch * branched_rows
+
+    def verifies_cheaply(self) -> bool:
+        """Whether verifying 8 drafted tokens costs at most CHEAP_VERIFY one-token forwards.
+        Measured here: fp32 on torch's kernels 1.60 (costly); fp32 on packed oneDNN kernels 1.23 and
+        bf16 ~1.1 (cheap). The drafting defaults (api.default_min_n and its siblings) follow this."""
+        return self(8) <= CHEAP_VERIFY
+
+    def seconds(self, w: int) -> float | None:
+        """Absolute time of a w-token forward, where the one-token time was measured."""
+        return None if self.one_token_seconds is None else self.one_token_seconds * self(w)
+
+    def to_dict(self) -> dict:
+        return {str(w): c for w, c in zip(self.widths, self.costs)}
+
+
+def flat(cost: float = 1.0) -> CostCurve:
+    """A curve where every forward costs the same (an idealised accelerator)."""
+    return CostCurve({1: 1.0, 64: cost})
+
+
+def _n_params(model) -> int:
+    # a GGUF tensor's blocks (quants.QLinear) hold no Parameter
+    n = 0
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            n += p.numel()
+        packed = getattr(m, "packed", None)  # kernels.PackedLinear holds an opaque tensor
+        if packed is not None or (getattr(m, "qtype", None) in TYPES and hasattr(m, "in_features") and not hasattr(m, "kernel")):   # or GGUF blocks
+            n += m.in_features * m.out_features
+    return n
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    from tqdm import tqdm
+    # not `disable=None`: progress shows when stderr is a file or a pipe too
+    return tqdm(total=total, desc=desc, unit=" forwards", file=sys.stderr, disable=quiet,
+                mininterval=0.5, leave=False)
+
+
+@torch.inference_mode()
+def measure_seconds(model, context: int = 256, rounds: int = ROUNDS, widths=WIDTHS,
+                    desc: str = "measuring forward cost", quiet: bool = False) -> dict[int, float]:
+    """Least time of a w-token forward over a `context`-token cache, per width, over `rounds`
+    interleaved rounds (see the module docstring)."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    ctx = torch.arange(context, device=device)[None] % vocab
+    cache = new_cache(model)
+    model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    base = cache.get_seq_length()
+    inputs = {w: (torch.arange(w, device=device)[None] * 7 + 11) % vocab for w in widths}
+
+    def once(w: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(input_ids=inputs[w], past_key_values=cache, use_cache=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        cache.crop(-(cache.get_seq_length() - base))
+        return dt
+
+    best = {w: float("inf") for w in widths}
+    with _progress(len(widths) * (rounds + 1), desc, quiet) as bar:
+        for w in widths:  # the first run of a shape warms its kernels up; not timed
+            once(w)
+            bar.update()
+        for r in range(rounds):
+            shift = r % len(widths)
+            for w in widths[shift:] + widths[:shift]:
+                best[w] = min(best[w], once(w))
+                bar.update()
+    return best
+
+
+def curve_from_seconds(seconds: dict[int, float]) -> CostCurve:
+    """Relative costs, made monotone: a wider forward never costs less than a narrower one."""
+    widths = sorted(seconds)
+    one = seconds[widths[0]]
+    points, top = {}, 0.0
+    for w in widths:
+        top = max(top, seconds[w] / one)
+        points[w] = top
+    points[widths[0]] = 1.0
+    return CostCurve(points, one_token_seconds=one, info={"seconds": {str(w): seconds[w] for w in widths}})
+
+
+def plausible(curve: CostCurve, model) -> bool:
+    """False for a curve a CPU cannot have: flat to the widest width on a model whose compute
+    must show (a 20M+ parameter forward over 64 tokens does 64x the arithmetic of one)."""
+    device = next(model.parameters()).device
+    if device.type != "cpu" or _n_params(model) < MIN_PARAMS_FOR_SLOPE:
+        return True
+    return curve(curve.widths[-1]) >= FLAT_LIMIT
+
+
+BIG_PARAMS = 1_000_000_000   # from here a forward over 64 tokens takes seconds on a few cores
+BIG_BUDGET = (64, 2)         # (context, rounds) for such a model
+
+
+def budget_for(model) -> tuple[int, int]:
+    """(context, rounds) of a measurement: a model of BIG_PARAMS+ parameters gets a 64-token
+    context and 2 rounds (five caches of 256 tokens and 7 rounds over 10 widths are minutes of
+    whole-model forwards at 8B on 2 cores, longer than the answers they speed up; the time it
+    takes is in docs/benchmarks.md). Least times of 2 rounds still reject one loaded round."""
+    return BIG_BUDGET if _n_params(model) >= BIG_PARAMS else (256, ROUNDS)
+
+
+def measure(model, context: int = 256, repeats: int = ROUNDS, widths=WIDTHS, quiet: bool = True,
+            desc: str = "measuring forward cost") -> CostCurve:
+    """The cost curve of `model`: least times over interleaved rounds, relative to w = 1, checked
+    for plausibility and measured once more (twice the rounds) when it fails."""
+    curve = curve_from_seconds(measure_seconds(model, context, repeats, widths, desc, quiet))
+    ok = plausible(curve, model)
+    if not ok:
+        curve = curve_from_seconds(measure_seconds(model, context, 2 * repeats, widths,
+                                                   desc + " (again: the first looked loaded)", quiet))
+        ok = plausible(curve, model)
+    curve.info["plausible"] = ok
+    curve.branch, curve.stream = measure_extras(model, context, repeats, quiet)
+    return curve
+
+
+@torch.inference_mode()
+def measure_extras(model, context: int = 256, rounds: int = ROUNDS, quiet: bool = True) -> tuple[float, float]:
+    """(branch, stream) of the module docstring, in one-token forwards: an 8-row tree against an
+    8-row chain, 4 one-token streams in one batched forward against a 4-token chain, all timed in
+    interleaved rounds (least time of each). stream is 1 (a forward each) where the model does
+    not batch streams."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    n_caches = 4 if batch.can_batch(model) else 1
+    caches = []
+    for i in range(n_caches):
+        cache = new_cache(model)
+        model(input_ids=(torch.arange(context, device=device)[None] + 13 * i) % vocab, past_key_values=cache,
+              use_cache=True)
+        caches.append(cache)
+    base = caches[0].get_seq_length()
+
+    def tree(*branches):
+        t = Tree()
+        for b in branches:
+            t.add_candidate([(11 + 7 * x) % vocab for x in b], "x")
+        return t
+    root = 5 % vocab
+    shapes = {"chain1": [tree()], "chain4": [tree([1, 2, 3])], "chain8": [tree(range(1, 8))],
+              "tree8": [tree([1, 2, 3, 4], [5, 6, 7])]}
+    if n_caches == 4:
+        shapes["streams4"] = [tree() for _ in range(4)]
+
+    def once(name: str) -> float:
+        items = [(t, root, c) for t, c in zip(shapes[name], caches)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch.forward_many(model, items)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        for c in caches:
+            if c.get_seq_length() > base:
+                c.crop(base - c.get_seq_length())   # (crop(0) would empty it)
+        return dt
+
+    best = {name: float("inf") for name in shapes}
+    names = list(shapes)
+    with _progress(len(names) * (rounds + 1), "measuring tree and batch cost", quiet) as bar:
+        for name in names:
+            once(name)
+            bar.update()
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                best[name] = min(best[name], once(name))
+                bar.update()
+    one = best["chain1"]
+    branch = max(0.0, (best["tree8"] - best["chain8"]) / 8 / one)
+    stream = max(0.0, (best["streams4"] - best["chain4"]) / 3 / one) if "streams4" in best else 1.0
+    return branch, stream
+
+
+def _valid_curve(d: dict) -> bool:
+    return (number(d["measured_at"]) and isinstance(d["cost"], dict) and "1" in d["cost"]
+            and all(int(w) >= 1 and number(c, 0) for w, c in d["cost"].items())
+            and number(d["branch"], 0) and number(d["stream"], 0)
+            and (d.get("one_token_seconds") is None or number(d["one_token_seconds"], 0)))
+
+
+def _cache_path(key: str) -> Path:
+    return cache_file("costs", key)
+
+
+def curve_key(source: str, dtype: str, device: str, kernels: str, invariant: bool = False) -> str:
+    """What a curve depends on; the M-invariant forward (engine/kernels/invariant.py) is another forward."""
+    # 3: on hd's own forward (engine/model/); the attention's implementation sets its speed and numerics
+    mode = f"|invariant:3-{fused.name()}" if invariant else ""
+    if kernels in ("gguf", "gguf-int8"):   # another build of the GGUF GEMMs is measured again
+        kernels = f"{kernels}-{quants.module_name()}"
+    return (f"{source}|{dtype}|{device}|{kernels}{mode}|{torch.get_num_threads()}|{torch.__version__}|"
+            f"{cpu_name() if device == 'cpu' else torch.cuda.get_device_name() if torch.cuda.is_available() else device}")
+
+
+def _key_of(lm) -> str:
+    return curve_key(lm.source, lm.dtype, lm.device, getattr(lm, "kernels", "torch"), getattr(lm, "invariant", False))
+
+
+_CURVES: dict[str, CostCurve] = {}  # per process: api.generate asks for every generation
+
+
+def _read(key: str) -> CostCurve | None:
+    """The cached curve for key, or None when missing, unreadable, of another format or old."""
+    try:
+        data = read_record(_cache_path(key), key, FORMAT, _valid_curve, "the cost-curve record")
+        if data is None:
+            return None
+        if time.time() - float(data["measured_at"]) > MAX_AGE_DAYS * 86400:
+            return None
+        info = {k: data[k] for k in ("measured_at", "seconds", "rounds", "plausible") if k in data}
+        return CostCurve({int(w): c for w, c in data["cost"].items()},
+                         one_token_seconds=data.get("one_token_seconds"), info=info,
+                         branch=float(data["branch"]), stream=float(data["stream"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(key: str, curve: CostCurve) -> None:
+    record = {"key": key, "format": FORMAT, "measured_at": time.time(), "rounds": ROUNDS,
+              "cost": curve.to_dict(), "one_token_seconds": curve.one_token_seconds,
+              "branch": curve.branch, "stream": curve.stream, **curve.info}
+    write_json(_cache_path(key), record)
+    curve.info.setdefault("measured_at", record["measured_at"])
+
+
+def cached_curve(key: str, model, remeasure: bool = False, quiet: bool = False,
+                 desc: str = "measuring forward cost", measure_missing: bool = True) -> CostCurve | None:
+    """The curve for key from this process, the disk cache, or measured now on `model` (cached
+    only when plausible; None instead of measuring when measure_missing is False)."""
+    if not remeasure:
+        if key in _CURVES:
+            return _CURVES[key]
+        got = _read(key)
+        if got is not None:
+            _CURVES[key] = got
+            return got
+    if not measure_missing:
+        return None
+    context, rounds = budget_for(model)
+    curve = _CURVES[key] = measure(model, context=context, repeats=rounds, quiet=quiet, desc=desc)
+    if curve.info.get("plausible", True):
+        _write(key, curve)
+    return curve
+
+
+def curve_for(lm, remeasure: bool = False, quiet: bool = False) -> CostCurve:
+    """The cost curve of a loaded model (api.load_model), from the cache or measured now."""
+    return cached_curve(_key_of(lm), lm.model, remeasure, quiet,
+                        desc=f"measuring forward cost ({lm.dtype}, {getattr(lm, 'kernels', 'torch')} kernels)")
+
+
+def forget(key: str) -> bool:
+    """Drop the cached curve for key (disk and this process); True if there was one on disk."""
+    _CURVES.pop(key, None)
+    try:
+        _cache_path(key).unlink()
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,379 @@
+"""The decode loop: draft, verify every drafted token in one target forward, accept, crop, repeat.
+
+Each step the hierarchy proposes candidates; they are merged into a token tree rooted at the
+last history token and capped by cost (hdcli/engine/decode/tree.py); one forward over the tree gives the
+target's prediction after every node; the acceptance rule (hdcli/engine/decode/verify.py) walks the tree.
+
+KV-cache invariant: at the top of each step the cache holds every history token except the
+last one (`last`, the tree's root), which is fed as the first input of the step together with
+the tree. After the forward the cache holds history + every tree node; keep_path moves the
+accepted path's entries next to `last` and drops the rest, so a rejected token or branch never
+stays in the cache. The target's own next token becomes `last` for the next step.
+
+With no drafter this is plain autoregressive decoding with the same model and cache (the `ar`
+baseline every speedup is measured against).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..kernels import invariant
+from .draft import Draft, Drafter, clamped
+from .prefix import prefill_pieces
+from .stats import RunStats
+from ..text.constrain import FORCED_RATE, Grammar
+from .costs import CostCurve
+from .prediction import Prediction
+from .tree import Tree, build_tree, keep_path, new_cache, node_estimates, reached, supports_trees, tree_forward
+from .verify import Sampling, accept_chain_q, accept_tree, logprobs_of, processed, top_tokens
+
+# on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
+# of the layer that drafted it (None for the target's own token).
+TokenCallback = Callable[[list[int], list[str | None]], None]
+
+
+@dataclass
+class Generation:
+    tokens: list[int]            # new tokens, EOS included when it ended the generation
+    layers: list[str | None]     # per token: the drafting layer, or None for the target's own
+    stop_reason: str             # "eos" | "length" | "stop"
+    stats: RunStats = field(default_factory=RunStats)
+    # per token, where asked (logprobs=k): its log-probability and the k best (token, log-probability)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prediction_usage: dict | None = None   # with a predicted output: Stream.prediction_usage()
+
+
+class Decoder:
+    """Speculative decoding of one sequence with a target model and a drafting hierarchy.
+
+    cost: the target's forward-cost curve (hdcli.engine.costs) that caps each step's draft tree; None
+    sends every drafted node (up to max_nodes)."""
+
+    def __init__(self, model, eos_ids: Sequence[int] = (), drafter: Drafter | None = None,
+                 cost: CostCurve | None = None, max_nodes: int = 63, prefix=None):
+        self.model = model
+        self.prefix = prefix   # engine/prefix.PrefixCache (hd serve), or None
+        self.eos_ids = set(int(e) for e in eos_ids)
+        self.drafter = drafter
+        self.cost, self.max_nodes = cost, max_nodes
+        if invariant.is_enabled(model) and max_nodes + 1 > invariant.MAX_ROWS:
+            raise ValueError(f"the M-invariant forward verifies at most {invariant.MAX_ROWS - 1} nodes a step")
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.config.vocab_size)   # the embedding's rows: drafts never name an id past them
+
+    def _prefill(self, ids: Sequence[int], cache, scope: str = "") -> int:
+        """Fill the cache with ids. No logits are needed (the last prompt token is fed with the
+        first step): hd's own forward computes the keys and values only; a transformers model runs
+        its head on one row where it takes `logits_to_keep`, as its generate() does (for a
+        400-token prompt that saves 400 rows of the head). Every prefill of plain, speculative and
+        served decoding goes through here. With a prefix cache, the longest prefix of ids that
+        `scope` stored is restored and the rest computed (engine/decode/prefix.py). Returns how many
+        tokens came from the prefix cache.
+
+        In the M-invariant mode every prefill is split-invariant, in causal pieces of at most
+        invariant.MAX_ROWS rows (prefix.prefill_pieces), cache or not: so `hd generate`, `hd serve`
+        with and without its prefix cache write the same keys for a prompt on any machine (one
+        forward of all a prompt's rows takes SDPA where the fused attention is off, and Linear
+        widths the mode never calibrated). It cost ~10% of a 1,000-token prefill (AMD EPYC)."""
+        if self.prefix is not None:
+            return self.prefix.prefill(self.model, ids, cache, scope)
+        if hasattr(self.model, "prefill") and invariant.is_enabled(self.model):
+            prefill_pieces(self.model, ids, cache)
+            return 0
+        inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        if hasattr(self.model, "prefill"):   # hd's own forward (hdcli/engine/model/)
+            self.model.prefill(inp, cache)
+            return 0
+        try:
+            self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        except TypeError:  # an older model class without logits_to_keep; the cache is untouched
+            self.model(input_ids=inp, past_key_values=cache, use_cache=True)
+        return 0
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
+                 sampling: Sampling = Sampling(), seed: int | None = None,
+                 stop_check: Callable[[list[int]], int | None] | None = None,
+                 on_tokens: TokenCallback | None = None, logprobs: int | None = None,
+                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None) -> Generation:
+        """stop_check(tokens) may return a length to cut the output at (a stop string was seen).
+        logprobs: None, or k >= 0 to return each token's log-probability and its k best
+        alternatives (Generation.logprobs; verify.logprobs_of). grammar: the output follows it
+        (engine/text/constrain.py). prediction: tokens the output is expected to repeat, drafted by
+        their own layer (engine/decode/prediction.py)."""
+        s = self.stream(prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens, logprobs=logprobs,
+                        grammar=grammar, prediction=prediction)
+        while not s.done:
+            tree = s.propose()
+            s.accept(tree_forward(self.model, tree, s.history[-1], s.cache))
+        return s.result()
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
+               sampling: Sampling = Sampling(), seed: int | None = None,
+               stop_check: Callable[[list[int]], int | None] | None = None,
+               on_tokens: TokenCallback | None = None, drafter: Drafter | None | str = "own",
+               logprobs: int | None = None, scope: str = "", grammar: Grammar | None = None,
+               prediction: Sequence[int] | None = None) -> "Stream":
+        """A generation to be stepped by the caller (generate() steps one; a server steps many and
+        verifies their trees in one forward, hdcli/engine/decode/batch.py). The prompt is prefilled here.
+        drafter: this one's own ("own"), or another (one per concurrent stream: drafters keep
+        per-generation state). scope: whose prefix-cache entries it may reuse (hd serve)."""
+        return Stream(self, prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens,
+                      self.drafter if isinstance(drafter, str) else drafter, logprobs, scope=scope,
+                      grammar=grammar, prediction=prediction)
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class Stream:
+    """One generation between steps: its cache, history, drafter and output.
+
+    Each step is propose() (draft, merge the candidates into a tree capped by cost and by
+    max_nodes), a forward over the tree that the caller runs (alone: tree_forward; with other
+    streams: batch.forward_many), then accept(logits). Rows of a forward depend only on their own
+    path in the M-invariant mode, so a stream's tokens are the same whatever is verified beside it."""
+
+    @torch.inference_mode()
+    def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], max_new_tokens: int,
+                 sampling: Sampling, seed: int | None, stop_check, on_tokens: TokenCallback | None,
+                 drafter: Drafter | None, logprobs: int | None = None, scope: str = "",
+                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None):
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        self.decoder, self.drafter = decoder, drafter
+        self.max_new_tokens, self.sampling = max_new_tokens, sampling
+        self.stop_check, self.on_tokens = stop_check, on_tokens
+        self.gen = None
+        if not sampling.greedy:
+            self.gen = torch.Generator(device=decoder.device)
+            self.gen.manual_seed(seed if seed is not None else torch.seed())
+        self.stats = RunStats(prompt_tokens=len(prompt_ids))
+        self.t_start = time.perf_counter()
+        self.cache = new_cache(decoder.model)
+        self.history = [int(t) for t in prompt_ids]
+        self.scope = scope
+        if len(self.history) > 1:
+            self.stats.cached_tokens = decoder._prefill(self.history[:-1], self.cache, scope)
+        self.stats.prefill_seconds = time.perf_counter() - self.t_start
+        if drafter is not None:
+            drafter.reset(self.history)
+        self.trees_ok = supports_trees(self.cache)
+        self.out: list[int] = []
+        self.out_layers: list[str | None] = []
+        self.logprobs = logprobs
+        self.out_logprobs: list | None = [] if logprobs is not None else None
+        self.stop_reason = "length"
+        self.done = False
+        self.tree: Tree | None = None
+        self._q_rows = None
+        self._t_drafted = 0.0
+        self.estimates: list[float] = [1.0]   # per node of an uncapped proposal (scheduler joint cap)
+        # the top of the hierarchy, per request: the grammar (its mask on every row; its forced
+        # tokens drafted first) and the predicted output. Plain decoding (no drafter, no
+        # prediction) drafts nothing: the grammar only masks.
+        self.grammar = grammar.start() if grammar is not None else None
+        self.prediction = Prediction(prediction) if prediction else None
+        self.speculates = drafter is not None or self.prediction is not None
+
+    def propose(self, max_nodes: int | None = None, capped: bool = True) -> Tree:
+        """Draft at most the room left and build this step's tree (root token: history[-1]);
+        max_nodes caps it below the decoder's (a scheduler sharing one forward's rows). capped
+        False: the tree is not cut by cost here (a scheduler cuts several streams' trees together,
+        tree.cap_jointly, then calls restrict); `estimates` then holds its nodes' estimates."""
+        assert not self.done and self.tree is None, "accept() the last step first"
+        dec, drafter = self.decoder, self.drafter
+        cap = dec.max_nodes if max_nodes is None else min(max_nodes, dec.max_nodes)
+        room = self.max_new_tokens - len(self.out) - 1
+        t0 = time.perf_counter()
+        drafts = self._drafts(room) if cap > 0 else []
+        self._q_rows = drafts[0].q if drafts else None
+        rate = self._rate if self.grammar is not None or self.prediction is not None else (
+            drafter.rate if drafter else None)
+        if self._q_rows is not None:  # a draft model's sampled chain: verified with its distribution
+            tree = build_tree(drafts[:1], None, None, cap)
+        else:
+            tree = build_tree(drafts, rate, dec.cost if capped else None, cap, self.trees_ok)
+        if not capped:   # for the caller's joint cap; a capped tree's were used in build_tree
+            if self._q_rows is not None:   # a draft model's chain: sent whole (its rows of q go with it)
+                self.estimates = [1.0] * (tree.size() + 1)
+            else:
+                self.estimates = node_estimates(tree, rate) if rate and tree.size() else [1.0]
+        self.stats.draft_seconds += time.perf_counter() - t0
+        self._t_drafted = time.perf_counter()
+        self.tree = tree
+        return tree
+
+    def _drafts(self, room: int) -> list[Draft]:
+        """The step's candidates, best first: the grammar's forced tokens, then the prediction's
+        and the drafter's candidates continuing after them in the same tree. Each is cut to the
+        room left, before an id outside the vocabulary and, under a grammar, before the first token
+        it forbids (never verified). Under a grammar a draft model's sampled chain is verified as
+        point masses (its q dropped): the point-mass rule is exact given the drafted tokens, so a
+        cut that depends on them keeps it exact, which the min(1, p/q) rule would not be."""
+        if not self.speculates:
+            return []
+        vocab = self.decoder.vocab_size
+        lead = tuple(self.grammar.forced(room)) if self.grammar is not None else ()
+        rest = room - len(lead)
+        drafts = [Draft(lead, "grammar")] if lead else []
+        if self.prediction is not None and rest > 0:
+            got = self.prediction.peek(self.out, lead, rest) if lead else self.prediction.propose(rest)
+            if got:
+                drafts.append(Draft(lead + tuple(got), "prediction"))
+        if self.drafter is not None and rest > 0:
+            history = self.history + list(lead) if lead else self.history
+            for d in clamped(self.drafter.propose(history, rest, self.stats), rest, vocab):
+                drafts.append(Draft(lead + d.tokens, d.layer, d.q if self.grammar is None else None))
+        drafts = clamped(drafts, room, vocab)
+        if self.grammar is None:
+            return drafts
+        out = []
+        for d in drafts:
+            n = self.grammar.valid_prefix(d.tokens)
+            if n:
+                out.append(d if n == len(d.tokens) else Draft(d.tokens[:n], d.layer))
+        return out
+
+    def _rate(self, layer: str | None, depth: int = 1, first_child: bool = True) -> float:
+        """Per-token acceptance estimates (tree.node_estimates) with the request's own layers."""
+        if layer == "grammar":
+            return FORCED_RATE
+        if layer == "prediction":
+            return self.prediction.rate()
+        return self.drafter.rate(layer, depth, first_child) if self.drafter is not None else 0.0
+
+    def prediction_usage(self) -> dict | None:
+        """OpenAI's counts for a predicted output: accepted = output tokens the prediction drafted
+        and the target kept; rejected = the prediction's other tokens. None without a prediction."""
+        if self.prediction is None:
+            return None
+        kept = self.stats.layers["prediction"].accepted if "prediction" in self.stats.layers else 0
+        return {"accepted_prediction_tokens": kept,
+                "rejected_prediction_tokens": max(0, len(self.prediction.tokens) - kept)}
+
+    def restrict(self, keep: Sequence[int]) -> Tree:
+        """Verify only these nodes of the proposed tree (closed under parent, root included)."""
+        if len(keep) < len(self.tree.tokens):
+            self.tree = self.tree.subtree(keep)
+        return self.tree
+
+    @torch.inference_mode()
+    def accept(self, logits: torch.Tensor) -> list[int]:
+        """Take the forward's logits [nodes, V] over the proposed tree (its nodes now in the cache):
+        keep what the target accepts, crop the rest. Returns the new tokens.
+
+        Acceptance (engine/decode/verify.py): greedy keeps the longest path from the root whose every
+        token is the target's argmax after its parent, then adds the target's argmax after it.
+        Sampling walks the same way: at each node the children are tried in order, a child x
+        (a point-mass draft) kept with probability p(x), else p(x) := 0 and renormalise; a draft
+        model's chain (x drawn from q) is kept with probability min(1, p(x)/q(x)), else the token
+        is drawn from norm(max(0, p - q)). Either way the output has the target's distribution.
+        Penalties and biases process every row first, each with its own path's counts
+        (verify.processed), so all of this holds for the processed distribution."""
+        tree, history, stats, drafter = self.tree, self.history, self.stats, self.drafter
+        self.tree = None
+        t2 = time.perf_counter()
+        stats.forward_seconds += t2 - self._t_drafted
+        logits = processed(logits, self.sampling, self.out, tree.parents, tree.tokens)
+        greedy = self.sampling.greedy
+        # each row masked with its own path's grammar state; greedy decoding without
+        # log-probabilities needs only each row's masked argmax (GrammarState.greedy_targets)
+        lazy_mask = self.grammar is not None and greedy and self.out_logprobs is None
+        if self.grammar is not None and not lazy_mask:
+            logits = self.grammar.masked(logits, tree.children, tree.tokens)
+        past = len(history) - 1            # cache length before this step
+        records = drafter is not None and getattr(drafter, "records", False)
+        # each node's best tokens, computed once: greedy acceptance takes the first, layers that
+        # recycle the target's predictions take as many as they keep
+        top = top_tokens(logits, drafter.record_k if records else 1) if greedy or records else None
+        if lazy_mask:
+            targets = self.grammar.greedy_targets(logits, tree.children, tree.tokens, [t[0] for t in top])
+            top = [row if row[0] == t else [t] + [x for x in row if x != t][:len(row) - 1]
+                   for row, t in zip(top, targets)]
+        if records:
+            drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, top, stats)
+        if self._q_rows is not None and not greedy:
+            n, nxt = accept_chain_q(logits, tree.tokens[1:], self._q_rows, self.sampling, self.gen)
+            path = list(range(1, n + 1))
+        else:
+            path, nxt = accept_tree(logits, tree, self.sampling, self.gen,
+                                    targets=[t[0] for t in top] if greedy else None)
+        keep_path(self.cache, past, path)     # the root and the accepted path only
+        if tree.size():
+            self._record(tree, path)
+        stats.tree_sizes.append(tree.size())
+        new = [tree.tokens[i] for i in path] + [nxt]
+        new_layers = [tree.layers[i] for i in path] + [None]
+        for i, t in enumerate(new):
+            if t in self.decoder.eos_ids:
+                new, new_layers, self.stop_reason = new[:i + 1], new_layers[:i + 1], "eos"
+                break
+        stats.accept_lengths.append(len(new))
+        if self.out_logprobs is not None:   # row 0 predicted the first new token, each kept node the next
+            self.out_logprobs.extend(logprobs_of(logits, ([0] + path)[:len(new)], new, self.logprobs))
+        history.extend(new)
+        out = self.out
+        before = len(out)
+        out.extend(new)
+        self.out_layers.extend(new_layers)
+        if self.grammar is not None:
+            self.grammar.advance(new)
+            stats.grammar_seconds, stats.grammar_rows = self.grammar.seconds, self.grammar.rows
+        if self.prediction is not None:
+            self.prediction.extend(out, len(new))
+        stats.bookkeeping_seconds += time.perf_counter() - t2
+        if self.stop_check is not None:
+            cut = self.stop_check(out)
+            if cut is not None:
+                del out[cut:], self.out_layers[cut:]
+                if self.out_logprobs is not None:
+                    del self.out_logprobs[cut:]
+                self.stop_reason = "stop"
+        if self.on_tokens is not None and len(out) > before:
+            self.on_tokens(out[before:], self.out_layers[before:])
+        if self.stop_reason != "length":
+            self.done = True
+        else:
+            if drafter is not None:
+                drafter.extend(new)
+            self.done = len(out) >= self.max_new_tokens
+        return out[before:]
+
+    def stop(self, reason: str = "cancelled") -> None:
+        """End the generation where it is (a client went away)."""
+        self.stop_reason, self.done, self.tree = reason, True, None
+
+    def result(self) -> Generation:
+        self.stats.new_tokens = len(self.out)
+        self.stats.wall_seconds = time.perf_counter() - self.t_start
+        return Generation(tokens=self.out, layers=self.out_layers, stop_reason=self.stop_reason,
+                          stats=self.stats, logprobs=self.out_logprobs,
+                          prediction_usage=self.prediction_usage())
+
+    def _record(self, tree: Tree, path: list[int]) -> None:
+        """Per-layer counts of what was sent, kept and which candidate won; feeds `adaptive`."""
+        stats = self.stats
+        for name in tree.layers[1:]:
+            stats.layer(name).drafted += 1
+        for i in path:
+            stats.layer(tree.layers[i]).accepted += 1
+        tested, accepted = reached(tree, path)
+        if path:
+            stats.layer(tree.layers[path[-1]]).won += 1
+        if self.drafter is None:   # a prediction alone
+            return
+        self.drafter.observe(tested, accepted)
+        if hasattr(self.drafter, "record_target"):
+            self.drafter.record_target(tree.size(), len(path))

@@ -1,0 +1,297 @@
+"""Acceptance rules: which drafted tokens the target keeps. Both rules are lossless.
+
+Greedy (temperature 0): the target's choice at each position is argmax of its logits. A drafted
+token is kept while it equals that argmax; the first position where it differs, or the position
+after the last drafted token, contributes the target's own argmax. Every kept token is therefore
+exactly what plain greedy decoding would have produced.
+
+Logits processors (frequency and presence penalties, logit_bias) are part of the target's
+distribution: each row of a verification forward is processed with the counts of the tokens
+generated before it on its own path (the output so far, then the row's ancestors in the tree), as
+plain decoding processes its one row, elementwise in fp32, so a processed row is torch.equal to
+plain decoding's and both rules above stay exact (`processed`). Log-probabilities are those of the
+processed row, before temperature and truncation (`logprobs_of`), one row at a time.
+
+Sampling: a drafted token x is a point-mass proposal q = delta_x. Accept x with probability p(x)
+(p: the target's distribution after temperature/top-k/top-p). On rejection set p(x) = 0 and
+renormalise; then try the next candidate at this position, if any, or sample from what remains.
+P(out = x) = p(x), and P(out = y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y) for y != x, so the
+output has exactly the target's distribution, candidate by candidate.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+MAX_PENALTY = 2.0     # OpenAI's range for frequency_penalty and presence_penalty: [-2, 2]
+MAX_BIAS = 100.0      # and for a logit_bias value: [-100, 100]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the target's next token is chosen.
+
+    temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation.
+    frequency_penalty, presence_penalty: OpenAI's, over the tokens generated so far (the prompt
+    is not counted): logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty.
+    logit_bias: ((token id, bias), ...) added to those logits (a tuple, so Sampling stays hashable)."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self):
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # nan fails >= too
+            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:   # nan fails too
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], not {v}")
+        bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
+        for t, b in bias:
+            if t < 0 or not -MAX_BIAS <= b <= MAX_BIAS:
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-{MAX_BIAS:g}, "
+                                 f"{MAX_BIAS:g}], not {t}: {b}")
+        object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def processes(self) -> bool:
+        """Whether logits go through a processor (penalties, biases) before the choice."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+
+
+def processed(logits: torch.Tensor, s: Sampling, generated: Sequence[int],
+              parents: Sequence[int] = (0,), tokens: Sequence[int] = (0,)) -> torch.Tensor:
+    """The logits [n, V] after the processors, fp32: row i is the prediction after node i of a tree
+    (parents[i], tokens[i]; row 0 is the root, the last token of the history) and is penalised by
+    the counts of `generated` (the output before this step) plus the tokens on its path below the
+    root. Elementwise per row, so row i is torch.equal to plain decoding's row for the same path.
+    Without processors, the logits as they are."""
+    if not s.processes:
+        return logits
+    x = logits.float()
+    n, vocab = x.shape
+    if s.frequency_penalty or s.presence_penalty:
+        base = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=vocab)[:vocab]
+        counts = base.to(x.device, torch.float32).repeat(n, 1)
+        for i in range(1, n):   # a parent comes before its children (engine/decode/tree.py)
+            counts[i] = counts[parents[i]]
+            counts[i, tokens[i]] += 1.0
+        x = x - (counts * s.frequency_penalty + (counts > 0).float() * s.presence_penalty)
+    if s.logit_bias:
+        bias = torch.zeros(vocab, dtype=torch.float32, device=x.device)
+        ids = [t for t, _ in s.logit_bias if t < vocab]   # an id past the vocabulary biases nothing
+        bias[ids] = torch.tensor([b for t, b in s.logit_bias if t < vocab], dtype=torch.float32)
+        x = x + bias
+    return x
+
+
+def logprobs_of(logits: torch.Tensor, rows: Sequence[int], chosen: Sequence[int],
+                top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of `rows`: (log-probability of chosen[i], the `top` best (token, log-probability)),
+    from the row's (processed) logits. Each row is computed alone ([1, V] log_softmax and topk),
+    so its numbers are those of plain decoding's one-row forward, whatever else was verified."""
+    out = []
+    for r, tok in zip(rows, chosen):
+        lp = torch.log_softmax(logits[r:r + 1].float(), dim=-1)[0]
+        best = []
+        if top:
+            v, i = torch.topk(lp, top)
+            best = list(zip(i.tolist(), v.tolist()))
+        out.append((float(lp[tok]), best))
+    return out
+
+
+def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The distribution plain sampling draws from, per row of logits [n, V] (float32)."""
+    x = logits.float() / s.temperature
+    if s.top_k and s.top_k < x.shape[-1]:
+        kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
+        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= s.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample_point_masses(p: torch.Tensor, candidates, gen: torch.Generator | None) -> tuple[int, int | None]:
+    """Draw one token from p [V] given point-mass proposals tried in order.
+
+    Returns (token, index of the accepted candidate or None when all were rejected)."""
+    for j, x in enumerate(candidates):
+        px = float(p[x])
+        if px > 0.0 and float(torch.rand((), generator=gen)) < px:
+            return int(x), j
+        if px > 0.0:
+            p = p.clone()
+            p[x] = 0.0
+            p = p / p.sum()
+    return int(torch.multinomial(p, 1, generator=gen)), None
+
+
+def top_tokens(logits: torch.Tensor, k: int = 1) -> list[list[int]]:
+    """Per row of logits [rows, V], the k highest-scoring token ids, best first. The first is
+    exactly argmax's (the lowest index among equal maxima), so greedy acceptance can take it; each
+    next one is the argmax of what is left. One device->host transfer a step. On the CPU the
+    argmaxes are numpy's (vectorised): for 1-12 rows of the bundled model's 49152 logits, two of
+    them took 25-118 us where torch's argmax and topk(2) together took 127-620 (AMD EPYC), and a
+    verification step needs both (acceptance, the recycle layer)."""
+    if logits.device.type == "cpu":
+        # fp32 is exact for bf16/fp16 logits; a copy where the ranks after the first mask it
+        a = logits.to(torch.float32, copy=k > 1).numpy()
+        rows = np.arange(a.shape[0])
+        ranks = []
+        for r in range(k):
+            best = a.argmax(-1)
+            ranks.append(best)
+            if r + 1 < k:
+                a[rows, best] = -np.inf
+        return np.stack(ranks, 1).tolist()
+    x = logits.float()
+    first = x.argmax(-1, keepdim=True)
+    if k == 1:
+        return first.tolist()
+    rest = x.scatter(-1, first, float("-inf")).topk(k - 1, dim=-1).indices
+    return torch.cat([first, rest], -1).tolist()
+
+
+def accept_chain(logits: torch.Tensor, draft, s: Sampling, gen: torch.Generator | None) -> tuple[int, int]:
+    """Verify one drafted chain. logits [len(draft)+1, V]: row i is the target's prediction for the
+    token after draft[:i]. Returns (number of drafted tokens accepted, the target's next token)."""
+    k = len(draft)
+    if s.greedy:
+        targets = [t[0] for t in top_tokens(logits)]  # argmax's, one transfer
+        n = 0
+        while n < k and draft[n] == targets[n]:
+            n += 1
+        return n, targets[n]
+    return accept_chain_q(logits, draft, None, s, gen)
+
+
+def _to_host(*rows: torch.Tensor) -> list[list[float]]:
+    """Small per-node values in one device->host transfer: on a GPU each float(t) would wait for
+    the device, once per node; this waits once per step."""
+    return torch.stack([r.float() for r in rows]).tolist()
+
+
+def _uniforms(n: int, gen: torch.Generator | None, device) -> torch.Tensor:
+    return torch.rand(n, generator=gen, device=gen.device if gen is not None else device)
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=gen))  # multinomial normalises p itself
+
+
+def accept_tree(logits: torch.Tensor, tree, s: Sampling, gen: torch.Generator | None,
+                targets: list[int] | None = None) -> tuple[list[int], int]:
+    """Verify a token tree (hdcli.engine.tree.Tree). logits [nodes, V]: row i is the
+    target's prediction for the token after node i's path. Walk from the root: at each node the
+    target draws its token (greedy: argmax; sampling: the point-mass rule over the node's children
+    tried in order, then the residual); follow the child that holds it, stop where none does.
+    Returns (accepted nodes, root excluded, in path order; the target's next token).
+
+    Sampling reads every child's p(token) under its parent and one uniform per child in one
+    transfer. The point-mass rule after rejected siblings of mass R renormalises p to p / (1 - R),
+    so "u < p(x) / (1 - R)" is tested as "u * (1 - R) < p(x)"; only the residual draw at the last
+    node touches the device again. targets: greedy's argmax per row where the caller has it
+    (top_tokens), else computed here."""
+    children, tokens = tree.children, tree.tokens
+    path: list[int] = []
+    node = 0
+    if s.greedy:
+        if targets is None:
+            targets = [t[0] for t in top_tokens(logits)]
+        while True:
+            nxt = next((c for c in children[node] if tokens[c] == targets[node]), None)
+            if nxt is None:
+                return path, targets[node]
+            path.append(nxt)
+            node = nxt
+    probs = target_probs(logits, s)
+    rows = torch.tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
+    cols = torch.tensor(tokens[1:], dtype=torch.long, device=probs.device)
+    p_child, u = _to_host(probs[rows, cols], _uniforms(len(tokens) - 1, gen, probs.device))
+    while True:
+        rejected, mass = [], 0.0
+        for c in children[node]:
+            px = p_child[c - 1]
+            if px > 0.0 and u[c - 1] * (1.0 - mass) < px:
+                break
+            rejected.append(tokens[c])
+            mass += px
+        else:
+            p = probs[node]
+            if rejected:
+                p = p.clone()
+                p[rejected] = 0.0
+            return path, _draw(p, gen)
+        node = c
+        path.append(node)
+
+
+def sample_with_draft(p: torch.Tensor, x: int, q: torch.Tensor, gen: torch.Generator | None) -> tuple[int, bool]:
+    """The standard speculative sampling rule for a token x drawn from a draft distribution q:
+    accept with probability min(1, p(x) / q(x)); on rejection draw from norm(max(0, p - q)).
+    Then P(out = y) = q(y) min(1, p(y)/q(y)) + (1 - sum_z min(p(z), q(z))) (p(y) - q(y))+ / Z = p(y).
+    Returns (token, accepted?)."""
+    px, qx = float(p[x]), float(q[x])
+    if qx > 0.0 and float(torch.rand((), generator=gen)) < min(1.0, px / qx):
+        return int(x), True
+    residual = torch.clamp(p - q, min=0.0)
+    if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is right
+        residual = p
+    return int(torch.multinomial(residual / residual.sum(), 1, generator=gen)), False
+
+
+def accept_chain_q(logits: torch.Tensor, draft, q_rows, s: Sampling, gen: torch.Generator | None) -> tuple[int, int]:
+    """Verify a chain drafted by a model level: q_rows[i] is the distribution draft[i] was drawn
+    from (None, or q_rows None: a point mass, as from a database). Greedy ignores q. Every
+    position's p(x), q(x) and uniform come to the host in one transfer (see accept_tree).
+    Returns (kept, next token)."""
+    if s.greedy:
+        return accept_chain(logits, draft, s, gen)
+    probs = target_probs(logits, s)
+    k = len(draft)
+    if k == 0:
+        return 0, _draw(probs[0], gen)
+    dev = probs.device
+    xs = torch.tensor(list(draft), dtype=torch.long, device=dev)
+    p_x = probs[torch.arange(k, device=dev), xs]
+    q_given = [q_rows is not None and q_rows[i] is not None for i in range(k)]
+    q_x = torch.stack([q_rows[i][int(x)].to(dev, torch.float32) if q_given[i] else p_x.new_zeros(())
+                       for i, x in enumerate(draft)])
+    p_h, q_h, u = _to_host(p_x, q_x, _uniforms(k, gen, dev))
+    for i, x in enumerate(draft):
+        if not q_given[i]:  # point mass: keep x with probability p(x), else draw from p without x
+            if p_h[i] > 0.0 and u[i] < p_h[i]:
+                continue
+            p = probs[i].clone()
+            p[int(x)] = 0.0
+            return i, _draw(p, gen)
+        # drawn from q: keep with probability min(1, p/q), else draw from norm(max(0, p - q))
+        if q_h[i] > 0.0 and u[i] < min(1.0, p_h[i] / q_h[i]):
+            continue
+        residual = torch.clamp(probs[i] - q_rows[i].to(dev, torch.float32), min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is right
+            residual = probs[i]
+        return i, _draw(residual, gen)
+    return k, _draw(probs[k], gen)

@@ -1,0 +1,111 @@
+"""Building hd's C++ kernels (csrc/): compiled once per machine by torch.utils.cpp_extension (g++
+and ninja) and cached under torch's extensions folder, named by a hash of the source, the CPU, torch
+and the flags, so a binary built for another CPU or source is never loaded.
+
+  * -O3 -march=native -ffp-contract=off, no -ffast-math: vector and scalar code round alike and no
+    sum is reordered, whatever the compiler vectorises (the kernels' exactness rests on this).
+  * A build lock left by a killed build is removed after STALE_LOCK_SECONDS, said in one line.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..records import cpu_name
+
+# -fopenmp: at::parallel_for runs on threads only where OpenMP is on in the extension itself; the
+# process has one OpenMP runtime all the same (torch's libgomp is loaded first and shares its soname)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+STALE_LOCK_SECONDS = 180   # a build takes ~30 s (a minute on a loaded machine); a lock older is dead
+
+
+def extension_name(source: Path, prefix: str) -> str:
+    """A compiled extension's name: prefix + a hash of its source, the CPU, torch and the flags, so
+    a binary built for another CPU or source is never loaded."""
+    h = hashlib.sha256((source.read_text() + cpu_name() + torch.__version__ + " ".join(FLAGS)).encode())
+    return prefix + h.hexdigest()[:12]
+
+
+def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
+    """(module, None) or (None, why) for a C++ source of csrc/, compiled once per name
+    (extension_name) by torch.utils.cpp_extension (g++ and ninja) and cached under torch's
+    extensions folder; `what` names it in the progress lines on stderr. A build there that does
+    not load is dropped and built again once, in one line on stderr."""
+    rebuilt = False
+    try:
+        from torch.utils import cpp_extension
+        if shutil.which("ninja") is None:   # pip's ninja, in a virtual environment not activated
+            try:
+                import ninja
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+            except (ImportError, AttributeError):
+                pass
+        try:   # a build already there loads in a moment: say "compiling" only when it compiles
+            folder = Path(cpp_extension._get_build_directory(name, False))
+            built = (folder / f"{name}.so").exists()
+        except Exception:
+            folder, built = None, False
+        if folder is not None:
+            _wait_for_build_lock(folder, what)
+        t0 = time.perf_counter()
+        if not quiet and not built:
+            print(f"hd: compiling {what} (once per machine, ~30 s)...", file=sys.stderr, flush=True)
+
+        def build():
+            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=FLAGS,
+                                      extra_ldflags=["-fopenmp"], verbose=False)
+        try:
+            module = build()
+        except (ImportError, OSError) as exc:
+            if not built:
+                raise
+            # a build that does not load (a truncated or foreign .so in the cache): dropped and
+            # built again once, said, so the kernels in use never change without a word
+            print(f"warning: {folder / (name + '.so')} does not load ({_why(exc)}); rebuilding {what} (~30 s)",
+                  file=sys.stderr, flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)   # else this process skips the build
+            built, rebuilt = False, True
+            module = build()
+        if not quiet and not built:
+            print(f"hd: {what} ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        return module, None
+    except Exception as exc:   # no compiler, no ninja, a read-only home: the torch path stays
+        why = _why(exc)
+        if rebuilt:
+            print(f"warning: {what} could not be rebuilt ({why})", file=sys.stderr, flush=True)
+        return None, why
+
+
+def _wait_for_build_lock(folder: Path, what: str) -> None:
+    """torch's build lock (`lock` in the extension's folder) is a file that a process killed while
+    compiling leaves behind, and torch waits on it forever, saying nothing: every later hd run
+    hung at load. Wait here for another process's build, saying so, and remove a lock older
+    than STALE_LOCK_SECONDS, in one line."""
+    lock = folder / "lock"
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:   # no lock (or none left): build or load
+            return
+        if age > STALE_LOCK_SECONDS:
+            print(f"warning: {lock} is {age / 60:.0f} min old, left by a build that was killed: removing "
+                  f"it and building {what}", file=sys.stderr, flush=True)
+            lock.unlink(missing_ok=True)
+            return
+        if not said:
+            print(f"hd: waiting for another process building {what} ({lock})...", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(0.5)
+
+
+def _why(exc: Exception) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''}"

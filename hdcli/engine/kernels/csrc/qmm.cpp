@@ -1,0 +1,897 @@
+// Weight-only GEMMs on a GGUF's quantized weights, repacked in about the file's own bytes, and the
+// repacking itself: see hdcli/engine/kernels/quants.py.
+//
+// y[m, n] = sum over groups g of GK k: scale[n, g] * (sum over k in g of x[m, k] * q[n, k])
+//                                      + low[n, g] * (sum over k in g of x[m, k])
+// which is sum over k of x[m, k] * (scale q + low): the GGUF's weights exactly (q an integer of
+// at most 8 bits, which a bf16 holds exactly; scale and low computed here in fp32 from the file's
+// numbers, exact products), the activations as they come (bf16). The formats (`pack` makes them
+// from the GGUF blocks; bytes a weight, the file's in brackets):
+//   "q4z" Q4_0  4-bit codes 0..15, the block's fp16 d; scale d, low -8 d            0.5625 (0.5625)
+//   "q4h" Q4_1  4-bit codes 0..15, fp16 d and m; scale d, low m                      0.625  (0.625)
+//   "q4k" Q4_K  4-bit codes 0..15, each column's fp16 d and dmin a super-block of 256, a 6-bit
+//               scale sc and min mn a group of 32; scale d sc, low -(dmin mn)        0.578  (0.5625)
+//   "q6k" Q6_K  6-bit codes 0..63 (the file's q; the kernel's table subtracts 32), fp16 d a
+//               super-block, an int8 scale sc a group of 16; scale d sc, no low      0.820  (0.8203)
+//   "q8h" Q8_0  int8 codes, fp16 d; scale d, no low (and Q5_0: codes q - 16)        1.0625 (1.0625)
+//   "q8f" Q5_1, Q5_K  int8 codes 0..31, fp32 scale and low (as Q5_1: d, m; Q5_K: d sc, -(dmin mn))
+//                                                                                    1.25 (0.75, 0.6875)
+// Every scale and low is an exact fp32 product of the file's numbers (fp16 times an integer of at
+// most 8 bits), so where it is computed does not change a bit.
+//
+// Per output the arithmetic is fixed, whatever the number of rows M and wherever the row sits:
+//   s1 = 0; for k-pairs p of the group in order: s1 = dpbf16(s1, (x[2p], x[2p+1]), (q, q'))
+//   (VDPBF16PS: the two products exact in fp32, added to s1 in turn, each add rounded);
+//   s0 = x[m, k] of the group summed in order in fp32 (scalar; formats with a low only);
+//   out = fma(s1, scale, out); out = fma(s0, low, out), group by group in order;
+//   y = bf16(out) (VCVTNEPS2BF16, to nearest even).
+// Rows are computed side by side in tiles of up to 16 (a pair's weights are turned into bf16 once
+// a tile; tiles of up to 4 rows also take two groups side by side), but no sum crosses rows and
+// every output of a tile goes through the same operations in the same order whatever the tile's
+// height: a row's result is the same in any M, which keeps the M-invariant forward
+// (engine/kernels/invariant.py) exact. Needs AVX512-BF16; without it the extension has no GEMM
+// (`supported()` false) and quants.py dequantizes to bf16 instead.
+//
+// Layout: packed [N/16][K/(GK GS)][SB] uint8: a column block of 16 columns, then its super-blocks
+// of GS groups of GK k in order (a column block is one stream read front to back). A super-block
+// is HEAD bytes of per-column constants (q4k: d[16], dmin[16] fp16; q6k: d[16] fp16; others none)
+// and GS groups of GROUP bytes: GK/4 units of two pairs of codes, then the group's per-column
+// constants. Lane L of pair p = (column L / 2, k = GK g + 2 p + L % 2). A unit of pairs a = 2 u
+// and b = 2 u + 1: 4-bit, 32 bytes, byte L holding lane L of a in its low nibble and of b in its
+// high one; 6-bit, those 32 bytes of the low 4 bits, then 16 bytes of the high 2 bits, byte j
+// holding lanes j and j + 16 of b in bits 0-1 and 2-3 and of a in bits 4-5 and 6-7; 8-bit, 64
+// bytes, byte 32 h + L lane L of pair h.
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// ------------------------------------------------------------------ formats
+
+// W bits a code, GK k a group, GS groups a super-block, HEAD bytes of super-block constants,
+// CONSTS bytes of group constants after the codes; LOW: whether the format has a low.
+template <int W_, int GK_, int GS_, int HEAD_, int CONSTS_, bool LOW_>
+struct Layout {
+  static constexpr int W = W_, GK = GK_, GS = GS_;
+  static constexpr int64_t HEAD = HEAD_, CONSTS = CONSTS_;
+  static constexpr bool LOW = LOW_;
+  static constexpr int UNITS = GK / 4;     // a unit: two pairs of k, decoded together
+  static constexpr int UNIT_BYTES = W == 4 ? 32 : W == 6 ? 48 : 64;
+  static constexpr int64_t CODES = UNITS * UNIT_BYTES;
+  static constexpr int64_t GROUP = CODES + CONSTS;
+  static constexpr int64_t SB = HEAD + GS * GROUP;
+};
+
+struct Q4Z : Layout<4, 32, 1, 0, 32, true> {};     // + d[16] fp16
+struct Q4H : Layout<4, 32, 1, 0, 64, true> {};     // + d[16], m[16] fp16
+struct Q4K : Layout<4, 32, 8, 64, 32, true> {};    // head d[16], dmin[16] fp16; + sc[16], mn[16] uint8
+struct Q6K : Layout<6, 16, 16, 32, 16, false> {};  // head d[16] fp16; + sc[16] int8
+struct Q8H : Layout<8, 32, 1, 0, 32, false> {};    // + d[16] fp16
+struct Q8F : Layout<8, 32, 1, 0, 128, true> {};    // + scale[16], low[16] fp32
+struct Q8F8 : Layout<8, 32, 8, 0, 128, true> {};   // q8f's bytes, packed 8 groups at a time (Q5_K's blocks)
+
+static inline const uint8_t* super_at(const uint8_t* pk, int64_t sb_bytes, int64_t supers, int64_t cb, int64_t s) {
+  return pk + (cb * supers + s) * sb_bytes;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Bytes ahead to ask the cache for (int4mm's measurement: a tile of many rows computes long enough
+// on a group that the hardware prefetcher alone left it waiting for the next one).
+constexpr int64_t PREFETCH_BYTES = 8 * 320;
+
+static inline __m512 f16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m512 negated(__m512 v) {   // -v as numpy's negation: the sign bit flipped
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+}
+
+// The 16 columns' scale and low of a group: its super-block's head, the group's bytes.
+template <typename F>
+static inline void consts(const uint8_t* head, const uint8_t* grp, __m512& scale, __m512& low) {
+  const uint8_t* c = grp + F::CODES;
+  if constexpr (std::is_same_v<F, Q4Z>) {
+    scale = f16x16(c);
+    low = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
+  } else if constexpr (std::is_same_v<F, Q4H>) {
+    scale = f16x16(c);
+    low = f16x16(c + 32);
+  } else if constexpr (std::is_same_v<F, Q4K>) {
+    scale = _mm512_mul_ps(f16x16(head), u8x16(c));
+    low = negated(_mm512_mul_ps(f16x16(head + 32), u8x16(c + 16)));
+  } else if constexpr (std::is_same_v<F, Q6K>) {
+    scale = _mm512_mul_ps(f16x16(head), i8x16(c));
+  } else if constexpr (std::is_same_v<F, Q8H>) {
+    scale = f16x16(c);
+  } else {
+    scale = _mm512_loadu_ps(c);
+    low = _mm512_loadu_ps(c + 64);
+  }
+}
+
+// A unit's two pairs of codes as bf16 (exact: integers of at most 8 significant bits), lane L of
+// each pair in lane L. One load and one widening serve both pairs of a 4- or 6-bit unit: a decode
+// step (one row) spends more on turning codes into bf16 than on the products.
+template <typename F>
+static inline void codes(const uint8_t* unit, __m512bh& a, __m512bh& b) {
+  if constexpr (F::W == 4 || F::W == 6) {
+    // byte L of the unit: lane L of pair a (low nibble) and of pair b (high nibble)
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit)));
+    __m512i qa = _mm512_and_si512(w, _mm512_set1_epi16(0x0F)), qb = _mm512_srli_epi16(w, 4);
+    if constexpr (F::W == 4) {
+      // bf16 bits of 0..15, twice (VPERMW indexes 32 words: one table a 256-bit half)
+      const __m512i table = _mm512_set_epi16(
+          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+      a = (__m512bh)_mm512_permutexvar_epi16(qa, table);
+      b = (__m512bh)_mm512_permutexvar_epi16(qb, table);
+    } else {
+      // the high 2 bits, 16 bytes after the nibbles: byte j holds lane j of pair b in bits 0-1,
+      // lane j + 16 of b in bits 2-3, lane j of a in bits 4-5, lane j + 16 of a in bits 6-7
+      const __m512i hw = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 32))));
+      const __m512i right = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __m512i left = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4);
+      const __m512i bits45 = _mm512_set1_epi16(0x30);
+      qa = _mm512_ternarylogic_epi32(qa, _mm512_srlv_epi16(hw, right), bits45, 0xF8);   // qa | (hw >> r & 0x30)
+      qb = _mm512_ternarylogic_epi32(qb, _mm512_sllv_epi16(hw, left), bits45, 0xF8);
+      // q in 0..63; bf16 bits of q - 32 from two tables of 32 (VPERMI2W)
+      const __m512i t0 = _mm512_set_epi16(   // -1 .. -32 from lane 31 down
+          (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080, (short)0xC0A0, (short)0xC0C0, (short)0xC0E0, (short)0xC100,
+          (short)0xC110, (short)0xC120, (short)0xC130, (short)0xC140, (short)0xC150, (short)0xC160, (short)0xC170, (short)0xC180,
+          (short)0xC188, (short)0xC190, (short)0xC198, (short)0xC1A0, (short)0xC1A8, (short)0xC1B0, (short)0xC1B8, (short)0xC1C0,
+          (short)0xC1C8, (short)0xC1D0, (short)0xC1D8, (short)0xC1E0, (short)0xC1E8, (short)0xC1F0, (short)0xC1F8, (short)0xC200);
+      const __m512i t1 = _mm512_set_epi16(   // 31 .. 0 from lane 31 down
+          0x41F8, 0x41F0, 0x41E8, 0x41E0, 0x41D8, 0x41D0, 0x41C8, 0x41C0, 0x41B8, 0x41B0, 0x41A8, 0x41A0, 0x4198, 0x4190, 0x4188, 0x4180,
+          0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+      a = (__m512bh)_mm512_permutex2var_epi16(t0, qa, t1);
+      b = (__m512bh)_mm512_permutex2var_epi16(t0, qb, t1);
+    }
+  } else {
+    // int8 -> int32 -> fp32 -> bf16, each step exact; VCVTNE2PS2BF16 puts its second operand in
+    // lanes 0..15. Pair a in bytes 0..31, b in 32..63, byte L lane L.
+    auto one = [](const uint8_t* pair) {
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16))));
+      return _mm512_cvtne2ps_pbh(hi, lo);
+    };
+    a = one(unit);
+    b = one(unit + 32);
+  }
+}
+
+// Where the GEMM reads: the packing, its super-blocks a column block, the groups a row.
+struct Packed {
+  const uint8_t* pk;
+  int64_t supers, G;
+};
+
+// GI groups g.. of TR rows of column block cb, added to the rows' running outputs (out: in
+// registers, or outm: in L1). Each group's s1 is its own chain of VDPBF16PS, so GI groups side by
+// side are GI x TR independent sums in flight; the outputs still take the groups in order.
+template <typename F, int TR, int GI, bool REG>
+static inline __attribute__((always_inline)) void groups(const uint16_t* x, const float* s0, const Packed& P,
+                                                         int64_t cb, int64_t g, __m512* out, float* outm) {
+  constexpr int GK = F::GK;
+  const uint8_t* head[GI];
+  const uint8_t* grp[GI];
+  for (int i = 0; i < GI; ++i) {
+    head[i] = super_at(P.pk, F::SB, P.supers, cb, (g + i) / F::GS);
+    grp[i] = head[i] + F::HEAD + ((g + i) % F::GS) * F::GROUP;
+  }
+  for (int64_t l = 0; l < GI * F::GROUP; l += 64)   // past the end: a hint, never a fault
+    _mm_prefetch(reinterpret_cast<const char*>(grp[0] + PREFETCH_BYTES + l), _MM_HINT_T0);
+  __m512 s1[GI][TR];
+  for (int i = 0; i < GI; ++i)
+    for (int r = 0; r < TR; ++r) s1[i][r] = _mm512_setzero_ps();
+  for (int u = 0; u < F::UNITS; ++u)
+    for (int i = 0; i < GI; ++i) {
+      __m512bh wb[2];
+      codes<F>(grp[i] + u * F::UNIT_BYTES, wb[0], wb[1]);
+      for (int h = 0; h < 2; ++h)   // pair 2 u + h
+        for (int r = 0; r < TR; ++r) {
+          uint32_t pair;
+          std::memcpy(&pair, x + ((g + i) * TR + r) * GK + 4 * u + 2 * h, 4);
+          s1[i][r] = _mm512_dpbf16_ps(s1[i][r], wb[h], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+        }
+    }
+  for (int i = 0; i < GI; ++i) {
+    __m512 dv, lv = _mm512_setzero_ps();
+    consts<F>(head[i], grp[i], dv, lv);
+    for (int r = 0; r < TR; ++r) {
+      __m512 o;
+      if constexpr (REG) o = out[r]; else o = _mm512_load_ps(outm + r * 16);
+      o = _mm512_fmadd_ps(s1[i][r], dv, o);
+      if constexpr (F::LOW) o = _mm512_fmadd_ps(_mm512_set1_ps(s0[r * P.G + g + i]), lv, o);
+      if constexpr (REG) out[r] = o; else _mm512_store_ps(outm + r * 16, o);
+    }
+  }
+}
+
+// Groups side by side for few rows: a row's chain of VDPBF16PS waits 6 cycles on each sum and
+// two can start a cycle (AMD EPYC), so a tile's TR rows and GI groups are what keeps the unit
+// busy. Two groups for up to 4 rows (N = K = 2048, one thread, 1 row: Q4_0 149 -> 130 us, Q5_K
+// 180 -> 181, 4 rows: Q4_0 234 -> 223 us; four groups for 1-2 rows were no faster for 4-bit codes
+// and slower for 8-bit ones; 8 rows and more no faster). Each group's address is its own (`groups`),
+// so two side by side may lie in two super-blocks.
+constexpr int interleave(int TR) { return TR <= 4 ? 2 : 1; }
+
+// TR rows of one column block of 16. x: the tile's rows interleaved by group, [G][TR][GK] (`run`);
+// s0 [TR][G].
+template <typename F, int TR>
+static inline void block(const uint16_t* x, const float* s0, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
+  constexpr bool REG = TR <= 8;          // the running outputs in registers, else in L1 (32 registers in all)
+  constexpr int GI = interleave(TR);
+  __m512 out[REG ? TR : 1];
+  alignas(64) float outm[REG ? 16 : TR * 16];
+  if constexpr (REG) {
+    for (int r = 0; r < TR; ++r) out[r] = _mm512_setzero_ps();
+  } else {
+    std::memset(outm, 0, sizeof(outm));
+  }
+  int64_t g = 0;
+  for (; g + GI <= P.G; g += GI) groups<F, TR, GI, REG>(x, s0, P, cb, g, out, outm);
+  for (; g < P.G; ++g) groups<F, TR, 1, REG>(x, s0, P, cb, g, out, outm);
+  for (int r = 0; r < TR; ++r) {   // to bf16, rounded to nearest even
+    __m512 o;
+    if constexpr (REG) o = out[r]; else o = _mm512_load_ps(outm + r * 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + cb * 16), (__m256i)_mm512_cvtneps_pbh(o));
+  }
+}
+
+// block<rows> for rows 1..16
+template <typename F, int TR = 1>
+static inline void tile(int rows, const uint16_t* x, const float* s0, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
+  if constexpr (TR < 16) {
+    if (rows > TR) return tile<F, TR + 1>(rows, x, s0, P, y, N, cb);
+  }
+  block<F, TR>(x, s0, P, y, N, cb);
+}
+
+// The M rows in tiles of at most `most`, as even as they go; each tile streams the weights once.
+// A tile's x is laid out by group, [G][height][GK] (`at`), so that a group's rows are a few
+// consecutive cache lines: rows K apart, with K a power of 2 (2048), fall in one L1 set, and 16 of
+// them overran its ways (AMD EPYC, N = K = 2048, 16 rows, one thread: 688 us against 1556 in int4mm's
+// layout).
+struct Tiling {
+  int64_t M, tiles;
+  std::vector<int64_t> first, height;   // per row: its tile's first row and height
+  Tiling(int64_t M_, int64_t most) : M(M_), tiles((M_ + most - 1) / most), first(M_), height(M_) {
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t m = begin(t); m < begin(t + 1); ++m) {
+        first[m] = begin(t);
+        height[m] = begin(t + 1) - begin(t);
+      }
+  }
+  int64_t begin(int64_t t) const { return t * M / tiles; }
+  // where row m's group g starts in its tile's layout (tiles one after the other, K a row)
+  int64_t at(int64_t m, int64_t g, int64_t K, int GK) const { return first[m] * K + (g * height[m] + m - first[m]) * GK; }
+};
+
+// prepare(i) for every group i of every row (M * G of them), then tile(t, cb) for every tile and
+// column block, on torch's threads. A few thousand x (a decode step's row) are prepared before the
+// threads start (a microsecond or two), more by the threads before the tiles: a barrier more,
+// which costs most where the threads share the cores with other work.
+template <typename Prepare, typename Tile>
+static void schedule(const Tiling& T, int64_t G, int64_t K, int64_t NB, bool any, Prepare prepare, Tile tile) {
+  const int64_t groups = T.M * G;
+  const bool alone = T.M * K <= 4096;
+  if (any && alone)
+    for (int64_t i = 0; i < groups; ++i) prepare(i);
+#pragma omp parallel
+  {
+    if (any && !alone) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < groups; ++i) prepare(i);
+    }
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t cb = 0; cb < NB; ++cb)
+      for (int64_t t = 0; t < T.tiles; ++t) tile(t, cb);
+  }
+}
+
+// The packing's shape checked against format F and K (`what`: the GEMM, in the message).
+template <typename F>
+static void check_packing(const torch::Tensor& packed, int64_t K, const char* what) {
+  TORCH_CHECK(packed.size(2) == F::SB && packed.size(1) * F::GS * F::GK == K, what, ": the packing's super-blocks are ",
+              packed.size(2), " bytes, ", packed.size(1), " a column block; the format's ", F::SB, " bytes, K / ", F::GS * F::GK);
+}
+
+// run(static_cast<F*>(nullptr)) for the format named fmt (a kernel's entry point picks its run<F>).
+template <typename Run>
+static torch::Tensor by_format(const std::string& fmt, const char* what, Run run) {
+  if (fmt == "q4z") return run(static_cast<Q4Z*>(nullptr));
+  if (fmt == "q4h") return run(static_cast<Q4H*>(nullptr));
+  if (fmt == "q4k") return run(static_cast<Q4K*>(nullptr));
+  if (fmt == "q6k") return run(static_cast<Q6K*>(nullptr));
+  if (fmt == "q8h") return run(static_cast<Q8H*>(nullptr));
+  if (fmt == "q8f") return run(static_cast<Q8F*>(nullptr));
+  TORCH_CHECK(false, what, ": no format ", fmt);
+  return torch::Tensor();
+}
+
+template <typename F>
+static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
+  constexpr int GK = F::GK;
+  const int64_t M = x.size(0), K = x.size(1), G = K / GK, N = packed.size(0) * 16;
+  check_packing<F>(packed, K, "GGUF GEMM");
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto y = torch::empty({M, N}, x.options());
+  const Packed P{packed.data_ptr<uint8_t>(), packed.size(1), G};
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const Tiling T(M, 16);
+  // The tiles' layout (Tiling); one row is its own layout already.
+  std::vector<uint16_t> xt(M > 1 ? static_cast<size_t>(M * K) : 0);
+  uint16_t* xtp = M > 1 ? xt.data() : const_cast<uint16_t*>(xp);
+  std::vector<float> s0(F::LOW ? static_cast<size_t>(M * G) : 0);
+  float* s0p = s0.data();
+  // A group of a row: its copy into the tile's layout and its sum (in order).
+  auto prepare = [&](int64_t i) {
+    const int64_t m = i / G, g = i % G;
+    const uint16_t* xg = xp + m * K + g * GK;
+    if (M > 1)
+      std::memcpy(xtp + T.at(m, g, K, GK), xg, GK * sizeof(uint16_t));
+    if constexpr (F::LOW) {
+      float s = 0.0f;
+      for (int k = 0; k < GK; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(xg[k]) << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        s += f;
+      }
+      s0p[i] = s;
+    }
+  };
+  schedule(T, G, K, N / 16, M > 1 || F::LOW, prepare, [&](int64_t t, int64_t cb) {
+    const int64_t m0 = T.begin(t);
+    tile<F>(static_cast<int>(T.begin(t + 1) - m0), xtp + m0 * K, s0p + m0 * G, P, yp + m0 * N, N, cb);
+  });
+  return y;
+}
+
+// x [M, K] bf16, packed [N/16, K/(GK GS), SB] uint8 in format fmt (above). Returns [M, N] bf16.
+torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "GGUF GEMM: x must be [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              "GGUF GEMM: packed must be [N/16, super-blocks, bytes] uint8, contiguous");
+  auto xs = x.contiguous();
+  return by_format(fmt, "GGUF GEMM", [&](auto* f) { return run<std::remove_pointer_t<decltype(f)>>(xs, packed); });
+}
+#else
+torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
+  TORCH_CHECK(false, "GGUF GEMM: built without AVX512-BF16");
+  return x;
+}
+#endif
+
+
+// ------------------------------------------------------------------ int8 activations (AVX512-VNNI)
+//
+// The same formats' bytes with the codes arranged for VPDPBUSD (four unsigned codes of a column
+// times four signed int8 activations, summed into an int32: twice the products of a VDPBF16PS
+// and no conversion of codes), and the activations quantized row by row as llama.cpp does:
+//   per row m and group g of GK k: amax = max |x|, dx = amax / 127, xq = nearest-even(x * (127 / amax))
+//   (all 0 for a zero group), xs = sum of xq;
+//   isum[n] = sum over k in g of q[n, k] * xq[m, k] - OFFSET xs   (exact in int32: any order gives it)
+//   t = fp32(isum) * scale[n, g]; t = fma(low[n, g], xs, t) (formats with a low of their own);
+//   out = fma(t, dx, out), group by group in order; y = bf16(out).
+// OFFSET (offset8) is the code's fixed offset: Q4_0 8 (codes 0..15), Q6_K 32 (the file's q,
+// 0..63), Q8_0 and Q5_0 128 (their int8 codes stored plus 128), else 0. A row's xq, dx
+// and xs depend on that row alone and its outputs take the same operations whatever the tile's
+// height, so a row's result is the same in any M (the M-invariant forward). The numbers differ from
+// the bf16-activation GEMM's (the activations are rounded to 8 bits a group: docs/dtype.md).
+//
+// A unit is 8 k of the 16 columns: 4-bit 64 bytes, byte j holding column j / 4's code of k j % 4
+// (quad a) in its low nibble and of k 4 + j % 4 (quad b) in its high one; 6-bit those 64 bytes of
+// the low 4 bits, then 32 bytes of the high 2 bits, byte j holding quad a's bytes j and j + 32 in
+// bits 0-1 and 2-3 and quad b's in bits 4-5 and 6-7; 8-bit 128 bytes, quad a then quad b.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+// Tiles of up to 8 rows: a column block's weights (18 KB at K = 2048 in Q4_0) stay in L1 for the
+// next tile, and 16 rows' sums did not fit the registers (AMD EPYC, 65536 x 2048 Q4_0, 2 threads:
+// 16 rows 14.3 -> 8.6 ms, 32 rows 28.0 -> 15.8 ms; 1-8 rows alike).
+constexpr int TILE8 = 8;
+// Groups ahead to ask the cache for (65536 x 2048, 2 threads: 2 groups ahead was 10-30% slower
+// than 9 for one row; 9 to 32 alike).
+constexpr int AHEAD8 = 9;
+
+template <typename F>
+struct I8 {
+  static constexpr int UNITS = F::GK / 8;
+  static constexpr int UNIT_BYTES = F::W == 4 ? 64 : F::W == 6 ? 96 : 128;
+  static_assert(UNITS * UNIT_BYTES == F::CODES, "the int8 arrangement keeps the format's bytes");
+};
+
+static inline void codes8(const uint8_t* unit, int W, __m512i& a, __m512i& b) {
+  if (W == 8) {
+    a = _mm512_loadu_si512(unit);
+    b = _mm512_loadu_si512(unit + 64);
+    return;
+  }
+  const __m512i v = _mm512_loadu_si512(unit), nib = _mm512_set1_epi8(0x0F);
+  a = _mm512_and_si512(v, nib);
+  b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if (W == 6) {
+    const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 64)));
+    const __m512i left = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i right = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    a = _mm512_ternarylogic_epi32(a, _mm512_sllv_epi16(h, left), bits45, 0xF8);    // a | (h << s & 0x30)
+    b = _mm512_ternarylogic_epi32(b, _mm512_srlv_epi16(h, right), bits45, 0xF8);
+  }
+}
+
+// Formats whose low is a fixed multiple of the scale, low = -OFFSET scale (Q4_0: 8, Q6_K: 32,
+// Q8_0/Q5_0 stored plus 128: 128): their sums start at -OFFSET xs, in int32, exact, so that
+// scale (isum - OFFSET xs) is the whole group and no low is added. Others (Q4_1, Q4_K, Q5_1, Q5_K)
+// add their own low: OFFSET 0.
+template <typename F>
+constexpr int offset8() {
+  return std::is_same_v<F, Q4Z> ? 8 : std::is_same_v<F, Q6K> ? 32 : std::is_same_v<F, Q8H> ? 128 : 0;
+}
+
+// The tile's activations: xq [G][TR][GK] int8 (rows interleaved by group, as run's x), dx and xs [TR][G].
+struct Act8 {
+  const int8_t* q;
+  const float *d, *s;
+};
+
+// Group g of TR rows of column block cb, added to the rows' running outputs. One group at a time:
+// two side by side (as the bf16 GEMM does for few rows) made one row 10-25% slower here, and
+// Q8_0's one row slower than the bf16 GEMM's (AMD EPYC, 65536 x 2048, 2 threads: Q4_0 2199 -> 1759
+// us, Q4_K 2021 -> 1857, Q8_0 5005 -> 3089). Tiles of up to 4 rows keep two sums a row (quads a and
+// b) instead, so that more chains of VPDPBUSD are in flight; integer sums are exact, so the split
+// changes no bit.
+template <typename F, int TR>
+static inline __attribute__((always_inline)) void group8(const Act8& X, const Packed& P, int64_t cb, int64_t g,
+                                                         __m512* out) {
+  constexpr int GK = F::GK, SPLIT = TR <= 4 ? 2 : 1, OFFSET = offset8<F>();
+  const uint8_t* head = super_at(P.pk, F::SB, P.supers, cb, g / F::GS);
+  const uint8_t* grp = head + F::HEAD + (g % F::GS) * F::GROUP;
+  for (int64_t l = 0; l < F::GROUP; l += 64)   // past the end: a hint, never a fault
+    _mm_prefetch(reinterpret_cast<const char*>(grp + AHEAD8 * F::GROUP + l), _MM_HINT_T0);
+  __m512i acc[TR][SPLIT];
+  for (int r = 0; r < TR; ++r)
+    for (int h = 0; h < SPLIT; ++h)
+      acc[r][h] = h == 0 && OFFSET ? _mm512_set1_epi32(-OFFSET * static_cast<int32_t>(X.s[r * P.G + g]))
+                                   : _mm512_setzero_si512();
+  for (int u = 0; u < I8<F>::UNITS; ++u) {
+    __m512i a, b;
+    codes8(grp + u * I8<F>::UNIT_BYTES, F::W, a, b);
+    for (int r = 0; r < TR; ++r) {
+      int32_t xa, xb;
+      const int8_t* xr = X.q + (g * TR + r) * GK + 8 * u;
+      std::memcpy(&xa, xr, 4);
+      std::memcpy(&xb, xr + 4, 4);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, _mm512_set1_epi32(xa));
+      acc[r][SPLIT - 1] = _mm512_dpbusd_epi32(acc[r][SPLIT - 1], b, _mm512_set1_epi32(xb));
+    }
+  }
+  __m512 dv, lv = _mm512_setzero_ps();
+  consts<F>(head, grp, dv, lv);
+  for (int r = 0; r < TR; ++r) {
+    __m512i isum = acc[r][0];
+    if constexpr (SPLIT == 2) isum = _mm512_add_epi32(isum, acc[r][1]);
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dv);
+    if constexpr (OFFSET == 0) t = _mm512_fmadd_ps(lv, _mm512_set1_ps(X.s[r * P.G + g]), t);
+    out[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(X.d[r * P.G + g]), out[r]);
+  }
+}
+
+// TR rows (at most TILE8: their outputs stay in registers) of one column block of 16.
+template <typename F, int TR>
+static inline void block8(const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
+  static_assert(TR <= TILE8, "a tile's outputs live in registers");
+  __m512 out[TR];
+  for (int r = 0; r < TR; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < P.G; ++g) group8<F, TR>(X, P, cb, g, out);
+  for (int r = 0; r < TR; ++r)   // to bf16, rounded to nearest even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + cb * 16), (__m256i)_mm512_cvtneps_pbh(out[r]));
+}
+
+template <typename F, int TR = 1>
+static inline void tile8(int rows, const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
+  if constexpr (TR < TILE8) {
+    if (rows > TR) return tile8<F, TR + 1>(rows, X, P, y, N, cb);
+  }
+  block8<F, TR>(X, P, y, N, cb);
+}
+
+// One group of GK (16 or 32) bf16 activations quantized: q, its scale d and the sum of q. One code
+// path for every row (vector instructions, fixed order), so a row's q is the same in any call.
+static inline void quantize_group(const uint16_t* x, int GK, int8_t* q, float& d, float& s) {
+  auto load = [](const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  const __m512 v0 = load(x), v1 = GK == 32 ? load(x + 16) : _mm512_setzero_ps();
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  d = amax / 127.0f;
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));   // to nearest even
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+  if (GK == 32) _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+  s = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));   // exact: |s| <= 32 * 127
+}
+
+template <typename F>
+static torch::Tensor run8(const torch::Tensor& x, const torch::Tensor& packed) {
+  constexpr int GK = F::GK;
+  const int64_t M = x.size(0), K = x.size(1), G = K / GK, N = packed.size(0) * 16;
+  check_packing<F>(packed, K, "GGUF int8 GEMM");
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto y = torch::empty({M, N}, x.options());
+  const Packed P{packed.data_ptr<uint8_t>(), packed.size(1), G};
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const Tiling T(M, TILE8);
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> dx(static_cast<size_t>(M * G)), xs(static_cast<size_t>(M * G));
+  auto prepare = [&](int64_t i) {   // row m's group g, into its tile's layout
+    const int64_t m = i / G, g = i % G;
+    quantize_group(xp + m * K + g * GK, GK, xq.data() + T.at(m, g, K, GK), dx[i], xs[i]);
+  };
+  schedule(T, G, K, N / 16, true, prepare, [&](int64_t t, int64_t cb) {
+    const int64_t m0 = T.begin(t);
+    const Act8 X{xq.data() + m0 * K, dx.data() + m0 * G, xs.data() + m0 * G};
+    tile8<F>(static_cast<int>(T.begin(t + 1) - m0), X, P, yp + m0 * N, N, cb);
+  });
+  return y;
+}
+
+// As mm, on a packing made with pack(..., int8=true).
+torch::Tensor mm8(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "GGUF int8 GEMM: x must be [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              "GGUF int8 GEMM: packed must be [N/16, super-blocks, bytes] uint8, contiguous");
+  auto xs = x.contiguous();
+  return by_format(fmt, "GGUF int8 GEMM", [&](auto* f) { return run8<std::remove_pointer_t<decltype(f)>>(xs, packed); });
+}
+bool supported8() { return true; }
+#else
+torch::Tensor mm8(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
+  TORCH_CHECK(false, "GGUF int8 GEMM: built without AVX512-VNNI");
+  return x;
+}
+bool supported8() { return false; }
+#endif
+
+bool supported() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// ------------------------------------------------------------------ the packing
+
+static inline uint16_t u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+static inline float f16(const uint8_t* p) {   // exact: every fp16 is an fp32
+  const uint16_t h = u16(p);
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  uint32_t bits;
+  if (e == 0x1F) {
+    bits = sign | 0x7F800000u | (m << 13);
+  } else if (e != 0) {
+    bits = sign | ((e + 112) << 23) | (m << 13);
+  } else if (m == 0) {
+    bits = sign;
+  } else {   // subnormal: normalise
+    int shift = 0;
+    uint32_t mm = m;
+    while (!(mm & 0x400)) { mm <<= 1; ++shift; }
+    bits = sign | ((113 - shift) << 23) | ((mm & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+static inline void put_f32(uint8_t* p, float v) { std::memcpy(p, &v, 4); }
+
+// ggml's K-quant 6-bit scale and min of sub-block j from the block's 12 bytes
+static inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One super-block of a column block being packed: each of its 16 columns' codes as the kernel's
+// lanes take them (4-bit 0..15, 6-bit 0..63, 8-bit an int8's bits), gathered from the columns' GGUF
+// blocks first and then written out unit by unit: every byte of the super-block is written once.
+template <typename F>
+struct Super {
+  static constexpr int KS = F::GS * F::GK;   // k a super-block
+  uint8_t* out;                               // the super-block's bytes in the packing
+  uint8_t codes[16][KS];
+  uint8_t* group(int g) const { return out + F::HEAD + g * F::GROUP; }
+  uint8_t* gconst(int g, int at) const { return group(g) + F::CODES + at; }
+  uint8_t* hconst(int at) const { return out + at; }
+
+  // The int8 GEMM's arrangement (mm8's header): units of 8 k, a column's four codes of a quad
+  // side by side; Q8_0's and Q5_0's int8 codes plus 128.
+  void emit8() const {
+    for (int g = 0; g < F::GS; ++g)
+      for (int u = 0; u < F::UNITS / 2; ++u) {
+        uint8_t* unit = group(g) + u * (F::CODES / (F::UNITS / 2));
+        const int base = g * F::GK + 8 * u;   // quad a: k base + 0..3, quad b: base + 4..7
+        auto code = [&](int j, int quad) {    // byte j of a quad: column j / 4, k j % 4
+          const uint8_t c = codes[j / 4][base + 4 * quad + j % 4];
+          return static_cast<uint8_t>(std::is_same_v<F, Q8H> ? c ^ 0x80 : c);
+        };
+        for (int j = 0; j < 64; ++j) {
+          if constexpr (F::W == 8) {
+            unit[j] = code(j, 0);
+            unit[64 + j] = code(j, 1);
+          } else {
+            unit[j] = static_cast<uint8_t>((code(j, 0) & 0x0F) | ((code(j, 1) & 0x0F) << 4));
+          }
+        }
+        if constexpr (F::W == 6)
+          for (int j = 0; j < 32; ++j) {
+            auto high = [&](int jj, int quad) { return (code(jj, quad) >> 4) & 3; };
+            unit[64 + j] = static_cast<uint8_t>(high(j, 0) | high(j + 32, 0) << 2 | high(j, 1) << 4 | high(j + 32, 1) << 6);
+          }
+      }
+  }
+
+  void emit() const {
+    for (int g = 0; g < F::GS; ++g)
+      for (int u = 0; u < F::UNITS; ++u) {
+        uint8_t* unit = group(g) + u * F::UNIT_BYTES;
+        const int base = g * F::GK + 4 * u;   // pair a: k base + 0, 1; pair b: base + 2, 3
+        for (int L = 0; L < 32; ++L) {
+          const uint8_t a = codes[L / 2][base + L % 2], b = codes[L / 2][base + 2 + L % 2];
+          if constexpr (F::W == 8) {
+            unit[L] = a;
+            unit[32 + L] = b;
+          } else {
+            unit[L] = static_cast<uint8_t>((a & 0x0F) | ((b & 0x0F) << 4));
+          }
+        }
+        if constexpr (F::W == 6)
+          for (int j = 0; j < 16; ++j) {
+            auto high = [&](int L, int h) { return (codes[L / 2][base + 2 * h + L % 2] >> 4) & 3; };
+            unit[32 + j] = static_cast<uint8_t>(high(j, 1) | high(j + 16, 1) << 2 | high(j, 0) << 4 | high(j + 16, 0) << 6);
+          }
+      }
+  }
+};
+
+
+
+// One GGUF block of column c into a super-block: per type, its codes (as quants.py's unpack reads
+// them) and its constants in the format's places.
+static void dec_q4_0(const uint8_t* blk, Super<Q4Z>& S, int c) {
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  for (int e = 0; e < 16; ++e) {
+    S.codes[c][e] = blk[2 + e] & 0x0F;
+    S.codes[c][e + 16] = blk[2 + e] >> 4;
+  }
+}
+static void dec_q4_1(const uint8_t* blk, Super<Q4H>& S, int c) {
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  std::memcpy(S.gconst(0, 32 + 2 * c), blk + 2, 2);
+  for (int e = 0; e < 16; ++e) {
+    S.codes[c][e] = blk[4 + e] & 0x0F;
+    S.codes[c][e + 16] = blk[4 + e] >> 4;
+  }
+}
+static void dec_q8_0(const uint8_t* blk, Super<Q8H>& S, int c) {
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  std::memcpy(S.codes[c], blk + 2, 32);
+}
+static inline int q5_code(const uint8_t* qs, uint32_t qh, int e) {   // Q5_0/Q5_1: 0..31
+  return (e < 16 ? qs[e] & 0x0F : qs[e - 16] >> 4) | (((qh >> e) & 1) << 4);
+}
+static void dec_q5_0(const uint8_t* blk, Super<Q8H>& S, int c) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  for (int e = 0; e < 32; ++e) S.codes[c][e] = static_cast<uint8_t>(static_cast<int8_t>(q5_code(blk + 6, qh, e) - 16));
+}
+static void dec_q5_1(const uint8_t* blk, Super<Q8F>& S, int c) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 4, 4);
+  put_f32(S.gconst(0, 4 * c), f16(blk));
+  put_f32(S.gconst(0, 64 + 4 * c), f16(blk + 2));
+  for (int e = 0; e < 32; ++e) S.codes[c][e] = static_cast<uint8_t>(q5_code(blk + 8, qh, e));
+}
+static void dec_q4_k(const uint8_t* blk, Super<Q4K>& S, int c) {
+  std::memcpy(S.hconst(2 * c), blk, 2);
+  std::memcpy(S.hconst(32 + 2 * c), blk + 2, 2);
+  for (int j = 0; j < 8; ++j) {   // sub-block j: the low (j even) or high nibbles of 32 bytes
+    int sc, mn;
+    scale_min_k4(j, blk + 4, sc, mn);
+    *S.gconst(j, c) = static_cast<uint8_t>(sc);
+    *S.gconst(j, 16 + c) = static_cast<uint8_t>(mn);
+    const uint8_t* qs = blk + 16 + 32 * (j / 2);
+    for (int l = 0; l < 32; ++l) S.codes[c][32 * j + l] = (qs[l] >> (4 * (j % 2))) & 0x0F;
+  }
+}
+static void dec_q5_k(const uint8_t* blk, Super<Q8F8>& S, int c) {
+  const float d = f16(blk), dmin = f16(blk + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    scale_min_k4(j, blk + 4, sc, mn);
+    put_f32(S.gconst(j, 4 * c), d * static_cast<float>(sc));
+    put_f32(S.gconst(j, 64 + 4 * c), -(dmin * static_cast<float>(mn)));
+    const uint8_t* qs = blk + 48 + 32 * (j / 2);
+    for (int l = 0; l < 32; ++l)
+      S.codes[c][32 * j + l] = static_cast<uint8_t>(((qs[l] >> (4 * (j % 2))) & 0x0F) | (((blk[16 + l] >> j) & 1) << 4));
+  }
+}
+static void dec_q6_k(const uint8_t* blk, Super<Q6K>& S, int c) {
+  std::memcpy(S.hconst(2 * c), blk + 208, 2);
+  for (int j = 0; j < 16; ++j) *S.gconst(j, c) = blk[192 + j];
+  for (int e = 0; e < 256; ++e) {   // a half h of 128: low nibble i / 64 of byte i % 64, high bits 2 (i / 32) of byte i % 32
+    const int h = e / 128, i = e % 128;
+    const int low = (blk[64 * h + i % 64] >> (4 * (i / 64))) & 0x0F;
+    const int high = (blk[128 + 32 * h + i % 32] >> (2 * (i / 32))) & 0x03;
+    S.codes[c][e] = static_cast<uint8_t>(low | (high << 4));
+  }
+}
+
+// Every column block on torch's threads, super-block by super-block: the 16 columns' GGUF blocks
+// (block_bytes each, one a super-block) decoded, then written.
+template <typename F, typename D>
+static torch::Tensor pack_all(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t K, int64_t block_bytes, D decode,
+                              bool int8) {
+  const int64_t supers = K / (F::GK * F::GS);
+  torch::Tensor out = torch::empty({N / 16, supers, static_cast<int64_t>(F::SB)}, torch::kUInt8);
+  uint8_t* o = out.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t cb = 0; cb < N / 16; ++cb) {
+    Super<F> S;
+    for (int64_t s = 0; s < supers; ++s) {
+      S.out = o + (cb * supers + s) * F::SB;
+      for (int c = 0; c < 16; ++c) decode(raw + (16 * cb + c) * row_bytes + s * block_bytes, S, c);
+      if (int8) S.emit8(); else S.emit();
+    }
+  }
+  return out;
+}
+
+// (packed, fmt) of a GGUF tensor's rows: `address` of N rows of row_bytes bytes (the file's map,
+// read only here), K weights a row. The caller checks the shape (quants.fits) and the row bytes.
+// int8: arranged for mm8 (int8 activations), else for mm.
+std::tuple<torch::Tensor, std::string> pack(int64_t address, int64_t N, int64_t row_bytes, int64_t K, const std::string& type,
+                                            bool int8) {
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(address);
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "GGUF pack: N % 16 and K % 32 must be 0");
+  if (type == "Q4_0") return {pack_all<Q4Z>(raw, N, row_bytes, K, 18, dec_q4_0, int8), "q4z"};
+  if (type == "Q4_1") return {pack_all<Q4H>(raw, N, row_bytes, K, 20, dec_q4_1, int8), "q4h"};
+  if (type == "Q8_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 34, dec_q8_0, int8), "q8h"};
+  if (type == "Q5_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 22, dec_q5_0, int8), "q8h"};
+  if (type == "Q5_1") return {pack_all<Q8F>(raw, N, row_bytes, K, 24, dec_q5_1, int8), "q8f"};
+  TORCH_CHECK(K % 256 == 0, "GGUF pack: K % 256 must be 0 for a K-quant");
+  if (type == "Q4_K") return {pack_all<Q4K>(raw, N, row_bytes, K, 144, dec_q4_k, int8), "q4k"};
+  if (type == "Q5_K")   // no head: 8 groups of q8f in a row are q8f's super-blocks of one
+    return {pack_all<Q8F8>(raw, N, row_bytes, K, 176, dec_q5_k, int8).view({N / 16, K / 32, Q8F::SB}), "q8f"};
+  if (type == "Q6_K") return {pack_all<Q6K>(raw, N, row_bytes, K, 210, dec_q6_k, int8), "q6k"};
+  TORCH_CHECK(false, "GGUF pack: no packing for ", type);
+  return {torch::Tensor(), ""};
+}
+
+// ------------------------------------------------------------------ row-wise ops of the owned forward
+
+// In bf16 on the CPU, one call where torch takes 8-12 small ops a layer (each a few microseconds of
+// dispatch: at 1.7B a fifth of a decode step's time outside the GEMMs). Each row's arithmetic is
+// fixed and sees no other row, so they keep the M-invariant forward exact.
+
+static inline float bf(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// fp32 -> bf16 to nearest even (c10::BFloat16's rounding; NaN stays NaN)
+static inline uint16_t to_bf(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// x' = x + delta (where delta is given: the residual add, bf16 as torch's), y = RMSNorm(x') with
+// weight w: per row s = sum of x'^2 in fp32 (sixteen running sums, k = lane mod 16, added in a
+// fixed order at the end), r = 1 / sqrt(s / d + eps), y = bf16(bf16(x' r) w) (transformers'
+// LlamaRMSNorm: the normalised row rounded to the dtype, then times the weight). Returns (x', y).
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
+                                                      torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
+              "add_rms_norm: x [m, d] and w [d] bf16");
+  const int64_t m = x.size(0), d = x.size(1);
+  TORCH_CHECK(w.numel() == d, "add_rms_norm: w has ", w.numel(), " values for rows of ", d);
+  auto xs = x.contiguous(), ws = w.contiguous();
+  torch::Tensor sum = xs;
+  if (delta.has_value()) {
+    auto ds = delta->contiguous();
+    TORCH_CHECK(ds.sizes() == xs.sizes() && ds.scalar_type() == torch::kBFloat16, "add_rms_norm: delta as x");
+    sum = torch::empty_like(xs);
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(ds.data_ptr<at::BFloat16>());
+    uint16_t* o = reinterpret_cast<uint16_t*>(sum.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < m * d; ++i) o[i] = to_bf(bf(a[i]) + bf(b[i]));
+  }
+  auto y = torch::empty_like(xs);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(sum.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(ws.data_ptr<at::BFloat16>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < m; ++r) {
+    const uint16_t* row = xp + r * d;
+    float lanes[16] = {0};
+    for (int64_t k = 0; k < d; ++k) {
+      const float v = bf(row[k]);
+      lanes[k % 16] += v * v;
+    }
+    for (int width = 8; width >= 1; width /= 2)   // pairwise, in a fixed order
+      for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+    const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t k = 0; k < d; ++k) yp[r * d + k] = to_bf(bf(to_bf(bf(row[k]) * inv)) * bf(wp[k]));
+  }
+  return {sum, y};
+}
+
+// y [m, heads * hd] (a q or k projection) -> [heads, m, hd] rotated: y cos + rotate(y) sin with
+// cos, sin [m, hd] bf16, each product and the sum rounded to bf16 (torch's bf16 ops, rope.py's
+// Rope.apply, bit for bit). interleaved: dimension 2i turns with 2i + 1, else j with j + hd/2.
+torch::Tensor rope(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_t heads, bool interleaved) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kBFloat16 && cos.scalar_type() == torch::kBFloat16 &&
+              sin.scalar_type() == torch::kBFloat16, "rope: bf16 y [m, heads * hd], cos and sin [m, hd]");
+  const int64_t m = y.size(0), hd = y.size(1) / heads;
+  TORCH_CHECK(hd * heads == y.size(1) && hd % 2 == 0 && cos.size(0) == m && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+              "rope: shapes do not fit");
+  auto ys = y.contiguous(), cs = cos.contiguous(), ss = sin.contiguous();
+  auto out = torch::empty({heads, m, hd}, y.options());
+  const uint16_t* yp = reinterpret_cast<const uint16_t*>(ys.data_ptr<at::BFloat16>());
+  const uint16_t* cp = reinterpret_cast<const uint16_t*>(cs.data_ptr<at::BFloat16>());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(ss.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t half = hd / 2;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < m; ++r) {
+      const uint16_t* x = yp + r * heads * hd + h * hd;
+      const uint16_t* c = cp + r * hd;
+      const uint16_t* s = sp + r * hd;
+      uint16_t* o = op + (h * m + r) * hd;
+      for (int64_t j = 0; j < hd; ++j) {
+        float rot;
+        if (interleaved) rot = j % 2 ? bf(x[j - 1]) : -bf(x[j + 1]);
+        else rot = j < half ? -bf(x[j + half]) : bf(x[j - half]);
+        o[j] = to_bf(bf(to_bf(bf(x[j]) * bf(c[j]))) + bf(to_bf(rot * bf(s[j]))));
+      }
+    }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mm", &mm, "weight-only GEMM on GGUF-quantized weights with bf16 dot products, the same arithmetic for any row count",
+        py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
+  m.def("pack", &pack, "a GGUF tensor's rows repacked for mm: (packed, fmt)", py::arg("address"), py::arg("n"),
+        py::arg("row_bytes"), py::arg("k"), py::arg("type"), py::arg("int8") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta) w) row by row in bf16", py::arg("x"),
+        py::arg("delta"), py::arg("w"), py::arg("eps"));
+  m.def("rope", &rope, "a q or k projection [m, heads * hd] rotated into [heads, m, hd], bf16", py::arg("y"),
+        py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("interleaved"));
+  m.def("mm8", &mm8, "GEMM on GGUF-quantized weights with int8 activations quantized row by row (VPDPBUSD), the same arithmetic for any row count",
+        py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
+  m.def("supported8", &supported8, "whether this CPU's build has the int8-activation GEMM (AVX512-VNNI)");
+  m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
+}

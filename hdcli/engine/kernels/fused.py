@@ -1,0 +1,140 @@
+"""The M-invariant attention as one compiled function (csrc/attend.cpp), in place of invariant.py's
+torch ops on the CPU, where it compiles and where it is measured faster on the machine at hand.
+
+Why: the invariant attention does little arithmetic, but in torch ops its fixed summation order
+costs a dozen small ops and small batched GEMMs per layer: on an AMD EPYC (bundled model, int4,
+caches of ~250 tokens) a fifth of a one-token forward and 40-53% of a forward with 4 requests
+(docs/serve.md). The compiled function fixes each query row's arithmetic (csrc/attend.cpp's
+header): every score a dot product summed over the head in order, the max over the keys the row
+sees, exp by a polynomial of our own, the values summed in key order. Rows share loops in tiles
+but never a sum, so a row's result cannot depend on the other rows: it is M-invariant by
+construction, for chains, trees and sliding windows alike (tests/test_invariant.py, test_batch.py).
+
+It is another summation order than the torch path, so it is another reference, as a kernel set is:
+plain and speculative decoding use the same one in a process, and which one (`name()`, with a hash
+of the source) is part of every cache key that depends on it (cost curves, the invariant
+calibration).
+
+Parameters and invariants
+  * Compiled once per source, CPU model, torch version and flags by torch.utils.cpp_extension
+    (g++ and ninja; ~30 s, a progress line on stderr), cached under torch's extensions folder,
+    named by a hash of all of these, so a binary built for another CPU is never loaded.
+  * -O3 -march=native -ffp-contract=off, no -ffast-math: vector and scalar code round alike and
+    no sum is reordered, whatever the compiler vectorises. -fopenmp: its parallel loops use
+    torch's threads (the process keeps one OpenMP runtime: torch's, loaded first).
+  * HD_FUSED_ATTENTION: 1 uses it wherever it compiles, 0 never; unset (auto), `decide` times both
+    attentions on the model's head shape (one token, an 8-node tree and a 16-token chain over 256
+    keys, interleaved rounds, least times) and takes the faster. The choice is cached per source,
+    CPU, torch, flags, head shape and thread count (HD_CACHE_DIR/attention), so a machine decides
+    once. Whole forwards with it and without (benchmarks/fused_attention.py, docs/dtype.md): on an
+    AMD EPYC (bundled model, int4, caches of ~250 tokens) 1 token 16.8 ms against 19.1, an 8-node
+    tree 27.8 against 35.7, 4 requests of 4-node trees 49.5 against 84.5.
+  * Decided once per process (the first model loaded in the invariant mode): every model and run
+    of a process has one numerics.
+  * Where it does not compile (no compiler or ninja), the model is not on the CPU or its head is
+    wider than the function takes, the torch path stays (`decide` says why).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from .build import compile_extension, extension_name
+from ..environment import fused_tile
+
+SOURCE = Path(__file__).with_name("csrc") / "attend.cpp"
+
+_module = None        # the compiled extension, once loaded
+_failed: str | None = None
+_on = False           # whether invariant.py's attention uses it now
+
+
+@functools.lru_cache(maxsize=1)
+def _name() -> str:
+    return extension_name(SOURCE, "hd_attend_")
+
+
+def load(quiet: bool = False):
+    """The compiled module, or None where it cannot be built here (why: `failure()`)."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    _module, _failed = compile_extension(SOURCE, _name(), "the fused attention", quiet)
+    if _module is not None:
+        _module.set_tile(fused_tile())
+    return _module
+
+
+def failure() -> str | None:
+    return _failed
+
+
+def use(on: bool) -> None:
+    global _on
+    _on = bool(on) and load(quiet=True) is not None
+
+
+def enabled() -> bool:
+    return _on
+
+
+def name() -> str:
+    """What the invariant attention is now: part of the cache keys that depend on its numerics."""
+    return "fused-" + _name()[-12:] if _on else "torch"
+
+
+KEY_BLOCK = 16       # csrc/attend.cpp's KB: keys a block of the transposed copy
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, vis: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One sequence: q [m, hq, d] fp32 contiguous, k [hkv, >= n, d], v1 [hkv, >= n, d + 1],
+    vis [m, n] bool. Returns [m, hq, d] fp32."""
+    return _module.attend(q, k, v1, vis, float(scaling))
+
+
+def attend_many(q: torch.Tensor, kvs, viss, scaling: float, owners=None) -> torch.Tensor:
+    """Several sequences in one call: q [M, hq, d] fp32 contiguous holds their rows in order,
+    kvs[i] = (k, v1) and viss[i] [m_i, n_i] as in attend(). owners[i], where given, is the
+    kvcache.InvariantLayer the keys live in: its transposed copy of them (`transposed()`) is read
+    and brought up to date in the call, instead of a scratch copy transposed whole."""
+    # a layer that stores bf16 hands the torch ops' attention fp32 copies (padded()): its kept copy
+    # is not the keys' dtype then, so a scratch copy serves
+    kept = [o if o is not None and o.kbuf.dtype == k.dtype else None
+            for o, (k, _) in zip(owners or [None] * len(kvs), kvs)]
+    kts, froms = [], []
+    for owner in kept:
+        kt, valid = owner.transposed() if owner is not None else (None, 0)
+        kts.append(None if kt is None else kt[0])
+        froms.append(valid)
+    out = _module.attend_many(q, [k for k, _ in kvs], kts, froms, [v for _, v in kvs], list(viss), float(scaling))
+    _transposed_now(kept, viss)
+    return out
+
+
+def _transposed_now(owners, viss) -> None:
+    """After a call: each owner's transposed copy holds the keys its sequence read (a layout
+    pads one key to two: that second key is not written yet)."""
+    for owner, vis in zip(owners, viss):
+        if owner is not None:
+            owner.kt_len = min(vis.shape[1], owner.length)
+
+
+def append_attend_many(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, owners, viss,
+                       scaling: float) -> torch.Tensor:
+    """attend_many on kvcache.InvariantLayer owners, after appending each sequence's new keys and
+    values to its layer, in one compiled call: query [1, hq, M, d], key and value [1, hkv, M, d]
+    (any float dtype) hold every sequence's rows in order (sequence i's are viss[i]'s rows).
+    Returns [1, M, hq, d] in the query's dtype. The per-sequence copies and the conversions a
+    layer would make in Python otherwise were a quarter of a 4-request forward's time."""
+    starts = [owner.claim(vis.shape[0], key, vis.shape[1]) for owner, vis in zip(owners, viss)]
+    out = _module.append_attend_many(query, key, value, starts, [o.kbuf for o in owners], [o.ktbuf for o in owners],
+                                     [o.kt_len for o in owners], [o.vbuf for o in owners], viss, float(scaling))
+    _transposed_now(owners, viss)
+    return out
+
+
+MAX_HEAD = 271       # csrc/attend.cpp: 16 vectors of 16 and a scalar tail
+
+

@@ -1,0 +1,387 @@
+"""A GGUF file as hd reads it: its metadata as a model configuration, its tensors in their own bits.
+
+Why: the file is the model users have. Nothing here builds the model in a wider dtype: the
+header is parsed here and the file mapped (one read-only numpy memmap), each tensor's bytes are handed to
+the kernel that multiplies by them (engine/kernels/quants.py: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) or,
+for a type without one, dequantized one tensor at a time. The embedding stays in the file:
+only the rows a forward looks up are dequantized.
+
+Names. Tensors are read by their GGUF names (`blk.{i}.attn_q.weight`, `token_embd.weight`, ...),
+the ones llama.cpp writes for every architecture hd owns a forward for (hdcli/engine/model/).
+Shapes: gguf-py gives a 2-D tensor's shape as [K, N] (ggml order) and its data as [N, bytes per
+row]: rows are output features.
+
+The tokenizer is transformers' (built from the file's vocabulary once, ~2-5 s, then kept as
+tokenizer.json under the cache folder: no weights are ever written there).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import HdError
+from . import checks
+from ..kernels import quants
+from . import family_of
+
+
+@dataclass
+class ModelConfig:
+    """What a forward needs of a model, read from the file's metadata (names as in transformers'
+    configs, so that the rest of hd reads it alike)."""
+    architecture: str                 # GGUF general.architecture: llama, qwen2, qwen3, gemma3, ...
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = None  # transformers' rope_parameters of a scaled rope, or None
+    rope_interleaved: bool = True     # rotary pairs (2i, 2i+1) as llama.cpp's "normal" rope; else halves (NeoX)
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    pad_token_id: int | None = None
+    name: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def get_text_config(self):
+        return self
+
+
+# Architectures whose attention uses interleaved rotary pairs in the GGUF layout (llama.cpp's
+# LLM_ARCH_* with rope type NORM); the others (qwen2, qwen3, gemma3) rotate halves.
+INTERLEAVED_ROPE = {"llama", "mistral", "granite"}
+
+
+# GGUF metadata value types (the format's enum) -> struct format of one item; 8 string, 9 array
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_ARRAY_KEPT = 4096   # numeric arrays up to this many items are read (per-layer head counts); longer ones
+                     # (the tokenizer's) and every string array are skipped: transformers reads those
+
+
+def readable_types() -> set[str]:
+    """The tensor types hd's forward reads as weights: its own kernels', the float ones, and every
+    type gguf-py dequantizes."""
+    import gguf
+    return set(quants.TYPES) | {"F32", "F16", "BF16"} | {t.name for t in gguf.quants._type_traits}
+
+
+class Tensor:
+    """One tensor of the file: name, ggml type, shape in ggml order [K, N], its bytes (a view of
+    the map, [N rows, bytes a row] for 2-D tensors)."""
+
+    def __init__(self, name: str, type_id: int, shape: list[int], data: np.ndarray):
+        import gguf
+        self.name, self.shape, self.data = name, shape, data
+        self.tensor_type = gguf.GGMLQuantizationType(type_id)
+
+
+class GGUFFile:
+    """An open GGUF file: its metadata, tensors by name, the configuration.
+
+    The header is parsed here (gguf-py's GGUFReader builds a numpy view of every item of every
+    array: ~25 s for a Llama 3 vocabulary of 128k tokens on a 2-core EPYC, most of an 8B model's
+    later start); the tensors are views of one read-only map of the file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._parse()
+        except HdError:
+            raise
+        except (OSError, ValueError, KeyError, IndexError, struct.error, UnicodeDecodeError) as exc:
+            raise HdError(f"could not read GGUF {self.path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                          " (the file is truncated or not a GGUF); download it again") from None
+        self.arch = str(self.field("general.architecture", "llama"))
+        self._config = None
+        self._check()
+
+    def _parse(self) -> None:
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise HdError(f"{self.path} is not a GGUF file (bad magic bytes); pass a .gguf model file")
+            version, n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+            if version < 2:
+                raise HdError(f"{self.path}: GGUF version {version} is too old; convert it again with llama.cpp")
+
+            def read(fmt):
+                return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+            def fits(count: int, item_bytes: int, what: str) -> int:
+                """count items of at least item_bytes each must fit in the rest of the file: checked
+                before anything is read or allocated for them (a count of 2**63 is one header word)."""
+                if count * item_bytes > size - f.tell():
+                    raise HdError(f"{self.path}: the header says {count} {what}, more than the file's {size} bytes "
+                                  "can hold; the file is damaged or not a GGUF")
+                return count
+
+            def string() -> str:
+                return f.read(fits(read("<Q"), 1, "bytes in a string")).decode("utf-8")
+
+            def value(key: str, kind: int):
+                if kind in _SCALAR:
+                    return read(_SCALAR[kind])
+                if kind == 8:
+                    return string()
+                if kind != 9:
+                    raise ValueError(f"unknown metadata type {kind} of {key}")
+                item, count = read("<I"), read("<Q")
+                if item not in _SCALAR and item != 8:
+                    raise ValueError(f"unknown array item type {item} of {key}")
+                size_of = 8 if item == 8 else struct.calcsize(_SCALAR[item])
+                self.array_lengths[key] = fits(count, size_of, f"items in {key}")
+                if item == 8:
+                    for _ in range(count):
+                        f.seek(fits(read("<Q"), 1, f"bytes in a string of {key}"), 1)
+                    return None
+                if count > _ARRAY_KEPT:
+                    f.seek(size_of * count, 1)
+                    return None
+                return list(struct.unpack(f"<{count}{_SCALAR[item][1]}", f.read(size_of * count)))
+            self.fields, self.array_lengths = {}, {}
+            for _ in range(fits(n_kv, 12, "metadata fields")):       # key length, a key, a type
+                key = string()
+                self.fields[key] = value(key, read("<I"))
+            infos = []
+            for _ in range(fits(n_tensors, 24, "tensors")):          # name length, name, dims, type, offset
+                name = string()
+                dims = [read("<Q") for _ in range(fits(read("<I"), 8, f"dimensions of tensor {name}"))]
+                infos.append((name, dims, read("<I"), read("<Q")))
+            align = self.fields.get("general.alignment") or 32
+            if not isinstance(align, int) or align <= 0 or align & (align - 1):
+                raise HdError(f"{self.path}: general.alignment is {align!r}; expected a power of two (32 by default)")
+            start = -(-f.tell() // align) * align
+        spans = self._spans(infos, start, align)
+        need = max((a + nbytes for _, a, nbytes in spans), default=start)
+        if need > size:   # checked before any tensor is read: an interrupted download or copy
+            raise HdError(f"{self.path} is truncated ({size} bytes, its tensors need {need}): download it again")
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.tensors = {}
+        for (name, dims, type_id, _), (rows, a, nbytes) in zip(infos, spans):
+            data = self._map[a:a + nbytes]
+            self.tensors[name] = Tensor(name, type_id, dims, data.reshape(rows, nbytes // rows) if len(dims) > 1 else data)
+
+    def _spans(self, infos, start: int, align: int) -> list[tuple[int, int, int]]:
+        """(rows, first byte, bytes) of each tensor, after checking what gguf-py and the kernels take
+        for granted: a known type, 1 to 4 dimensions none of them 0, a row length its type's block
+        divides, an aligned offset, one name per tensor, no two tensors sharing bytes."""
+        import gguf
+        spans, names = [], set()
+        for name, dims, type_id, offset in infos:
+            where = f"{self.path}: tensor {name}"
+            if name in names:
+                raise HdError(f"{where} appears twice; the file is damaged")
+            names.add(name)
+            try:
+                qtype = gguf.GGMLQuantizationType(type_id)
+            except ValueError:
+                raise HdError(f"{where} has type id {type_id}, which hd's GGUF reader (gguf-py) does not know; "
+                              "the file is damaged or newer than hd") from None
+            if not 1 <= len(dims) <= 4 or 0 in dims:
+                raise HdError(f"{where} has shape {dims}; expected 1 to 4 dimensions, none of them 0")
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            if dims[0] % block:
+                raise HdError(f"{where}: its row length {dims[0]} is not a multiple of {qtype.name}'s block of "
+                              f"{block} values; the file is damaged")
+            if offset % align:
+                raise HdError(f"{where}: its data offset {offset} is not a multiple of the alignment {align}")
+            rows = math.prod(dims[1:])
+            spans.append((rows, start + offset, rows * (dims[0] // block) * block_bytes))
+        order = sorted(range(len(spans)), key=lambda i: spans[i][1])
+        for i, j in zip(order, order[1:]):
+            if spans[i][1] + spans[i][2] > spans[j][1]:
+                raise HdError(f"{self.path}: tensors {infos[i][0]} and {infos[j][0]} overlap (their data share "
+                              "bytes); the file is damaged")
+        return spans
+
+    def release(self) -> None:
+        """Let the kernel drop the file's pages this process has read (they stay in the page
+        cache): a load reads every tensor once to repack it, and the mapped pages would count in
+        the process's resident memory beside the repacked copy, doubling it."""
+        import mmap
+        mm = getattr(self._map, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
+    def field(self, key: str, default=None):
+        value = self.fields.get(key)
+        return default if value is None else value
+
+    def arch_field(self, key: str, default=None):
+        return self.field(f"{self.arch}.{key}", default)
+
+    def tensor(self, name: str):
+        t = self.tensors.get(name)
+        if t is None:
+            raise HdError(f"{self.path}: tensor {name} is missing; the file is incomplete or of another architecture")
+        return t
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def type_counts(self) -> dict:
+        out: dict = {}
+        for t in self.tensors.values():
+            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+        return out
+
+    def config(self) -> ModelConfig:
+        if self._config is None:
+            self._config = self._read_config()
+        return self._config
+
+    def _int(self, key: str, default=None) -> int | None:
+        """A count or length of the architecture's metadata (`{arch}.{key}`), checked; one value
+        where the file gives one per layer (hd's forwards have no per-layer head counts)."""
+        value = self.arch_field(key, default)
+        if isinstance(value, list):
+            if not value or len(set(value)) != 1:
+                raise HdError(f"{self.path}: {self.arch}.{key} differs between layers ({value[:8]}); "
+                              "hd's forward needs one value for every layer")
+            value = value[0]
+        return None if value is None else checks.positive_int(value, str(self.path), f"{self.arch}.{key}")
+
+    def _float(self, key: str, default: float) -> float:
+        return checks.positive_float(self.arch_field(key, default), str(self.path), f"{self.arch}.{key}")
+
+    def _read_config(self) -> ModelConfig:
+        need = ("block_count", "embedding_length", "attention.head_count")
+        missing = [k for k in need if self.arch_field(k) is None]
+        if missing:
+            raise HdError(f"{self.path}: metadata {', '.join(f'{self.arch}.{k}' for k in missing)} missing; "
+                          "not a model file hd can run")
+        hidden, heads = self._int("embedding_length"), self._int("attention.head_count")
+        kv = self._int("attention.head_count_kv", heads)
+        key_length = self._int("attention.key_length") or self._int("rope.dimension_count")
+        if key_length is None and hidden % heads:
+            raise HdError(f"{self.path}: {self.arch}.embedding_length {hidden} is not a multiple of "
+                          f"{self.arch}.attention.head_count {heads} and no {self.arch}.attention.key_length "
+                          "gives the head size")
+        head_dim = key_length or hidden // heads
+        value_length = self._int("attention.value_length")
+        if value_length is not None and value_length != head_dim:
+            raise HdError(f"{self.path}: {self.arch}.attention.value_length {value_length} differs from the key "
+                          f"length {head_dim}; hd's forward needs them equal")
+        emb = self.tensor("token_embd.weight")
+        vocab = self._int("vocab_size") or int(emb.shape[-1])
+        scaling = None
+        kind = self.arch_field("rope.scaling.type")
+        if self.arch == "llama" and self.has("rope_freqs.weight"):
+            # llama 3.1+: llama.cpp stores the scaled frequencies' factors; transformers' config
+            # names the same parameters (the published ones of the llama3 rope)
+            scaling = {"rope_type": "llama3", "factor": self._float("rope.scaling.factor", 8.0),
+                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": self._int("rope.scaling.original_context_length", 8192)}
+        elif kind in ("linear", "yarn"):
+            scaling = {"rope_type": kind, "factor": self._float("rope.scaling.factor", 1.0)}
+            if kind == "yarn":
+                scaling["original_max_position_embeddings"] = self._int("rope.scaling.original_context_length", 4096)
+        return ModelConfig(
+            architecture=self.arch, vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=self._int("feed_forward_length", 4 * hidden),
+            num_hidden_layers=self._int("block_count"), num_attention_heads=heads, num_key_value_heads=kv,
+            head_dim=head_dim, rms_norm_eps=self._float("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=self._float("rope.freq_base", 10000.0),
+            max_position_embeddings=self._int("context_length", 4096), rope_scaling=scaling,
+            rope_interleaved=self.arch in INTERLEAVED_ROPE,
+            tie_word_embeddings=not self.has("output.weight"),
+            sliding_window=self._int("attention.sliding_window"),
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
+            name=str(self.field("general.name", self.path.stem)))
+
+    def _check(self) -> None:
+        """What any forward (hd's or transformers') takes for granted: every tokenizer id has an
+        embedding row; and for an architecture hd owns a forward for, the configuration's numbers
+        and every tensor's shape and type (checks.py)."""
+        emb = self.tensors.get("token_embd.weight")
+        if emb is not None:
+            checks.check_token_ids(str(self.path), int(emb.shape[-1]), self.array_lengths.get("tokenizer.ggml.tokens"),
+                                   {f"tokenizer.ggml.{k}_token_id": self.fields.get(f"tokenizer.ggml.{k}_token_id")
+                                    for k in ("bos", "eos")})
+        family = family_of(self.arch)
+        if family is None:
+            return
+        cfg = self.config()
+        names = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+                 "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
+                 "num_key_value_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+                 "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+                 "max_position_embeddings": "context_length", "sliding_window": "attention.sliding_window",
+                 "rope_scaling": "rope.scaling.factor"}
+        checks.check_config(cfg, str(self.path), lambda attr: f"{self.arch}.{names.get(attr, attr)}")
+        checks.check_tensors(self, cfg, family, str(self.path), readable=readable_types())
+        if cfg.vocab_size != int(emb.shape[-1]):
+            raise HdError(f"{self.path}: {self.arch}.vocab_size is {cfg.vocab_size} but token_embd.weight has "
+                          f"{emb.shape[-1]} rows; the file is damaged")
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """A tensor's shape in torch order ([N, K] or [N]), None where the file has none."""
+        t = self.tensors.get(name)
+        return None if t is None else tuple(int(x) for x in reversed(t.shape))
+
+    def qtype(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def raw(self, name: str) -> tuple[str, np.ndarray, tuple[int, ...]]:
+        """(type name, bytes or values as the file holds them, shape in torch order [N, K] or [N])."""
+        t = self.tensor(name)
+        shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
+        return t.tensor_type.name, t.data, shape
+
+    def key(self) -> str:
+        """What identifies this file's content for caches: path, size, modification time."""
+        st = self.path.stat()
+        return hashlib.sha256(f"{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def tokenizer(gf: GGUFFile, cache_dir: Path):
+    """transformers' tokenizer of the file, built once and kept as tokenizer files (no weights)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    folder = cache_dir / "tokenizers" / f"{gf.path.stem}-{gf.key()}"
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except Exception:  # noqa: BLE001 - a damaged copy (transformers raises many kinds): built again below
+            import shutil
+            import sys
+            print(f"warning: {folder}: the cached tokenizer is malformed; rebuilding it", file=sys.stderr, flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
+    except Exception as exc:  # transformers raises many kinds for a file it cannot read
+        raise HdError(f"could not read the tokenizer of GGUF {gf.path}: {str(exc).splitlines()[0]}") from None
+    import shutil
+    import tempfile
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+        tok.save_pretrained(str(tmp))
+        if folder.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.replace(folder)
+    except OSError:
+        pass   # a cache that cannot be written: the tokenizer is built again next time
+    return tok

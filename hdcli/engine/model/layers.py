@@ -1,0 +1,104 @@
+"""The layers an owned forward is made of: Linear (whichever kernel holds a weight, padded to its
+least row count in the M-invariant mode), the embedding (rows dequantized as they are looked up)
+and RMSNorm (transformers' LlamaRMSNorm, op for op)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from ..kernels import quants
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward: in fp32, then the input dtype times the weight."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def dequantize(qtype: str, raw, n: int, k: int, dtype: torch.dtype, rows=None) -> torch.Tensor:
+    """A tensor of the file (or some of its rows) in `dtype`: the values gguf-py's dequantize
+    gives, rounded to bf16 or kept in fp32 (quants.py, chunk by chunk)."""
+    if qtype not in quants.TYPES + ("F32", "F16", "BF16"):   # e.g. Q5_0: gguf-py's dequantization
+        import gguf
+        values = gguf.quants.dequantize(raw if rows is None else raw[rows], gguf.GGMLQuantizationType[qtype])
+        return torch.from_numpy(values.reshape(-1, k)).to(dtype)
+    if dtype == torch.bfloat16:
+        return quants.dequantize(qtype, raw, n, k, rows=rows)
+    values = quants.dequantize_f32(qtype, raw, n, k, rows=rows)
+    if not values.flags.writeable:   # F32 data straight from the file's map: torch wants its own
+        values = values.copy()
+    return torch.from_numpy(values).to(dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) by one kernel: a quants.QLinear (the file's blocks), a kernels.PackedLinear
+    (oneDNN, dense) or an nn.Linear (torch, dense).
+
+    min_rows: the least row count the kernel's rows stop depending on the row count from
+    (measured per shape and kernel, invariant.min_rows_for); a call with fewer rows is padded
+    with zero rows, whose outputs are dropped. 1 for kernels whose per-row arithmetic is fixed."""
+
+    def __init__(self, kernel: nn.Module, kind: str, qtype: str):
+        super().__init__()
+        self.kernel = kernel
+        self.kind = kind                  # "gguf" | "onednn" | "torch"
+        self.qtype = qtype                # the file's tensor type (Q4_K, F32, ...)
+        self.in_features, self.out_features = kernel.in_features, kernel.out_features
+        self.min_rows = 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(self.kernel, "dtype", None) or self.kernel.weight.dtype
+
+    @classmethod
+    def joined(cls, layers: list["Linear"]) -> "Linear | None":
+        """One layer computing the layers' outputs side by side (q, k, v; gate, up), where all are
+        GGUF kernels of one format (quants.QLinear.joined: outputs torch.equal to the parts'),
+        else None (the parts stay)."""
+        if any(l.kind != "gguf" or l.qtype != layers[0].qtype for l in layers):
+            return None
+        kernel = type(layers[0].kernel).joined([l.kernel for l in layers])
+        return None if kernel is None else cls(kernel, "gguf", layers[0].qtype)
+
+    @property
+    def kernel_name(self) -> str:
+        """gguf (bf16 activations), gguf-int8, onednn or torch."""
+        if self.kind == "gguf" and getattr(self.kernel, "activations", "bf16") == "int8":
+            return "gguf-int8"
+        return self.kind
+
+    def shape_key(self) -> str:
+        """What a calibration is per: shape, dtype and kernel."""
+        kernel = f"{self.kernel_name}-{self.qtype}" if self.kind == "gguf" else self.kind
+        return f"{self.in_features}x{self.out_features} {str(self.dtype).replace('torch.', '')} {kernel}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m < self.min_rows:
+            x = torch.cat([x, x.new_zeros(self.min_rows - m, x.shape[1])])
+            return self.kernel(x)[:m]
+        return self.kernel(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.kernel_name} ({self.qtype}), min_rows={self.min_rows}"
+
+
+class Embedding(nn.Module):
+    """The token embedding, left in the file: a lookup dequantizes the rows it needs (exactly as
+    quants.dequantize does the whole tensor), so an 8B model's 0.5-1 GB table costs no memory."""
+
+    def __init__(self, gf, name: str, num):
+        super().__init__()
+        self.qtype, self.raw, shape = gf.raw(name)
+        self.rows, self.dim = shape
+        self.num = num
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [m] -> [m, dim] in the model dtype, on the model device."""
+        idx = ids.detach().to("cpu", torch.long).numpy()
+        if (idx < 0).any() or (idx >= self.rows).any():
+            raise IndexError(f"token id out of range 0..{self.rows - 1}")
+        return dequantize(self.qtype, self.raw, self.rows, self.dim, self.num.torch_dtype, rows=idx).to(self.num.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.rows} x {self.dim}, {self.qtype}, read from the file"
