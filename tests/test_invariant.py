@@ -199,7 +199,7 @@ def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_m
             calibrate.enable(model)
     assert not invariant.is_enabled(model) and not model.numerics.min_rows
     assert all(lin.min_rows == 1 for lin in model.linears())
-    monkeypatch.setattr(invariant, "try_enable", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
+    monkeypatch.setattr(calibrate, "try_enable", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
     with pytest.raises(HdError, match="--invariant on"):
         models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="torch", invariant="on", quiet=True)
 
@@ -395,9 +395,9 @@ def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypat
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     model = build("llama", torch.float32, "torch")
     timed, answer, real = [], {}, invariant.time_both
-    monkeypatch.setattr(fused, "time_both", lambda hq, hkv, d: timed.append((hq, hkv, d)) or dict(answer))
+    monkeypatch.setattr(invariant, "time_both", lambda hq, hkv, d: timed.append((hq, hkv, d)) or dict(answer))
     monkeypatch.delenv("HD_FUSED_ATTENTION", raising=False)
-    monkeypatch.setattr(fused, "_decision", None)
+    monkeypatch.setattr(invariant, "_decision", None)
     was = fused.enabled()
     try:
         monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "a"))
