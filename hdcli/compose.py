@@ -20,6 +20,15 @@ from .drafting import Hierarchy, LayerInputs, RecycledTable, build_layers, defau
 from .engine.decode import costs
 from .engine import loader as models
 from .errors import HdError
+from .db.stores import Store
+from .config import DEFAULT_LEVEL_TOKENS
+from .config import level_problems
+from .engine.decode.verify import Sampling
+from .hsd import draft_models as draftmodels
+from .hsd.stack import ModelStack
+from .engine.kernels import fused
+from .drafting import ContextDB
+from .engine.decode.loop import Decoder
 
 
 def cheap_verification(lm: models.LoadedModel) -> bool:
@@ -61,7 +70,6 @@ class DBs:
 def open_dbs(cfg: DecodingConfig, lm: models.LoadedModel | None = None) -> DBs:
     """Open the configuration's DBs (the model DB writable with `learn`), refusing those built for
     another tokenizer when lm is given. Opening before the model loads makes a bad path fail fast."""
-    from .db.stores import Store
     dbs = DBs([Store(p) for p in cfg.stats_dbs],
               Store(cfg.model_db, writable=cfg.learn) if cfg.model_db else None)
     if lm is not None:
@@ -106,10 +114,6 @@ def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens
     the smallest model drafts alone). level_tokens: T_i per model level, the tokens a level holds
     before it returns its batch (default DEFAULT_LEVEL_TOKENS each). loaded: name -> DraftModel
     cache, so repeated stacks share their draft models."""
-    from .config import DEFAULT_LEVEL_TOKENS, level_problems
-    from .engine.decode.verify import Sampling
-    from .hsd import draft_models as draftmodels
-    from .hsd.stack import ModelStack
     bad = level_problems(draft_models, level_tokens)
     if bad:
         raise HdError(bad[0])
@@ -160,7 +164,6 @@ def resolved(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs) -> DecodingC
 def _attention(cfg: DecodingConfig, lm: models.LoadedModel) -> str:
     """Which invariant attention the run used (it changes the numbers: a repeated run must use the
     same), or the configuration's where the mode is off."""
-    from .engine.kernels import fused
     if not lm.invariant:
         return cfg.attention
     return "fused" if fused.enabled() else "torch"
@@ -169,8 +172,6 @@ def _attention(cfg: DecodingConfig, lm: models.LoadedModel) -> str:
 def warm_up(lm: models.LoadedModel) -> None:
     """Short runs so the first timed generation pays for no allocations or kernel set-up: plain
     steps, chain verification and a branching tree (its mask path), and the cost curve."""
-    from .drafting import ContextDB
-    from .engine.decode.loop import Decoder
     eos = next(iter(lm.eos_ids), 0)
     Decoder(lm.model, ()).generate([eos, eos], max_new_tokens=4)
     a, b, c, d = (min(t, lm.model.config.vocab_size - 1) for t in (100, 200, 300, 400))

@@ -42,6 +42,17 @@ from typing import Callable
 
 from ..errors import HdError
 from . import runner
+from ..engine.text import tools
+from ..engine.text import constrain
+from ..engine.decode.prediction import prediction_ids
+from ..engine.text.prompts import encode_messages
+from ..drafting import suffix
+from ..engine import loader as models
+from . import llamacpp
+from ..compose import warm_up
+from ..engine.text.prompts import encode_prompt
+from .report import layer_table
+from .llamacpp import LlamaCppModel
 
 WORKLOADS = ("tools", "json", "edits")
 METHODS = ("ar", "hd", "suffix", "llama-cpp")
@@ -144,12 +155,10 @@ def load_bfcl(folder: Path, subset: str) -> list[dict]:
 
 def bfcl_schema(parameters: dict) -> dict:
     """A BFCL function's parameters as JSON Schema (engine/text/tools.py's mapping)."""
-    from ..engine.text import tools
     return tools.openai_tool_from_bfcl({"name": "f", "parameters": parameters})["function"]["parameters"]
 
 
 def tools_items(folder: Path) -> list[Item]:
-    from ..engine.text import tools
     out = []
     for subset in BFCL_SUBSETS:
         for q in load_bfcl(folder, subset):
@@ -400,7 +409,6 @@ def check(item: Item, text: str, lm=None) -> dict:
             return {"valid": False, "text": False}
     if item.workload == "edits":
         return {"valid": parse_python(code_of(text)) is not None, "text": False}
-    from ..engine.text import tools
     family = tools.family(lm.tokenizer) if lm is not None else "hd"
     calls = tools.parse_calls(text, family, item.tools)
     if not calls:
@@ -437,9 +445,6 @@ def call_schema(item: Item) -> dict:
 
 
 def prepare(lm, item: Item, llama: bool = False) -> Prepared:
-    from ..engine.text import constrain, tools
-    from ..engine.decode.prediction import prediction_ids
-    from ..engine.text.prompts import encode_messages
     grammar = gbnf = None
     if item.workload == "tools":
         family = tools.family(lm.tokenizer)
@@ -494,9 +499,6 @@ def check_methods(names) -> None:
 
 
 def default_methods(lm) -> list[str]:
-    from ..drafting import suffix
-    from ..engine import loader as models
-    from . import llamacpp
     gguf = False
     if llamacpp.available():
         try:
@@ -510,7 +512,6 @@ class LlamaCppGrammar:
     """llama.cpp on the same GGUF, with the item's grammar as llama.cpp's own GBNF."""
 
     def __init__(self, lm):
-        from .llamacpp import LlamaCppModel
         self.lm, self.llama = lm, LlamaCppModel(lm)
 
     def answer(self, prompt_ids, max_new_tokens, sampling, seed, gbnf: str | None = None):
@@ -543,13 +544,10 @@ def run(lm, items: list[Item], runners: dict, sampling, seed: int | None = 0,
         max_new_tokens: int | None = None, progress: Callable | None = None) -> tuple[dict, dict]:
     """(results[method] = [(item record, [Turn])], checks[method] = [check()]), methods interleaved
     per item (A B C, A B C, ...), each method's first call untimed."""
-    from ..compose import warm_up
     warm_up(lm)
     preps = [prepare(lm, it, llama="llama-cpp" in runners) for it in items]
     # each method's first call (kernels, caches, the grammar path) is not timed; on a prompt of
     # its own, so that no method has seen an item before it is timed on it
-    from ..engine.text import constrain
-    from ..engine.text.prompts import encode_prompt
     warm = Item("warm-up", "json/warm-up", [], max_new_tokens=8)
     warm_prep = Prepared(encode_prompt(lm.tokenizer, "Say hello in JSON."),
                          constrain.compile(lm, "json_object"), 'root ::= "{" [^}]* "}"')
@@ -617,7 +615,6 @@ def table(report: dict):
     each layer adds (report.layer_table)."""
     from rich import box
     from rich.table import Table
-    from .report import layer_table
     methods = report["methods"]
     lcpp = any("speedup_over_llama_cpp" in f for m in methods.values() for f in m["workloads"].values())
     t = Table(title=f"hd bench agents · {report['model']} · {report['dtype']} · {report['device']} · "

@@ -8,12 +8,12 @@ from typing import Sequence
 from ..engine import loader as models
 from ..engine.decode.loop import first_difference  # noqa: F401 (re-exported: api, runner)
 from ..engine.decode.verify import Sampling
+from ..engine.model import is_owned
 
 
 def stock_model(lm: models.LoadedModel) -> models.LoadedModel:
     """The same model with torch's own kernels and its stock forward, as transformers ships it: lm
     itself where it already is, else transformers' model of the same file or folder."""
-    from ..engine.model import is_owned
     if not is_owned(lm.model) and lm.kernels == "torch":
         return lm
     return models.load_reference(lm.name, lm.dtype, lm.device)

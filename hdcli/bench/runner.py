@@ -38,6 +38,10 @@ from ..engine.decode.verify import Sampling
 from ..errors import HdError
 from . import specbench
 from .baselines import first_difference, hf_generate, stock_model
+from ..drafting import suffix
+from ..engine import loader as models
+from . import llamacpp
+from .llamacpp import LlamaCppModel
 
 def _db_methods() -> dict[str, dict]:
     """hd's methods as changes to the run's DecodingConfig: plain decoding, each registered layer
@@ -80,9 +84,6 @@ METHOD_HELP = {
 def default_methods(cfg: DecodingConfig) -> list[str]:
     """ar and hf-ar, each layer alone whose DB is given, hd, hf-pld, suffix where installed, and
     llama-cpp where installed and the model is a GGUF file."""
-    from ..drafting import suffix
-    from ..engine import loader as models
-    from . import llamacpp
     single = [n for n, spec in registry.LAYERS.items() if spec.bench_default and not spec.missing(cfg)]
     gguf = False
     if llamacpp.available():
@@ -152,7 +153,6 @@ class LlamaCpp(Runner):
     """llama.cpp on the same GGUF (hdcli/bench/llamacpp.py): the CPU yardstick."""
 
     def __init__(self, name: str, lm):
-        from .llamacpp import LlamaCppModel
         super().__init__(name, lm)
         self.llama = LlamaCppModel(lm)
 
@@ -193,7 +193,6 @@ def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
         if name in ("hf-ar", "hf-pld"):
             runners[name] = HfGenerate(name, stock, prompt_lookup=10 if name == "hf-pld" else None)
         elif name == "suffix":
-            from ..drafting import suffix
             cache = suffix.new_cache()  # one per run: its global tree learns across the questions
             runners[name] = Runner(name, lm, lambda cache=cache: suffix.SuffixDrafter(cache), capped=False)
         elif name == "llama-cpp":

@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import HdError
+from . import corpus as corpus_mod
+from . import statsdb
+from ..engine import loader as models
+from . import stores
 
 RETRIES = 2  # a task whose worker died is run again this many times (dask reschedules it)
 
@@ -47,8 +51,6 @@ def _map_task(corpus: Sequence[str], model: str, shard: tuple[int, int], partiti
     """Run on a worker: shard i/N counted and split into partitions. A user's error comes back as
     a value, not an exception: running it again would fail the same way, and the worker would log
     a traceback for it."""
-    from . import corpus as corpus_mod, statsdb
-    from ..engine import loader as models
     try:
         texts, report = corpus_mod.read_corpus(list(corpus), shard=shard, **read_opts)
         tok = models.load_tokenizer(model)
@@ -72,7 +74,6 @@ def _piece(result: dict, q: int):
 
 
 def _reduce_task(q: int, pieces: list, count_opts: dict, prune: dict) -> dict:
-    from . import statsdb
     records = statsdb.select_partition(pieces, draft_len=count_opts["draft_len"], **prune)
     # one pickled blob: dask serialises a list element by element, which made moving 650k
     # records to the client take minutes instead of a second
@@ -112,8 +113,6 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
     """The statistics DB of `corpus` at `out`, counted by the tasks of a Dask cluster. Returns
     (header, read report) like api.build_stats; the header adds `cluster` (tasks, partitions,
     workers, seconds and peak memory per phase)."""
-    from . import corpus as corpus_mod, stores, statsdb
-    from ..engine import loader as models
     stores.check_output_path(Path(out), overwrite)
     statsdb.check_params(min_n, max_n, draft_len, top_k, min_count)
     tok = models.load_tokenizer(model)  # here too: the header's fingerprint, and a bad name fails fast

@@ -37,6 +37,8 @@ from typing import Sequence
 
 from .registry import LayerSpec, register
 from ..errors import HdError
+from .db_layers import StatsDB
+from .suffix import tree_paths
 
 NEEDS_MODEL_DB = ("model_db", "a model DB: pass --model-db PATH")
 
@@ -84,7 +86,6 @@ class AnswerIndex:
         self.close(rid)
 
     def propose(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]:
-        from .suffix import tree_paths
         if max_len <= 0 or not history:
             return []
         d = self.cache.speculate(self._query, [int(t) for t in history[-self.depth:]],
@@ -159,7 +160,6 @@ def uses_answers(store) -> bool:
 
 
 def _model_layers(s) -> list:
-    from .db_layers import StatsDB
     if s.model_db is None:
         raise HdError(f"layer 'model' needs {NEEDS_MODEL_DB[1]}")
     if uses_answers(s.model_db):

@@ -35,6 +35,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import HdError
+from ..engine.decode import costs
+from ..engine.decode.loop import Decoder
+from ..engine.decode.verify import Sampling
+from ..engine.decode.verify import target_probs
 
 Cost = Callable[[int], float]  # seconds of one forward over w tokens
 
@@ -230,9 +234,6 @@ def measure(lm, drafts, db_factory, prompts: Sequence[list[int]], tokens: int = 
     chance the level keeps its proposed token (greedy: it is the argmax; sampling: p(token))."""
     import torch
 
-    from ..engine.decode import costs
-    from ..engine.decode.loop import Decoder
-    from ..engine.decode.verify import Sampling
     s = sampling or Sampling()
     names = [d.name for d in drafts]
     model_of = {d.name: d.model for d in drafts}
@@ -268,7 +269,6 @@ def _predictions(model, prompts, refs, s) -> list:
     distributions [len(ref), V] (sampling), from one forward over prompt + reference."""
     import torch
 
-    from ..engine.decode.verify import target_probs
     rows = []
     dev = next(model.parameters()).device
     with torch.inference_mode():
@@ -339,7 +339,6 @@ def rows_to_measure(rows: list[dict], top: int) -> list[dict]:
 
 def measured_speed(lm, drafter, prompts: Sequence[list[int]], max_new_tokens: int) -> float:
     """Tokens per second of the target with this drafter over the prompts (greedy)."""
-    from ..engine.decode.loop import Decoder
     toks = secs = 0.0
     for p in prompts:
         g = Decoder(lm.model, lm.eos_ids, drafter).generate(p, max_new_tokens)

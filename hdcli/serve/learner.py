@@ -22,13 +22,15 @@ from __future__ import annotations
 import queue
 import threading
 from typing import Callable
+from ..db.stores import Store
+from .. import api
+from ..db.stores import Replaced
 
 
 class Learner:
     def __init__(self, path, max_pending: int = 256, on_error: Callable[[str], None] = lambda m: None,
                  on_learned: Callable[[int], None] = lambda keys: None,
                  on_dropped: Callable[[], None] = lambda: None):
-        from ..db.stores import Store
         self.store = Store(path, writable=True)
         self.max_pending = max_pending
         self.on_error, self.on_learned, self.on_dropped = on_error, on_learned, on_dropped
@@ -59,8 +61,6 @@ class Learner:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        from .. import api
-        from ..db.stores import Replaced
         while True:
             item = self._q.get()
             if item is None:

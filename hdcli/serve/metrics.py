@@ -27,6 +27,9 @@ import hmac
 import threading
 import time
 from collections import deque
+from ..errors import HdError
+from . import tenants
+from .protocol import ApiError
 
 
 class Metrics:
@@ -106,8 +109,6 @@ class Readers:
     --metrics-key; protect: --protect-metrics."""
 
     def __init__(self, keys, admin_key: str | None = None, protect: bool = False):
-        from ..errors import HdError
-        from . import tenants
         tenants_n = len(keys) if keys is not None else 0
         self.admin = tenants.check_key(admin_key, "--metrics-key").encode() if admin_key is not None else None
         if self.admin is not None and keys is not None and any(hmac.compare_digest(self.admin, key)
@@ -122,7 +123,6 @@ class Readers:
 
     def check(self, authorization: str) -> None:
         """Nothing where a request with this Authorization header may read /metrics, else ApiError."""
-        from .protocol import ApiError
         scheme, _, token = authorization.partition(" ")
         token = token.strip().encode("utf-8", "replace") if scheme.lower() == "bearer" else b""
         if self.admin is not None:

@@ -41,6 +41,10 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import HdError
+from ..drafting import RecycledTable
+from ..drafting.answer_index import AnswerIndex
+from ..drafting.answer_index import ScopedAnswers
+from ..drafting.answer_index import index_for
 
 SCOPES = ("shared", "key", "user")
 PRINTABLE = set(string.printable) - set(string.whitespace)
@@ -151,14 +155,11 @@ class Tenants:
     drafts from a model DB's answers, its ScopedAnswers."""
 
     def __init__(self, model_db=None, uses_answers: bool = False, max_scopes: int = 256):
-        from ..drafting import RecycledTable
         self.model_db, self.uses_answers, self.max_scopes = model_db, uses_answers, max_scopes
         self.shared_table = RecycledTable()
         self._scopes: OrderedDict[Scope, tuple] = OrderedDict()
 
     def _state(self, scope: Scope) -> tuple:
-        from ..drafting import RecycledTable
-        from ..drafting.answer_index import AnswerIndex, ScopedAnswers, index_for
         if scope in self._scopes:
             self._scopes.move_to_end(scope)
             return self._scopes[scope]
