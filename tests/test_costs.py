@@ -69,7 +69,9 @@ def test_curve_is_monotone_and_starts_at_one():
     m = SleepyModel(per_token=0.0005)
     curve = costs.measure(m, context=8, repeats=2, widths=WIDTHS)
     assert curve(1) == 1.0 and all(a <= b for a, b in zip(curve.costs, curve.costs[1:]))
-    assert curve.one_token_seconds == pytest.approx(m.base + m.per_token, rel=0.5)
+    # a sleep never returns early, and a loaded machine only ever makes it later: a bound below, and a
+    # loose one above (a width-64 time taken for the one-token time would be 64 sleeps)
+    assert m.base + m.per_token <= curve.one_token_seconds < m.base + 32 * m.per_token
 
 
 def test_implausible_flat_curve_is_measured_again_and_never_cached(tmp_path, monkeypatch):
