@@ -11,7 +11,7 @@ the plain output at that point (for a tree: the path that matches it), so a draf
 without running the model again: record the plain outputs once (fp32, exact: `record`), measure
 the target's forward cost by number of input tokens once (`forward_costs`, or a measured
 costs.CostCurve), then replay any drafter setting in milliseconds (`replay`, with the decoder's
-own tree builder and cost cap, hdcli.engine.tree.build_tree). Used by context_tuning.py,
+own tree builder and cost cap, hdcli.engine.decode.tree.build_tree). Used by context_tuning.py,
 stats_tuning.py and tree_tuning.py.
 
 Scripts run as `python benchmarks/NAME.py`, so `from common import ...` finds this file.
@@ -189,10 +189,10 @@ SIZES = [1, 2, 4, 6, 8, 10, 12, 16, 20, 24]  # widths forward_costs measures
 @torch.inference_mode()
 def forward_costs(lm, ids, repeats: int = 12) -> dict:
     """Median time of one forward over k new tokens on a len(ids) context, relative to k = 1."""
-    from transformers import DynamicCache
-    m, cache = lm.model, DynamicCache(config=lm.model.config)
-    m(input_ids=torch.tensor([ids]), past_key_values=cache)
-    med = {k: median_forward_seconds(lambda k=k: m(input_ids=torch.tensor([ids[:k]]), past_key_values=cache),
+    m = lm.model
+    cache = m.new_cache()
+    m.forward(torch.tensor([ids]), cache)
+    med = {k: median_forward_seconds(lambda k=k: m.forward(torch.tensor([ids[:k]]), cache),
                                      cache, repeats) for k in SIZES}
     return {k: v / med[1] for k, v in med.items()}
 

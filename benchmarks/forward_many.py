@@ -18,7 +18,7 @@ import torch
 
 from hdcli import api
 from hdcli.engine.decode import batch
-from hdcli.engine.decode.tree import Tree, new_cache
+from hdcli.engine.decode.tree import Tree
 
 from common import command_line, machine, write_result
 
@@ -27,8 +27,8 @@ def caches(model, n: int, context: int) -> list:
     out = []
     with torch.inference_mode():
         for i in range(n):
-            c = new_cache(model)
-            model(input_ids=torch.randint(3, 40000, (1, context + 37 * i)), past_key_values=c, use_cache=True)
+            c = model.new_cache()
+            model.forward(torch.randint(3, 40000, (1, context + 37 * i)), c)
             out.append(c)
     return out
 

@@ -30,8 +30,8 @@ HERE = Path(__file__).parent
 def hf_generate(lm, ids, max_new_tokens, **kw):
     inp = torch.tensor([ids], device=lm.device)
     t0 = time.perf_counter()
-    out = lm.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new_tokens,
-                            do_sample=False, pad_token_id=lm.tokenizer.pad_token_id, **kw)
+    out = lm.model.module.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new_tokens,
+                                   do_sample=False, pad_token_id=lm.tokenizer.pad_token_id, **kw)
     wall = time.perf_counter() - t0
     toks = out[0, len(ids):].tolist()
     return toks, len(toks) / wall

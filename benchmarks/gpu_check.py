@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 
 from hdcli.engine.decode.loop import Decoder, first_difference
-from hdcli.engine.decode.draft import Draft
-from hdcli.engine.decode.tree import Tree, new_cache, tree_forward
+from hdcli.engine.decode.draft import Draft, Drafter
+from hdcli.engine.decode.tree import Tree, tree_forward
+from hdcli.engine.model.target import as_target
 
 from common import machine
 
@@ -95,10 +96,10 @@ def sync(device) -> None:
 
 # ---------------------------------------------------------------- oracle drafters
 
-class Oracle:
+class Oracle(Drafter):
     """Drafts the reference continuation of the prompt: `k` tokens a step as one chain, with each
     token replaced by a random one with probability `corrupt`; branches > 0 adds that many other
-    candidates sharing a prefix with it (token trees). Implements engine.draft.Drafter."""
+    candidates sharing a prefix with it (token trees). Implements engine.decode.draft.Drafter."""
 
     def __init__(self, reference: list[int], prompt_len: int, k: int, corrupt: float = 0.0,
                  branches: int = 0, vocab: int = 2, seed: int = 0):
@@ -170,9 +171,10 @@ def bushy_tree(w: int, rng: random.Random, vocab: int) -> Tree:
 def cost_curve(model, widths, rounds: int, vocab: int, device: str, chain: bool = False) -> dict:
     """Least seconds of a forward over w new tokens on a 256-token cache, over interleaved rounds."""
     rng = random.Random(0)
-    cache = new_cache(model)
+    model = as_target(model)
+    cache = model.new_cache()
     ctx = torch.tensor([prompts(vocab, 1, 257)[0]], device=device)
-    model(input_ids=ctx[:, :-1], past_key_values=cache, use_cache=True)
+    model.forward(ctx[:, :-1], cache)
     base = cache.get_seq_length()
     trees = {w: (Tree() if chain else bushy_tree(w, rng, vocab)) for w in widths}
     if chain:

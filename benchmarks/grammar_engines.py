@@ -200,7 +200,7 @@ def measure(vocab_name: str, hf_tok, n_vocab: int, engines: list, cases: list[di
 
 
 def hd_rows(hf_tok, n_vocab: int, eos: int, cases: list[dict], repeats: int, chain: int = 8) -> dict:
-    """What hd pays per verified row (engine/constrain.GrammarState.masked: llguidance's mask for
+    """What hd pays per verified row (engine/text/constrain.GrammarState.masked: llguidance's mask for
     each row's own path, unpacked and applied to fp32 logits): chains of `chain` drafted answer
     tokens, one per output token, as a step that verifies them would mask them."""
     import types

@@ -27,7 +27,6 @@ import torch
 
 from hdcli import api
 from hdcli.engine.kernels import dense as kernels
-from hdcli.engine.decode.tree import new_cache
 from hdcli.engine.decode import calibrate
 
 from common import machine
@@ -52,14 +51,14 @@ def weight_bytes(model) -> int:
 
 
 def one_token_ms(model, n: int = 30) -> float:
-    cache = new_cache(model)
+    cache = model.new_cache()
     with torch.inference_mode():
-        model(input_ids=torch.randint(3, 40000, (1, 100)), past_key_values=cache, use_cache=True)
+        model.forward(torch.randint(3, 40000, (1, 100)), cache)
         tok = torch.tensor([[5]])
         ts = []
         for i in range(n + 3):
             t = time.perf_counter()
-            model(input_ids=tok, past_key_values=cache, use_cache=True)
+            model.forward(tok, cache)
             ts.append(time.perf_counter() - t)
             cache.crop(-1)
     return statistics.median(ts[3:]) * 1e3
@@ -67,14 +66,14 @@ def one_token_ms(model, n: int = 30) -> float:
 
 def split(model, t1_ms: float) -> dict:
     from torch.profiler import ProfilerActivity, profile
-    cache = new_cache(model)
+    cache = model.new_cache()
     tok = torch.tensor([[5]])
     with torch.inference_mode():
-        model(input_ids=torch.randint(3, 40000, (1, 100)), past_key_values=cache, use_cache=True)
+        model.forward(torch.randint(3, 40000, (1, 100)), cache)
         t = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as p:
             for _ in range(10):
-                model(input_ids=tok, past_key_values=cache, use_cache=True)
+                model.forward(tok, cache)
         wall = (time.perf_counter() - t) / 10
     gemm = other = 0.0
     for e in p.key_averages():
@@ -149,11 +148,11 @@ def fuse_isolated(dtype: torch.dtype, k: int = 576, sizes=((576, 192, 192), (153
 
 
 def logits(model):
-    cache = new_cache(model)
+    cache = model.new_cache()
     ids = torch.randint(3, 40000, (1, 78), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        model(input_ids=ids[:, :70], past_key_values=cache, use_cache=True)
-        return [model(input_ids=ids[:, 70:70 + w], past_key_values=cache, use_cache=True).logits for w in (1, 3)]
+        model.forward(ids[:, :70], cache)
+        return [model.forward(ids[:, 70:70 + w], cache) for w in (1, 3)]
 
 
 def ab(model, toggle, rounds: int = 4) -> dict:

@@ -51,7 +51,7 @@ from hdcli.engine import records  # noqa: E402
 from hdcli.engine.decode import costs  # noqa: E402
 from hdcli.engine.decode.loop import Decoder, first_difference  # noqa: E402
 from hdcli.engine.text.prompts import encode_messages, encode_prompt  # noqa: E402
-from hdcli.engine.decode.tree import Tree, cap_jointly, new_cache, tree_forward  # noqa: E402
+from hdcli.engine.decode.tree import Tree, cap_jointly, tree_forward  # noqa: E402
 
 SYNTH = Path("/tmp/hd-synth-gguf")
 DEFAULT_MODELS = [str(SYNTH / f"{s}-{m}.gguf") for s in ("smollm2-1.7b", "llama-3.1-8b") for m in ("Q4_0", "Q4_K_M")]
@@ -126,13 +126,13 @@ def replay(lm, steps: list[dict], curve, args, overhead: float) -> dict:
     m, vocab = lm.model, lm.model.config.vocab_size
     every = max(1, math.ceil(len(steps) / args.replay_steps))
     sample = sorted(steps[::every], key=lambda s: -s["past"])   # descending: each crop only shortens
-    cache = new_cache(m)
+    cache = m.new_cache()
     ctx = torch.randint(0, vocab, (1, sample[0]["past"] + MARGIN), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
     if hasattr(m, "prefill"):   # hd's own forward: keys and values only
         m.prefill(ctx, cache)
     else:
-        m(input_ids=ctx, past_key_values=cache, use_cache=True)
+        m.forward(ctx, cache)
     log(f"  prefilled {ctx.shape[1]} tokens in {time.perf_counter() - t0:.1f}s; replaying {len(sample)} steps")
 
     def timed(tree: Tree, root: int, past: int) -> float:

@@ -30,7 +30,6 @@ from common import command_line, machine, write_result  # noqa: E402
 
 from hdcli import api  # noqa: E402
 from hdcli.engine.decode.loop import Decoder  # noqa: E402
-from hdcli.engine.decode.tree import new_cache  # noqa: E402
 
 
 def read_bandwidth() -> float:
@@ -57,7 +56,7 @@ def profile(lm, context: int, rounds: int) -> dict:
         hooks.append(mod.register_forward_pre_hook(lambda m, a, n=name: starts.__setitem__(n, time.perf_counter())))
         hooks.append(mod.register_forward_hook(lambda m, a, o, n=name: spent.__setitem__(
             n, spent[n] + time.perf_counter() - starts[n])))
-    cache = new_cache(model)
+    cache = model.new_cache()
     vocab = model.config.vocab_size
     Decoder(model, ())._prefill([(7 + 13 * i) % vocab for i in range(context)], cache)
     ids = torch.tensor([[5]])
@@ -67,7 +66,7 @@ def profile(lm, context: int, rounds: int) -> dict:
         for _ in range(rounds):
             spent.clear()
             t = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model.forward(ids, cache)
             t1 = time.perf_counter() - t
             cache.crop(context)
             called |= set(spent)

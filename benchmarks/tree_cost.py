@@ -27,17 +27,16 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     lm = api.load_model(dtype=args.dtype)
-    from transformers import DynamicCache
     ctx = list(range(1000, 1000 + args.context))
     widths = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
     rows = {}
     with torch.inference_mode():
-        cache = DynamicCache(config=lm.model.config)
-        lm.model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True)
+        cache = lm.model.new_cache()
+        lm.model.forward(torch.tensor([ctx]), cache)
         for w in widths:
             ids = [7 + i for i in range(w)]
             chain = median_forward_seconds(
-                lambda: lm.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True), cache, args.repeats)
+                lambda: lm.model.forward(torch.tensor([ids]), cache), cache, args.repeats)
             # a bushy tree of the same width: the root and w - 1 drafted nodes, depth <= 4
             tree = Tree()
             j = 0

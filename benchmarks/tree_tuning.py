@@ -3,7 +3,7 @@
 Under greedy decoding the target keeps exactly the tree path that matches its own output, so a
 tree can be scored against recorded plain outputs without running the model (common.py explains
 the idea): this replays every policy, C and L with the very tree builder and cost cap of the
-decoder (hdcli.engine.tree.build_tree), for the measured cost curves of fp32 and bf16
+decoder (hdcli.engine.decode.tree.build_tree), for the measured cost curves of fp32 and bf16
 (benchmarks/results/tree_cost_*.json), on Spec-Bench questions (5 per category by default).
 
     python benchmarks/tree_tuning.py --stats-db stats.lmdb --model-db model.lmdb \

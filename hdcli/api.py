@@ -22,7 +22,7 @@ from .bench.baselines import first_difference, hf_generate, stock_model
 from .compose import (DBs, build_drafter, cheap_verification, check_tokenizers, default_min_expected,
                       default_min_n, default_min_prob, make_stack, open_dbs, resolved, warm_up)
 from .config import (DEFAULT_CANDIDATES, DEFAULT_LEVEL_TOKENS, DEFAULT_POLICY, SEED_RANGE,
-                     DecodingConfig, level_problems, parse_draft_len, split_list)
+                     DecodingConfig, level_problems, parse_draft_len, sampling_fields, split_list)
 from .drafting import Hierarchy, RecycledTable, registry
 from .engine.text import constrain
 from .engine import records
@@ -35,6 +35,7 @@ from .engine.text.prompts import TextStream, cut_at_stop, encode_messages, encod
 from .engine.decode.verify import Sampling
 from .errors import HdError
 from .hsd.planner import plan_dbs, read_plan, read_plan_file
+from .hsd.stack import ModelStack
 
 __all__ = [
     # configuration and composition
@@ -43,11 +44,11 @@ __all__ = [
     "cheap_verification", "default_min_n", "default_min_prob", "default_min_expected", "resolved",
     "open_dbs", "open_stats_dbs", "check_tokenizers", "check_seed", "DBs",
     # models, prompts, generation
-    "load_model", "load_model_for", "compile_grammar", "prediction_ids", "encode_prompt", "encode_messages", "TextStream", "generate", "Result",
+    "load_model", "load_model_for", "compile_grammar", "read_prompt", "output_from_files", "prediction_ids", "encode_prompt", "encode_messages", "TextStream", "generate", "Result",
     "learn", "warm_up", "prepare", "Prepared", "generate_report", "GenerateReport",
     "compare_with_baselines", "stock_model", "hf_generate", "first_difference",
     # the other commands
-    "cost_report", "calibration_prompts", "plan", "read_plan", "read_plan_file", "plan_dbs",
+    "cost_report", "db_info", "db_query", "parse_shard", "calibration_prompts", "plan", "read_plan", "read_plan_file", "plan_dbs",
     "bench_spec_bench", "bench_agents", "build_stats", "build_model_db", "HdError", "Sampling", "SEED_RANGE"]
 
 load_model = models.load
@@ -114,7 +115,7 @@ def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int], scope: byt
     """Add a generation to the model DB: the answer whole (what the model layer's suffix index
     drafts from, where the DB keeps answers) and its n-grams (keys may start in the prompt's last
     tokens, continuations are generated tokens only). Returns keys touched. The running process's
-    index already holds the answer (drafting.model.AnswerLayer adds it as it is accepted).
+    index already holds the answer (drafting.answer_index.AnswerLayer adds it as it is accepted).
     scope: a tenant's tag (hd serve --learn-scope key|user): the answer is kept for that tenant
     alone, and no n-gram is counted (the n-gram table is shared by every request)."""
     from .db.statsdb import add_counts
@@ -158,15 +159,15 @@ class Result:
 
 
 def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-             config: DecodingConfig | None = None, max_new_tokens: int = 256,
-             sampling: Sampling = Sampling(), seed: int | None = None, chat: bool = True,
-             system: str | None = None, stop: Sequence[str] = (), drafter="default",
+             config: DecodingConfig | None = None, drafter="default",
              on_text: Callable[[str, str | None], None] | None = None,
-             cost: costs.CostCurve | None = None, logprobs: int | None = None,
-             on_status: Callable[[str], None] | None = None, grammar: constrain.Grammar | None = None,
-             prediction: str | Sequence[int] | None = None) -> Result:
-    """Generate a completion. config: take the generation settings (max_new_tokens, sampling,
-    seed, chat, system, stop) and, with drafter "default", the drafter from it. drafter: a
+             cost: costs.CostCurve | None = None, on_status: Callable[[str], None] | None = None,
+             grammar: constrain.Grammar | None = None, prediction: str | Sequence[int] | None = None,
+             sampling: Sampling | None = None, **options) -> Result:
+    """Generate a completion. config: the generation settings (max_new_tokens, sampling, seed,
+    chat, system, stop, logprobs) and, with drafter "default", the drafter; options: any of its
+    fields by name (e.g. max_new_tokens=30, seed=7), over config's or the defaults; sampling: a
+    Sampling in place of the sampling fields. drafter: a
     Hierarchy or ModelStack, None for plain decoding, "default" for the configuration's (or the
     default one: context DB and recycled predictions). cost: the forward-cost curve that caps
     draft trees (default: measured once for this model and machine, see costs.curve_for).
@@ -178,15 +179,13 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     the top of the hierarchy (engine/decode/prediction.py); it drafts with drafter None too.
     Greedy output equals plain greedy decoding (under the same grammar) token for token whatever
     the drafts."""
-    if config is not None:
-        config.validate()
-        max_new_tokens, sampling, seed = config.max_new_tokens, config.sampling, config.seed
-        chat, system, stop = config.chat, config.system, config.stop
-        logprobs = config.logprobs if logprobs is None else logprobs
-    else:
-        DecodingConfig(max_new_tokens=max_new_tokens, seed=seed).validate()
+    if sampling is not None:
+        options = {**sampling_fields(sampling), **options}
+    cfg = (config or DecodingConfig()).replace(**options).validate()
+    max_new_tokens, sampling, seed, stop = cfg.max_new_tokens, cfg.sampling, cfg.seed, cfg.stop
     if prompt_ids is None:
-        prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=chat, system=system, max_tokens=lm.max_context)
+        prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=cfg.chat, system=cfg.system,
+                                   max_tokens=lm.max_context)
     room = lm.max_context - len(prompt_ids)
     if room < 1:
         raise HdError(f"the prompt is {len(prompt_ids)} tokens but the model's context is "
@@ -200,14 +199,14 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
         raise HdError(f"--logit-bias: token {outside[0]} is not in the model's vocabulary (ids 0..{vocab - 1})")
     predicted = prediction_ids(lm, prediction, room)
     if isinstance(drafter, str) and drafter == "default":
-        drafter = build_drafter(config or DecodingConfig(), lm)
+        drafter = build_drafter(cfg, lm)
     if (drafter or predicted) and cost is None:
         cost = costs.curve_for(lm)
     decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)
     stream = TextStream(lm.tokenizer, on_text) if on_text else None
     g: Generation = decoder.generate(prompt_ids, min(max_new_tokens, room), sampling, seed,
                                      stop_check=stop_checker(lm.tokenizer, stop), on_tokens=stream,
-                                     logprobs=logprobs, grammar=grammar, prediction=predicted)
+                                     logprobs=cfg.logprobs, grammar=grammar, prediction=predicted)
     text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), stop)
     return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
                   stats=g.stats, prompt_ids=list(prompt_ids), logprobs=g.logprobs,
@@ -294,6 +293,55 @@ class OutputSpec:
             raise HdError(f"{self.prediction_origin}: {exc}") from None
 
 
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """hd generate's prompt: --prompt's text or --prompt-file's (one of them)."""
+    if prompt is not None and prompt_file is not None:
+        raise HdError("pass either --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            return prompt_file.read_text(encoding="utf-8-sig")   # a BOM is no part of the prompt
+        except (OSError, UnicodeDecodeError) as exc:
+            raise HdError(f"cannot read --prompt-file {prompt_file}: {exc}") from None
+    if prompt is None:
+        raise HdError("no prompt: pass --prompt TEXT or --prompt-file FILE")
+    return prompt
+
+
+GRAMMAR_SUFFIXES = {".lark": "lark", ".gbnf": "gbnf", ".regex": "regex", ".re": "regex"}
+
+
+def read_text(path: Path, flag: str) -> str:
+    """A file given with `flag`, or a one-line error naming it."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HdError(f"cannot read {flag} {path}: {exc}") from None
+
+
+def output_from_files(json_schema: Path | None, json_object: bool, grammar: Path | None,
+                 grammar_format: str | None, prediction: Path | None) -> OutputSpec:
+    """hd generate's grammar and prediction flags as one api.OutputSpec (files read here)."""
+    given = [f for f, v in (("--json-schema", json_schema), ("--json-object", json_object),
+                            ("--grammar", grammar)) if v]
+    if len(given) > 1:
+        raise HdError(f"pass one of {', '.join(given)}: an answer follows one grammar")
+    if grammar_format is not None and grammar is None:
+        raise HdError("--grammar-format goes with --grammar FILE")
+    kind, source, origin = None, None, "the grammar"
+    if json_schema is not None:
+        kind, source, origin = "json_schema", read_text(json_schema, "--json-schema"), f"--json-schema {json_schema}"
+    elif json_object:
+        kind, origin = "json_object", "--json-object"
+    elif grammar is not None:
+        kind = grammar_format or GRAMMAR_SUFFIXES.get(grammar.suffix.lower())
+        if kind not in ("lark", "gbnf", "regex"):
+            raise HdError(f"--grammar {grammar}: say its format with --grammar-format lark|gbnf|regex "
+                          f"(its suffix {grammar.suffix or '(none)'!r} does not)")
+        source, origin = read_text(grammar, "--grammar"), f"--grammar {grammar}"
+    text = read_text(prediction, "--prediction") if prediction is not None else None
+    return OutputSpec(kind, source, text, origin, f"--prediction {prediction}")
+
+
 @dataclass
 class GenerateReport:
     """What `hd generate` shows: data (its --json document) and the RunStats per run."""
@@ -338,7 +386,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     if run.dbs.model is not None:  # what the model layer drafts from (drafting/answer_index.py)
         from .drafting import answer_index as model_layer
         data["model_db_index"] = "answers" if model_layer.uses_answers(run.dbs.model) else "ngrams"
-    if hasattr(run.drafter, "level_stats"):
+    if isinstance(run.drafter, ModelStack):   # hd's draft models: each level's counts
         data["levels"] = run.drafter.level_stats()
     if cfg.learn:   # the answer is shown whatever becomes of learning it (learn_error: why not)
         try:
@@ -403,6 +451,40 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
                             "measured_at": c.info.get("measured_at"),
                             "plausible": c.info.get("plausible", True)}
     return out
+
+
+def db_info(path: Path, verify: bool = False) -> dict:
+    """hd db info: a DB's header, size figures and content digest (it identifies the counts whatever
+    the page layout or build time: a cluster build and a local build of one corpus have the same
+    one); with verify, every record read and checked against it."""
+    from .db.stores import Store
+    db = Store(path)
+    info = {"header": db.header, "size": db.size_info(), "content_digest": db.header.get("content_digest")}
+    if verify:
+        info["verify"] = db.verify()
+    return info
+
+
+def db_query(path: Path, text: str, model: str | None = None, *, max_len: int = 16, min_prob: float = 0.0) -> dict:
+    """hd db query: each key of the text's end the DB holds (longest first) with its
+    continuations, and the draft it would give (tokenized by `model`, default the DB's)."""
+    from .drafting import StatsDB
+    from .db.stores import Store
+    db = Store(path)
+    tok = models.load_tokenizer(model or db.header.get("model", "smollm2-135m"))
+    db.check_tokenizer(tok, model or db.header.get("model", ""))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise HdError("--text is empty")
+    keys = []
+    for n in range(min(db.max_n, len(ids)), db.min_n - 1, -1):
+        got = db.get(ids[-n:])
+        keys.append({"n": n, "key": tok.decode(ids[-n:]), "key_ids": ids[-n:], "found": got is not None,
+                     "total": got[0] if got else 0,
+                     "continuations": [{"text": tok.decode(c), "ids": c, "count": k}
+                                       for c, k in (got[1] if got else [])]})
+    draft = StatsDB(db, min_prob=min_prob).propose(ids, max_len, 1)
+    return {"keys": keys, "draft": tok.decode(draft[0]) if draft else "", "draft_ids": draft[0] if draft else []}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,6 +659,19 @@ def bench_agents(cfg: DecodingConfig, methods: Sequence[str] | None = None, *,
     if out is not None:
         agents.save(out, report, results, checks, items)
     return report
+
+
+def parse_shard(shard: str | None) -> tuple[int, int]:
+    """--shard I/N as (I, N); None: the whole corpus, (0, 1)."""
+    if shard is None:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise HdError(f"--shard must look like I/N (e.g. 0/4), not '{shard}'") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise HdError(f"--shard {shard}: need 0 <= I < N")
+    return i, n
 
 
 def build_stats(corpus: Sequence[str], out, model: str = models.DEFAULT_MODEL, *, field: str = "text",

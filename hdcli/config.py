@@ -5,6 +5,11 @@ and every `--json` output hold one (`hd generate --config FILE` repeats the run)
 makes one directly. `validate()` is the one place options are checked; `compose.build_drafter`
 is the one place a configuration becomes the thing that drafts.
 
+Each field is declared once, with `option(default, flags..., help=, kind=, group=)`: the
+command-line options of every command that takes it (hdcli/flags.py), the type check of a JSON
+configuration (FIELD_TYPES, from_dict) and the flag validation names come from that one line. A
+new decoding option is one declaration plus its use.
+
     from hdcli import api
     cfg = api.DecodingConfig(stats_dbs=["stats.lmdb"], candidates=8, max_new_tokens=128)
     lm = api.load_model_for(cfg)
@@ -24,8 +29,9 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
+from .drafting import registry
 from .engine.loader import DEFAULT_MODEL
 from .engine.decode.verify import Sampling
 from .errors import HdError
@@ -39,47 +45,166 @@ SEED_RANGE = (0, 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20               # alternatives a token's log-probability comes with (OpenAI's most)
 
 
+# What a field takes (a JSON configuration, the CLI's parsed options, Python): from_dict refuses
+# anything else in one line naming the field, so "eight" is never a token count, 8.7 never 9 and
+# true never 1. A Kind also says the type the command line parses the option as.
+@dataclass(frozen=True)
+class Kind:
+    """What a field takes: check(value), said as `what` in from_dict's refusal; cli: the type the
+    command line parses its option as."""
+    check: Callable[[Any], bool]
+    what: str
+    cli: Any = str
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _path(v) -> bool:
+    return isinstance(v, (str, os.PathLike))
+
+
+def _bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _list(item):
+    return lambda v: isinstance(v, (list, tuple)) and all(map(item, v))
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _either(*checks):
+    return lambda v: any(c(v) for c in checks)
+
+
+STR, BOOL = Kind(_str, "a string"), Kind(_bool, "true or false", bool)
+INT, NUMBER = Kind(_int, "an integer", int), Kind(_number, "a number", float)
+OPT_INT = Kind(_optional(_int), "an integer or null", Optional[int])
+OPT_NUMBER = Kind(_optional(_number), "a number or null", Optional[float])
+OPT_PATH = Kind(_optional(_path), "a path or null", Optional[Path])
+OPT_STR = Kind(_optional(_str), "a string or null", Optional[str])
+
+
+def option(default, *flags: str, help: str | None = None, kind: Kind = STR, group: str = "",
+           **cli) -> Any:
+    """A configuration field declared once: its default, its command-line flags (the first is the
+    long one; `--on/--off` for a switch) and help, what it takes (kind: checked by from_dict, parsed
+    as kind.cli by the command line, or cli["cli"]), and its group (model, drafting, sampling,
+    output). cli may also hold cli_default (the option's default where it is not the field's, as
+    a comma-separated list option's None) and typer's envvar. The command line's options
+    (hdcli/flags.py) and FIELD_TYPES are made from these."""
+    meta = {"flags": flags, "help": help, "kind": kind, "group": group, **cli}
+    if isinstance(default, (list, dict)):   # a fresh empty one per object
+        return field(default_factory=type(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_ALWAYS = [n for n, spec in registry.LAYERS.items() if spec.in_default(registry.LayerInputs())]
+_DEFAULT_LAYERS_HELP = (", ".join(_ALWAYS) + ", then " +
+                        " and ".join(n for n in registry.LAYERS if n not in _ALWAYS) + " when their DBs are given")
+KERNELS_HELP = ("auto|gguf|gguf-int8|onednn|torch (int4: an alias of gguf). auto: a GGUF's own blocks where "
+                "hd has a kernel for their type, by int8 activations (gguf-int8) where this CPU has AVX512-VNNI "
+                "and measured them faster (once, cached), else by bf16 ones (gguf); else oneDNN-packed dense "
+                "layers where oneDNN is usable, else torch's (docs/dtype.md).")
+DTYPE_HELP = ("auto|bf16|fp16|fp32. auto: bf16 for a GGUF, on CUDA and on a CPU with native bf16; "
+              "else fp32. hd's own forward runs in bf16 or fp32 (docs/dtype.md).")
+INVARIANT_HELP = ("auto|on|off: the M-invariant forward, in which every verified row is bit-identical "
+                  "to a one-token forward (auto: where it holds on this machine; docs/dtype.md).")
+MODEL, DRAFTING, SAMPLING, OUTPUT = "model", "drafting", "sampling", "output"
+
+
 @dataclass
 class DecodingConfig:
-    # the target model and how it runs
-    model: str = DEFAULT_MODEL          # bundled name, .gguf file, model folder or Hugging Face id
-    dtype: str = "auto"                 # auto|bf16|fp16|fp32
-    device: str = "auto"                # auto|cpu|cuda
-    kernels: str = "auto"               # auto|gguf|onednn|torch (int4: an alias of gguf)
-    invariant: str = "auto"             # auto|on|off: the M-invariant forward (engine/kernels/invariant.py)
-    attention: str = "auto"             # auto|fused|torch: the invariant attention's kernel (fused.py);
-                                        # auto times both once per machine; a run records its choice
-    # the database hierarchy
-    layers: list[str] | None = None     # most local first; [] = plain decoding; None = default
-    policy: str = DEFAULT_POLICY        # first-hit|fill|fill-tracked|adaptive (drafting.Hierarchy)
-    candidates: int = DEFAULT_CANDIDATES  # C: candidates per step, verified as one token tree
-    draft_len: int | dict[str, int] = DEFAULT_DRAFT_LEN  # most tokens per candidate, or per layer
-    min_n: int | None = None            # shortest context-DB key
-    max_n: int = 4                      # longest context-DB key
-    stats_dbs: list[str] = field(default_factory=list)   # asked in this order
-    model_db: str | None = None
-    stats_min_prob: float | None = None
-    stats_min_expected: float | None = None
-    learn: bool = False                 # add what was generated to the model DB
+    # the target model and how it runs (bundled name, .gguf file, model folder or Hugging Face id)
+    model: str = option(DEFAULT_MODEL, "--model", "-m", group=MODEL,
+                        help="Bundled name, .gguf file, model folder or Hugging Face id.")
+    dtype: str = option("auto", "--dtype", help=DTYPE_HELP, group=MODEL)
+    device: str = option("auto", "--device", help="auto|cpu|cuda.", group=MODEL)
+    kernels: str = option("auto", "--kernels", help=KERNELS_HELP, group=MODEL)
+    invariant: str = option("auto", "--invariant", help=INVARIANT_HELP, group=MODEL)  # engine/kernels/invariant.py
+    attention: str = option("auto", "--attention", group=MODEL, help="auto|fused|torch: the M-invariant "
+                            "attention's kernel (auto: the faster here, timed once; runs record it, and "
+                            "--config repeats it).")
+    # the database hierarchy; layers: most local first, [] = plain decoding, None = the default
+    layers: list[str] | None = option(None, "--layers", group=DRAFTING, kind=Kind(
+        _optional(_either(_str, _list(_str))), "a list of layer names (or null for the default)", Optional[str]),
+        help=f"Drafting layers, most local first, comma-separated ({', '.join(registry.names())}); "
+        f"'none' for plain decoding. Default: {_DEFAULT_LAYERS_HELP}.")
+    policy: str = option(DEFAULT_POLICY, "--policy", group=DRAFTING, help="How layers share a step: "
+                         "first-hit (first layer that matches), fill (slots in layer order), fill-tracked "
+                         "(fill, trees cut by each layer's acceptance in this request), adaptive (layers "
+                         "ordered by it too).")
+    candidates: int = option(DEFAULT_CANDIDATES, "--candidates", "-C", kind=INT, group=DRAFTING,
+                             help="Most candidate continuations per step, verified as one token tree "
+                             "(1: a single chain).")
+    draft_len: int | dict[str, int] = option(DEFAULT_DRAFT_LEN, "--draft-len", group=DRAFTING, kind=Kind(
+        _either(_int, _str, lambda v: isinstance(v, dict) and all(map(_str, v)) and all(map(_int, v.values()))),
+        "an integer or {layer: integer}"), help="Most tokens per candidate: a number, or per layer as "
+        "context=16,model=8,stats=8.")
+    min_n: int | None = option(None, "--min-n", kind=OPT_INT, group=DRAFTING, help="Shortest n-gram the "
+                               "context DB matches (default: 2 in fp32, 1 in bf16/fp16).")
+    max_n: int = option(4, "--max-n", kind=INT, group=DRAFTING, help="Longest n-gram the context DB matches.")
+    stats_dbs: list[str] = option([], "--stats-db", group=DRAFTING, help="Statistics DB from `hd build-stats` "
+                                  "(repeatable; asked in the order given).", kind=Kind(
+                                      _optional(_either(_path, _list(_path))), "a list of paths", List[Path]))
+    model_db: str | None = option(None, "--model-db", kind=OPT_PATH, group=DRAFTING,
+                                  help="Model DB from `hd build-model-db`.")
+    stats_min_prob: float | None = option(None, "--stats-min-prob", kind=OPT_NUMBER, group=DRAFTING,
+                                          help="Least estimated probability of a stats/model draft "
+                                          "(default 0.2 fp32, 0.1 bf16).")
+    stats_min_expected: float | None = option(None, "--stats-min-expected", kind=OPT_NUMBER, group=DRAFTING,
+                                              help="Least expected accepted tokens of a stats/model "
+                                              "draft (default 1.0 fp32, 0 bf16).")
+    learn: bool = option(False, "--learn", kind=BOOL, group=DRAFTING,
+                         help="Add what was generated to the model DB.")
     # draft models stacked above the database hierarchy (hdcli/hsd), or a plan that chose them
-    draft_models: list[str] = field(default_factory=list)  # smallest first
-    level_tokens: list[int] = field(default_factory=list)  # T per draft model
-    no_db: bool = False                 # the smallest draft model drafts alone
-    plan: str | None = None             # a file written by `hd plan --out`
-    # generation
-    max_new_tokens: int = 256
-    temperature: float = 0.0            # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    # logits processors (OpenAI's), over the generated tokens; logit_bias {token id: bias}
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None         # return each token's log-probability and this many best
-    seed: int | None = None
-    chat: bool = True                   # through the model's chat template
-    system: str | None = None
-    stop: list[str] = field(default_factory=list)
+    draft_models: list[str] = option([], "--draft-models", group=DRAFTING, cli_default=None, kind=Kind(
+        _optional(_either(_str, _list(_str))), "a list of draft model names", Optional[str]), help="Draft models, smallest first, "
+        "comma-separated, stacked above the DB layers (self:layers=K, self:int8, or any model with the "
+        "target's tokenizer).")
+    level_tokens: list[int] = option([], "--level-tokens", group=DRAFTING, cli_default=None, kind=Kind(
+        _optional(_either(_str, _list(_int))), "a list of integers", Optional[str]),
+        help="T per draft model: tokens a level holds before handing them up (e.g. 2,6).")
+    no_db: bool = option(False, "--no-db", kind=BOOL, group=DRAFTING,
+                         help="With --draft-models: no DB level; the smallest model drafts alone.")
+    plan: str | None = option(None, "--plan", kind=OPT_PATH, group=DRAFTING,
+                              help="Use the hierarchy chosen by `hd plan`.")
+    # generation; logits processors (OpenAI's) over the generated tokens
+    max_new_tokens: int = option(256, "--max-new-tokens", "-n", kind=INT, group=SAMPLING)
+    temperature: float = option(0.0, "--temperature", kind=NUMBER, group=SAMPLING, help="0 = greedy.")
+    top_p: float = option(1.0, "--top-p", kind=NUMBER, group=SAMPLING)
+    top_k: int = option(0, "--top-k", kind=INT, group=SAMPLING, help="0 = no top-k truncation.")
+    frequency_penalty: float = option(0.0, "--frequency-penalty", kind=NUMBER, group=SAMPLING,
+                                      help="OpenAI's, -2..2: lowers a token's logit by this times its "
+                                      "count in the output so far.")
+    presence_penalty: float = option(0.0, "--presence-penalty", kind=NUMBER, group=SAMPLING,
+                                     help="OpenAI's, -2..2: lowers the logit of every token already in "
+                                     "the output by this.")
+    logit_bias: dict[int, float] = option({}, "--logit-bias", group=SAMPLING, cli=List[str], cli_default=[], kind=Kind(
+        _optional(_either(lambda v: isinstance(v, dict) and all(map(_number, v.values())), _list(_str))),
+        "{token id: number}"), help="TOKEN_ID=BIAS added to that token's logit (-100..100; repeatable).")
+    # what the answer comes with (logprobs), and how the prompt is built
+    logprobs: int | None = option(None, "--logprobs", kind=OPT_INT, group=OUTPUT, help="With --json: each "
+                                  "token's log-probability and this many best alternatives (0-20).")
+    seed: int | None = option(None, "--seed", kind=OPT_INT, group=SAMPLING, help="Seed for sampling.")
+    chat: bool = option(True, "--chat/--raw", kind=BOOL, group=OUTPUT,
+                        help="Apply the model's chat template or not.")
+    system: str | None = option(None, "--system", kind=OPT_STR, group=OUTPUT,
+                                help="System message for the chat template.")
+    stop: list[str] = option([], "--stop", kind=Kind(_optional(_list(_str)), "a list of strings", List[str]),
+                             group=OUTPUT, help="Stop string (repeatable).")
     # set by with_plan(): draft_models came from the plan (not serialised)
     from_plan_file: bool = field(default=False, repr=False, compare=False)
 
@@ -109,7 +234,6 @@ class DecodingConfig:
     # -- checking ---------------------------------------------------------------------------
     def problems(self) -> list[str]:
         """Every bad field, one message each naming its option (nothing is loaded)."""
-        from .drafting import registry
         out = []
         if self.max_new_tokens < 1:
             out.append(f"--max-new-tokens must be >= 1, not {self.max_new_tokens}")
@@ -259,69 +383,15 @@ class DecodingConfig:
                    kernels=data.get("kernels", "auto"), plan=str(path))
 
 
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+# What each field takes, from its declaration (from_dict checks it; hsd/planner reads plans by it)
+FIELD_TYPES = {f.name: (f.metadata["kind"].check, f.metadata["kind"].what)
+               for f in dataclasses.fields(DecodingConfig) if "kind" in f.metadata}
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _str(v) -> bool:
-    return isinstance(v, str)
-
-
-def _path(v) -> bool:
-    return isinstance(v, (str, os.PathLike))
-
-
-def _list(item):
-    return lambda v: isinstance(v, (list, tuple)) and all(map(item, v))
-
-
-def _optional(check):
-    return lambda v: v is None or check(v)
-
-
-def _either(*checks):
-    return lambda v: any(c(v) for c in checks)
-
-
-# What each field takes (a JSON configuration, the CLI's parsed options, Python): from_dict refuses
-# anything else in one line naming the field, so "eight" is never a token count, 8.7 never 9 and
-# true never 1. A field not listed here is not checked by type.
-FIELD_TYPES = {
-    **{name: (_str, "a string") for name in ("model", "dtype", "device", "kernels", "invariant", "attention",
-                                             "policy")},
-    "layers": (_optional(_either(_str, _list(_str))), "a list of layer names (or null for the default)"),
-    "candidates": (_int, "an integer"),
-    "draft_len": (_either(_int, _str, lambda v: isinstance(v, dict) and all(map(_str, v)) and all(map(_int, v.values()))),
-                  "an integer or {layer: integer}"),
-    "min_n": (_optional(_int), "an integer or null"),
-    "max_n": (_int, "an integer"),
-    "stats_dbs": (_optional(_either(_path, _list(_path))), "a list of paths"),
-    "model_db": (_optional(_path), "a path or null"),
-    "stats_min_prob": (_optional(_number), "a number or null"),
-    "stats_min_expected": (_optional(_number), "a number or null"),
-    "learn": (lambda v: isinstance(v, bool), "true or false"),
-    "draft_models": (_optional(_either(_str, _list(_str))), "a list of draft model names"),
-    "level_tokens": (_optional(_either(_str, _list(_int))), "a list of integers"),
-    "no_db": (lambda v: isinstance(v, bool), "true or false"),
-    "plan": (_optional(_path), "a path or null"),
-    "max_new_tokens": (_int, "an integer"),
-    "temperature": (_number, "a number"),
-    "top_p": (_number, "a number"),
-    "top_k": (_int, "an integer"),
-    "frequency_penalty": (_number, "a number"),
-    "presence_penalty": (_number, "a number"),
-    "logit_bias": (_optional(_either(lambda v: isinstance(v, dict) and all(map(_number, v.values())), _list(_str))),
-                   "{token id: number}"),
-    "logprobs": (_optional(_int), "an integer or null"),
-    "seed": (_optional(_int), "an integer or null"),
-    "chat": (lambda v: isinstance(v, bool), "true or false"),
-    "system": (_optional(_str), "a string or null"),
-    "stop": (_optional(_list(_str)), "a list of strings"),
-}
+def sampling_fields(sampling: Sampling) -> dict[str, Any]:
+    """A Sampling as the DecodingConfig fields it is made from (config.sampling gives it back)."""
+    fields = dataclasses.asdict(sampling)
+    return {**fields, "logit_bias": dict(fields["logit_bias"])}
 
 
 def level_problems(draft_models: Sequence[str], level_tokens: Sequence[int]) -> list[str]:

@@ -146,7 +146,7 @@ def load_growth(path, tmp_path) -> int:
             "torch.nn.functional.scaled_dot_product_attention(*torch.ones(3, 1, 1, 2, 4))\n"
             "base = models.peak_rss_bytes()  # libraries and the tokenizer: what any model costs\n"
             f"lm = models.load({str(path)!r}, dtype='bf16', device='cpu', invariant='off', quiet=True)\n"
-            "lm.model(input_ids=torch.tensor([[5, 6, 7]]))\n"
+            "lm.model.forward(torch.tensor([[5, 6, 7]]))\n"
             "print(json.dumps({'base': base, 'peak': models.peak_rss_bytes()}))\n")
     env = dict(os.environ, HD_CACHE_DIR=str(tmp_path / "cache"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -16,7 +16,7 @@ import torch
 from hdcli.engine.decode import batch
 from hdcli.engine.kernels import invariant
 from hdcli.engine.decode.loop import Decoder
-from hdcli.engine.decode.tree import new_cache, tree_forward
+from hdcli.engine.decode.tree import tree_forward
 from hdcli.engine.decode import calibrate
 
 from test_invariant import V, branchy, build, chain
@@ -47,8 +47,8 @@ def model(request, tmp_path_factory):
 
 
 def prefilled(model, prefix):
-    cache = new_cache(model)
-    model(input_ids=torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
+    cache = model.new_cache()
+    model.forward(torch.tensor([prefix[:-1]]), cache)
     return cache
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hdcli.engine.decode.loop import Decoder
-from hdcli.engine.decode.tree import new_cache, tree_forward
+from hdcli.engine.decode.tree import tree_forward
+from hdcli.engine.model.target import as_target
 from hdcli.engine.decode.verify import Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -72,16 +73,16 @@ def test_cuda_greedy_chains_and_trees_equal_plain(name, branches):
 @cuda
 @torch.inference_mode()
 def test_cuda_tree_logits_equal_each_path_run_alone():
-    model = gpu_check.build("tiny-gemma3", "cuda")
+    model = as_target(gpu_check.build("tiny-gemma3", "cuda"))
     rng = random.Random(0)
     prompt = gpu_check.prompts(512, 1, 20)[0]
     tree = gpu_check.bushy_tree(12, rng, 512)
-    cache = new_cache(model)
-    model(input_ids=torch.tensor([prompt[:-1]], device="cuda"), past_key_values=cache, use_cache=True)
+    cache = model.new_cache()
+    model.forward(torch.tensor([prompt[:-1]], device="cuda"), cache)
     got = tree_forward(model, tree, prompt[-1], cache)
     for node in range(len(tree.tokens)):
         path = [prompt[-1]] + [tree.tokens[i] for i in tree.path(node)]
-        alone = model(input_ids=torch.tensor([prompt + path[1:]], device="cuda")).logits[0, -1]
+        alone = model.forward(torch.tensor([prompt + path[1:]], device="cuda"))[-1]
         torch.testing.assert_close(got[node], alone, atol=1e-4, rtol=1e-4)
 
 

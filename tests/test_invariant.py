@@ -254,9 +254,9 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     calls = []
-    real = {f: getattr(fused, f) for f in ("attend_many", "append_attend_many")}
+    real = {f: getattr(fused.KERNEL, f) for f in ("attend_many", "append_attend_many")}
     for f in real:   # on invariant caches the attention appends the keys too (append_attend_many)
-        monkeypatch.setattr(fused, f, lambda *a, f=f: calls.append(f) or real[f](*a))
+        monkeypatch.setattr(fused.KERNEL, f, lambda *a, f=f: calls.append(f) or real[f](*a))
     model = build(name, dtype, kern)
     with invariant.pinned("fused"):
         info = calibrate.enable(model)
@@ -275,7 +275,7 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         assert "append_attend_many" in calls   # the fused attention appends the keys itself
         # the check can fail: a loop whose result depended on the row count would differ here
         for f in real:
-            monkeypatch.setattr(fused, f, lambda q, *a, f=f: real[f](q, *a) * (1 + 1e-2 * (q.shape[-2 if q.dim() == 4 else 0] > 1)))
+            monkeypatch.setattr(fused.KERNEL, f, lambda q, *a, f=f: real[f](q, *a) * (1 + 1e-2 * (q.shape[-2 if q.dim() == 4 else 0] > 1)))
         prefix = [rng.randrange(3, V) for _ in range(75)]
         assert not all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix))
     calibrate.disable(model)
@@ -295,13 +295,13 @@ def test_fused_attention_kernel_on_odd_head_sizes():
         v1[..., d] = 1
         vis = torch.ones(5, 37, dtype=torch.bool).tril(32)
         vis[3, 10:20] = False   # a row that skips keys, as a tree's row does
-        out = fused.attend(q, k, v1, vis, 0.3)
+        out = fused.KERNEL.attend(q, k, v1, vis, 0.3)
         s = torch.einsum("mhd,hnd->hmn", q, k[:, :37].repeat_interleave(2, 0)) * 0.3
         ref = torch.einsum("hmn,hnd->mhd", s.masked_fill(~vis, float("-inf")).softmax(-1),
                            v1[:, :37, :d].repeat_interleave(2, 0))
         assert torch.allclose(out, ref, atol=1e-5), d
         for r in range(5):
-            assert torch.equal(fused.attend(q[r:r + 1].contiguous(), k, v1, vis[r:r + 1].contiguous(), 0.3)[0], out[r])
+            assert torch.equal(fused.KERNEL.attend(q[r:r + 1].contiguous(), k, v1, vis[r:r + 1].contiguous(), 0.3)[0], out[r])
 
 
 def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
@@ -321,33 +321,33 @@ def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):
         vis = torch.ones(m, n, dtype=torch.bool).tril(n - m)
         vis[-1, n - m:-1] = False   # a tree row: its siblings unseen
         seqs.append((torch.randn(m, 6, 64, generator=gen), k, v1, vis))
-    alone = [fused.attend(q, k, v1, vis, 0.125) for q, k, v1, vis in seqs]
+    alone = [fused.KERNEL.attend(q, k, v1, vis, 0.125) for q, k, v1, vis in seqs]
     q_all = torch.cat([s[0] for s in seqs]).contiguous()
     for tile in ("1", "2", "3", "4", "6"):
-        fused._module.set_tile(int(tile))
-        together = fused._module.attend_many(q_all, [s[1] for s in seqs], [None] * 3, [0] * 3,
+        fused.KERNEL.module.set_tile(int(tile))
+        together = fused.KERNEL.module.attend_many(q_all, [s[1] for s in seqs], [None] * 3, [0] * 3,
                                              [s[2] for s in seqs], [s[3] for s in seqs], 0.125)
         assert torch.equal(torch.cat(alone), together), tile
         kts = [torch.full((2, 5, 64, 16), float("nan")) for _ in seqs]   # a kept copy, valid for 0 keys
-        kept = fused._module.attend_many(q_all, [s[1] for s in seqs], kts, [0] * 3,
+        kept = fused.KERNEL.module.attend_many(q_all, [s[1] for s in seqs], kts, [0] * 3,
                                          [s[2] for s in seqs], [s[3] for s in seqs], 0.125)
         assert torch.equal(kept, together) and not kts[0].isnan()[:, :3].any()
-        again = fused._module.attend_many(q_all, [s[1] for s in seqs], kts, [s[3].shape[1] for s in seqs],
+        again = fused.KERNEL.module.attend_many(q_all, [s[1] for s in seqs], kts, [s[3].shape[1] for s in seqs],
                                           [s[2] for s in seqs], [s[3] for s in seqs], 0.125)
         assert torch.equal(again, together)
         # keys and values stored as bf16 are read as their exact fp32 widening
         halves = [(s[1].bfloat16(), s[2].bfloat16()) for s in seqs]
-        as_bf16 = fused._module.attend_many(q_all, [k for k, _ in halves], [None] * 3, [0] * 3,
+        as_bf16 = fused.KERNEL.module.attend_many(q_all, [k for k, _ in halves], [None] * 3, [0] * 3,
                                             [v for _, v in halves], [s[3] for s in seqs], 0.125)
-        widened = fused._module.attend_many(q_all, [k.float() for k, _ in halves], [None] * 3, [0] * 3,
+        widened = fused.KERNEL.module.attend_many(q_all, [k.float() for k, _ in halves], [None] * 3, [0] * 3,
                                             [v.float() for _, v in halves], [s[3] for s in seqs], 0.125)
         assert torch.equal(as_bf16, widened) and not torch.equal(as_bf16, together)
-    fused._module.set_tile(0)   # chosen per call again
+    fused.KERNEL.module.set_tile(0)   # chosen per call again
     # a stale kept copy (keys changed after it was made, not marked) gives other rows: kt_len matters
     k2 = seqs[1][1].clone()
     k2[:, 10] += 1
-    fresh = fused._module.attend_many(seqs[1][0], [k2], [None], [0], [seqs[1][2]], [seqs[1][3]], 0.125)
-    stale = fused._module.attend_many(seqs[1][0], [k2], [kts[1]], [seqs[1][3].shape[1]], [seqs[1][2]], [seqs[1][3]], 0.125)
+    fresh = fused.KERNEL.module.attend_many(seqs[1][0], [k2], [None], [0], [seqs[1][2]], [seqs[1][3]], 0.125)
+    stale = fused.KERNEL.module.attend_many(seqs[1][0], [k2], [kts[1]], [seqs[1][3].shape[1]], [seqs[1][2]], [seqs[1][3]], 0.125)
     assert not torch.equal(fresh, stale)
 
 
@@ -377,13 +377,13 @@ def test_fused_attention_appends_keys_as_the_cache_does():
     query = torch.randn(1, 6, 6, 64, generator=gen)   # [1, hq, M, d], as hd's forward has it
     key = torch.cat([k for k, _ in news], 2)
     value = torch.cat([v for _, v in news], 2)
-    out = fused.append_attend_many(query, key, value, mine, viss, 0.125)[0]
+    out = fused.KERNEL.append_attend_many(query, key, value, mine, viss, 0.125)[0]
     for a, b, vis in zip(mine, ref, viss):
         assert a.length == b.length and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         cap = min(a.kbuf.shape[2], b.kbuf.shape[2])
         assert torch.equal(a.kbuf[:, :, :cap], b.kbuf[:, :, :cap]) and torch.equal(a.vbuf[:, :, :cap], b.vbuf[:, :, :cap])
     kvs = [tuple(t[0] for t in b.padded(vis.shape[1])) for b, vis in zip(ref, viss)]
-    expect = fused.attend_many(query[0].transpose(0, 1).contiguous(), kvs, viss, 0.125)
+    expect = fused.KERNEL.attend_many(query[0].transpose(0, 1).contiguous(), kvs, viss, 0.125)
     assert torch.equal(out, expect)
 
 
@@ -395,9 +395,9 @@ def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypat
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     model = build("llama", torch.float32, "torch")
     timed, answer, real = [], {}, invariant.time_both
-    monkeypatch.setattr(invariant, "time_both", lambda hq, hkv, d: timed.append((hq, hkv, d)) or dict(answer))
+    monkeypatch.setattr(invariant, "time_both", lambda hq, hkv, d, kernel: timed.append((hq, hkv, d)) or dict(answer))
     monkeypatch.delenv("HD_FUSED_ATTENTION", raising=False)
-    monkeypatch.setattr(invariant, "_decision", None)
+    monkeypatch.setattr(fused.KERNEL, "decision", None)
     was = fused.enabled()
     try:
         monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "a"))
@@ -405,19 +405,19 @@ def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypat
         got = invariant.decide(model)
         assert got["attention"] == "fused" and got["ms"] == answer and fused.enabled()
         assert timed == [(4, 2, 16)]
-        invariant._decision = None                      # another process on this machine: from the cache
+        fused.KERNEL.decision = None                      # another process on this machine: from the cache
         answer.update(fused=9.0)
         assert invariant.decide(model)["attention"] == "fused" and len(timed) == 1
         monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "b"))   # a machine where torch ops win
-        invariant._decision = None
+        fused.KERNEL.decision = None
         assert invariant.decide(model)["attention"] == "torch" and not fused.enabled() and len(timed) == 2
         for env, kind in (("0", "torch"), ("1", "fused")):
             monkeypatch.setenv("HD_FUSED_ATTENTION", env)
-            invariant._decision = None
+            fused.KERNEL.decision = None
             assert invariant.decide(model)["attention"] == kind and fused.enabled() == (kind == "fused")
         assert len(timed) == 2
     finally:
-        fused.use(was)
+        fused.KERNEL.use(was)
     ms = real(4, 2, 16, rounds=1, calls=1)   # the real timing runs and times both
     assert set(ms) == {"fused", "torch"} and min(ms.values()) > 0
 
@@ -448,14 +448,14 @@ def _prompt_prefill(name, attention, monkeypatch):
     rng = random.Random(3)
     prompt = [rng.randrange(3, V) for _ in range(invariant.MAX_ROWS + 20)]
     with torch.inference_mode():
-        fast = model(input_ids=torch.tensor([prompt])).logits
+        fast = model.forward(torch.tensor([prompt]))
         causal_calls, seen[:] = list(seen), []
 
         def masked_sdpa(q, k, v, scaling):   # the same attention given its causal mask
             vis = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
             return real(q, k, v, attn_mask=vis, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]).transpose(1, 2)
         monkeypatch.setattr(invariant, "causal_prompt_sdpa", masked_sdpa)
-        masked = model(input_ids=torch.tensor([prompt])).logits
+        masked = model.forward(torch.tensor([prompt]))
     # llama: both layers causal; gemma3: the sliding window layer keeps its mask; the fused
     # attention calls no SDPA
     expect = [] if attention == "fused" else [True, True] if name == "llama" else [False, True]

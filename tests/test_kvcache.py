@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from hdcli.engine.kernels import invariant
 from hdcli.engine.model import kvcache
-from hdcli.engine.decode.tree import Tree, keep_path, new_cache, tree_forward
+from hdcli.engine.decode.tree import Tree, keep_path, tree_forward
 from hdcli.engine.decode import calibrate
 
 from test_invariant import build
@@ -53,10 +53,10 @@ def _steps(model, cache) -> list[torch.Tensor]:
     """A prefill, then chains and trees on `cache` until it is longer than its first capacity."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, V, (1, 300), generator=g)
-    out = [model(input_ids=ids[:, :200], past_key_values=cache).logits[0]]
+    out = [model.forward(ids[:, :200], cache)]
     pos = 200
     while pos < 300:
-        out.append(model(input_ids=ids[:, pos:pos + 7], past_key_values=cache).logits[0])
+        out.append(model.forward(ids[:, pos:pos + 7], cache))
         t = Tree()
         for cand in ([5, 6, 7], [8, 9], [5, 10, 11, 12]):
             t.add_candidate(cand, "x")
@@ -79,7 +79,7 @@ def test_a_cache_that_grows_gives_the_logits_of_one_that_had_room(dtype, kern, a
     with invariant.pinned(attention):
         model = build("llama", dtype, kern)
         calibrate.enable(model)
-        grows, roomy = new_cache(model), new_cache(model)
+        grows, roomy = model.new_cache(), model.new_cache()
         with torch.inference_mode():
             for layer in roomy.layers:   # room for every step from the start: no growth copies
                 layer.lazy_initialization(torch.zeros(1, model.config.num_key_value_heads, 0, model.config.head_dim,

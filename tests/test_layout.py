@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent / "hdcli"
 # (prompts, templates, tools, grammars), the decode loop, and the loader that puts a model together.
 ENGINE = ["engine.environment", "engine.records", "engine.kernels", "engine.model", "engine.text",
           "engine.decode", "engine.loader", "engine"]
-ORDER = ["errors", *ENGINE, "db", "drafting", "hsd", "config", "compose", "bench", "api", "serve", "cli"]
+ORDER = ["errors", *ENGINE, "db", "drafting", "hsd", "config", "compose", "bench", "api", "serve", "flags", "show",
+         "cli"]
 
 
 def unit(module: str) -> str:

@@ -43,7 +43,7 @@ def _fake_llama_cpp(lm, calls: list) -> types.ModuleType:
             ids = list(tokens)
             while True:  # the caller stops it
                 with torch.inference_mode():
-                    nxt = int(lm.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+                    nxt = int(lm.model.forward(torch.tensor([ids]))[-1].argmax())
                 ids.append(nxt)
                 yield nxt
     mod = types.ModuleType("llama_cpp")

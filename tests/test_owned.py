@@ -25,7 +25,7 @@ from hdcli.engine.decode import batch
 from hdcli.engine import loader as models
 from hdcli.engine.kernels import quants
 from hdcli.engine.decode.loop import Decoder
-from hdcli.engine.decode.tree import Tree, new_cache, tree_forward
+from hdcli.engine.decode.tree import Tree, tree_forward
 
 from conftest import load_growth, require_bundled
 
@@ -58,11 +58,11 @@ def _matches_transformers(name: str, family: str, atol: float, tokens: int) -> N
     assert own.info["forward"] == f"hd ({family})"
     ids = own.tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt").input_ids
     with torch.inference_mode():
-        a = ref.model(input_ids=ids).logits[0]
-        b = own.model(input_ids=ids).logits[0]
+        a = ref.model.forward(ids)
+        b = own.model.forward(ids)
     assert torch.allclose(a, b, atol=atol, rtol=1e-3), float((a - b).abs().max())
     with torch.inference_mode():
-        want = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
+        want = ref.model.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False)
     got = Decoder(own.model, ()).generate(ids[0].tolist(), max_new_tokens=tokens)
     assert got.tokens == want[0, ids.shape[1]:].tolist()
 
@@ -123,7 +123,7 @@ def test_several_sequences_in_one_forward_equal_each_alone(tiny_gguf):
         prompt = [rng.randrange(3, vocab) for _ in range(n)]
         tree = _branchy(rng, 6, vocab)
         for out in (items, alone):
-            cache = new_cache(model)
+            cache = model.new_cache()
             Decoder(model, ())._prefill(prompt[:-1], cache)
             out.append((tree, prompt[-1], cache))
     together = batch.forward_many(model, items)

@@ -96,11 +96,11 @@ def test_owned_forward_matches_transformers(folders, family):
     assert own.info["numerics"]["kernels"] == "torch" and own.info["file_types"] == {"F32": own.info["file_types"]["F32"]}
     ids = torch.tensor([_prompt(1, 40)])
     with torch.inference_mode():
-        a = ref.model(input_ids=ids).logits[0]
-        b = own.model(input_ids=ids).logits[0]
+        a = ref.model.forward(ids)
+        b = own.model.forward(ids)
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), float((a - b).abs().max())
     with torch.inference_mode():
-        want = ref.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+        want = ref.model.module.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)
     got = Decoder(own.model, ()).generate(ids[0].tolist(), max_new_tokens=24)
     assert got.tokens == want[0, ids.shape[1]:].tolist()
@@ -114,12 +114,12 @@ def test_bf16_weights_load_as_transformers_casts_them(tmp_path, family):
     ref = models.load_reference(str(folder), "bf16", "cpu")
     own = models.load(str(folder), dtype="bf16", device="cpu", kernels="torch", invariant="off", quiet=True)
     assert set(own.info["file_types"]) == {"BF16"}
-    blk, layer = own.model.blocks[1], ref.model.model.layers[1]
+    blk, layer = own.model.blocks[1], ref.model.module.model.layers[1]
     assert torch.equal(blk.q.kernel.weight, layer.self_attn.q_proj.weight)
     assert torch.equal(blk.attn_norm, layer.input_layernorm.weight)
     ids = torch.tensor([_prompt(2, 20)])
     with torch.inference_mode():
-        a, b = ref.model(input_ids=ids).logits[0].float(), own.model(input_ids=ids).logits[0].float()
+        a, b = ref.model.forward(ids).float(), own.model.forward(ids).float()
     assert torch.allclose(a, b, atol=0.1, rtol=0.05), float((a - b).abs().max())
 
 

@@ -11,7 +11,7 @@ import torch
 
 from hdcli import api
 from hdcli.engine.decode.loop import Decoder
-from hdcli.engine.decode.tree import Tree, new_cache, tree_forward
+from hdcli.engine.decode.tree import Tree, tree_forward
 from hdcli.engine.decode.verify import Sampling, logprobs_of, processed
 
 PROMPTS = [
@@ -48,7 +48,7 @@ def forced_plain_logprobs(lm, prompt_ids, tokens, s: Sampling, top: int):
     """Plain decoding's numbers for a given output: one-token forwards, each row processed with
     the tokens generated before it, log-probabilities of the token that came."""
     dec = Decoder(lm.model, lm.eos_ids)
-    cache = new_cache(lm.model)
+    cache = lm.model.new_cache()
     dec._prefill(prompt_ids[:-1], cache)
     last, out, rows = prompt_ids[-1], [], []
     with torch.inference_mode():

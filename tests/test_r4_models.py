@@ -14,6 +14,7 @@ import struct
 import numpy as np
 import pytest
 
+from hdcli.engine.decode.draft import Drafter
 from hdcli.errors import HdError
 
 from test_cli import run
@@ -208,7 +209,7 @@ def test_overlapping_tensor_data_is_refused(tmp_path):
 
 # --- a drafter that drafts past max_len ----------------------------------------------------------
 
-class Oracle:
+class Oracle(Drafter):
     """A custom Drafter (engine/decode/draft.py) that ignores max_len: it proposes the next 12 tokens of
     the reference output, whatever room is left."""
 

@@ -648,10 +648,10 @@ def test_a_plan_field_of_the_wrong_type_names_the_plan(tmp_path):
 
 
 def test_a_prompt_file_with_a_bom_is_the_prompt_alone(tmp_path):
-    from hdcli import cli
+    from hdcli import api
     f = tmp_path / "p.txt"
     f.write_text("\ufeffthe cat sat", encoding="utf-8")
-    assert cli._read_prompt(None, f) == "the cat sat"
+    assert api.read_prompt(None, f) == "the cat sat"
 
 
 def test_empty_stop_and_thresholds_out_of_range_are_refused(tiny_model_dir):

@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 from hdcli.engine.decode.loop import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.engine.decode.verify import Sampling, processed, sample_point_masses, target_probs
+from hdcli.engine.model.target import as_target
 
 from conftest import owned_copy, tiny_llama
 
@@ -64,11 +65,11 @@ def exact_two_token_distribution(model, prompt, s: Sampling) -> dict:
     """P(first two tokens), the logits processed as plain decoding processes them (penalties count
     the generated tokens: none for the first, t1 for the second)."""
     probs = {}
-    p1 = target_probs(processed(model(torch.tensor([prompt])).logits[0, -1:], s, []), s)[0]
+    p1 = target_probs(processed(as_target(model).forward(torch.tensor([prompt]))[-1:], s, []), s)[0]
     for t1 in range(V):
         if p1[t1] == 0:
             continue
-        p2 = target_probs(processed(model(torch.tensor([prompt + [t1]])).logits[0, -1:], s, [t1]), s)[0]
+        p2 = target_probs(processed(as_target(model).forward(torch.tensor([prompt + [t1]]))[-1:], s, [t1]), s)[0]
         for t2 in range(V):
             if p2[t2] > 0:
                 probs[(t1, t2)] = float(p1[t1] * p2[t2])
@@ -169,7 +170,7 @@ def test_sampling_through_a_shared_forward_follows_target_distribution(invariant
         while not a.done:
             live = [x for x in (a, b) if not x.done]
             trees = [x.propose() for x in live]
-            for x, rows in zip(live, batch.forward_many(model, [(t, x.history[-1], x.cache)
+            for x, rows in zip(live, batch.forward_many(as_target(model), [(t, x.history[-1], x.cache)
                                                                for x, t in zip(live, trees)])):
                 x.accept(rows)
         g = a.result()

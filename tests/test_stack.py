@@ -12,6 +12,7 @@ from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.errors import HdError
 from hdcli.hsd.stack import ModelStack
 from hdcli.engine.decode.verify import Sampling
+from hdcli.engine.model.target import as_target
 
 from conftest import tiny_llama
 from test_sampling import chi2_pvalue, exact_two_token_distribution
@@ -21,7 +22,7 @@ PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11, 10, 11, 10, 11, 10], [1] + list(range
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_llama(vocab_size=50, seed=1, scale=4.0, layers=4)
+    return as_target(tiny_llama(vocab_size=50, seed=1, scale=4.0, layers=4))
 
 
 def plain(model, prompt, n):
@@ -84,9 +85,9 @@ def test_self_drafts_are_real_smaller_models(target):
     assert small.config.num_hidden_layers == 2
     ids = torch.tensor([[1, 5, 6, 7]])
     with torch.no_grad():
-        assert small(ids).logits.shape == target(ids).logits.shape
+        assert small.forward(ids).shape == target.forward(ids).shape
         q = draftmodels.int8(target)
-        assert torch.allclose(q(ids).logits, target(ids).logits, atol=0.5)  # close, not equal
+        assert torch.allclose(q.forward(ids), target.forward(ids), atol=0.5)  # close, not equal
     with pytest.raises(HdError, match="1 <= K"):
         draftmodels.truncated(target, 4)
 

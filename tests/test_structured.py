@@ -151,14 +151,14 @@ def test_masking_rows_with_the_wrong_path_is_caught(tiny, monkeypatch):
 def _two_token_distribution(lm, g, prompt, s):
     probs = {}
     state = g.start()
-    logits = lm.model(torch.tensor([prompt])).logits[0, -1:].float()
+    logits = lm.model.forward(torch.tensor([prompt]))[-1:].float()
     p1 = target_probs(logits.masked_fill(~torch.from_numpy(state.allowed_now()), float("-inf")), s)[0]
     for t1 in torch.nonzero(p1).flatten().tolist():
         if t1 in lm.eos_ids:
             probs[(t1,)] = float(p1[t1])
             continue
         state.advance([t1])
-        l2 = lm.model(torch.tensor([prompt + [t1]])).logits[0, -1:].float()
+        l2 = lm.model.forward(torch.tensor([prompt + [t1]]))[-1:].float()
         p2 = target_probs(l2.masked_fill(~torch.from_numpy(state.allowed_now()), float("-inf")), s)[0]
         for t2 in torch.nonzero(p2).flatten().tolist():
             probs[(t1, t2)] = float(p1[t1] * p2[t2])

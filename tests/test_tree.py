@@ -16,10 +16,10 @@ from hdcli.engine.decode.tree import (Tree,
                                       cap_by_cost,
                                       cap_jointly,
                                       keep_path,
-                                      new_cache,
                                       node_estimates,
                                       tree_forward)
 from hdcli.engine.decode.verify import Sampling
+from hdcli.engine.model.target import as_target
 
 from conftest import tiny_gemma3, tiny_llama
 from test_exactness import ScriptedLayer
@@ -33,8 +33,8 @@ def model(request):
     """A plain causal model and one with a sliding-window layer (window 8: the prompts below run
     past it), whose tree masks and cache entries differ from full attention's."""
     if request.param == "gemma3":
-        return tiny_gemma3(vocab_size=V, seed=1, scale=4.0)
-    return tiny_llama(vocab_size=V, seed=1, scale=4.0)
+        return as_target(tiny_gemma3(vocab_size=V, seed=1, scale=4.0))
+    return as_target(tiny_llama(vocab_size=V, seed=1, scale=4.0))
 
 
 def plain(model, prompt, n):
@@ -53,8 +53,8 @@ def random_tree(rng, n_cands=6, max_len=5):
 def prefilled(model, prompt, recording=True):
     """The cache after prompt[:-1]; recording: as the decoder makes it (sliding-window layers keep
     their past until cropped), else transformers' default."""
-    cache = new_cache(model) if recording else DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+    cache = model.new_cache() if recording else DynamicCache(config=model.config)
+    model.forward(torch.tensor([prompt[:-1]]), cache)
     return cache
 
 
@@ -68,11 +68,10 @@ def test_tree_mask_logits_equal_each_path_run_alone(model):
         logits = tree_forward(model, t, prompt[-1], prefilled(model, prompt))
         for node in range(1, len(t.tokens)):
             path = [t.tokens[i] for i in t.path(node)]
-            alone = model(input_ids=torch.tensor([[prompt[-1]] + path]),
-                          past_key_values=prefilled(model, prompt), use_cache=True).logits[0, -1]
+            alone = model.forward(torch.tensor([[prompt[-1]] + path]), prefilled(model, prompt))[-1]
             torch.testing.assert_close(logits[node], alone, atol=1e-4, rtol=1e-4)
         # the root's row is the prediction after the history itself
-        alone = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        alone = model.forward(torch.tensor([prompt]))[-1]
         torch.testing.assert_close(logits[0], alone, atol=1e-4, rtol=1e-4)
 
 

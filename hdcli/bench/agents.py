@@ -47,7 +47,6 @@ from ..engine.text import constrain
 from ..engine.decode.prediction import prediction_ids
 from ..engine.text.prompts import encode_messages
 from ..drafting import suffix
-from ..engine import loader as models
 from . import llamacpp
 from ..compose import warm_up
 from ..engine.text.prompts import encode_prompt
@@ -77,7 +76,7 @@ class Item:
     question_id: str
     category: str                    # workload/... (the tables' rows)
     messages: list[dict]
-    tools: list | None = None        # engine.tools.Tool list (tools workload)
+    tools: list | None = None        # engine.text.tools.Tool list (tools workload)
     tool_choice: str | None = None   # auto | required
     parallel: bool = False
     schema: dict | None = None       # json workload
@@ -499,13 +498,7 @@ def check_methods(names) -> None:
 
 
 def default_methods(lm) -> list[str]:
-    gguf = False
-    if llamacpp.available():
-        try:
-            gguf = models.resolve(lm.name)[0] == "gguf"
-        except HdError:
-            pass
-    return ["ar", "hd"] + ["suffix"] * suffix.available() + ["llama-cpp"] * gguf
+    return ["ar", "hd"] + ["suffix"] * suffix.available() + ["llama-cpp"] * llamacpp.runs_model(lm.name)
 
 
 class LlamaCppGrammar:

@@ -37,8 +37,8 @@ def hf_generate(lm: models.LoadedModel, prompt_ids: Sequence[int], max_new_token
         kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
                       top_k=sampling.top_k or None)
         torch.manual_seed(seed or 0)
-    ids = torch.tensor([list(prompt_ids)], device=next(lm.model.parameters()).device)
+    ids = torch.tensor([list(prompt_ids)], device=lm.model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        out = lm.model.module.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from ..engine import loader
 from ..errors import HdError
 
 INSTALL = "pip install 'llama-cpp-python>=0.3' (or pip install -e '.[llama-cpp]'; builds in ~4 min)"
@@ -31,6 +32,16 @@ def available() -> bool:
         import llama_cpp  # noqa: F401
         return True
     except ImportError:
+        return False
+
+
+def runs_model(name: str) -> bool:
+    """Whether the llama-cpp method applies: llama-cpp-python is installed and `name` is a GGUF file."""
+    if not available():
+        return False
+    try:
+        return loader.resolve(name)[0] == "gguf"
+    except HdError:
         return False
 
 

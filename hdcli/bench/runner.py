@@ -39,7 +39,6 @@ from ..errors import HdError
 from . import specbench
 from .baselines import first_difference, hf_generate, stock_model
 from ..drafting import suffix
-from ..engine import loader as models
 from . import llamacpp
 from .llamacpp import LlamaCppModel
 
@@ -85,14 +84,8 @@ def default_methods(cfg: DecodingConfig) -> list[str]:
     """ar and hf-ar, each layer alone whose DB is given, hd, hf-pld, suffix where installed, and
     llama-cpp where installed and the model is a GGUF file."""
     single = [n for n, spec in registry.LAYERS.items() if spec.bench_default and not spec.missing(cfg)]
-    gguf = False
-    if llamacpp.available():
-        try:
-            gguf = models.resolve(cfg.model)[0] == "gguf"
-        except HdError:
-            pass
     return (["ar", "hf-ar"] + single + ["hd", "hf-pld"] + ["suffix"] * suffix.available()
-            + ["llama-cpp"] * gguf)
+            + ["llama-cpp"] * llamacpp.runs_model(cfg.model))
 
 
 @dataclass

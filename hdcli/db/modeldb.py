@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import statsdb
+from ..engine.model import is_owned
 from ..errors import HdError
 
 # 320 prompts we wrote (code, math, summaries, explanations, writing, advice, extraction, translation),
@@ -146,12 +147,12 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
             kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
                 else dict(do_sample=False)
             with torch.inference_mode():
-                if hasattr(model, "forward_many"):   # hd's own forward: each prompt decoded by hd
+                if is_owned(model):   # hd's own forward: each prompt decoded by hd
                     out = _decode_each(lm, ids, width, pad, max_new_tokens, temperature, top_p,
                                        seed * 1_000_003 + b, drafter_factory)
                 else:
-                    out = model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                         pad_token_id=pad, **kw)
+                    out = model.module.generate(input_ids=inp, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                                pad_token_id=pad, **kw)
             for row, i in enumerate(idx):
                 gen = out[row, width:].tolist()
                 cut = next((j for j, t in enumerate(gen) if t in eos), len(gen))

@@ -11,16 +11,20 @@ rescanning.
         def extend(self, tokens: list[int]) -> None         # tokens appended to the history
         def propose(self, history, max_len, max_candidates) -> list[list[int]]
 
+    class RecordingLayer(Layer):                            # a layer that learns from the target:
+        top_k: int                                          # its best tokens per node it keeps,
+        def record(self, before, tokens, parents, top) -> None  # given after every verification
+
 The hierarchy asks its layers in order (most local first: context DB, then the model DB and
 the statistics DB) and returns `Draft`s tagged with the layer that made them, so statistics and
-colouring can be kept per layer. It is the engine's Drafter (hdcli.engine.draft).
+colouring can be kept per layer. It is the engine's Drafter (hdcli.engine.decode.draft).
 """
 from __future__ import annotations
 
 import time
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
-from ..engine.decode.draft import Draft, base_name, bucket, clamped
+from ..engine.decode.draft import Draft, Drafter, base_name, bucket, clamped
 from . import registry
 
 
@@ -30,6 +34,16 @@ class Layer(Protocol):
     def reset(self, tokens: Sequence[int]) -> None: ...
     def extend(self, tokens: Sequence[int]) -> None: ...
     def propose(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]: ...
+
+
+@runtime_checkable
+class RecordingLayer(Layer, Protocol):
+    """A layer that learns from the target's own predictions (drafting/recycle.py): top[i] is node
+    i's best tokens, best first, top_k of them."""
+    top_k: int
+
+    def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int],
+               top: Sequence[Sequence[int]]) -> None: ...
 
 
 # A layer's prior acceptance per tree place is registered with it (registry.LayerSpec.prior);
@@ -75,7 +89,7 @@ class AcceptanceTracker:
             self.accepted[k] = self.accepted.get(k, 0.0) + v
 
 
-class Hierarchy:
+class Hierarchy(Drafter):
     """Asks the layers in order (most local first) and returns candidates tagged by layer, best first.
 
     Parameters
@@ -106,6 +120,7 @@ class Hierarchy:
         if max_candidates < 1:
             raise ValueError("max_candidates must be >= 1")
         self.layers = list(layers)
+        self.recording = [layer for layer in self.layers if isinstance(layer, RecordingLayer)]
         self.policy, self.max_candidates = policy, max_candidates
         if isinstance(draft_len, int):
             self.lengths, self.draft_len = {}, draft_len
@@ -159,21 +174,20 @@ class Hierarchy:
                top: Sequence[Sequence[int]], stats=None) -> None:
         """A verification forward's predictions (see RecycledTable.record), for layers that learn
         from them: top[i] is node i's best tokens, best first (record_k of them)."""
-        for layer in self.layers:
-            if hasattr(layer, "record"):
-                t0 = time.perf_counter()
-                layer.record(before, tokens, parents, top)
-                if stats is not None:
-                    stats.layer(layer.name).seconds += time.perf_counter() - t0
+        for layer in self.recording:
+            t0 = time.perf_counter()
+            layer.record(before, tokens, parents, top)
+            if stats is not None:
+                stats.layer(layer.name).seconds += time.perf_counter() - t0
 
     @property
     def record_k(self) -> int:
         """How many best tokens per node the recording layers keep."""
-        return max([getattr(layer, "top_k", 1) for layer in self.layers if hasattr(layer, "record")] or [1])
+        return max([layer.top_k for layer in self.recording] or [1])
 
     @property
     def records(self) -> bool:
-        return any(hasattr(layer, "record") for layer in self.layers)
+        return bool(self.recording)
 
     def _ask(self, layer, history, max_len, slots, stats) -> list[Draft]:
         length = min(max_len, self.layer_len(layer.name))

@@ -31,8 +31,8 @@ class LayerInputs:
     stats_dbs: Sequence = ()       # open hdcli.db.stores.Store objects
     model_db: object = None        # an open Store, or None
     recycle_table: object = None   # a shared drafting.recycle.RecycledTable, or None for a new one
-    answer_index: object = None    # a drafting.model.AnswerIndex over model_db, or None for the
-                                   # process's own (one per DB file, drafting.model.index_for)
+    answer_index: object = None    # a drafting.answer_index.AnswerIndex over model_db, or None for the
+                                   # process's own (one per DB file, drafting.answer_index.index_for)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from ..engine.decode.draft import Draft
+from ..engine.decode.draft import Draft, Drafter
 from ..errors import HdError
 
 INSTALL = ("pip install nanobind==2.9.2 ninja cmake grpcio-tools protobuf wheel && "
@@ -49,7 +49,7 @@ def new_cache(max_tree_depth: int = MAX_TREE_DEPTH, max_cached_requests: int = -
     return SuffixDecodingCache(max_tree_depth=max_tree_depth, max_cached_requests=max_cached_requests)
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     name = "suffix"
     _ids = itertools.count()
 
@@ -101,7 +101,7 @@ class SuffixDrafter:
 
 def tree_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
     """Root-to-leaf token paths of a tree given as parallel lists (parent -1: a child of the
-    root), leaves in node order; merging them by prefix (hdcli.engine.tree.build_tree) gives the tree back."""
+    root), leaves in node order; merging them by prefix (hdcli.engine.decode.tree.build_tree) gives the tree back."""
     has_child = set(p for p in parents if p >= 0)
     out = []
     for i in range(len(tokens)):

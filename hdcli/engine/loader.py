@@ -55,6 +55,7 @@ from .model import FAMILIES
 from .kernels import quants
 from .model import build
 from .model.numerics import Numerics
+from .model.target import TargetModel, TransformersForward
 from .decode import costs
 from .decode import calibrate
 
@@ -92,7 +93,7 @@ INVARIANT = ("auto", "on", "off")  # the M-invariant forward (engine/kernels/inv
 @dataclass
 class LoadedModel:
     """A target model ready for decoding, with where it came from and what loading cost."""
-    model: object            # hd's own forward (engine/model/) or a transformers model, in eval mode
+    model: TargetModel       # hd's own forward (engine/model/) or transformers' (TransformersForward), in eval mode
     tokenizer: object        # transformers tokenizer
     name: str                # what the user passed
     source: str              # resolved path or hub id
@@ -106,7 +107,7 @@ class LoadedModel:
     @property
     def eos_ids(self) -> set[int]:
         ids = set()
-        for src in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+        for src in (self.model.eos_token_id, self.tokenizer.eos_token_id):
             if src is None:
                 continue
             ids.update(src if isinstance(src, (list, tuple)) else [src])
@@ -353,7 +354,7 @@ def _stock(name: str, kind: str, source: str, why: str, dtype: str, device: str,
     kn = "onednn" if kernels == "onednn" else "torch"
     if kn == "onednn":
         kern.pack(model)
-    return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dt, device=device,
+    return LoadedModel(model=TransformersForward(model), tokenizer=tok, name=name, source=source, dtype=dt, device=device,
                        load_seconds=time.perf_counter() - t0, kernels=kn, invariant=False,
                        info={"forward": "transformers", "why": why, "peak_rss_bytes": peak_rss_bytes()})
 
@@ -590,6 +591,6 @@ def load_reference(name: str, dtype: str, device: str) -> LoadedModel:
     t0 = time.perf_counter()
     tok, model = _transformers_model(name, kind, source, dtype)
     model.to(device).eval()
-    return LoadedModel(model=model, tokenizer=tok, name=name, source=source, dtype=dtype, device=device,
+    return LoadedModel(model=TransformersForward(model), tokenizer=tok, name=name, source=source, dtype=dtype, device=device,
                        load_seconds=time.perf_counter() - t0, kernels="torch", invariant=False,
                        info={"forward": "transformers"})

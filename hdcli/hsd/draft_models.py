@@ -19,29 +19,33 @@ import torch
 
 from ..engine.kernels import dense as kernels
 from ..engine import loader as models
+from ..engine.model import is_owned
+from ..engine.model.target import TargetModel, TransformersForward
 from ..errors import HdError
 
 
 @dataclass
 class DraftModel:
     name: str
-    model: object
+    model: TargetModel
     load_seconds: float
     params: int
 
 
-def _count(model) -> int:
-    packed = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, kernels.PackedLinear))
-    return sum(p.numel() for p in model.parameters()) + packed
+def _count(model: TargetModel) -> int:
+    module = model.module
+    packed = sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, kernels.PackedLinear))
+    return sum(p.numel() for p in module.parameters()) + packed
 
 
-def truncated(model, k: int):
+def truncated(target: TargetModel, k: int) -> TargetModel:
     """A copy of a decoder-only model keeping its first k layers (and embeddings, norm, head)."""
-    n = int(model.config.num_hidden_layers)
+    n = int(target.config.num_hidden_layers)
     if not 1 <= k < n:
         raise HdError(f"self:layers={k}: the target has {n} layers, pass 1 <= K < {n}")
-    if hasattr(model, "truncated"):   # hd's own forward: its first k blocks, shared, not copied
-        return model.truncated(k)
+    if is_owned(target):   # hd's own forward: its first k blocks, shared, not copied
+        return target.truncated(k)
+    model = target.module
     cfg = copy.deepcopy(model.config)
     cfg.num_hidden_layers = k
     if getattr(cfg, "layer_types", None):
@@ -59,30 +63,31 @@ def truncated(model, k: int):
     small = small.to(dtype=model.dtype, device=next(model.parameters()).device).eval()
     if kernels.is_packed(model):  # as fast per token as its target
         kernels.pack(small)
-    return small
+    return TransformersForward(small)
 
 
-def int8(model, target=None):
+def int8(model: TargetModel, target=None) -> TargetModel:
     """Dynamic int8 quantisation of the Linear layers (weights int8, activations quantised on the
     fly). CPU only; the copy computes in fp32 whatever the target's dtype. An owned forward's
     copy is loaded from its file with dense fp32 weights, one tensor at a time, then quantised."""
-    if next(model.parameters()).device.type != "cpu":
+    if model.device.type != "cpu":
         raise HdError("self:int8 is CPU only (torch dynamic quantisation); use self:layers=K on CUDA")
     try:
         from torch.ao.quantization import quantize_dynamic
     except ImportError:  # pragma: no cover
         raise HdError("self:int8 needs torch.ao.quantization, missing from this torch") from None
-    from ..engine.model import is_owned
-    if is_owned(model):
+    owned = is_owned(model)
+    if owned:
         base = models.load(target.name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True).model
     else:
-        base = copy.deepcopy(model)
+        base = copy.deepcopy(model.module)
         kernels.unpack(base)  # torch.ao quantises nn.Linear layers only
         base = base.float()
     import warnings
     with warnings.catch_warnings():   # torch.ao's deprecation notices are torch's to its callers, not the user's
         warnings.simplefilter("ignore")
-        return quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8).eval()
+        small = quantize_dynamic(base, {torch.nn.Linear}, dtype=torch.qint8).eval()
+    return small if owned else TransformersForward(small)
 
 
 def same_tokenizer(a, b) -> bool:

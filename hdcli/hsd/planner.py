@@ -270,11 +270,10 @@ def _predictions(model, prompts, refs, s) -> list:
     import torch
 
     rows = []
-    dev = next(model.parameters()).device
     with torch.inference_mode():
         for p, ref in zip(prompts, refs):
-            ids = torch.tensor([list(p) + ref[:-1]], device=dev)
-            logits = model(input_ids=ids).logits[0, len(p) - 1:].float()
+            ids = torch.tensor([list(p) + ref[:-1]], device=model.device)
+            logits = model.forward(ids)[len(p) - 1:].float()
             rows.append(logits.argmax(-1) if s.greedy else target_probs(logits, s))
     return rows
 

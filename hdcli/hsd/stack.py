@@ -30,8 +30,8 @@ from typing import Sequence
 import torch
 
 from ..drafting import Hierarchy
-from ..engine.decode.draft import Draft
-from ..engine.decode.tree import new_cache
+from ..engine.decode.draft import Draft, Drafter
+from ..engine.model.target import as_target
 from ..engine.decode.verify import Sampling, sample_point_masses, sample_with_draft, target_probs
 
 
@@ -98,13 +98,13 @@ class ModelLevel:
     def __init__(self, name: str, model, T: int, below, sampling: Sampling):
         if T < 1:
             raise ValueError("a level's batch size T must be >= 1")
-        self.name, self.model, self.T, self.below, self.s = name, model, T, below, sampling
+        self.name, self.model, self.T, self.below, self.s = name, as_target(model), T, below, sampling
         self.stats = LevelStats(name)
-        self.device = next(model.parameters()).device
+        self.device = self.model.device
         self.reset([])
 
     def reset(self, tokens):
-        self.cache = new_cache(self.model)
+        self.cache = self.model.new_cache()
         self.seq: list[int] = []
         self.below.reset(tokens)
 
@@ -122,7 +122,7 @@ class ModelLevel:
             self.cache.crop(-remove)
         feed = context[n:] + draft
         ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True).logits[0]
+        logits = self.model.forward(ids, self.cache)
         self.seq = context + draft
         self.stats.forwards += 1
         return logits[len(context) - n - 1:].float()
@@ -175,7 +175,7 @@ class ModelLevel:
         return buf[:want], (rows[:want] if not self.s.greedy else None)
 
 
-class ModelStack:
+class ModelStack(Drafter):
     """The drafter of `hd generate --draft-models`: the top model level's batch as one chain.
 
     levels: draft models smallest first as (name, model, T); base: a Hierarchy (database level)

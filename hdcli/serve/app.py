@@ -57,7 +57,7 @@ def _finish(job: Job) -> str:
 
 
 def build_app(server) -> Starlette:
-    """server: hdcli.serve.Server (its config, model, scheduler, metrics)."""
+    """server: hdcli.serve.server.Server (its config, model, scheduler, metrics)."""
     r = Routes(server)
 
     async def chat(request: Request) -> Response:

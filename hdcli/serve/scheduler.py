@@ -7,7 +7,7 @@ forward's rows shared among them (invariant.MAX_ROWS in all, the widest forward 
 mode is calibrated for); one forward verifies all trees; each request accepts its tokens and
 hands the new text to its client. A finished request goes to the learner (hdcli/serve/learner.py)
 when the server learns. A job's grammar and predicted output go to its decode stream (engine/decode/loop.py);
-a job parsed for tool calls holds back the text that may still become one (engine/tools.held) and
+a job parsed for tool calls holds back the text that may still become one (engine/text/tools.held) and
 ends with its calls in Job.calls.
 
 Invariants
@@ -80,7 +80,7 @@ class Job:
     grammar: Grammar | None = None         # the output follows it (engine/text/constrain.py)
     prediction: list[int] | None = None    # a predicted output's ids, drafted by its own layer
     tool_family: str | None = None         # parse the answer for tool calls in this format (engine/text/tools.py)
-    tools: list = field(default_factory=list)   # the tools offered (engine/tools.Tool): calls name one
+    tools: list = field(default_factory=list)   # the tools offered (engine/text/tools.Tool): calls name one
     calls: list | None = None              # the tool calls the answer is (OpenAI's shape), or None
     id: str = ""
     submitted: float = field(default_factory=time.perf_counter)
@@ -107,7 +107,7 @@ class Scheduler:
                  on_step: Callable[[list[Job], list[int]], None] = lambda jobs, n: None,
                  prefix=None):
         self.lm, self.drafter_for, self.cost = lm, drafter_for, cost
-        self.prefix = prefix   # engine/prefix.PrefixCache: prompts' keys kept across requests, or None
+        self.prefix = prefix   # engine/decode/prefix.PrefixCache: prompts' keys kept across requests, or None
         self.max_batch, self.max_queue = max_batch, max_queue
         self.on_finish, self.on_step = on_finish, on_step
         self.decoder = Decoder(lm.model, lm.eos_ids, None, cost=cost, prefix=prefix)

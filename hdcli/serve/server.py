@@ -1,7 +1,7 @@
 """`hd serve`: an OpenAI-compatible server over hd's lossless speculative decoding.
 
     from hdcli import api
-    from hdcli.serve import Server
+    from hdcli.serve.server import Server
     server = Server(api.DecodingConfig(model_db="model.lmdb", learn=True), port=8000)
     server.run()                      # until SIGTERM / Ctrl-C: drains running requests, then exits
 
@@ -12,6 +12,7 @@ precedence over its sampling settings. The modules:
   scheduler.py  the decode loop: requests stepped together, verified in one forward each step
   learner.py    --learn: finished generations into the model DB, one writer thread
   metrics.py    /metrics (prometheus-client)
+  options.py    ServeOptions: `hd serve`'s own options (listening, admission, batching), declared once
   protocol.py   the request bodies and OpenAI's error schema
   structured.py what a chat request asks of its output: response_format's grammar, tools and
                 tool_choice (call grammars, engine/text/tools.py), a predicted output; checked here
@@ -35,14 +36,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
-import math
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 from .. import api, compose
 from ..engine.text import constrain, tools
@@ -54,10 +54,10 @@ from . import structured, tenants
 from .learner import Learner
 from .limits import http_protocol, limit_log
 from .metrics import Metrics, Readers as MetricsReaders
+from .options import MAX_BODY, ServeOptions
 from .protocol import ApiError
 from .scheduler import Job, Scheduler
 
-MAX_BODY = 1 << 20   # bytes: a request body beyond this is refused (413)
 # seconds past drain_timeout a signalled shutdown may take (cancelling what still runs: 30 s,
 # writing what is left to learn) before the watchdog ends the process
 SHUTDOWN_MARGIN = 60.0
@@ -102,6 +102,7 @@ class Server:
     """A loaded model, its decode loop, learner and metrics, and the HTTP app over them.
 
     cfg: the run's configuration (model, dtype, layers, DBs, --learn, default sampling).
+    The keywords are ServeOptions' fields (options.py, `hd serve`'s own options), checked there:
     host/port: where to listen (port 0: a free port, see `port` after bind()); only what the
     caller gives, 127.0.0.1 by default. api_key: a bearer token /v1 routes require, or several
     (one per tenant; None: open); api_keys_file: more, one a line (tenants.Keys.load).
@@ -117,43 +118,25 @@ class Server:
     prefix_cache_mb: MiB of prompts' keys and values kept for later requests of the same scope
     (engine/decode/prefix.py; 0: off; off by itself where the model cannot use it)."""
 
-    def __init__(self, cfg: api.DecodingConfig, lm=None, *, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | Sequence[str] | None = None, api_keys_file: str | None = None,
-                 learn_scope: str | None = None, protect_metrics: bool = False, metrics_key: str | None = None,
-                 max_batch: int = 8, max_queue: int = 64,
-                 name: str | None = None, max_body: int = MAX_BODY, drain_timeout: float = 60.0,
-                 max_connections: int = 512, keep_alive_timeout: float = 5.0, header_timeout: float = 10.0,
-                 body_timeout: float = 30.0,
-                 prefix_cache_mb: float = 256,
-                 on_status: Callable[[str], None] = lambda m: None):
-        if max_batch < 1 or max_queue < 0:
-            raise HdError("--max-batch must be >= 1 and --max-queue >= 0")
-        if not 0 <= port <= 65535:
-            raise HdError(f"--port {port} is not a port: give 0..65535 (0: any free one)")
-        if not (math.isfinite(drain_timeout) and drain_timeout >= 0):   # nan passes a plain `< 0`
-            raise HdError(f"--drain-timeout must be a finite number of seconds >= 0, not {drain_timeout:g}")
-        if max_connections < 1:
-            raise HdError("--max-connections must be >= 1")
-        if not (math.isfinite(prefix_cache_mb) and prefix_cache_mb >= 0):
-            raise HdError(f"--prefix-cache-mb must be a finite number of MiB >= 0 (0: off), not {prefix_cache_mb:g}")
-        if not (keep_alive_timeout > 0 and header_timeout > 0):
-            raise HdError("the keep-alive and header timeouts must be > 0 seconds")
-        if not (math.isfinite(body_timeout) and body_timeout > 0):
-            raise HdError(f"--body-timeout must be a finite number of seconds > 0, not {body_timeout:g}")
+    def __init__(self, cfg: api.DecodingConfig, lm=None, *, on_status: Callable[[str], None] = lambda m: None,
+                 **options):
+        opts = ServeOptions(**options).validate()   # the keywords: ServeOptions' fields (options.py)
+        self.options = opts
+        api_key, learn_scope, port, prefix_cache_mb = opts.api_key, opts.learn_scope, opts.port, opts.prefix_cache_mb
         self.keys = tenants.Keys.load([api_key] if isinstance(api_key, str) else list(api_key or []),
-                                      api_keys_file)
+                                      opts.api_keys_file)
         if learn_scope is not None and learn_scope not in tenants.SCOPES:
             raise HdError(f"--learn-scope must be one of {', '.join(tenants.SCOPES)}, not '{learn_scope}'")
         self.learn_scope = learn_scope or tenants.default_scope(self.keys)
-        self.protect_metrics = protect_metrics
-        self.metrics_readers = MetricsReaders(self.keys, metrics_key, protect_metrics)
-        self.host, self.port = host, port
-        self.max_body, self.drain_timeout, self.say = max_body, drain_timeout, on_status
-        self.max_connections, self.keep_alive_timeout = max_connections, keep_alive_timeout
-        self.header_timeout, self.body_timeout = header_timeout, body_timeout
+        self.protect_metrics = opts.protect_metrics
+        self.metrics_readers = MetricsReaders(self.keys, opts.metrics_key, opts.protect_metrics)
+        self.host, self.port = opts.host, port
+        self.max_body, self.drain_timeout, self.say = opts.max_body, opts.drain_timeout, on_status
+        self.max_connections, self.keep_alive_timeout = opts.max_connections, opts.keep_alive_timeout
+        self.header_timeout, self.body_timeout = opts.header_timeout, opts.body_timeout
         run = api.prepare(cfg, lm, on_status)
         self.config, self.lm, self.dbs = run.config, run.lm, run.dbs
-        self.name = name or self.lm.name
+        self.name = opts.name or self.lm.name
         self.created = int(time.time())
         self.metrics = Metrics()
         compose.warm_up(self.lm)
@@ -180,7 +163,7 @@ class Server:
         elif prefix_cache_mb > 0:
             self.prefix = prefix.PrefixCache(int(prefix_cache_mb * (1 << 20)))
             self.metrics.watch_prefix(self.prefix)
-        self.scheduler = Scheduler(self.lm, self._drafter, cost=cost, max_batch=max_batch, max_queue=max_queue,
+        self.scheduler = Scheduler(self.lm, self._drafter, cost=cost, max_batch=opts.max_batch, max_queue=opts.max_queue,
                                    on_finish=self._finished, on_step=self._stepped, prefix=self.prefix)
         self._sock: socket.socket | None = None
         self._main_loop = False

@@ -2,7 +2,7 @@
 call grammar of `tool_choice` "required" / a named function), its tools, and a predicted output.
 Each is checked here against the served model, and a fault is an ApiError(400) naming its field:
 
-  tools                         engine/tools.parse_tools: shape, unique names, each `parameters`
+  tools                         engine/text/tools.parse_tools: shape, unique names, each `parameters`
                                 an object schema the grammar engine compiles
                                 ("tools[1].function.parameters: ...")
   tool_choice                   none | auto | required | {"type": "function", "function": {"name"}};
@@ -12,7 +12,7 @@ Each is checked here against the served model, and a fault is an ApiError(400) n
   response_format...schema      compiled for the model (engine/text/constrain.py); not with a call grammar
   prediction                    at most the tokens the context leaves after the prompt
 
-Under "required" and a named function the output is constrained to calls (engine/tools.call_grammar:
+Under "required" and a named function the output is constrained to calls (engine/text/tools.call_grammar:
 their arguments always parse and follow the schema); under "auto" it is not (the model's own
 answer, text or calls, exactly as plain decoding gives it), and it is parsed for calls all the
 same: one that does not parse is text. "none" renders the tools but parses nothing.
@@ -31,7 +31,7 @@ CHOICES = ("none", "auto", "required")
 
 @dataclass(frozen=True)
 class ToolSpec:
-    tools: list = field(default_factory=list)   # engine/tools.Tool
+    tools: list = field(default_factory=list)   # engine/text/tools.Tool
     mode: str = "none"         # none | auto | required | named
     name: str | None = None    # the function named (mode "named")
     parallel: bool = True

@@ -12,7 +12,7 @@ requests is kept per *scope*, and a request draws only from its own scope's:
           request without one shares its key's anonymous scope)
 
 Scoped are: the recycled predictions (drafting/recycle.py), the model DB answers learned while
-serving (drafting/model.ScopedAnswers, written to the DB with the scope's tag by --learn, so a
+serving (drafting/answer_index.ScopedAnswers, written to the DB with the scope's tag by --learn, so a
 restart keeps them apart), and the prefix cache (engine/decode/prefix.py). Not scoped, because no request
 writes them: the model DB as built by `hd build-model-db`, statistics DBs, the context layer
 (one request's own text).

@@ -25,12 +25,13 @@ from typing import Sequence
 import torch
 
 from ..kernels import invariant
-from .tree import Tree, attention_mask, tree_forward
+from .tree import Tree, tree_forward, tree_rows
 
 
 def can_batch(model) -> bool:
-    """Whether forward_many verifies several items in one forward for this model."""
-    return invariant.is_enabled(model) and hasattr(model, "forward_many")
+    """Whether forward_many verifies several items in one forward for this model (a TargetModel,
+    engine/model/target.py): hd's own forward in the M-invariant mode."""
+    return model.invariant
 
 
 def groups(sizes: Sequence[int], max_rows: int = invariant.MAX_ROWS) -> list[list[int]]:
@@ -54,16 +55,7 @@ def forward_many(model, items: Sequence[tuple[Tree, int, object]]) -> list[torch
     tree_forward would alone; each cache grows by its tree's nodes."""
     if len(items) == 1 or not can_batch(model):
         return [tree_forward(model, tree, root, cache) for tree, root, cache in items]
-    device = next(model.parameters()).device
-    parts = []
-    for tree, root, cache in items:
-        ids = torch.tensor([[root] + tree.tokens[1:]], dtype=torch.long, device=device)
-        if tree.is_chain():
-            parts.append((ids, cache, None, None))
-        else:
-            past = cache.get_seq_length()
-            pos = torch.tensor([[past + d for d in tree.depths]], dtype=torch.long, device=device)
-            parts.append((ids, cache, pos, attention_mask(model, tree, past, cache)))
+    parts = [tree_rows(model, tree, root, cache) for tree, root, cache in items]
     out: list[torch.Tensor] = []
     for group in groups([p[0].shape[1] for p in parts]):
         out.extend(model.forward_many([parts[i] for i in group]))

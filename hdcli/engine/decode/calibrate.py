@@ -9,7 +9,7 @@ import torch
 
 from .. import records
 from ..kernels import fused, invariant
-from .tree import Tree, new_cache, tree_forward
+from .tree import Tree, tree_forward
 
 
 @torch.inference_mode()
@@ -19,9 +19,9 @@ def compare_rows(model: torch.nn.Module, tree, prompt: list[int]) -> list[tuple[
     walk gives: the cache then holds exactly its path; one walk a leaf, not one a node, keeps an
     8B model's check to a few dozen forwards). Per node: (its row torch.equal to the one-token
     forward of the node, the largest |difference|)."""
-    device = next(model.parameters()).device
-    cache = new_cache(model)
-    model(input_ids=torch.tensor([prompt[:-1]], device=device), past_key_values=cache, use_cache=True)
+    device = model.device
+    cache = model.new_cache()
+    model.forward(torch.tensor([prompt[:-1]], device=device), cache)
     base = cache.get_seq_length()
     rows = tree_forward(model, tree, prompt[-1], cache)
     ones: dict[int, torch.Tensor] = {}
@@ -29,8 +29,7 @@ def compare_rows(model: torch.nn.Module, tree, prompt: list[int]) -> list[tuple[
         cache.crop(-(cache.get_seq_length() - base))
         for node in [0] + tree.path(leaf):
             tok = prompt[-1] if node == 0 else tree.tokens[node]
-            one = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache,
-                        use_cache=True).logits[0, -1]
+            one = model.forward(torch.tensor([[tok]], device=device), cache)[-1]
             ones.setdefault(node, one)
     return [(torch.equal(ones[n], rows[n]), float((ones[n].float() - rows[n].float()).abs().max()))
             for n in range(len(tree.tokens))]

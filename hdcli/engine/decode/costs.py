@@ -42,12 +42,11 @@ from pathlib import Path
 import torch
 
 from ..records import cache_file, cpu_name, number, read_record, write_json
-from .tree import new_cache
-from ..kernels.quants import TYPES
 from . import batch
 from .tree import Tree
 from ..kernels import fused
 from ..kernels import quants
+from ..kernels import dense
 
 WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CHEAP_VERIFY = 1.45  # cost(8) at or below this (in one-token forwards): verification is nearly free
@@ -118,11 +117,10 @@ def flat(cost: float = 1.0) -> CostCurve:
 def _n_params(model) -> int:
     # a GGUF tensor's blocks (quants.QLinear) hold no Parameter
     n = 0
-    for m in model.modules():
+    for m in model.module.modules():
         for p in m.parameters(recurse=False):
             n += p.numel()
-        packed = getattr(m, "packed", None)  # kernels.PackedLinear holds an opaque tensor
-        if packed is not None or (getattr(m, "qtype", None) in TYPES and hasattr(m, "in_features") and not hasattr(m, "kernel")):   # or GGUF blocks
+        if isinstance(m, (dense.PackedLinear, quants.QLinear)):  # an opaque packed tensor, or GGUF blocks
             n += m.in_features * m.out_features
     return n
 
@@ -139,11 +137,11 @@ def measure_seconds(model, context: int = 256, rounds: int = ROUNDS, widths=WIDT
                     desc: str = "measuring forward cost", quiet: bool = False) -> dict[int, float]:
     """Least time of a w-token forward over a `context`-token cache, per width, over `rounds`
     interleaved rounds (see the module docstring)."""
-    device = next(model.parameters()).device
+    device = model.device
     vocab = model.config.vocab_size
     ctx = torch.arange(context, device=device)[None] % vocab
-    cache = new_cache(model)
-    model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    cache = model.new_cache()
+    model.forward(ctx, cache)
     base = cache.get_seq_length()
     inputs = {w: (torch.arange(w, device=device)[None] * 7 + 11) % vocab for w in widths}
 
@@ -151,7 +149,7 @@ def measure_seconds(model, context: int = 256, rounds: int = ROUNDS, widths=WIDT
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model(input_ids=inputs[w], past_key_values=cache, use_cache=True)
+        model.forward(inputs[w], cache)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -186,7 +184,7 @@ def curve_from_seconds(seconds: dict[int, float]) -> CostCurve:
 def plausible(curve: CostCurve, model) -> bool:
     """False for a curve a CPU cannot have: flat to the widest width on a model whose compute
     must show (a 20M+ parameter forward over 64 tokens does 64x the arithmetic of one)."""
-    device = next(model.parameters()).device
+    device = model.device
     if device.type != "cpu" or _n_params(model) < MIN_PARAMS_FOR_SLOPE:
         return True
     return curve(curve.widths[-1]) >= FLAT_LIMIT
@@ -225,14 +223,13 @@ def measure_extras(model, context: int = 256, rounds: int = ROUNDS, quiet: bool 
     8-row chain, 4 one-token streams in one batched forward against a 4-token chain, all timed in
     interleaved rounds (least time of each). stream is 1 (a forward each) where the model does
     not batch streams."""
-    device = next(model.parameters()).device
+    device = model.device
     vocab = model.config.vocab_size
     n_caches = 4 if batch.can_batch(model) else 1
     caches = []
     for i in range(n_caches):
-        cache = new_cache(model)
-        model(input_ids=(torch.arange(context, device=device)[None] + 13 * i) % vocab, past_key_values=cache,
-              use_cache=True)
+        cache = model.new_cache()
+        model.forward((torch.arange(context, device=device)[None] + 13 * i) % vocab, cache)
         caches.append(cache)
     base = caches[0].get_seq_length()
 

@@ -12,6 +12,10 @@ and hdcli.hsd.stack (draft models stacked over it) implement it.
         records: bool                                        # wants every forward's predictions ...
         record_k: int                                        # ... this many best tokens per node,
         def record(self, before, tokens, parents, top, stats)  # ... given here (top[i], best first)
+        def record_target(self, proposed, accepted) -> None  # a step's drafted and accepted node counts
+
+The last four have defaults (records False, record_k 1, record and record_target do nothing): a
+drafter that subclasses Drafter inherits them; the loop calls every method above, probing none.
 
 Invariant: a drafter proposes; only the target's verification decides what is kept, so no
 drafter can change greedy output (tests/test_exactness.py, tests/test_tree.py).
@@ -61,10 +65,21 @@ def bucket(depth: int, first_child: bool) -> int:
 
 
 class Drafter(Protocol):
-    """See the module docstring; drafting.Hierarchy and hsd.stack.ModelStack implement it."""
+    """See the module docstring; drafting.Hierarchy, drafting.suffix.SuffixDrafter and
+    hsd.stack.ModelStack implement it."""
+
+    records: bool = False
+    record_k: int = 1
 
     def reset(self, tokens: Sequence[int]) -> None: ...
     def extend(self, tokens: Sequence[int]) -> None: ...
     def propose(self, history: Sequence[int], max_len: int, stats=None) -> list[Draft]: ...
     def rate(self, layer: str | None, depth: int = 1, first_child: bool = True) -> float: ...
     def observe(self, tested: dict, accepted: dict) -> None: ...
+
+    def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int],
+               top: Sequence[Sequence[int]], stats=None) -> None:
+        """The target's best tokens at every node of a verification forward (where records)."""
+
+    def record_target(self, proposed: int, accepted: int) -> None:
+        """How many nodes a step drafted and how many the target accepted."""

@@ -10,6 +10,10 @@ the tree. After the forward the cache holds history + every tree node; keep_path
 accepted path's entries next to `last` and drops the rest, so a rejected token or branch never
 stays in the cache. The target's own next token becomes `last` for the next step.
 
+One step reads top to bottom in `speculative_step` (propose, build and cap the tree, forward,
+accept, commit to the cache, update the layers); hd serve runs the same pieces with one forward
+shared by several streams (Stream.propose, batch.forward_many, Stream.accept).
+
 With no drafter this is plain autoregressive decoding with the same model and cache (the `ar`
 baseline every speedup is measured against).
 """
@@ -17,18 +21,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from ..kernels import invariant
+from ..model.target import TargetModel, as_target
 from .draft import Draft, Drafter, clamped
 from .prefix import prefill_pieces
 from .stats import RunStats
 from ..text.constrain import FORCED_RATE, Grammar
 from .costs import CostCurve
 from .prediction import Prediction
-from .tree import Tree, build_tree, keep_path, new_cache, node_estimates, reached, supports_trees, tree_forward
+from .tree import Tree, build_tree, keep_path, node_estimates, reached, supports_trees, tree_forward
 from .verify import Sampling, accept_chain_q, accept_tree, logprobs_of, processed, top_tokens
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
@@ -50,27 +55,27 @@ class Generation:
 class Decoder:
     """Speculative decoding of one sequence with a target model and a drafting hierarchy.
 
-    cost: the target's forward-cost curve (hdcli.engine.costs) that caps each step's draft tree; None
-    sends every drafted node (up to max_nodes)."""
+    model: a TargetModel (engine/model/target.py), or a transformers model (wrapped here in its
+    adapter). cost: the target's forward-cost curve (hdcli.engine.decode.costs) that caps each
+    step's draft tree; None sends every drafted node (up to max_nodes)."""
 
-    def __init__(self, model, eos_ids: Sequence[int] = (), drafter: Drafter | None = None,
+    def __init__(self, model: TargetModel, eos_ids: Sequence[int] = (), drafter: Drafter | None = None,
                  cost: CostCurve | None = None, max_nodes: int = 63, prefix=None):
-        self.model = model
-        self.prefix = prefix   # engine/prefix.PrefixCache (hd serve), or None
+        self.model = model = as_target(model)
+        self.prefix = prefix   # engine/decode/prefix.PrefixCache (hd serve), or None
         self.eos_ids = set(int(e) for e in eos_ids)
         self.drafter = drafter
         self.cost, self.max_nodes = cost, max_nodes
-        if invariant.is_enabled(model) and max_nodes + 1 > invariant.MAX_ROWS:
+        if model.invariant and max_nodes + 1 > invariant.MAX_ROWS:
             raise ValueError(f"the M-invariant forward verifies at most {invariant.MAX_ROWS - 1} nodes a step")
-        self.device = next(model.parameters()).device
+        self.device = model.device
         self.vocab_size = int(model.config.vocab_size)   # the embedding's rows: drafts never name an id past them
 
     def _prefill(self, ids: Sequence[int], cache, scope: str = "") -> int:
         """Fill the cache with ids. No logits are needed (the last prompt token is fed with the
-        first step): hd's own forward computes the keys and values only; a transformers model runs
-        its head on one row where it takes `logits_to_keep`, as its generate() does (for a
-        400-token prompt that saves 400 rows of the head). Every prefill of plain, speculative and
-        served decoding goes through here. With a prefix cache, the longest prefix of ids that
+        first step): the model's prefill (hd's own forward computes the keys and values only,
+        transformers' its head on one row, target.TransformersForward). Every prefill of plain,
+        speculative and served decoding goes through here. With a prefix cache, the longest prefix of ids that
         `scope` stored is restored and the rest computed (engine/decode/prefix.py). Returns how many
         tokens came from the prefix cache.
 
@@ -81,17 +86,10 @@ class Decoder:
         widths the mode never calibrated). It cost ~10% of a 1,000-token prefill (AMD EPYC)."""
         if self.prefix is not None:
             return self.prefix.prefill(self.model, ids, cache, scope)
-        if hasattr(self.model, "prefill") and invariant.is_enabled(self.model):
+        if self.model.invariant:
             prefill_pieces(self.model, ids, cache)
-            return 0
-        inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        if hasattr(self.model, "prefill"):   # hd's own forward (hdcli/engine/model/)
-            self.model.prefill(inp, cache)
-            return 0
-        try:
-            self.model(input_ids=inp, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        except TypeError:  # an older model class without logits_to_keep; the cache is untouched
-            self.model(input_ids=inp, past_key_values=cache, use_cache=True)
+        else:
+            self.model.prefill(torch.tensor([list(ids)], dtype=torch.long, device=self.device), cache)
         return 0
 
     @torch.inference_mode()
@@ -108,8 +106,7 @@ class Decoder:
         s = self.stream(prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens, logprobs=logprobs,
                         grammar=grammar, prediction=prediction)
         while not s.done:
-            tree = s.propose()
-            s.accept(tree_forward(self.model, tree, s.history[-1], s.cache))
+            speculative_step(self.model, s)
         return s.result()
 
     @torch.inference_mode()
@@ -138,10 +135,11 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 class Stream:
     """One generation between steps: its cache, history, drafter and output.
 
-    Each step is propose() (draft, merge the candidates into a tree capped by cost and by
-    max_nodes), a forward over the tree that the caller runs (alone: tree_forward; with other
-    streams: batch.forward_many), then accept(logits). Rows of a forward depend only on their own
-    path in the M-invariant mode, so a stream's tokens are the same whatever is verified beside it."""
+    Each step is propose() (draft, then plan: merge the candidates into a tree capped by cost and
+    by max_nodes), a forward over the tree that the caller runs (alone: speculative_step; with
+    other streams: batch.forward_many), then accept(logits) (verify, keep_path, advance). Rows of
+    a forward depend only on their own path in the M-invariant mode, so a stream's tokens are the
+    same whatever is verified beside it."""
 
     @torch.inference_mode()
     def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -161,7 +159,7 @@ class Stream:
             self.gen.manual_seed(seed if seed is not None else torch.seed())
         self.stats = RunStats(prompt_tokens=len(prompt_ids))
         self.t_start = time.perf_counter()
-        self.cache = new_cache(decoder.model)
+        self.cache = decoder.model.new_cache()
         self.history = [int(t) for t in prompt_ids]
         self.scope = scope
         if len(self.history) > 1:
@@ -178,7 +176,7 @@ class Stream:
         self.done = False
         self.tree: Tree | None = None
         self._q_rows = None
-        self._t_drafted = 0.0
+        self._t_propose = self._t_drafted = 0.0
         self.estimates: list[float] = [1.0]   # per node of an uncapped proposal (scheduler joint cap)
         # the top of the hierarchy, per request: the grammar (its mask on every row; its forced
         # tokens drafted first) and the predicted output. Plain decoding (no drafter, no
@@ -192,25 +190,36 @@ class Stream:
         max_nodes caps it below the decoder's (a scheduler sharing one forward's rows). capped
         False: the tree is not cut by cost here (a scheduler cuts several streams' trees together,
         tree.cap_jointly, then calls restrict); `estimates` then holds its nodes' estimates."""
+        return self.plan(self.draft(max_nodes), max_nodes, capped)
+
+    def _cap(self, max_nodes: int | None) -> int:
+        dec = self.decoder
+        return dec.max_nodes if max_nodes is None else min(max_nodes, dec.max_nodes)
+
+    def draft(self, max_nodes: int | None = None) -> list[Draft]:
+        """The step's candidates, best first, within the room left (_drafts)."""
         assert not self.done and self.tree is None, "accept() the last step first"
-        dec, drafter = self.decoder, self.drafter
-        cap = dec.max_nodes if max_nodes is None else min(max_nodes, dec.max_nodes)
+        self._t_propose = time.perf_counter()
         room = self.max_new_tokens - len(self.out) - 1
-        t0 = time.perf_counter()
-        drafts = self._drafts(room) if cap > 0 else []
+        drafts = self._drafts(room) if self._cap(max_nodes) > 0 else []
         self._q_rows = drafts[0].q if drafts else None
+        return drafts
+
+    def plan(self, drafts: list[Draft], max_nodes: int | None = None, capped: bool = True) -> Tree:
+        """The candidates merged into this step's tree and capped by cost and max_nodes (propose)."""
+        cap = self._cap(max_nodes)
         rate = self._rate if self.grammar is not None or self.prediction is not None else (
-            drafter.rate if drafter else None)
+            self.drafter.rate if self.drafter else None)
         if self._q_rows is not None:  # a draft model's sampled chain: verified with its distribution
             tree = build_tree(drafts[:1], None, None, cap)
         else:
-            tree = build_tree(drafts, rate, dec.cost if capped else None, cap, self.trees_ok)
+            tree = build_tree(drafts, rate, self.decoder.cost if capped else None, cap, self.trees_ok)
         if not capped:   # for the caller's joint cap; a capped tree's were used in build_tree
             if self._q_rows is not None:   # a draft model's chain: sent whole (its rows of q go with it)
                 self.estimates = [1.0] * (tree.size() + 1)
             else:
                 self.estimates = node_estimates(tree, rate) if rate and tree.size() else [1.0]
-        self.stats.draft_seconds += time.perf_counter() - t0
+        self.stats.draft_seconds += time.perf_counter() - self._t_propose
         self._t_drafted = time.perf_counter()
         self.tree = tree
         return tree
@@ -272,20 +281,27 @@ class Stream:
     @torch.inference_mode()
     def accept(self, logits: torch.Tensor) -> list[int]:
         """Take the forward's logits [nodes, V] over the proposed tree (its nodes now in the cache):
-        keep what the target accepts, crop the rest. Returns the new tokens.
+        keep what the target accepts, crop the rest (verify, keep_path, advance). Returns the new
+        tokens."""
+        v = self.verify(logits)
+        keep_path(self.cache, len(self.history) - 1, v.path)   # the root and the accepted path only
+        return self.advance(v)
 
-        Acceptance (engine/decode/verify.py): greedy keeps the longest path from the root whose every
-        token is the target's argmax after its parent, then adds the target's argmax after it.
-        Sampling walks the same way: at each node the children are tried in order, a child x
-        (a point-mass draft) kept with probability p(x), else p(x) := 0 and renormalise; a draft
-        model's chain (x drawn from q) is kept with probability min(1, p(x)/q(x)), else the token
-        is drawn from norm(max(0, p - q)). Either way the output has the target's distribution.
-        Penalties and biases process every row first, each with its own path's counts
-        (verify.processed), so all of this holds for the processed distribution."""
-        tree, history, stats, drafter = self.tree, self.history, self.stats, self.drafter
+    def verify(self, logits: torch.Tensor) -> "Verified":
+        """The acceptance rule (engine/decode/verify.py) over the proposed tree's logits [nodes, V].
+
+        Greedy keeps the longest path from the root whose every token is the target's argmax after
+        its parent, then adds the target's argmax after it. Sampling walks the same way: at each
+        node the children are tried in order, a child x (a point-mass draft) kept with probability
+        p(x), else p(x) := 0 and renormalise; a draft model's chain (x drawn from q) is kept with
+        probability min(1, p(x)/q(x)), else the token is drawn from norm(max(0, p - q)). Either way
+        the output has the target's distribution. Penalties and biases process every row first,
+        each with its own path's counts (verify.processed), so all of this holds for the processed
+        distribution."""
+        tree, drafter = self.tree, self.drafter
         self.tree = None
-        t2 = time.perf_counter()
-        stats.forward_seconds += t2 - self._t_drafted
+        t0 = time.perf_counter()
+        self.stats.forward_seconds += t0 - self._t_drafted
         logits = processed(logits, self.sampling, self.out, tree.parents, tree.tokens)
         greedy = self.sampling.greedy
         # each row masked with its own path's grammar state; greedy decoding without
@@ -293,8 +309,7 @@ class Stream:
         lazy_mask = self.grammar is not None and greedy and self.out_logprobs is None
         if self.grammar is not None and not lazy_mask:
             logits = self.grammar.masked(logits, tree.children, tree.tokens)
-        past = len(history) - 1            # cache length before this step
-        records = drafter is not None and getattr(drafter, "records", False)
+        records = drafter is not None and drafter.records
         # each node's best tokens, computed once: greedy acceptance takes the first, layers that
         # recycle the target's predictions take as many as they keep
         top = top_tokens(logits, drafter.record_k if records else 1) if greedy or records else None
@@ -302,19 +317,22 @@ class Stream:
             targets = self.grammar.greedy_targets(logits, tree.children, tree.tokens, [t[0] for t in top])
             top = [row if row[0] == t else [t] + [x for x in row if x != t][:len(row) - 1]
                    for row, t in zip(top, targets)]
-        if records:
-            drafter.record(history[-2:-1], [history[-1]] + tree.tokens[1:], tree.parents, top, stats)
         if self._q_rows is not None and not greedy:
             n, nxt = accept_chain_q(logits, tree.tokens[1:], self._q_rows, self.sampling, self.gen)
             path = list(range(1, n + 1))
         else:
             path, nxt = accept_tree(logits, tree, self.sampling, self.gen,
                                     targets=[t[0] for t in top] if greedy else None)
-        keep_path(self.cache, past, path)     # the root and the accepted path only
-        if tree.size():
-            self._record(tree, path)
+        return Verified(tree, path, nxt, logits, top if records else None, t0)
+
+    def advance(self, v: "Verified") -> list[int]:
+        """After the cache holds the accepted path (keep_path): the drafting layers learn from the
+        step, and the new tokens (the path, then the target's own) join the output, cut at an
+        end-of-sequence token or a stop string. Returns the tokens added to the output."""
+        tree, path, stats = v.tree, v.path, self.stats
+        self._update_layers(v)
         stats.tree_sizes.append(tree.size())
-        new = [tree.tokens[i] for i in path] + [nxt]
+        new = [tree.tokens[i] for i in path] + [v.nxt]
         new_layers = [tree.layers[i] for i in path] + [None]
         for i, t in enumerate(new):
             if t in self.decoder.eos_ids:
@@ -322,8 +340,8 @@ class Stream:
                 break
         stats.accept_lengths.append(len(new))
         if self.out_logprobs is not None:   # row 0 predicted the first new token, each kept node the next
-            self.out_logprobs.extend(logprobs_of(logits, ([0] + path)[:len(new)], new, self.logprobs))
-        history.extend(new)
+            self.out_logprobs.extend(logprobs_of(v.logits, ([0] + path)[:len(new)], new, self.logprobs))
+        self.history.extend(new)
         out = self.out
         before = len(out)
         out.extend(new)
@@ -333,7 +351,14 @@ class Stream:
             stats.grammar_seconds, stats.grammar_rows = self.grammar.seconds, self.grammar.rows
         if self.prediction is not None:
             self.prediction.extend(out, len(new))
-        stats.bookkeeping_seconds += time.perf_counter() - t2
+        stats.bookkeeping_seconds += time.perf_counter() - v.t0
+        self._stop_or_go(before, new)
+        return out[before:]
+
+    def _stop_or_go(self, before: int, new: list[int]) -> None:
+        """A stop string cuts the output; on_tokens hears the new output; the stream ends, or the
+        drafter hears the new tokens."""
+        out = self.out
         if self.stop_check is not None:
             cut = self.stop_check(out)
             if cut is not None:
@@ -346,10 +371,9 @@ class Stream:
         if self.stop_reason != "length":
             self.done = True
         else:
-            if drafter is not None:
-                drafter.extend(new)
+            if self.drafter is not None:
+                self.drafter.extend(new)
             self.done = len(out) >= self.max_new_tokens
-        return out[before:]
 
     def stop(self, reason: str = "cancelled") -> None:
         """End the generation where it is (a client went away)."""
@@ -362,9 +386,15 @@ class Stream:
                           stats=self.stats, logprobs=self.out_logprobs,
                           prediction_usage=self.prediction_usage())
 
-    def _record(self, tree: Tree, path: list[int]) -> None:
-        """Per-layer counts of what was sent, kept and which candidate won; feeds `adaptive`."""
-        stats = self.stats
+    def _update_layers(self, v: "Verified") -> None:
+        """What the step teaches the drafting layers: the target's predictions at every node (to
+        layers that recycle them), per-layer counts of what was sent, kept and which candidate won
+        (feeds `adaptive`), and the proposed and accepted sizes."""
+        tree, path, stats, drafter = v.tree, v.path, self.stats, self.drafter
+        if v.top is not None:
+            drafter.record(self.history[-2:-1], [self.history[-1]] + tree.tokens[1:], tree.parents, v.top, stats)
+        if not tree.size():
+            return
         for name in tree.layers[1:]:
             stats.layer(name).drafted += 1
         for i in path:
@@ -372,8 +402,30 @@ class Stream:
         tested, accepted = reached(tree, path)
         if path:
             stats.layer(tree.layers[path[-1]]).won += 1
-        if self.drafter is None:   # a prediction alone
+        if drafter is None:   # a prediction alone
             return
-        self.drafter.observe(tested, accepted)
-        if hasattr(self.drafter, "record_target"):
-            self.drafter.record_target(tree.size(), len(path))
+        drafter.observe(tested, accepted)
+        drafter.record_target(tree.size(), len(path))
+
+
+class Verified(NamedTuple):
+    """What the acceptance rule decided over one step's tree (Stream.verify)."""
+    tree: Tree
+    path: list[int]                # accepted nodes, root excluded, in order
+    nxt: int                       # the target's own token after the path
+    logits: torch.Tensor           # the processed (penalised, masked) logits the rule read
+    top: list | None               # each node's best tokens, for a drafter that records them; else None
+    t0: float                      # when verification began (bookkeeping time)
+
+
+@torch.inference_mode()
+def speculative_step(model: TargetModel, s: Stream) -> list[int]:
+    """One step of speculative decoding of one stream, top to bottom (batched serving runs the
+    same pieces, the forward shared by several streams: hdcli/serve/scheduler.py). Returns the
+    tokens added to the output."""
+    drafts = s.draft()                                          # propose: the drafting layers' candidates
+    tree = s.plan(drafts)                                       # build the token tree, capped by cost
+    logits = tree_forward(model, tree, s.history[-1], s.cache)  # forward: every node verified at once
+    v = s.verify(logits)                                        # accept: the target's rule walks the tree
+    keep_path(s.cache, len(s.history) - 1, v.path)              # commit: only the accepted path stays cached
+    return s.advance(v)                                         # update: output, stops, the drafting layers

@@ -9,7 +9,7 @@ or after its last `ALIGN_N - 1`, ..., down to 2 tokens; none found: lost until o
 
 Draft length: the layer offers the prediction up to the room the loop gives; its per-token
 acceptance estimate grows with how long the current match has held, rate() = (run + 1) / (run + 2)
-within [0.5, 0.98], and the tree's cost cap (engine/tree.cap_by_cost, the measured cost curve)
+within [0.5, 0.98], and the tree's cost cap (engine/decode/tree.cap_by_cost, the measured cost curve)
 keeps the prefix whose expected tokens pay for its rows. A prediction never changes output: its
 tokens are drafts the target verifies like any other.
 """

@@ -47,9 +47,9 @@ from ..kernels import invariant
 
 def why_not(model) -> str | None:
     """Why the prefix cache cannot serve this model (None: it can)."""
-    if not hasattr(model, "prefill") or not hasattr(model, "new_cache"):
+    if model.numerics is None:   # a TargetModel without a Numerics record: transformers' forward
         return "the model runs on transformers' forward, not hd's own"
-    if not invariant.is_enabled(model):
+    if not model.invariant:
         return "the model is not in the M-invariant mode (a prefix's keys could depend on how it was split)"
     return None
 
@@ -120,7 +120,7 @@ class PrefixCache:
         k0 = path[0][0].kv[0][0]
         layers = cache.layers
         layers[0].lazy_initialization(like(0))   # the layer as a prefill would begin it
-        if layers[0].kbuf.dtype != k0.dtype:   # stored under another attention (fused.use toggled)
+        if layers[0].kbuf.dtype != k0.dtype:   # stored under another attention (invariant.pinned switched it)
             self.clear()
             layers[0].__init__()
             return 0

@@ -1,7 +1,7 @@
 """Token trees: several drafted candidates merged by shared prefix and verified in one forward.
 
 Node 0 is the root: the last token of the history (fed as the first input of every step, see
-decode.py). Every other node is a drafted token whose parent is the node before it in its
+loop.py). Every other node is a drafted token whose parent is the node before it in its
 candidate. Nodes are numbered in insertion order, so a parent always precedes its children and
 the first candidate's tokens are nodes 1..len(c) -- when the first candidate wins, its KV entries
 are already where a chain's would be and no cache entry has to move.
@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from .draft import bucket
+from ..model.kvcache import InvariantLayer
 
 
 class Tree:
@@ -268,20 +269,6 @@ def sliding_tree_mask(tree: Tree, past: int, window: int, dtype: torch.dtype, de
     return mask[None, None]
 
 
-def new_cache(model):
-    """An empty KV cache for `model`: hd's own forward's (kvcache.Cache), or for a transformers
-    model a DynamicCache whose every layer can be cropped back after a rejection (sliding-window
-    layers keep their past until the step's crop: `activate_past_recording`)."""
-    from transformers import DynamicCache
-    if hasattr(model, "new_cache"):   # hd's own forward (hdcli/engine/model/)
-        return model.new_cache()
-    cache = DynamicCache(config=model.config)
-    for layer in getattr(cache, "layers", []):
-        if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
-            layer.activate_past_recording()
-    return cache
-
-
 def _sliding_layers(cache) -> list:
     return [layer for layer in getattr(cache, "layers", []) if getattr(layer, "is_sliding", False)]
 
@@ -294,27 +281,31 @@ def supports_trees(cache) -> bool:
 
 def attention_mask(model, tree: Tree, past: int, cache):
     """The mask (or the dict of masks by layer type) for a forward over `tree` on `cache`."""
-    device = next(model.parameters()).device
-    full = tree_mask(tree, past, model.dtype, device)
+    full = tree_mask(tree, past, model.dtype, model.device)
     sliding = _sliding_layers(cache)
     if not sliding:
         return full
-    sw = sliding_tree_mask(tree, past, sliding[0].sliding_window, model.dtype, device)
+    sw = sliding_tree_mask(tree, past, sliding[0].sliding_window, model.dtype, model.device)
     if len(sliding) == len(cache.layers):
         return sw
     return {"full_attention": full, "sliding_attention": sw}
 
 
-def tree_forward(model, tree: Tree, root_token: int, cache) -> torch.Tensor:
-    """Logits [nodes, V] of one forward over the tree on top of `cache` (which grows by all nodes)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([[root_token] + tree.tokens[1:]], dtype=torch.long, device=device)
-    if tree.is_chain():  # a chain is causal: let the model build its usual mask
-        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+def tree_rows(model, tree: Tree, root_token: int, cache) -> tuple:
+    """One stream's part of a forward over `tree` on `cache`: (input_ids [1, nodes], cache,
+    position_ids, mask), the last two None for a chain (causal: the model's usual mask)."""
+    ids = torch.tensor([[root_token] + tree.tokens[1:]], dtype=torch.long, device=model.device)
+    if tree.is_chain():
+        return ids, cache, None, None
     past = cache.get_seq_length()
-    pos = torch.tensor([[past + d for d in tree.depths]], dtype=torch.long, device=device)
-    return model(input_ids=ids, position_ids=pos, attention_mask=attention_mask(model, tree, past, cache),
-                 past_key_values=cache, use_cache=True).logits[0]
+    pos = torch.tensor([[past + d for d in tree.depths]], dtype=torch.long, device=model.device)
+    return ids, cache, pos, attention_mask(model, tree, past, cache)
+
+
+def tree_forward(model, tree: Tree, root_token: int, cache) -> torch.Tensor:
+    """Logits [nodes, V] of one forward over the tree on top of `cache` (which grows by all nodes);
+    model: a TargetModel (engine/model/target.py)."""
+    return model.forward(*tree_rows(model, tree, root_token, cache))
 
 
 def keep_path(cache, past: int, path: Sequence[int]) -> None:
@@ -333,7 +324,7 @@ def keep_path(cache, past: int, path: Sequence[int]) -> None:
             idx = rel + base
             layer.keys[..., base:base + len(want), :] = layer.keys.index_select(-2, idx)
             layer.values[..., base:base + len(want), :] = layer.values.index_select(-2, idx)
-            if hasattr(layer, "rewritten"):   # an invariant cache layer: copies of its keys are stale
+            if isinstance(layer, InvariantLayer):   # hd's cache: copies of its keys are stale
                 layer.rewritten(base)
     remove = nodes - len(want)
     assert remove >= 0

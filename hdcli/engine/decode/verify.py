@@ -203,7 +203,7 @@ def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
 
 def accept_tree(logits: torch.Tensor, tree, s: Sampling, gen: torch.Generator | None,
                 targets: list[int] | None = None) -> tuple[list[int], int]:
-    """Verify a token tree (hdcli.engine.tree.Tree). logits [nodes, V]: row i is the
+    """Verify a token tree (hdcli.engine.decode.tree.Tree). logits [nodes, V]: row i is the
     target's prediction for the token after node i's path. Walk from the root: at each node the
     target draws its token (greedy: argmax; sampling: the point-mass rule over the node's children
     tried in order, then the residual); follow the child that holds it, stop where none does.

@@ -46,71 +46,91 @@ from ..environment import fused_tile
 
 SOURCE = Path(__file__).with_name("csrc") / "attend.cpp"
 
-_module = None        # the compiled extension, once loaded
-_failed: str | None = None
-_on = False           # whether invariant.py's attention uses it now
-
 
 @functools.lru_cache(maxsize=1)
 def _name() -> str:
     return extension_name(SOURCE, "hd_attend_")
 
 
-def load(quiet: bool = False):
-    """The compiled module, or None where it cannot be built here (why: `failure()`)."""
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
-    _module, _failed = compile_extension(SOURCE, _name(), "the fused attention", quiet)
-    if _module is not None:
-        _module.set_tile(fused_tile())
-    return _module
-
-
-def failure() -> str | None:
-    return _failed
-
-
-def use(on: bool) -> None:
-    global _on
-    _on = bool(on) and load(quiet=True) is not None
-
-
-def enabled() -> bool:
-    return _on
-
-
-def name() -> str:
-    """What the invariant attention is now: part of the cache keys that depend on its numerics."""
-    return "fused-" + _name()[-12:] if _on else "torch"
-
-
 KEY_BLOCK = 16       # csrc/attend.cpp's KB: keys a block of the transposed copy
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, vis: torch.Tensor, scaling: float) -> torch.Tensor:
-    """One sequence: q [m, hq, d] fp32 contiguous, k [hkv, >= n, d], v1 [hkv, >= n, d + 1],
-    vis [m, n] bool. Returns [m, hq, d] fp32."""
-    return _module.attend(q, k, v1, vis, float(scaling))
+class AttentionKernel:
+    """Which invariant attention a process runs, and the compiled one: its module once loaded
+    (`failed` says why it did not build), whether the invariant attention uses it now (`on`) and
+    what decided that (`decision`, invariant.decide / pinned / require). One a process (KERNEL):
+    every model and run of a process has one numerics; an owned model holds it
+    (LlamaForward.attention_kernel) and its forward reads it there."""
 
+    def __init__(self):
+        self.module = None               # the compiled extension, once loaded
+        self.failed: str | None = None
+        self.on = False
+        self.decision: dict | None = None
 
-def attend_many(q: torch.Tensor, kvs, viss, scaling: float, owners=None) -> torch.Tensor:
-    """Several sequences in one call: q [M, hq, d] fp32 contiguous holds their rows in order,
-    kvs[i] = (k, v1) and viss[i] [m_i, n_i] as in attend(). owners[i], where given, is the
-    kvcache.InvariantLayer the keys live in: its transposed copy of them (`transposed()`) is read
-    and brought up to date in the call, instead of a scratch copy transposed whole."""
-    # a layer that stores bf16 hands the torch ops' attention fp32 copies (padded()): its kept copy
-    # is not the keys' dtype then, so a scratch copy serves
-    kept = [o if o is not None and o.kbuf.dtype == k.dtype else None
-            for o, (k, _) in zip(owners or [None] * len(kvs), kvs)]
-    kts, froms = [], []
-    for owner in kept:
-        kt, valid = owner.transposed() if owner is not None else (None, 0)
-        kts.append(None if kt is None else kt[0])
-        froms.append(valid)
-    out = _module.attend_many(q, [k for k, _ in kvs], kts, froms, [v for _, v in kvs], list(viss), float(scaling))
-    _transposed_now(kept, viss)
-    return out
+    def load(self, quiet: bool = False):
+        """The compiled module, or None where it cannot be built here (why: `failure()`)."""
+        if self.module is not None or self.failed is not None:
+            return self.module
+        self.module, self.failed = compile_extension(SOURCE, _name(), "the fused attention", quiet)
+        if self.module is not None:
+            self.module.set_tile(fused_tile())
+        return self.module
+
+    def failure(self) -> str | None:
+        return self.failed
+
+    def use(self, on: bool) -> None:
+        self.on = bool(on) and self.load(quiet=True) is not None
+
+    def runs_on(self, device) -> bool:
+        """Whether the invariant attention on `device` is this one (on the CPU, where chosen); it
+        also appends new keys itself (append_attend_many)."""
+        return self.on and torch.device(device).type == "cpu"
+
+    def name(self) -> str:
+        """What the invariant attention is now: part of the cache keys that depend on its numerics."""
+        return "fused-" + _name()[-12:] if self.on else "torch"
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v1: torch.Tensor, vis: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """One sequence: q [m, hq, d] fp32 contiguous, k [hkv, >= n, d], v1 [hkv, >= n, d + 1],
+        vis [m, n] bool. Returns [m, hq, d] fp32."""
+        return self.module.attend(q, k, v1, vis, float(scaling))
+
+    def attend_many(self, q: torch.Tensor, kvs, viss, scaling: float, owners=None) -> torch.Tensor:
+        """Several sequences in one call: q [M, hq, d] fp32 contiguous holds their rows in order,
+        kvs[i] = (k, v1) and viss[i] [m_i, n_i] as in attend(). owners[i], where given, is the
+        kvcache.InvariantLayer the keys live in: its transposed copy of them (`transposed()`) is
+        read and brought up to date in the call, instead of a scratch copy transposed whole."""
+        # a layer that stores bf16 hands the torch ops' attention fp32 copies (padded()): its kept
+        # copy is not the keys' dtype then, so a scratch copy serves
+        kept = [o if o is not None and o.kbuf.dtype == k.dtype else None
+                for o, (k, _) in zip(owners or [None] * len(kvs), kvs)]
+        kts, froms = [], []
+        for owner in kept:
+            kt, valid = owner.transposed() if owner is not None else (None, 0)
+            kts.append(None if kt is None else kt[0])
+            froms.append(valid)
+        out = self.module.attend_many(q, [k for k, _ in kvs], kts, froms, [v for _, v in kvs], list(viss),
+                                      float(scaling))
+        _transposed_now(kept, viss)
+        return out
+
+    def append_attend_many(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, owners, viss,
+                           scaling: float) -> torch.Tensor:
+        """attend_many on kvcache.InvariantLayer owners, after appending each sequence's new keys
+        and values to its layer, in one compiled call: query [1, hq, M, d], key and value
+        [1, hkv, M, d] (any float dtype) hold every sequence's rows in order (sequence i's are
+        viss[i]'s rows). Returns [1, M, hq, d] in the query's dtype. The per-sequence copies and
+        the conversions a layer would make in Python otherwise were a quarter of a 4-request
+        forward's time."""
+        starts = [owner.claim(vis.shape[0], key, vis.shape[1]) for owner, vis in zip(owners, viss)]
+        out = self.module.append_attend_many(query, key, value, starts, [o.kbuf for o in owners],
+                                             [o.ktbuf for o in owners], [o.kt_len for o in owners],
+                                             [o.vbuf for o in owners], viss, float(scaling))
+        _transposed_now(owners, viss)
+        return out
 
 
 def _transposed_now(owners, viss) -> None:
@@ -121,18 +141,24 @@ def _transposed_now(owners, viss) -> None:
             owner.kt_len = min(vis.shape[1], owner.length)
 
 
-def append_attend_many(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, owners, viss,
-                       scaling: float) -> torch.Tensor:
-    """attend_many on kvcache.InvariantLayer owners, after appending each sequence's new keys and
-    values to its layer, in one compiled call: query [1, hq, M, d], key and value [1, hkv, M, d]
-    (any float dtype) hold every sequence's rows in order (sequence i's are viss[i]'s rows).
-    Returns [1, M, hq, d] in the query's dtype. The per-sequence copies and the conversions a
-    layer would make in Python otherwise were a quarter of a 4-request forward's time."""
-    starts = [owner.claim(vis.shape[0], key, vis.shape[1]) for owner, vis in zip(owners, viss)]
-    out = _module.append_attend_many(query, key, value, starts, [o.kbuf for o in owners], [o.ktbuf for o in owners],
-                                     [o.kt_len for o in owners], [o.vbuf for o in owners], viss, float(scaling))
-    _transposed_now(owners, viss)
-    return out
+KERNEL = AttentionKernel()   # the process's (module docstring: decided once per process)
+
+
+# what the rest of hd reads of the process's attention kernel
+def load(quiet: bool = False):
+    return KERNEL.load(quiet)
+
+
+def failure() -> str | None:
+    return KERNEL.failure()
+
+
+def enabled() -> bool:
+    return KERNEL.on
+
+
+def name() -> str:
+    return KERNEL.name()
 
 
 MAX_HEAD = 271       # csrc/attend.cpp: 16 vectors of 16 and a scalar tail

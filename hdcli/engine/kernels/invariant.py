@@ -143,12 +143,10 @@ def fp32_kv(key, value, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _pad_rows(key[0].float(), rows, 1), _values_with_ones(value[0].float(), rows)
 
 
-def attend_kv(query, k, v1, lay: _Layout, scaling, owner=None) -> torch.Tensor:
-    """attend() on keys and [V | 1] already in fp32_kv's form (at least lay.rows rows); owner: the
-    kvcache layer they live in, if any (the fused attention keeps a copy of its own there)."""
+def attend_kv(query, k, v1, lay: _Layout, scaling) -> torch.Tensor:
+    """The torch ops' attention of one sequence: query [1, Hq, M, D] over keys and [V | 1] already
+    in fp32_kv's form (at least lay.rows rows). Returns [1, M, Hq, D] in the query's dtype."""
     dtype = query.dtype
-    if fused_on(query.device):
-        return _fused(query, [(k, v1)], [lay], scaling, [owner])
     _, hq, m, d = query.shape
     hkv = k.shape[0]
     g = hq // hkv
@@ -161,24 +159,18 @@ def attend_kv(query, k, v1, lay: _Layout, scaling, owner=None) -> torch.Tensor:
     return out.permute(1, 0, 2, 3).reshape(1, m, hq, d).to(dtype)   # head h = kv * g + j
 
 
-def _fused(query, kvs, lays, scaling, owners) -> torch.Tensor:
-    """The compiled attention (fused.py) in one call for every sequence: query [1, Hq, M, D] as
-    attend_kv / attend_many take it. Returns [1, M, Hq, D] in the query's dtype."""
+def fused_kv(kernel: fused.AttentionKernel, query, k, v1, lay: _Layout, scaling) -> torch.Tensor:
+    """attend_kv's attention by the compiled one (fused.py): query [1, Hq, M, D]. Returns
+    [1, M, Hq, D] in the query's dtype."""
     q = query[0].transpose(0, 1).float().contiguous()        # [M, hq, d]
-    return fused.attend_many(q, kvs, [lay.vis for lay in lays], scaling, owners).to(query.dtype)[None]
+    return kernel.attend_many(q, [(k, v1)], [lay.vis], scaling).to(query.dtype)[None]
 
 
-def fused_on(device) -> bool:
-    """Whether the attention on `device` is the compiled one (fused.py: on the CPU, where chosen);
-    it also appends new keys itself (append_attend)."""
-    return fused.enabled() and torch.device(device).type == "cpu"
-
-
-def append_attend(query, key, value, owners, lays, scaling) -> torch.Tensor:
+def append_attend(kernel: fused.AttentionKernel, query, key, value, owners, lays, scaling) -> torch.Tensor:
     """Append each sequence's new keys and values (key, value [1, Hkv, M, D], rows in the
     sequences' order) to its kvcache.InvariantLayer (owners), then attend as attend_many does:
     the fused attention in one call. Returns [1, M, Hq, D] in the query's dtype."""
-    return fused.append_attend_many(query, key, value, owners, [lay.vis for lay in lays], scaling)
+    return kernel.append_attend_many(query, key, value, owners, [lay.vis for lay in lays], scaling)
 
 
 def row_bounds(sizes) -> list[tuple[int, int]]:
@@ -200,8 +192,7 @@ class Many:
     def __init__(self, lays, sizes, hq: int, hkv: int, device):
         self.lays, self.hkv = lays, hkv
         self.bounds = row_bounds(sizes)
-        # the fused attention (fused.py) takes all sequences in one call of its own: nothing to share
-        flat = [] if fused_on(device) else [i for i, lay in enumerate(lays) if lay.prefix_only]
+        flat = [i for i, lay in enumerate(lays) if lay.prefix_only]
         self.flat = flat if len(flat) >= 2 else []
         if not self.flat:
             return
@@ -233,15 +224,12 @@ class Many:
         return self.n_pad if i in self.flat else self.lays[i].rows
 
 
-def attend_many(query, kvs, many: Many, scaling, owners=None) -> torch.Tensor:
+def attend_many(query, kvs, many: Many, scaling) -> torch.Tensor:
     """attend_kv() for several sequences at once: query [1, Hq, M, D] holds every sequence's rows
     (in many.bounds), kvs[i] sequence i's keys and [V | 1] (fp32_kv's form, many.key_rows(i)
-    rows), owners[i] the kvcache layer they live in, if any. Returns [1, M, Hq, D] in the
-    query's dtype."""
+    rows). Returns [1, M, Hq, D] in the query's dtype."""
     dtype = query.dtype
     _, hq, m_all, d = query.shape
-    if fused_on(query.device):
-        return _fused(query, kvs, many.lays, scaling, owners)
     out = None
     if many.flat:
         nb, hkv, rows, n_pad = len(many.flat), many.hkv, many.rows, many.n_pad
@@ -368,51 +356,53 @@ def is_enabled(model) -> bool:
 
 
 # Which implementation the invariant attention runs in this process: fused.py's compiled function or
-# the torch ops above (fused.py's module docstring says how it is decided).
+# the torch ops above (fused.py's module docstring says how it is decided), kept on the process's
+# fused.AttentionKernel (its `decision` and `on`).
 ATTENTION_FORMAT = 1
-_decision: dict | None = None
 
 
 @contextlib.contextmanager
-def pinned(kind: str):
+def pinned(kind: str, kernel: fused.AttentionKernel = fused.KERNEL):
     """Within the block, the process's attention is `kind` ("fused" or "torch") whatever decide
     measured: for tests and benchmarks that compare the two. Raises RuntimeError for "fused" where
     it does not compile here."""
-    global _decision
-    if kind == "fused" and fused.load(quiet=True) is None:
-        raise RuntimeError(f"the fused attention does not compile here: {fused.failure()}")
-    saved = _decision, fused.enabled()
-    _decision = {"attention": kind, "by": "pinned"}
-    fused.use(kind == "fused")
+    if kind == "fused" and kernel.load(quiet=True) is None:
+        raise RuntimeError(f"the fused attention does not compile here: {kernel.failure()}")
+    saved = kernel.decision, kernel.on
+    kernel.decision = {"attention": kind, "by": "pinned"}
+    kernel.use(kind == "fused")
     try:
         yield
     finally:
-        _decision = saved[0]
-        fused.use(saved[1])
+        kernel.decision = saved[0]
+        kernel.use(saved[1])
 
 
-def require(kind: str) -> None:
+def require(kind: str, kernel: fused.AttentionKernel = fused.KERNEL) -> None:
     """Make `kind` ("fused" or "torch") the process's attention whatever timing would choose: a
     configuration that records it (DecodingConfig.attention) runs with the numerics it recorded.
     Raises HdError where "fused" does not compile here."""
-    global _decision
     if kind not in ("fused", "torch"):
         raise HdError(f"--attention must be auto, fused or torch, not '{kind}'")
-    if kind == "fused" and fused.load(quiet=False) is None:
-        raise HdError(f"--attention fused: the fused attention does not compile here ({fused.failure()}); "
+    if kind == "fused" and kernel.load(quiet=False) is None:
+        raise HdError(f"--attention fused: the fused attention does not compile here ({kernel.failure()}); "
                       "the run it comes from computed with it, so its tokens cannot be repeated here; "
                       "use --attention torch for this machine's own run")
-    _decision = {"attention": kind, "by": "configuration"}
-    fused.use(kind == "fused")
+    kernel.decision = {"attention": kind, "by": "configuration"}
+    kernel.use(kind == "fused")
 
 
-def decide(model, quiet: bool = True) -> dict:
+def decide(model, quiet: bool = True, kernel: fused.AttentionKernel = fused.KERNEL) -> dict:
     """Whether the invariant attention uses the compiled function in this process (module
     docstring): {"attention": "fused" or "torch", "by": what decided, "why"/"ms": details}.
     Decided once per process, so that every model and run of a process has one numerics."""
-    global _decision
-    if _decision is not None:
-        return _decision
+    if kernel.decision is None:
+        kernel.decision = _decision(model, quiet, kernel)
+        kernel.use(kernel.decision["attention"] == "fused")
+    return kernel.decision
+
+
+def _decision(model, quiet: bool, kernel: fused.AttentionKernel) -> dict:
     asked = fused_attention()
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -420,26 +410,23 @@ def decide(model, quiet: bool = True) -> dict:
     hkv = getattr(cfg, "num_key_value_heads", None) or hq
     d = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // hq if hq else None)
     if asked == "0":
-        _decision = {"attention": "torch", "by": "HD_FUSED_ATTENTION=0"}
-    elif next(model.parameters()).device.type != "cpu":
-        _decision = {"attention": "torch", "by": "device", "why": "not a CPU model"}
-    elif not (hq and hkv and d) or d > fused.MAX_HEAD:
-        _decision = {"attention": "torch", "by": "shape", "why": f"head size {d} (the function takes up to {fused.MAX_HEAD})"}
-    elif fused.load(quiet=quiet) is None:
-        _decision = {"attention": "torch", "by": "build", "why": fused.failure()}
+        return {"attention": "torch", "by": "HD_FUSED_ATTENTION=0"}
+    if next(model.parameters()).device.type != "cpu":
+        return {"attention": "torch", "by": "device", "why": "not a CPU model"}
+    if not (hq and hkv and d) or d > fused.MAX_HEAD:
+        return {"attention": "torch", "by": "shape", "why": f"head size {d} (the function takes up to {fused.MAX_HEAD})"}
+    if kernel.load(quiet=quiet) is None:
         if not quiet:
-            print(f"hd: the fused attention does not compile here ({fused.failure()}); using torch ops "
+            print(f"hd: the fused attention does not compile here ({kernel.failure()}); using torch ops "
                   "(HD_FUSED_ATTENTION=0 skips trying)", file=sys.stderr, flush=True)
-    elif asked == "1":
-        _decision = {"attention": "fused", "by": "HD_FUSED_ATTENTION=1"}
-    else:
-        ms = _measured(hq, hkv, d, quiet)
-        _decision = {"attention": "fused" if ms["fused"] < ms["torch"] else "torch", "by": "measured", "ms": ms}
-    fused.use(_decision["attention"] == "fused")
-    return _decision
+        return {"attention": "torch", "by": "build", "why": kernel.failure()}
+    if asked == "1":
+        return {"attention": "fused", "by": "HD_FUSED_ATTENTION=1"}
+    ms = _measured(hq, hkv, d, quiet, kernel)
+    return {"attention": "fused" if ms["fused"] < ms["torch"] else "torch", "by": "measured", "ms": ms}
 
 
-def _measured(hq: int, hkv: int, d: int, quiet: bool) -> dict:
+def _measured(hq: int, hkv: int, d: int, quiet: bool, kernel: fused.AttentionKernel) -> dict:
     """{"fused": ms, "torch": ms}: both attentions timed on this head shape, cached per machine."""
     key = f"{fused._name()}|heads {hq}/{hkv}x{d}|threads {torch.get_num_threads()}"
     path = records.cache_file("attention", key)
@@ -449,12 +436,13 @@ def _measured(hq: int, hkv: int, d: int, quiet: bool) -> dict:
         return got["ms"]
     if not quiet:
         print("hd: timing the fused attention against torch ops (once per machine)...", file=sys.stderr, flush=True)
-    ms = time_both(hq, hkv, d)
+    ms = time_both(hq, hkv, d, kernel=kernel)
     records.write_json(path, {"key": key, "format": ATTENTION_FORMAT, "ms": ms})
     return ms
 
 
-def time_both(hq: int, hkv: int, d: int, keys: int = 256, rounds: int = 7, calls: int = 10) -> dict:
+def time_both(hq: int, hkv: int, d: int, keys: int = 256, rounds: int = 7, calls: int = 10,
+              kernel: fused.AttentionKernel = fused.KERNEL) -> dict:
     """Least time (ms) of `calls` attention calls, summed over a one-token row, an 8-node tree and
     a 16-token chain over `keys` cached keys, for each path, in interleaved rounds."""
     gen = torch.Generator().manual_seed(0)
@@ -475,18 +463,16 @@ def time_both(hq: int, hkv: int, d: int, keys: int = 256, rounds: int = 7, calls
         k, v = torch.randn(1, hkv, n, d, generator=gen), torch.randn(1, hkv, n, d, generator=gen)
         lay = layout(vis, m, n, hq // hkv, "cpu")
         cases.append((q, *fp32_kv(k, v, lay.rows), lay))
-    was = fused.enabled()
     best = {"fused": [float("inf")] * len(cases), "torch": [float("inf")] * len(cases)}
-    try:
-        with torch.inference_mode():
-            for r in range(rounds):
-                for path in (("fused", "torch") if r % 2 == 0 else ("torch", "fused")):
-                    fused.use(path == "fused")
-                    for i, (q, k, v1, lay) in enumerate(cases):
-                        t0 = time.perf_counter()
-                        for _ in range(calls):
+    with torch.inference_mode():
+        for r in range(rounds):
+            for path in (("fused", "torch") if r % 2 == 0 else ("torch", "fused")):
+                for i, (q, k, v1, lay) in enumerate(cases):
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        if path == "fused":
+                            fused_kv(kernel, q, k, v1, lay, d ** -0.5)
+                        else:
                             attend_kv(q, k, v1, lay, d ** -0.5)
-                        best[path][i] = min(best[path][i], time.perf_counter() - t0)
-    finally:
-        fused.use(was)
+                    best[path][i] = min(best[path][i], time.perf_counter() - t0)
     return {path: round(1e3 * sum(ts), 3) for path, ts in best.items()}

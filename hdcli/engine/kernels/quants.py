@@ -78,8 +78,6 @@ FORMAT = {"Q4_0": "q4z", "Q4_1": "q4h", "Q5_0": "q8h", "Q5_1": "q8f", "Q8_0": "q
 CHUNK = 1 << 22        # weights dequantized at a time (16 MB in fp32, 8 MB of bf16 output)
 
 SOURCE = Path(__file__).with_name("csrc") / "qmm.cpp"
-_module = None
-_failed: str | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,16 +86,31 @@ def module_name() -> str:
     return build.extension_name(SOURCE, "hd_qmm_")
 
 
+class GemmKernel:
+    """The process's compiled GEMM (csrc/qmm.cpp, also the compiled row-wise ops): its module once
+    built (None until then, or where it cannot be built or this CPU lacks AVX512-BF16: `failed`
+    says why). One a process (GEMM): a module is built and loaded once."""
+
+    def __init__(self):
+        self.module = None
+        self.failed: str | None = None
+
+    def load(self, quiet: bool = True):
+        """The compiled module, built on first use, or None (why: `failed`)."""
+        if self.module is None and self.failed is None:
+            self.module, self.failed = build.compile_extension(SOURCE, module_name(), "the GGUF GEMM", quiet)
+            if self.module is not None and not self.module.supported():
+                self.module, self.failed = None, "this CPU has no AVX512-BF16"
+        return self.module
+
+
+GEMM = GemmKernel()
+
+
 def gemm_module(quiet: bool = True):
     """The compiled GEMM (csrc/qmm.cpp), or None where it cannot be built or this CPU lacks
     AVX512-BF16 (why: `failure()`)."""
-    global _module, _failed
-    if _module is None and _failed is None:
-        _module, _failed = build.compile_extension(SOURCE, module_name(),
-                                                   "the GGUF GEMM", quiet)
-        if _module is not None and not _module.supported():
-            _module, _failed = None, "this CPU has no AVX512-BF16"
-    return _module
+    return GEMM.load(quiet)
 
 
 def kernel_available(quiet: bool = True) -> bool:
@@ -170,7 +183,7 @@ def activation_choice(remeasure: bool = False) -> dict:
 
 def failure() -> str | None:
     """Why the GEMM is not available (None: available, or not tried yet)."""
-    return _failed
+    return GEMM.failed
 
 
 # ------------------------------------------------------------------ the GGUF blocks
@@ -353,7 +366,7 @@ def pack(type_name: str, raw: np.ndarray, n: int, k: int, int8: bool = False):
         return None
     module = gemm_module()
     if module is None:
-        raise RuntimeError(f"the GGUF GEMM is not available here ({_failed})")
+        raise RuntimeError(f"the GGUF GEMM is not available here ({GEMM.failed})")
     b = _rows_checked(type_name, raw, n, k)
     packed, fmt = module.pack(b.ctypes.data, n, b.shape[1], k, type_name, int8)   # b stays alive: the call reads it
     return packed, fmt
@@ -370,8 +383,8 @@ class QLinear(torch.nn.Module):
         kernel is not available here, ValueError where the shape does not fit its packing (`fits`):
         the caller then dequantizes to bf16."""
         super().__init__()
-        if gemm_module() is None:
-            raise RuntimeError(f"the GGUF GEMM is not available here ({_failed}): dequantize to bf16 instead")
+        if GEMM.load() is None:
+            raise RuntimeError(f"the GGUF GEMM is not available here ({GEMM.failed}): dequantize to bf16 instead")
         if activations not in ("bf16", "int8"):
             raise ValueError(f"activations must be bf16 or int8, not {activations!r}")
         if activations == "int8" and not int8_available():
@@ -394,7 +407,7 @@ class QLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = (_module.mm8 if self.activations == "int8" else _module.mm)(rows, self.packed, self.fmt)
+        y = (GEMM.module.mm8 if self.activations == "int8" else GEMM.module.mm)(rows, self.packed, self.fmt)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -436,7 +449,7 @@ class QLinear(torch.nn.Module):
         if self.activations != "bf16":
             raise ValueError("weight_matrix reads a packing for bf16 activations")
         eye = torch.eye(self.in_features, dtype=self.dtype)
-        return _module.mm(eye, self.packed, self.fmt).t().contiguous()
+        return GEMM.module.mm(eye, self.packed, self.fmt).t().contiguous()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, GGUF {self.qtype} "

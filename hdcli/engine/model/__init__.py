@@ -6,9 +6,12 @@ transformers checkpoint's safetensors.
   gguf.py        a GGUF file: metadata as a ModelConfig, tensors as the file holds them, the tokenizer
   checkpoint.py  a transformers checkpoint read as a GGUF is: GGUF tensor names mapped to its own
   checks.py      what the forwards expect of a file (numbers, every tensor's shape and type), checked at open
-  layers.py      Linear by kernel, the embedding read from the file, RMSNorm
+  layers.py      Linear by kernel, the embedding read from the file, RMSNorm, the row ops (torch or compiled)
+  attention.py   Step (what a forward derives once) and the attention strategies, one object a way
+  kvcache.py     the KV cache, in the form the invariant attention reads
   rope.py        rotary embeddings
   numerics.py    the Numerics record: every choice that changes the bits a forward computes
+  target.py      TargetModel, what the decode loop asks of a target; its adapter over transformers' forward
 
 A source (gguf.GGUFFile, checkpoint.Checkpoint) answers `arch`, `has(name)`, `shape(name)`, `raw(name)`,
 `config()`, `release()` and `type_counts()`, in GGUF tensor names; the forwards read nothing else.
@@ -36,5 +39,5 @@ def build(gf, cfg, num, progress=None):
 
 
 def is_owned(model) -> bool:
-    """Whether `model` is one of hd's own forwards (else a transformers model)."""
-    return getattr(model, "numerics", None) is not None and hasattr(model, "forward_many")
+    """Whether `model` is one of hd's own forwards (else transformers', target.TransformersForward)."""
+    return isinstance(model, LlamaForward)

@@ -38,7 +38,7 @@ from . import checks
 from .gguf import ModelConfig
 from . import family_of
 
-# transformers' model_type -> the architecture name forward/__init__.py's FAMILIES knows
+# transformers' model_type -> the architecture name model/__init__.py's FAMILIES knows
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
          "gemma3": "gemma3", "gemma3_text": "gemma3"}
 

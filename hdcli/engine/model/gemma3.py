@@ -33,7 +33,7 @@ from torch import nn
 from .llama import Block, LlamaForward
 from .numerics import Numerics
 from .rope import Rope
-from .layers import dequantize
+from .layers import RowOps, dequantize
 
 PATTERN = 6             # every 6th layer attends globally
 LOCAL_ROPE_BASE = 10000.0
@@ -46,13 +46,30 @@ def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     return (h * (1.0 + weight.float())).type_as(x)
 
 
+class GemmaNorms(RowOps):
+    """Gemma's row ops: every norm a Gemma3RMSNorm (the heads' q and k norms too), in torch ops."""
+
+    def norm(self, x, weight):
+        return gemma_norm(x, weight, self.eps)
+
+    def head_norm(self, y, weight):
+        return gemma_norm(y, weight, self.eps)
+
+
 class GemmaBlock(Block):
-    def __init__(self, i: int, gf, cfg, num: Numerics):
-        super().__init__(i, gf, cfg, num)
+    def __init__(self, i: int, gf, cfg, num: Numerics, kind: str, ops: RowOps):
+        super().__init__(i, gf, cfg, num, kind, ops)
         p = f"blk.{i}."
         for name, key in (("attn_norm", "attn_norm"), ("ffn_norm", "ffn_norm"), ("post_attn_norm", "post_attention_norm"),
                           ("post_ffn_norm", "post_ffw_norm"), ("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
             setattr(self, name, nn.Parameter(norm_weight(gf, cfg, p + key + ".weight", num), requires_grad=False))
+
+    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
+        norm = self.ops.norm
+        q, k, v = self.qkv_heads(norm(x, self.attn_norm), step)
+        x = x + norm(self.o(step.attend(self, q, k, v)), self.post_attn_norm)
+        gate, up = self.gate_and_up(norm(x, self.ffn_norm))
+        return x + norm(self.down(nn.functional.gelu(gate, approximate="tanh") * up), self.post_ffn_norm)
 
 
 def norm_weight(gf, cfg, name: str, num: Numerics) -> torch.Tensor:
@@ -99,21 +116,5 @@ class Gemma3Forward(LlamaForward):
         x = self.embed(ids)
         return x * self.embed_scale.to(x.dtype)
 
-    def final_norm(self, x) -> torch.Tensor:
-        return gemma_norm(x, self.norm, self.config.rms_norm_eps)
-
-    def attn_input(self, blk, x) -> torch.Tensor:
-        return gemma_norm(x, blk.attn_norm, self.config.rms_norm_eps)
-
-    def head_norm(self, y, norm) -> torch.Tensor:
-        return gemma_norm(y, norm, self.config.rms_norm_eps)
-
-    def block(self, i: int, blk, x, ctx) -> torch.Tensor:
-        eps = self.config.rms_norm_eps
-        h = gemma_norm(x, blk.attn_norm, eps)
-        o = ctx.attend(i, *self.qkv(i, blk, h, ctx))
-        x = x + gemma_norm(blk.o(o), blk.post_attn_norm, eps)
-        h = gemma_norm(x, blk.ffn_norm, eps)
-        gate, up = blk.gate_and_up(h)
-        h = blk.down(nn.functional.gelu(gate, approximate="tanh") * up)
-        return x + gemma_norm(h, blk.post_ffn_norm, eps)
+    def choose_row_ops(self, num: Numerics) -> RowOps:
+        return GemmaNorms(self.config.rms_norm_eps)

@@ -1,6 +1,7 @@
 """The layers an owned forward is made of: Linear (whichever kernel holds a weight, padded to its
-least row count in the M-invariant mode), the embedding (rows dequantized as they are looked up)
-and RMSNorm (transformers' LlamaRMSNorm, op for op)."""
+least row count in the M-invariant mode), the embedding (rows dequantized as they are looked up),
+RMSNorm (transformers' LlamaRMSNorm, op for op), and a block's row-wise ops (RowOps: torch ops, or
+CompiledRowOps: csrc/qmm.cpp's), chosen once when a model loads."""
 from __future__ import annotations
 
 import torch
@@ -13,6 +14,65 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+class RowOps:
+    """The row-wise ops of a block (norms, the residual add, splitting heads, the rotation) in
+    torch ops, transformers' op order. A model picks its row ops once when it loads
+    (LlamaForward.row_ops: this, CompiledRowOps, or Gemma's norms)."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor):
+        """(x + y, norm(x + y))."""
+        x = x + y
+        return x, self.norm(x, weight)
+
+    def head_norm(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A head's q or k norm (Qwen3)."""
+        return rms_norm(y, weight, self.eps)
+
+    def heads(self, y: torch.Tensor, heads: int, d: int, norm) -> torch.Tensor:
+        """[m, heads * d] -> [heads, m, d], each head's norm first where the model has one."""
+        y = y.view(y.shape[0], heads, d)
+        if norm is not None:
+            y = self.head_norm(y, norm)
+        return y.transpose(0, 1)
+
+    def rotate(self, y: torch.Tensor, heads: int, d: int, norm, rope, cos, sin) -> torch.Tensor:
+        """A q or k projection [m, heads * d] as rotated heads [heads, m, d]."""
+        return rope.apply(self.heads(y, heads, d, norm), cos, sin)
+
+
+class CompiledRowOps(RowOps):
+    """csrc/qmm.cpp's row-wise ops (Numerics.rows "compiled"): one call where torch takes a dozen
+    small ops. The rotation is bit-equal to the torch ops'; a norm's sum of squares is in another
+    order. Heads with a norm of their own go through the torch ops."""
+
+    def __init__(self, ops, eps: float):
+        super().__init__(eps)
+        self.ops = ops
+
+    def norm(self, x, weight):
+        return self.ops.add_rms_norm(x, None, weight, self.eps)[1]
+
+    def add_norm(self, x, y, weight):
+        return self.ops.add_rms_norm(x, y, weight, self.eps)
+
+    def rotate(self, y, heads, d, norm, rope, cos, sin):
+        if norm is not None:
+            return super().rotate(y, heads, d, norm, rope, cos, sin)
+        return self.ops.rope(y, cos, sin, heads, rope.interleaved)
+
+
+def row_ops(num, eps: float) -> RowOps:
+    """The row ops a model's numerics (Numerics.rows) say."""
+    ops = num.row_ops()
+    return RowOps(eps) if ops is None else CompiledRowOps(ops, eps)
 
 
 def dequantize(qtype: str, raw, n: int, k: int, dtype: torch.dtype, rows=None) -> torch.Tensor:

@@ -359,11 +359,16 @@ static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
   return y;
 }
 
+// mm's and mm8's checks of their arguments; `what` names the GEMM in the message.
+static void check_gemm_args(const torch::Tensor& x, const torch::Tensor& packed, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, what, ": x must be [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              what, ": packed must be [N/16, super-blocks, bytes] uint8, contiguous");
+}
+
 // x [M, K] bf16, packed [N/16, K/(GK GS), SB] uint8 in format fmt (above). Returns [M, N] bf16.
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "GGUF GEMM: x must be [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
-              "GGUF GEMM: packed must be [N/16, super-blocks, bytes] uint8, contiguous");
+  check_gemm_args(x, packed, "GGUF GEMM");
   auto xs = x.contiguous();
   return by_format(fmt, "GGUF GEMM", [&](auto* f) { return run<std::remove_pointer_t<decltype(f)>>(xs, packed); });
 }
@@ -549,9 +554,7 @@ static torch::Tensor run8(const torch::Tensor& x, const torch::Tensor& packed) {
 
 // As mm, on a packing made with pack(..., int8=true).
 torch::Tensor mm8(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "GGUF int8 GEMM: x must be [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
-              "GGUF int8 GEMM: packed must be [N/16, super-blocks, bytes] uint8, contiguous");
+  check_gemm_args(x, packed, "GGUF int8 GEMM");
   auto xs = x.contiguous();
   return by_format(fmt, "GGUF int8 GEMM", [&](auto* f) { return run8<std::remove_pointer_t<decltype(f)>>(xs, packed); });
 }
