@@ -13,26 +13,22 @@ from hdcli.engine import records
 from hdcli.engine.decode import costs
 from hdcli.engine.kernels import dense as kernels
 from hdcli.engine import loader as models
+from hdcli.engine.model.target import TransformersForward
 from conftest import tiny_llama
 
 
-class SleepyModel(torch.nn.Module):
-    """A tiny llama whose forward over w tokens takes base + per_token * w seconds, except calls
-    number `burst` (a set) that take `slow` times longer: another process loading the CPU."""
+class SleepyModel(TransformersForward):
+    """A tiny llama (a TargetModel over transformers' forward) whose forward over w tokens takes
+    base + per_token * w seconds, except calls number `burst` (a set) that take `slow` times
+    longer: another process loading the CPU."""
 
     def __init__(self, base=0.008, per_token=0.002, burst=(), slow=6.0):
-        super().__init__()
-        self.inner = tiny_llama(40)
-        self.config = self.inner.config
+        super().__init__(tiny_llama(40))
         self.base, self.per_token, self.burst, self.slow = base, per_token, set(burst), slow
         self.calls = 0
 
-    @property
-    def dtype(self):   # what tree forwards (measure_extras) read
-        return self.inner.dtype
-
-    def forward(self, input_ids, **kw):
-        out = self.inner(input_ids=input_ids, **kw)
+    def forward(self, input_ids, cache=None, position_ids=None, mask=None):
+        out = super().forward(input_ids, cache, position_ids, mask)
         t = self.base + self.per_token * input_ids.shape[1]
         if self.calls in self.burst:
             t *= self.slow

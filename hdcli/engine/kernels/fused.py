@@ -68,6 +68,11 @@ class AttentionKernel:
         self.on = False
         self.decision: dict | None = None
 
+    def __deepcopy__(self, memo):
+        """A copied model (torch.ao's quantize_dynamic copies one) shares the process's kernel: one
+        a process, and its compiled module cannot be copied."""
+        return self
+
     def load(self, quiet: bool = False):
         """The compiled module, or None where it cannot be built here (why: `failure()`)."""
         if self.module is not None or self.failed is not None:

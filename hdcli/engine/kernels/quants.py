@@ -95,6 +95,11 @@ class GemmKernel:
         self.module = None
         self.failed: str | None = None
 
+    def __deepcopy__(self, memo):
+        """A copied model (torch.ao's quantize_dynamic copies one) shares the process's kernel: one
+        a process, and its compiled module cannot be copied."""
+        return self
+
     def load(self, quiet: bool = True):
         """The compiled module, built on first use, or None (why: `failed`)."""
         if self.module is None and self.failed is None:
