@@ -22,6 +22,7 @@ from hdcli.engine import loader as models
 from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.prediction import Prediction
 from hdcli.engine.decode.verify import Sampling, target_probs
+from hdcli.engine.model.target import as_target
 
 from conftest import require_bundled, tiny_llama
 from test_sampling import ALPHA, FixedLayer, chi2_pvalue
@@ -46,7 +47,7 @@ def tiny():
     nonsense, which is all exactness needs."""
     require_bundled()
     tok = models.load_tokenizer(models.DEFAULT_MODEL)
-    model = tiny_llama(vocab_size=len(tok), seed=5, hidden=32, scale=2.0)
+    model = as_target(tiny_llama(vocab_size=len(tok), seed=5, hidden=32, scale=2.0))
     return types.SimpleNamespace(model=model, tokenizer=tok, eos_ids={tok.eos_token_id}, max_context=2048)
 
 
