@@ -22,6 +22,14 @@ from ..records import cpu_name
 # -fopenmp: at::parallel_for runs on threads only where OpenMP is on in the extension itself; the
 # process has one OpenMP runtime all the same (torch's libgomp is loaded first and shares its soname)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+class OnePerProcess:
+    """A compiled kernel's state (fused.KERNEL, quants.GEMM): one a process. A copied model (torch.ao's
+    quantize_dynamic copies one) shares it: its compiled module cannot be copied."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 STALE_LOCK_SECONDS = 180   # a build takes ~30 s (a minute on a loaded machine); a lock older is dead
 
 

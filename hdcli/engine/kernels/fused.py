@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .build import compile_extension, extension_name
+from .build import OnePerProcess, compile_extension, extension_name
 from ..environment import fused_tile
 
 SOURCE = Path(__file__).with_name("csrc") / "attend.cpp"
@@ -55,7 +55,7 @@ def _name() -> str:
 KEY_BLOCK = 16       # csrc/attend.cpp's KB: keys a block of the transposed copy
 
 
-class AttentionKernel:
+class AttentionKernel(OnePerProcess):
     """Which invariant attention a process runs, and the compiled one: its module once loaded
     (`failed` says why it did not build), whether the invariant attention uses it now (`on`) and
     what decided that (`decision`, invariant.decide / pinned / require). One a process (KERNEL):
@@ -67,11 +67,6 @@ class AttentionKernel:
         self.failed: str | None = None
         self.on = False
         self.decision: dict | None = None
-
-    def __deepcopy__(self, memo):
-        """A copied model (torch.ao's quantize_dynamic copies one) shares the process's kernel: one
-        a process, and its compiled module cannot be copied."""
-        return self
 
     def load(self, quiet: bool = False):
         """The compiled module, or None where it cannot be built here (why: `failure()`)."""

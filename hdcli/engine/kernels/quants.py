@@ -86,7 +86,7 @@ def module_name() -> str:
     return build.extension_name(SOURCE, "hd_qmm_")
 
 
-class GemmKernel:
+class GemmKernel(build.OnePerProcess):
     """The process's compiled GEMM (csrc/qmm.cpp, also the compiled row-wise ops): its module once
     built (None until then, or where it cannot be built or this CPU lacks AVX512-BF16: `failed`
     says why). One a process (GEMM): a module is built and loaded once."""
@@ -94,11 +94,6 @@ class GemmKernel:
     def __init__(self):
         self.module = None
         self.failed: str | None = None
-
-    def __deepcopy__(self, memo):
-        """A copied model (torch.ao's quantize_dynamic copies one) shares the process's kernel: one
-        a process, and its compiled module cannot be copied."""
-        return self
 
     def load(self, quiet: bool = True):
         """The compiled module, built on first use, or None (why: `failed`)."""
