@@ -603,7 +603,7 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
     runners = bench.make_runners(lm, names, cfg, dbs)
     results = bench.run(lm, questions, runners, cfg.max_new_tokens, cfg.sampling, cfg.seed,
                         progress)
-    summary = bench.summarize(results, greedy=cfg.sampling.greedy)
+    summary = bench.summarize(results, greedy=cfg.sampling.greedy, seeded=cfg.seed is not None)
     meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
             "kernels": lm.kernels, "invariant": lm.invariant, "data": str(path), "questions": len(questions),
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,

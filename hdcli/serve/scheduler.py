@@ -78,6 +78,8 @@ class Job:
     lp_sent: int = 0                       # tokens whose log-probabilities went with the text
     lp_rest: list | None = None            # those left at the end (sent with the last chunk)
     grammar: Grammar | None = None         # the output follows it (engine/text/constrain.py)
+    choice: int = 0                        # which of a request's `n` choices: sampling is keyed
+                                           # by (seed, choice, output position)
     prediction: list[int] | None = None    # a predicted output's ids, drafted by its own layer
     tool_family: str | None = None         # parse the answer for tool calls in this format (engine/text/tools.py)
     tools: list = field(default_factory=list)   # the tools offered (engine/text/tools.Tool): calls name one
@@ -307,7 +309,8 @@ class Scheduler:
             job.stream = self.decoder.stream(job.prompt_ids, job.max_tokens, job.sampling, job.seed,
                                              stop_check=stop_checker(self.lm.tokenizer, job.stop),
                                              drafter=self.drafter_for(job.scope), logprobs=job.logprobs,
-                                             scope=job.scope, grammar=job.grammar, prediction=job.prediction)
+                                             scope=job.scope, grammar=job.grammar, prediction=job.prediction,
+                                             choice=job.choice)
         except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
             if self.prefix is not None:   # its prefill may have stored part of an entry
                 self.prefix.clear()

@@ -305,12 +305,12 @@ class Server:
 
     def jobs_for(self, req, chat: bool, scope: tenants.Scope = tenants.SHARED) -> list[Job]:
         """One job per choice (`n`): the same prompt, each its own stream in the decode loop
-        (they share a forward like any requests). A seed gives choice i seed + i: seeded choices
-        differ from each other and repeat across calls; greedy choices are all the same."""
+        (they share a forward like any requests). Sampling is keyed by (seed, choice index, output
+        position): seeded choices differ from each other and repeat across calls, loads and
+        learning; greedy choices are all the same."""
         import dataclasses
         job = self.job_for(req, chat, scope)
-        return [job] + [dataclasses.replace(job, seed=None if job.seed is None else (job.seed + i) % 2**63)
-                        for i in range(1, req.n)]
+        return [job] + [dataclasses.replace(job, choice=i) for i in range(1, req.n)]
 
     def usage_of(self, jobs: list[Job]) -> dict:
         """A response's usage: the prompt counted once, the choices' tokens summed; `hd` is the

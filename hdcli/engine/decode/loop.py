@@ -34,7 +34,7 @@ from ..text.constrain import FORCED_RATE, Grammar
 from .costs import CostCurve
 from .prediction import Prediction
 from .tree import Tree, build_tree, keep_path, node_estimates, reached, supports_trees, tree_forward
-from .verify import Sampling, accept_chain_q, accept_tree, logprobs_of, processed, top_tokens
+from .verify import Sampling, accept_chain_q, accept_tree, logprobs_of, processed, sampling_key, top_tokens
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
 # of the layer that drafted it (None for the target's own token).
@@ -97,14 +97,17 @@ class Decoder:
                  sampling: Sampling = Sampling(), seed: int | None = None,
                  stop_check: Callable[[list[int]], int | None] | None = None,
                  on_tokens: TokenCallback | None = None, logprobs: int | None = None,
-                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None) -> Generation:
+                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None,
+                 choice: int = 0) -> Generation:
         """stop_check(tokens) may return a length to cut the output at (a stop string was seen).
         logprobs: None, or k >= 0 to return each token's log-probability and its k best
         alternatives (Generation.logprobs; verify.logprobs_of). grammar: the output follows it
         (engine/text/constrain.py). prediction: tokens the output is expected to repeat, drafted by
-        their own layer (engine/decode/prediction.py)."""
+        their own layer (engine/decode/prediction.py). seed, choice: sampled output is keyed by
+        (seed, choice index, output position): the same seed gives the same tokens with or without
+        drafts (verify.coupled_choice)."""
         s = self.stream(prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens, logprobs=logprobs,
-                        grammar=grammar, prediction=prediction)
+                        grammar=grammar, prediction=prediction, choice=choice)
         while not s.done:
             speculative_step(self.model, s)
         return s.result()
@@ -115,14 +118,15 @@ class Decoder:
                stop_check: Callable[[list[int]], int | None] | None = None,
                on_tokens: TokenCallback | None = None, drafter: Drafter | None | str = "own",
                logprobs: int | None = None, scope: str = "", grammar: Grammar | None = None,
-               prediction: Sequence[int] | None = None) -> "Stream":
+               prediction: Sequence[int] | None = None, choice: int = 0) -> "Stream":
         """A generation to be stepped by the caller (generate() steps one; a server steps many and
         verifies their trees in one forward, hdcli/engine/decode/batch.py). The prompt is prefilled here.
         drafter: this one's own ("own"), or another (one per concurrent stream: drafters keep
         per-generation state). scope: whose prefix-cache entries it may reuse (hd serve)."""
         return Stream(self, prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens,
                       self.drafter if isinstance(drafter, str) else drafter, logprobs, scope=scope,
-                      grammar=grammar, prediction=prediction)
+                      grammar=grammar, prediction=prediction, choice=choice)
+
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first token where a and b differ (or where the shorter ends), None if equal."""
@@ -145,7 +149,8 @@ class Stream:
     def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], max_new_tokens: int,
                  sampling: Sampling, seed: int | None, stop_check, on_tokens: TokenCallback | None,
                  drafter: Drafter | None, logprobs: int | None = None, scope: str = "",
-                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None):
+                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None,
+                 choice: int = 0):
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if max_new_tokens < 1:
@@ -153,10 +158,14 @@ class Stream:
         self.decoder, self.drafter = decoder, drafter
         self.max_new_tokens, self.sampling = max_new_tokens, sampling
         self.stop_check, self.on_tokens = stop_check, on_tokens
+        # sampling: the output position's uniform under this key chooses the target's token
+        # (verify.coupled_choice); a generator only for an unseeded draft model's chain, verified
+        # with its q (min(1, p/q): more often kept than a point mass, but not seed-coupled)
+        self.key = sampling_key(seed, choice) if not sampling.greedy else 0
         self.gen = None
-        if not sampling.greedy:
+        if not sampling.greedy and seed is None:
             self.gen = torch.Generator(device=decoder.device)
-            self.gen.manual_seed(seed if seed is not None else torch.seed())
+            self.gen.manual_seed(torch.seed())
         self.stats = RunStats(prompt_tokens=len(prompt_ids))
         self.t_start = time.perf_counter()
         self.cache = decoder.model.new_cache()
@@ -291,9 +300,10 @@ class Stream:
         """The acceptance rule (engine/decode/verify.py) over the proposed tree's logits [nodes, V].
 
         Greedy keeps the longest path from the root whose every token is the target's argmax after
-        its parent, then adds the target's argmax after it. Sampling walks the same way: at each
-        node the children are tried in order, a child x (a point-mass draft) kept with probability
-        p(x), else p(x) := 0 and renormalise; a draft model's chain (x drawn from q) is kept with
+        its parent, then adds the target's argmax after it. Sampling walks the same way with the
+        target's sampled token at each node (the inverse CDF at its output position's uniform,
+        verify.coupled_choice): a child x is kept with probability p(x), and seeded output is plain
+        decoding's token for token. An unseeded draft model's chain (x drawn from q) is kept with
         probability min(1, p(x)/q(x)), else the token is drawn from norm(max(0, p - q)). Either way
         the output has the target's distribution. Penalties and biases process every row first,
         each with its own path's counts (verify.processed), so all of this holds for the processed
@@ -317,11 +327,11 @@ class Stream:
             targets = self.grammar.greedy_targets(logits, tree.children, tree.tokens, [t[0] for t in top])
             top = [row if row[0] == t else [t] + [x for x in row if x != t][:len(row) - 1]
                    for row, t in zip(top, targets)]
-        if self._q_rows is not None and not greedy:
+        if self._q_rows is not None and self.gen is not None:
             n, nxt = accept_chain_q(logits, tree.tokens[1:], self._q_rows, self.sampling, self.gen)
             path = list(range(1, n + 1))
         else:
-            path, nxt = accept_tree(logits, tree, self.sampling, self.gen,
+            path, nxt = accept_tree(logits, tree, self.sampling, self.key, len(self.out),
                                     targets=[t[0] for t in top] if greedy else None)
         return Verified(tree, path, nxt, logits, top if records else None, t0)
 

@@ -16,11 +16,21 @@ Sampling: a drafted token x is a point-mass proposal q = delta_x. Accept x with 
 (p: the target's distribution after temperature/top-k/top-p). On rejection set p(x) = 0 and
 renormalise; then try the next candidate at this position, if any, or sample from what remains.
 P(out = x) = p(x), and P(out = y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y) for y != x, so the
-output has exactly the target's distribution, candidate by candidate.
+output has exactly the target's distribution, candidate by candidate (sample_point_masses, used by
+the draft-model stack; the decode loop runs the coupled form below, which has the same law).
+
+Seeded sampling is coupled to the output position (`coupled_choice`): output position i has one
+uniform u_i from a counter-based generator keyed by (seed, choice index, i), and the target's token
+at a row for position i is the inverse CDF of its distribution at u_i. A drafted token is kept iff
+it equals that token, so it is kept with probability p(x), candidate by candidate, as above; and
+since a row's logits depend only on its path (the M-invariant forward), the output is token for
+token plain sampled decoding's with the same seed, whatever was drafted, verified beside it or
+learned before. Without a seed the key is drawn at random: the same rule, a fresh sample.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -133,6 +143,89 @@ def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
+# --- seeded sampling coupled to the output position ----------------------------------------------
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15     # splitmix64's increment: consecutive counters land far apart
+NEAR = 16.0          # nats below the best token (after temperature) that _ranked sorts first,
+NEAR_MAX = 2048      # when they are at most this many
+NUCLEUS_FIRST = 64   # else the nucleus is looked for among this many best tokens first, then
+NUCLEUS_GROWTH = 8   # 8x as many until it closes (exact either way: the rule is applied after)
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints whose every output bit depends on every
+    input bit, so counters 0, 1, 2, ... give independent-looking words."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
+    return x ^ (x >> 31)
+
+
+def sampling_key(seed: int | None, choice: int = 0) -> int:
+    """The key of one generation's position-coupled randomness: (seed, choice index) mixed, or a
+    fresh random key without a seed (behaviour as unseeded sampling: a new sample each time)."""
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little")
+    return _mix64(_mix64((int(seed) & MASK64) + GOLDEN) ^ (int(choice) * GOLDEN & MASK64))
+
+
+def position_uniform(key: int, position: int) -> float:
+    """u_i in [0, 1 - 2**-52] for output position i of the generation keyed by key: a counter-based
+    draw (splitmix64 of key + i), so it depends on the position only, never on how many draws a
+    step made. 52 bits, so u * c < c for any positive double c (coupled_choice's search)."""
+    return (_mix64((key + (int(position) + 1) * GOLDEN) & MASK64) >> 12) * 2.0 ** -52
+
+
+def _ranked(z: torch.Tensor, k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(values, ids, log of the row's partition function or None) of the tokens top-k and top-p can
+    keep, best first. Top-k: torch.topk. Top-p alone: most rows are peaked, and the tokens within
+    NEAR nats of the best are sorted alone when they hold top_p of the mass (every token outside
+    ranks below them all, so the mass before it is already >= top_p, and top-p drops it); else the
+    best NUCLEUS_FIRST, 8x as many until the nucleus closes."""
+    vocab = z.shape[-1]
+    if k < vocab:
+        v, ids = torch.topk(z, k)
+        return v, ids, None
+    lse = torch.logsumexp(z, -1)
+    near = torch.nonzero(z >= z.max() - NEAR).flatten()
+    if near.numel() <= NEAR_MAX and float(torch.exp(z[near] - lse).sum()) >= top_p:
+        v, order = torch.sort(z[near], descending=True, stable=True)
+        return v, near[order], lse
+    m = min(vocab, NUCLEUS_FIRST)
+    while True:
+        v, ids = torch.topk(z, m)
+        if m == vocab or float(torch.exp(v[:-1] - lse).sum()) >= top_p:   # the nucleus closed inside
+            return v, ids, lse
+        m = min(vocab, m * NUCLEUS_GROWTH)
+
+
+def coupled_choice(row: torch.Tensor, s: Sampling, u: float) -> int:
+    """The target's token at one (processed) row [V] for the position whose uniform is u: the
+    inverse CDF at u of the distribution plain sampling draws from (target_probs: temperature, then
+    top-k, then top-p over what top-k kept). P(token = x) = p(x) for u uniform.
+
+    Cheap and exact: temperature and exp on the row once; under top-k or top-p only the candidates
+    are sorted (_ranked); the inverse CDF is a cumulative sum (fp64) over the kept tokens in a fixed
+    order (ids ascending without truncation, best first with it). A row alone, so its token is
+    plain decoding's for the same row bits, however many rows were verified beside it."""
+    z = row.float() / s.temperature
+    vocab = z.shape[-1]
+    k = s.top_k if 0 < s.top_k < vocab else vocab
+    if k == vocab and s.top_p >= 1.0:
+        ids, w = None, torch.exp(z - z.max())
+    else:
+        v, ids, lse = _ranked(z, k, s.top_p)
+        if s.top_p < 1.0:   # the mass is over what top-k kept, as in target_probs
+            p = torch.softmax(v, -1) if lse is None else torch.exp(v - lse)
+            # drop a token when the tokens ranked above it already reach top_p (the first stays)
+            keep = int(((p.cumsum(-1) - p) < s.top_p).sum())
+            v, ids = v[:keep], ids[:keep]
+        w = torch.exp(v - v[0])
+    c = w.double().cumsum(-1)
+    t = torch.tensor([u * float(c[-1])], dtype=torch.float64, device=c.device)
+    i = int(torch.searchsorted(c, t, right=True)[0])   # the first index whose cumulative mass > t
+    return i if ids is None else int(ids[i])
+
+
 def sample_point_masses(p: torch.Tensor, candidates, gen: torch.Generator | None) -> tuple[int, int | None]:
     """Draw one token from p [V] given point-mass proposals tried in order.
 
@@ -201,51 +294,28 @@ def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=gen))  # multinomial normalises p itself
 
 
-def accept_tree(logits: torch.Tensor, tree, s: Sampling, gen: torch.Generator | None,
+def accept_tree(logits: torch.Tensor, tree, s: Sampling, key: int = 0, position: int = 0,
                 targets: list[int] | None = None) -> tuple[list[int], int]:
     """Verify a token tree (hdcli.engine.decode.tree.Tree). logits [nodes, V]: row i is the
     target's prediction for the token after node i's path. Walk from the root: at each node the
-    target draws its token (greedy: argmax; sampling: the point-mass rule over the node's children
-    tried in order, then the residual); follow the child that holds it, stop where none does.
-    Returns (accepted nodes, root excluded, in path order; the target's next token).
-
-    Sampling reads every child's p(token) under its parent and one uniform per child in one
-    transfer. The point-mass rule after rejected siblings of mass R renormalises p to p / (1 - R),
-    so "u < p(x) / (1 - R)" is tested as "u * (1 - R) < p(x)"; only the residual draw at the last
-    node touches the device again. targets: greedy's argmax per row where the caller has it
-    (top_tokens), else computed here."""
+    target chooses its token (greedy: argmax; sampling: coupled_choice with the uniform of the
+    node's output position, position + depth, under key); follow the child that holds it, stop
+    where none does. A child is thus kept with the target's probability of it, whichever
+    candidates stand beside it. Returns (accepted nodes, root excluded, in path order; the target's
+    next token). targets: greedy's argmax per row where the caller has it (top_tokens)."""
     children, tokens = tree.children, tree.tokens
+    if s.greedy and targets is None:
+        targets = [t[0] for t in top_tokens(logits)]
     path: list[int] = []
     node = 0
-    if s.greedy:
-        if targets is None:
-            targets = [t[0] for t in top_tokens(logits)]
-        while True:
-            nxt = next((c for c in children[node] if tokens[c] == targets[node]), None)
-            if nxt is None:
-                return path, targets[node]
-            path.append(nxt)
-            node = nxt
-    probs = target_probs(logits, s)
-    rows = torch.tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
-    cols = torch.tensor(tokens[1:], dtype=torch.long, device=probs.device)
-    p_child, u = _to_host(probs[rows, cols], _uniforms(len(tokens) - 1, gen, probs.device))
     while True:
-        rejected, mass = [], 0.0
-        for c in children[node]:
-            px = p_child[c - 1]
-            if px > 0.0 and u[c - 1] * (1.0 - mass) < px:
-                break
-            rejected.append(tokens[c])
-            mass += px
-        else:
-            p = probs[node]
-            if rejected:
-                p = p.clone()
-                p[rejected] = 0.0
-            return path, _draw(p, gen)
-        node = c
-        path.append(node)
+        tok = targets[node] if s.greedy else coupled_choice(
+            logits[node], s, position_uniform(key, position + len(path)))
+        nxt = next((c for c in children[node] if tokens[c] == tok), None)
+        if nxt is None:
+            return path, tok
+        path.append(nxt)
+        node = nxt
 
 
 def sample_with_draft(p: torch.Tensor, x: int, q: torch.Tensor, gen: torch.Generator | None) -> tuple[int, bool]:

@@ -1,0 +1,220 @@
+"""Seeded sampling is coupled to the output position (engine/decode/verify.py: coupled_choice):
+the same seed gives plain sampled decoding's tokens, token for token, whatever drafted them, what
+was verified beside them, and which choice of a request they are. And the cheap chooser has
+exactly the distribution of the full one (target_probs), under every truncation.
+
+Controls: randomness keyed by the step (the draws a generation has made) instead of the output
+position breaks the equality; a truncation that drops one token too many breaks the distribution."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, answer_index
+from hdcli.engine.decode import batch, loop, verify
+from hdcli.engine.decode.draft import Draft, Drafter
+from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.verify import Sampling, coupled_choice, position_uniform, sampling_key, target_probs
+from hdcli.engine.model.target import as_target
+
+from conftest import owned_copy, tiny_llama
+
+V = 40
+PROMPTS = [[1, 5, 6, 7, 5, 6, 7, 5], [2, 9, 3, 9, 3, 9, 3, 9, 3], [1] + list(range(5, 25))]
+SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=8, top_p=0.9),
+             Sampling(temperature=0.8, top_p=0.8, frequency_penalty=0.5, logit_bias=((4, 2.0),))]
+
+
+class RandomTree(Drafter):
+    """Several random candidates a step, sharing first tokens: real trees, kept or not by chance."""
+    name = "tree"
+
+    def __init__(self, seed=0):
+        self.rng = random.Random(seed)
+
+    def reset(self, tokens):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+    def propose(self, history, max_len, stats=None):
+        first = [self.rng.randrange(V) for _ in range(3)]
+        return [Draft(tuple(first[:1 + i % 3] + [self.rng.randrange(V) for _ in range(max_len)])[:max_len],
+                      "tree") for i in range(4)]
+
+    def rate(self, layer, depth=1, first_child=True):
+        return 0.5
+
+    def observe(self, tested, accepted):
+        pass
+
+
+class Oracle(RandomTree):
+    """Drafts the reference output (plain decoding's, same seed), one token in four corrupted,
+    beside random siblings: many drafts are kept, on later branches too."""
+    name = "oracle"
+
+    def __init__(self, prompt_len, ref, seed=0):
+        super().__init__(seed)
+        self.prompt_len, self.ref = prompt_len, ref
+
+    def propose(self, history, max_len, stats=None):
+        true = self.ref[len(history) - self.prompt_len:][:min(max_len, 4)]
+        true = [t if self.rng.random() > 0.25 else self.rng.randrange(V) for t in true]
+        cands = [Draft(tuple(true[:i] + [self.rng.randrange(V)] + true[i + 1:]), "oracle")
+                 for i in range(min(2, len(true)))]
+        return [Draft(tuple(true), "oracle")] + cands if true else []
+
+
+class SampledChain(RandomTree):
+    """A draft model's chain: tokens with the distribution q they were drawn from (hsd/stack.py)."""
+
+    def propose(self, history, max_len, stats=None):
+        q = torch.softmax(torch.randn(max_len, V, generator=torch.Generator().manual_seed(self.rng.randrange(99))), -1)
+        toks = tuple(int(torch.multinomial(q[i], 1)) for i in range(max_len))
+        return [Draft(toks, "model", q)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny llama in the M-invariant mode: every verified row is its one-token forward's."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HD_CACHE_DIR", str(tmp_path_factory.mktemp("hdcache")))
+    m = owned_copy(tiny_llama(vocab_size=V, seed=5, hidden=64, scale=2.0), tmp_path_factory.mktemp("seeded"),
+                   invariant="on").model
+    yield m
+    mp.undo()
+
+
+def drafters(prompt, ref):
+    out = {"oracle-tree": Oracle(len(prompt), ref),"context": Hierarchy([ContextDB(1, 3)], draft_len=5),
+           "tree": RandomTree(len(prompt)),
+           "hierarchy-tree": Hierarchy([ContextDB(1, 3), ContextDB(2, 4)], policy="adaptive", draft_len=5,
+                                       max_candidates=4),
+           "draft-model chain": SampledChain(len(prompt))}
+    if answer_index.available():
+        out["model DB"] = Hierarchy([AnswerLayer(AnswerIndex([prompt + prompt[1:]]))], draft_len=5)
+    return out
+
+
+@pytest.mark.parametrize("s", SAMPLINGS, ids=["t1", "t0.7-k8-p0.9", "t0.8-p0.8-penalties"])
+def test_seeded_speculation_is_plain_seeded_sampling_token_for_token(model, s):
+    kept = 0
+    for prompt in PROMPTS:
+        for seed in (0, 7):
+            ref = Decoder(model, ()).generate(prompt, 24, s, seed=seed).tokens
+            for name, drafter in drafters(prompt, ref).items():
+                g = Decoder(model, (), drafter).generate(prompt, 24, s, seed=seed)
+                assert g.tokens == ref, (name, prompt, seed)
+                kept += sum(ls.accepted for ls in g.stats.layers.values())
+            pred = Decoder(model, ()).generate(prompt, 24, s, seed=seed, prediction=ref[:10] + [3, 3] + ref[12:])
+            assert pred.tokens == ref
+    assert kept > 100   # drafts were really kept, not only rejected
+
+
+def test_seeded_choices_differ_and_repeat(model):
+    s = Sampling(temperature=1.0)
+    prompt = PROMPTS[0]
+    a = [Decoder(model, ()).generate(prompt, 16, s, seed=3, choice=c).tokens for c in range(3)]
+    b = [Decoder(model, (), RandomTree()).generate(prompt, 16, s, seed=3, choice=c).tokens for c in range(3)]
+    assert a == b and len({tuple(x) for x in a}) == 3
+    assert Decoder(model, ()).generate(prompt, 16, s, seed=4).tokens != a[0]
+
+
+def test_seeded_stream_beside_another_in_one_forward(model):
+    """hd serve's path: the seeded stream's tokens are its plain ones, whatever shares the forward."""
+    s = Sampling(temperature=1.0, top_p=0.9)
+    ref = Decoder(model, ()).generate(PROMPTS[0], 20, s, seed=11).tokens
+    a = Decoder(model, (), RandomTree(1)).stream(PROMPTS[0], 20, s, 11)
+    b = Decoder(model, (), Hierarchy([ContextDB(1, 3)], draft_len=4)).stream(PROMPTS[2], 30, Sampling(temperature=0.9), 5)
+    while not a.done:
+        live = [x for x in (a, b) if not x.done]
+        trees = [x.propose() for x in live]
+        for x, rows in zip(live, batch.forward_many(as_target(model), [(t, x.history[-1], x.cache)
+                                                                   for x, t in zip(live, trees)])):
+            x.accept(rows)
+    assert a.result().tokens == ref
+
+
+def test_noise_keyed_by_step_breaks_the_equality(model, monkeypatch):
+    """The control: draws keyed by how many steps ran (what a non-coupled sampler consumes) give
+    speculation other tokens than plain decoding with the same seed."""
+    s = Sampling(temperature=1.0)
+    steps = {"n": 0}
+    real = verify.accept_tree
+
+    def keyed_by_step(logits, tree, s, key=0, position=0, targets=None):
+        steps["n"] += 1
+        return real(logits, tree, s, key, steps["n"], targets)
+
+    monkeypatch.setattr(loop, "accept_tree", keyed_by_step)
+    differ = 0
+    for seed in range(4):
+        steps["n"] = 0
+        ref = Decoder(model, ()).generate(PROMPTS[0], 24, s, seed=seed).tokens
+        steps["n"] = 0
+        got = Decoder(model, (), Oracle(len(PROMPTS[0]), ref)).generate(PROMPTS[0], 24, s, seed=seed).tokens
+        differ += got != ref
+    assert differ > 0
+
+
+# --- the cheap chooser against the full distribution ----------------------------------------------
+
+def exact_law(row: torch.Tensor, s: Sampling, grid: int = 20000) -> torch.Tensor:
+    """coupled_choice's distribution, read off a fine grid of u (it is the inverse CDF at u)."""
+    counts = torch.zeros(row.shape[-1])
+    for j in range(grid):
+        counts[coupled_choice(row, s, (j + 0.5) / grid)] += 1
+    return counts / grid
+
+
+ROWS = {"peaked": torch.cat([torch.tensor([9.0, 8.5, 8.0, 7.0]), torch.randn(396, generator=torch.Generator().manual_seed(0))]),
+        "flat": torch.randn(400, generator=torch.Generator().manual_seed(1)) * 0.3,   # top-p grows its search
+        "ties": torch.tensor([2.0, 2.0, 1.0, 1.0, 1.0, 0.0] * 50)}
+CHOOSERS = [Sampling(temperature=0.7), Sampling(temperature=1.0, top_p=0.9), Sampling(temperature=1.3, top_p=0.5),
+            Sampling(temperature=0.7, top_k=5), Sampling(temperature=1.0, top_k=50, top_p=0.8)]
+
+
+@pytest.mark.parametrize("row", list(ROWS), ids=list(ROWS))
+@pytest.mark.parametrize("s", CHOOSERS, ids=["t0.7", "p0.9", "t1.3-p0.5", "k5", "k50-p0.8"])
+def test_cheap_chooser_has_the_full_distribution(row, s):
+    x = ROWS[row]
+    want = target_probs(x[None], s)[0]
+    got = exact_law(x, s)
+    if row == "ties" and (s.top_k or s.top_p < 1):
+        # which of equal tokens a truncation keeps is the sort's choice (in both): compare the mass
+        # per distinct logit value instead
+        for value in x.unique():
+            at = x == value
+            assert abs(float(got[at].sum() - want[at].sum())) < 2e-3
+        return
+    assert float((got - want).abs().max()) < 2e-3
+    assert got[want == 0].sum() == 0   # never a token the truncation drops
+
+
+def test_a_wrong_truncation_is_caught(monkeypatch):
+    """The control: a nucleus one token short (3 of the peaked row's 4) moves the law past the
+    tolerance above."""
+    x, s = ROWS["peaked"], Sampling(temperature=1.0, top_p=0.9)
+    real = verify._ranked
+    monkeypatch.setattr(verify, "_ranked", lambda z, k, p: tuple(t[:3] if t is not None and t.dim() else t
+                                                                   for t in real(z, k, p)))
+    got, want = exact_law(x, s, 4000), target_probs(x[None], s)[0]
+    assert float((got - want).abs().max()) > 2e-3
+
+
+def test_position_uniforms_are_uniform_and_keyed():
+    """The counter-based draws: uniform over keys and positions (chi-square on 20 bins), and a
+    function of (seed, choice, position) only."""
+    us = [position_uniform(sampling_key(seed), pos) for seed in range(500) for pos in range(20)]
+    counts = [0] * 20
+    for u in us:
+        counts[int(u * 20)] += 1
+    assert chisquare(counts).pvalue > 1e-3
+    assert position_uniform(sampling_key(5, 1), 3) == position_uniform(sampling_key(5, 1), 3)
+    assert len({position_uniform(sampling_key(5, c), 3) for c in range(4)}) == 4
+    assert sampling_key(None) != sampling_key(None)
