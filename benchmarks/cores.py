@@ -9,6 +9,11 @@ and 16 cores, and hd's projected speed-up over hd plain there.
         /tmp/hd-synth-gguf/llama-3.2-3b-Q4_K_M.gguf /tmp/hd-synth-gguf/llama-3.1-8b-Q4_K_M.gguf \
         --out benchmarks/results/gguf/cores.json
 
+Kernels. hd's GGUF GEMM (csrc/qmm.cpp) needs AVX512-BF16 (quants.failure()); where it does not run
+(this Zen 3 machine: AVX2 only) the loader dequantizes the blocks to bf16 and the GEMMs are torch's
+(`layers_of` keys them "dense/bfloat16", B is then 2 bytes a weight). The microbenchmarks time the
+layer kind the model actually has.
+
 Threads. torch.set_num_threads sets OpenMP's thread count too (torch's libgomp, which hd's compiled
 kernels share: build.py links them with -fopenmp and the process has one OpenMP runtime). The GGUF
 GEMM (csrc/qmm.cpp) opens `#pragma omp parallel` without num_threads, so it runs on
@@ -200,14 +205,10 @@ def bandwidth(mb: int, rounds: int) -> dict:
 def gemm_seconds(types: dict, n: int, k: int, rounds: int) -> dict:
     """Seconds per weight of hd's GEMM, {type/activations: {c: {w: s}}}, in cache (n x k)."""
     import torch
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from test_quants import make
-    from hdcli.engine.kernels import quants
     out = {}
     for key in types:
-        t, act = key.split("/")
-        layer = quants.QLinear(t, make(t, n, k), n, k, activations=act)
-        xs = {w: torch.randn(w, k, generator=torch.Generator().manual_seed(w)).bfloat16() for w in WIDTHS}
+        layer, dt, _ = make_layer(key, n, k)
+        xs = {w: torch.randn(w, k, generator=torch.Generator().manual_seed(w)).to(dt) for w in WIDTHS}
         best = {c: {w: math.inf for w in WIDTHS} for c in THREADS}
         for r in range(rounds + 1):
             for c in (THREADS if r % 2 == 0 else THREADS[::-1]):
@@ -216,9 +217,9 @@ def gemm_seconds(types: dict, n: int, k: int, rounds: int) -> dict:
                     for _ in range(5):
                         t0 = time.perf_counter()
                         layer(xs[w])
-                        dt = time.perf_counter() - t0
+                        el = time.perf_counter() - t0
                         if r:
-                            best[c][w] = min(best[c][w], dt)
+                            best[c][w] = min(best[c][w], el)
         out[key] = {c: {w: best[c][w] / (n * k) for w in WIDTHS} for c in THREADS}
     return out
 
@@ -228,17 +229,12 @@ def gemm_stream(types, stream_mb: int, k: int, rounds: int) -> dict:
     A bandwidth probe that reads as the model's GEMMs read (torch's sum under-reads this machine:
     docs/benchmarks.md, issue 37)."""
     import torch
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from test_quants import make
-    from hdcli.engine.kernels import quants
     out = {}
     for key in types:
-        t, act = key.split("/")
-        size, nbytes = quants.BLOCK[t]
-        n = max(16, (stream_mb * 2 ** 20 // (k // size * nbytes)) // 16 * 16)
-        layer = quants.QLinear(t, make(t, n, k), n, k, activations=act)
-        nb = layer.packed.numel() * layer.packed.element_size()
-        x = torch.randn(1, k).bfloat16()
+        _, dt, per = make_layer(key, 16, k)   # bytes of 16 output rows
+        n = max(16, stream_mb * 2 ** 20 // (per // 16) // 16 * 16)
+        layer, dt, nb = make_layer(key, n, k)
+        x = torch.randn(1, k).to(dt)
         best = {c: math.inf for c in THREADS}
         for r in range(rounds + 1):
             for c in (THREADS if r % 2 == 0 else THREADS[::-1]):
@@ -246,26 +242,51 @@ def gemm_stream(types, stream_mb: int, k: int, rounds: int) -> dict:
                 for _ in range(3):
                     t0 = time.perf_counter()
                     layer(x)
-                    dt = time.perf_counter() - t0
+                    el = time.perf_counter() - t0
                     if r:
-                        best[c] = min(best[c], dt)
+                        best[c] = min(best[c], el)
         out[key] = {c: nb / best[c] / 1e9 for c in THREADS}
         del layer
     return out
 
 
 def layers_of(lm) -> dict:
-    """{type/activations: weights}, and bytes of the GGUF blocks, over the model's QLinear layers."""
+    """{kernel key: weights}, and bytes of the weights a forward reads, over the model's Linear
+    layers: "Q4_K/int8" (a GGUF-kernel QLinear, type/activations) or "dense/bf16" (dequantized
+    weights on torch's or oneDNN's GEMM: where the GGUF kernel does not run, e.g. no AVX512-BF16)."""
     from hdcli.engine.kernels import quants
+    from hdcli.engine.model.layers import Linear
     weights, nbytes = {}, 0
     for m in lm.model.module.modules():
-        if isinstance(m, quants.QLinear):
-            key = f"{m.qtype}/{m.activations}"
-            weights[key] = weights.get(key, 0) + m.in_features * m.out_features
-            nbytes += m.packed.numel() * m.packed.element_size()
+        if not isinstance(m, Linear):
+            continue
+        k = m.kernel
+        if isinstance(k, quants.QLinear):
+            key = f"{k.qtype}/{k.activations}"
+            nbytes += k.packed.numel() * k.packed.element_size()
+        else:
+            dt = m.dtype
+            key = f"dense/{str(dt).replace('torch.', '')}"
+            nbytes += m.in_features * m.out_features * dt.itemsize
+        weights[key] = weights.get(key, 0) + m.in_features * m.out_features
     if not weights:
-        raise SystemExit(f"{lm.source}: no GGUF-kernel layers (QLinear) in this model; the model needs them")
+        raise SystemExit(f"{lm.source}: no Linear layers found")
     return {"weights": weights, "bytes": nbytes}
+
+
+def make_layer(key: str, n: int, k: int):
+    """A layer computing as the model's layers of `key` do (layers_of), random weights."""
+    import torch
+    t, act = key.split("/")
+    if t == "dense":   # torch's GEMM in that dtype (oneDNN-packed layers are timed as torch's)
+        lin = torch.nn.Linear(k, n, bias=False, dtype=getattr(torch, act))
+        lin.requires_grad_(False)
+        return lin, getattr(torch, act), n * k * getattr(torch, act).itemsize
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from test_quants import make
+    from hdcli.engine.kernels import quants
+    layer = quants.QLinear(t, make(t, n, k), n, k, activations=act)
+    return layer, torch.bfloat16, layer.packed.numel() * layer.packed.element_size()
 
 
 def forward_seconds(lm, context: int, rounds: int) -> dict:
