@@ -153,3 +153,13 @@ def load_growth(path, tmp_path) -> int:
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     return got["peak"] - got["base"]
+
+
+def step_together(model, streams, max_nodes=None) -> None:
+    """One step of hd serve's decode loop over the streams not done: each proposes its tree, one
+    forward verifies them all (engine/decode/batch.forward_many), each accepts its own rows."""
+    from hdcli.engine.decode import batch
+    live = [s for s in streams if not s.done]
+    trees = [s.propose(max_nodes=max_nodes) for s in live]
+    for s, rows in zip(live, batch.forward_many(model, [(t, s.history[-1], s.cache) for s, t in zip(live, trees)])):
+        s.accept(rows)

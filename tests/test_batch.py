@@ -19,6 +19,7 @@ from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.tree import tree_forward
 from hdcli.engine.decode import calibrate
 
+from conftest import step_together
 from test_invariant import V, branchy, build, chain
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -95,10 +96,7 @@ def test_streams_stepped_together_equal_plain_decoding(model):
         if steps == 5:  # a fourth request arrives mid-way
             oracle = Oracle(refs[3], len(prompts[3]), k=6, corrupt=0.3, branches=3, vocab=V, seed=3)
             streams.append(Decoder(model, eos_ids=(), drafter=oracle).stream(prompts[3], max_new_tokens=lengths[3]))
-        live = [s for s in streams if not s.done]
-        trees = [s.propose(max_nodes=invariant.MAX_ROWS // len(live) - 1) for s in live]
-        for s, logits in zip(live, batch.forward_many(model, [(t, s.history[-1], s.cache) for s, t in zip(live, trees)])):
-            s.accept(logits)
+        step_together(model, streams, max_nodes=invariant.MAX_ROWS // sum(not s.done for s in streams) - 1)
         steps += 1
     assert [s.result().tokens for s in streams] == refs
     assert max(max(s.stats.tree_sizes) for s in streams) > 4   # trees were sent, not plain steps

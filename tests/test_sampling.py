@@ -18,7 +18,7 @@ from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.engine.decode.verify import Sampling, processed, sample_point_masses, target_probs
 from hdcli.engine.model.target import as_target
 
-from conftest import owned_copy, tiny_llama
+from conftest import owned_copy, step_together, tiny_llama
 
 ALPHA = 1e-3
 V = 8
@@ -155,7 +155,6 @@ def test_sampling_through_a_shared_forward_follows_target_distribution(invariant
     """hd serve's path: a sampled stream verified in one forward with another stream (greedy,
     drafting a chain of its own) keeps exactly the target's distribution. Checked to fail when
     the forward hands the sampled stream the other stream's rows."""
-    from hdcli.engine.decode import batch
     model = invariant_model
     s = Sampling(temperature=1.0)
     prompt, other = [1, 3, 4, 3, 4, 3], [2, 5, 6, 2, 5, 6, 2]
@@ -168,11 +167,7 @@ def test_sampling_through_a_shared_forward_follows_target_distribution(invariant
         a = sampled.stream(prompt, max_new_tokens=3, sampling=s, seed=seed)
         b = greedy.stream(other, max_new_tokens=4)
         while not a.done:
-            live = [x for x in (a, b) if not x.done]
-            trees = [x.propose() for x in live]
-            for x, rows in zip(live, batch.forward_many(as_target(model), [(t, x.history[-1], x.cache)
-                                                               for x, t in zip(live, trees)])):
-                x.accept(rows)
+            step_together(as_target(model), [a, b])
         g = a.result()
         counts[tuple(g.tokens[:2])] = counts.get(tuple(g.tokens[:2]), 0) + 1
         accepted += sum(ls.accepted for ls in g.stats.layers.values())

@@ -14,13 +14,13 @@ import torch
 from scipy.stats import chisquare
 
 from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, answer_index
-from hdcli.engine.decode import batch, loop, verify
+from hdcli.engine.decode import loop, verify
 from hdcli.engine.decode.draft import Draft, Drafter
 from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.verify import Sampling, coupled_choice, position_uniform, sampling_key, target_probs
 from hdcli.engine.model.target import as_target
 
-from conftest import owned_copy, tiny_llama
+from conftest import owned_copy, step_together, tiny_llama
 
 V = 40
 PROMPTS = [[1, 5, 6, 7, 5, 6, 7, 5], [2, 9, 3, 9, 3, 9, 3, 9, 3], [1] + list(range(5, 25))]
@@ -132,11 +132,7 @@ def test_seeded_stream_beside_another_in_one_forward(model):
     a = Decoder(model, (), RandomTree(1)).stream(PROMPTS[0], 20, s, 11)
     b = Decoder(model, (), Hierarchy([ContextDB(1, 3)], draft_len=4)).stream(PROMPTS[2], 30, Sampling(temperature=0.9), 5)
     while not a.done:
-        live = [x for x in (a, b) if not x.done]
-        trees = [x.propose() for x in live]
-        for x, rows in zip(live, batch.forward_many(as_target(model), [(t, x.history[-1], x.cache)
-                                                                   for x, t in zip(live, trees)])):
-            x.accept(rows)
+        step_together(as_target(model), [a, b])
     assert a.result().tokens == ref
 
 
