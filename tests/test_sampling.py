@@ -88,7 +88,7 @@ SAMPLINGS = [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p
 
 
 @pytest.mark.parametrize("s", SAMPLINGS, ids=["t1", "t0.7-k5-p0.9", "t1-penalties-bias"])
-@pytest.mark.parametrize("layer", ["fixed", "context", "model"])
+@pytest.mark.parametrize("layer", ["fixed", "context", "model", "recycle"])
 def test_first_two_tokens_follow_target_distribution(model, s, layer):
     prompt = [1, 3, 4, 3, 4, 3]
     probs = exact_two_token_distribution(model, prompt, s)
@@ -101,6 +101,11 @@ def test_first_two_tokens_follow_target_distribution(model, s, layer):
             pytest.skip("arctic-inference is not installed")
         drafter = Hierarchy([AnswerLayer(AnswerIndex([prompt + list(best)]))], policy="fill-tracked",
                             draft_len=2)
+    elif layer == "recycle":   # the target's own sampled rows, recycled as trees priced by their
+        # probabilities (several first tokens: the prompt's bigram is recorded by the first answer)
+        from hdcli.drafting import RecycledLayer, RecycledTable
+        table = RecycledTable(top_k=3)
+        drafter = Hierarchy([RecycledLayer(table)], policy="fill-tracked", draft_len=2, max_candidates=4)
     else:
         drafter = Hierarchy([FixedLayer(best) if layer == "fixed" else ContextDB(1, 3)], draft_len=2)
     dec = Decoder(model, (), drafter)
@@ -111,6 +116,8 @@ def test_first_two_tokens_follow_target_distribution(model, s, layer):
         counts[key] = counts.get(key, 0) + 1
         accepted += sum(ls.accepted for ls in g.stats.layers.values())
     assert accepted > n / 10  # the drafts were really accepted, often
+    if layer == "recycle":    # ... from trees grown on recorded probabilities
+        assert table.bigram[tuple(prompt[-2:])][1] is not None
     assert chi2_pvalue(counts, probs, n) > ALPHA
 
 

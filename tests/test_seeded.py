@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, answer_index
+from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, RecycledLayer, RecycledTable, answer_index
 from hdcli.engine.decode import loop, verify
 from hdcli.engine.decode.draft import Draft, Drafter
 from hdcli.engine.decode.loop import Decoder
@@ -114,6 +114,40 @@ def test_seeded_speculation_is_plain_seeded_sampling_token_for_token(model, s):
             pred = Decoder(model, ()).generate(prompt, 24, s, seed=seed, prediction=ref[:10] + [3, 3] + ref[12:])
             assert pred.tokens == ref
     assert kept > 100   # drafts were really kept, not only rejected
+
+
+class CountingRecycled(RecycledLayer):
+    """The recycle layer, counting the drafts it priced by recorded probabilities."""
+
+    def __init__(self, table):
+        super().__init__(table)
+        self.priced_drafts = 0
+
+    def propose(self, history, max_len, max_candidates=1):
+        got = super().propose(history, max_len, max_candidates)
+        self.priced_drafts += sum(isinstance(d, Draft) and d.p is not None for d in got)
+        return got
+
+
+@pytest.mark.parametrize("s", SAMPLINGS + [Sampling()], ids=["t1", "t0.7-k8-p0.9", "t0.8-p0.8-penalties", "greedy"])
+def test_priced_recycle_trees_keep_plain_output(model, s):
+    """Trees the recycle layer grows from the target's sampled rows (several children where it was
+    unsure, priced by their probabilities) leave seeded sampled output plain decoding's token for
+    token, and greedy output too (the table warmed by sampled answers first)."""
+    table = RecycledTable(top_k=3)
+    for prompt in PROMPTS:   # warm: sampled records, so greedy streams meet priced drafts too
+        Decoder(model, (), Hierarchy([RecycledLayer(table)])).generate(prompt, 24, SAMPLINGS[0], seed=1)
+    priced = kept = 0
+    for prompt in PROMPTS:
+        for seed in (0, 7, 9):
+            ref = Decoder(model, ()).generate(prompt, 24, s, seed=seed).tokens
+            layer = CountingRecycled(table)
+            g = Decoder(model, (), Hierarchy([ContextDB(1, 3), layer], draft_len=5, max_candidates=4)).generate(
+                prompt, 24, s, seed=seed)
+            assert g.tokens == ref, (prompt, seed)
+            priced += layer.priced_drafts
+            kept += g.stats.layers["recycle"].accepted if "recycle" in g.stats.layers else 0
+    assert priced > 10 and kept > 10   # priced trees were drafted (greedy records overwrite some) and kept
 
 
 def test_seeded_choices_differ_and_repeat(model):

@@ -349,3 +349,46 @@ def test_fill_tracked_cuts_by_this_answers_acceptance_and_fill_by_priors():
     kept_fill = build_tree(fill.propose([0], 4), fill.rate, steep)
     assert kept_tracked.tokens[1:4] == [1, 2, 3] and 5 not in kept_tracked.tokens
     assert kept_fill.tokens != kept_tracked.tokens
+
+
+def test_known_probabilities_price_nodes_exactly():
+    """A node whose probability the drafter knew (Draft.p: recycle under sampling) is accepted with
+    it once its parent is; siblings are disjoint draws, so a later one gets at most what the earlier
+    left. Control: with the probabilities dropped the same tree is priced by the layer rate."""
+    from hdcli.engine.decode.draft import Draft
+    drafts = [Draft((1, 2), "recycle", p=(0.6, 0.5)), Draft((3,), "recycle", p=(0.3,)),
+              Draft((4,), "recycle", p=(0.5,)), Draft((5, 6), "context")]
+    t = Tree()
+    for d in drafts:
+        t.add_candidate(d.tokens, d.layer, d.p)
+    est = node_estimates(t, lambda layer, depth, first: 0.25)
+    by_token = dict(zip(t.tokens[1:], est[1:]))
+    assert by_token[1] == pytest.approx(0.6) and by_token[2] == pytest.approx(0.3)
+    assert by_token[3] == pytest.approx(0.3)
+    assert by_token[4] == pytest.approx(0.1)          # 1 - 0.6 - 0.3 left, not 0.5
+    assert by_token[5] == 0.0 and by_token[6] == 0.0  # nothing left for a rate-priced sibling
+    plain = Tree()
+    for d in drafts:
+        plain.add_candidate(d.tokens, d.layer)
+    assert node_estimates(plain, lambda layer, depth, first: 0.25)[1] == pytest.approx(0.25)
+    assert plain.subtree([0, 1, 2]).probs == [None, None, None]
+    assert t.subtree([0, 1, 2]).probs == [None, 0.6, 0.5]   # kept through a cap
+
+
+def test_recycled_tree_grows_best_first_from_bigram_records():
+    """Under sampling the recycle layer grows the likeliest paths of its bigram records, several
+    children where the target was unsure, each token with its recorded probability; a unigram
+    match (another context) is walked unpriced, as when greedy."""
+    from hdcli.drafting import RecycledLayer, RecycledTable
+    table = RecycledTable(top_k=2)
+    # the forward after 7 -> 8 predicted 10 (0.5) or 11 (0.45); after 8 -> 10: 12 (0.9); 8 -> 11: 13 (0.2)
+    table.record([7], [8, 10, 11], [-1, 0, 0], [[10, 11], [12, 14], [13, 15]],
+                 [[0.5, 0.45], [0.9, 0.05], [0.2, 0.1]])
+    layer = RecycledLayer(table, tree_nodes=4, min_path_prob=0.02)
+    got = layer.propose([7, 8], max_len=3, max_candidates=4)
+    paths = {d.tokens: d.p for d in got}
+    assert paths == {(10, 12): (0.5, 0.9), (11, 13): (0.45, 0.2)}   # 4 nodes: 10, 12, 11, 13 (0.45*0.2 > 0.45*0.1)
+    assert layer.priced
+    assert [list(c) for c in layer.propose([9, 8], 3, 4)] == [[10, 12], [11, 13]]  # unigram: the walk
+    table.record([7], [8], [-1], [[10, 11]])   # a greedy record: no probabilities
+    assert not layer.priced and all(not hasattr(c, "p") for c in layer.propose([7, 8], 3, 4))

@@ -13,7 +13,7 @@ rescanning.
 
     class RecordingLayer(Layer):                            # a layer that learns from the target:
         top_k: int                                          # its best tokens per node it keeps,
-        def record(self, before, tokens, parents, top) -> None  # given after every verification
+        def record(self, before, tokens, parents, top, probs) -> None  # after every verification
 
 The hierarchy asks its layers in order (most local first: context DB, then the model DB and
 the statistics DB) and returns `Draft`s tagged with the layer that made them, so statistics and
@@ -39,11 +39,12 @@ class Layer(Protocol):
 @runtime_checkable
 class RecordingLayer(Layer, Protocol):
     """A layer that learns from the target's own predictions (drafting/recycle.py): top[i] is node
-    i's best tokens, best first, top_k of them."""
+    i's best tokens, best first, top_k of them; probs[i] their probabilities under sampling (None
+    when greedy)."""
     top_k: int
 
     def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int],
-               top: Sequence[Sequence[int]]) -> None: ...
+               top: Sequence[Sequence[int]], probs: Sequence[Sequence[float]] | None = None) -> None: ...
 
 
 # A layer's prior acceptance per tree place is registered with it (registry.LayerSpec.prior);
@@ -171,12 +172,13 @@ class Hierarchy(Drafter):
         self.tracker.update(tested, accepted)
 
     def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int],
-               top: Sequence[Sequence[int]], stats=None) -> None:
+               top: Sequence[Sequence[int]], stats=None, probs=None) -> None:
         """A verification forward's predictions (see RecycledTable.record), for layers that learn
-        from them: top[i] is node i's best tokens, best first (record_k of them)."""
+        from them: top[i] is node i's best tokens, best first (record_k of them), probs[i] their
+        probabilities under sampling (None when greedy)."""
         for layer in self.recording:
             t0 = time.perf_counter()
-            layer.record(before, tokens, parents, top)
+            layer.record(before, tokens, parents, top, probs)
             if stats is not None:
                 stats.layer(layer.name).seconds += time.perf_counter() - t0
 
@@ -195,7 +197,9 @@ class Hierarchy(Drafter):
         cands = layer.propose(history, length, slots) if length > 0 and slots > 0 else []
         if stats is not None:
             stats.layer(layer.name).record_query(cands, time.perf_counter() - t0)
-        return clamped([Draft(tuple(c), layer.name) for c in cands], length)   # a layer may ignore length
+        # a layer returns token lists, or Drafts where it knows the target's probabilities (recycle)
+        return clamped([Draft(tuple(c.tokens), layer.name, p=c.p) if isinstance(c, Draft)
+                        else Draft(tuple(c), layer.name) for c in cands], length)   # a layer may ignore length
 
     def propose(self, history: Sequence[int], max_len: int | None = None,
                 stats=None) -> list[Draft]:
@@ -210,12 +214,17 @@ class Hierarchy(Drafter):
                     return got
             return []
         if self.policy in ("fill", "fill-tracked"):
+            # a layer whose drafts carry the target's probabilities (`priced`: recycle under
+            # sampling) is priced exactly by them (tree.node_estimates), so it takes no slot of the
+            # C the other layers share: its candidates go after theirs, in the same tree
             out: list[Draft] = []
+            priced: list[Draft] = []
             for layer in self.layers:
-                out += self._ask(layer, history, max_len, C - len(out), stats)
-                if len(out) >= C:
-                    break
-            return out
+                if getattr(layer, "priced", False):
+                    priced += self._ask(layer, history, max_len, C, stats)
+                elif len(out) < C:
+                    out += self._ask(layer, history, max_len, C - len(out), stats)
+            return out + priced
         # adaptive: order the layers by how well their first token is accepted now, and let each
         # draft as deep as its candidates stay likely (depth_for)
         ranked = sorted(self.layers, key=lambda l: -self.rate(l.name))

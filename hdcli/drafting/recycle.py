@@ -1,8 +1,11 @@
 """The recycle layer: the target's own predictions from earlier verification forwards."""
 from __future__ import annotations
 
+import heapq
+import itertools
 from typing import Sequence
 
+from ..engine.decode.draft import Draft
 from .registry import LayerSpec, register
 
 
@@ -18,40 +21,67 @@ class RecycledTable:
       top_k   predictions kept per key (the first is followed by the greedy walk; the others
               start further candidates).
     Invariant
-      bigram[(a, b)] and unigram[b] hold the top-k of the most recent forward row whose input
-      token was b (after a); a newer row replaces an older one.
+      bigram[(a, b)] and unigram[b] hold (tokens, probs) of the most recent forward row whose
+      input token was b (after a): its top-k tokens, best first, and under sampling their
+      probabilities (verify.top_probs), else None; a newer row replaces an older one.
     """
 
     def __init__(self, top_k: int = 2):
         self.top_k = top_k
-        self.bigram: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.unigram: dict[int, tuple[int, ...]] = {}
+        self.bigram: dict[tuple[int, int], tuple] = {}
+        self.unigram: dict[int, tuple] = {}
+        self.sampled = False   # the last record came with probabilities (a sampled step)
 
     def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int],
-               top: Sequence[Sequence[int]]) -> None:
+               top: Sequence[Sequence[int]], probs: Sequence[Sequence[float]] | None = None) -> None:
         """tokens/parents: a forward's input nodes (parents[0] = -1: the node follows `before`),
         top: each node's best next tokens by the target, best first (verify.top_tokens of its
-        output rows; the decoder computes them once for acceptance and for this)."""
+        output rows; the decoder computes them once for acceptance and for this), probs: their
+        probabilities when the step sampled (None when greedy)."""
         prev0 = before[-1] if before else -1
         k = self.top_k
+        self.sampled = probs is not None
         for i, t in enumerate(tokens):
             a = prev0 if parents[i] < 0 else tokens[parents[i]]
-            self.bigram[(a, t)] = self.unigram[t] = tuple(top[i][:k])
+            self.bigram[(a, t)] = self.unigram[t] = (tuple(top[i][:k]), None if probs is None else tuple(probs[i][:k]))
+
+    def scored(self, a: int, b: int) -> tuple:
+        """(tokens, probs or None) predicted after a, b; ((), None) if b was never an input."""
+        return self.bigram.get((a, b)) or self.unigram.get(b, ((), None))
 
     def next(self, a: int, b: int) -> tuple[int, ...]:
-        return self.bigram.get((a, b)) or self.unigram.get(b, ())
+        return self.scored(a, b)[0]
 
 
 class RecycledLayer:
-    """Drafts by walking a RecycledTable from the end of the history: the first token is the
-    target's last prediction after the same two tokens, and so on (a greedy walk, at most max_len
-    tokens, stopping at a token never seen as input). Further candidates start with the table's
-    next-best first tokens."""
+    """Drafts from a RecycledTable, from the end of the history.
+
+    Greedy records (no probabilities): a walk, the first token being the target's last prediction
+    after the same two tokens, and so on (at most max_len tokens, stopping at a token never seen
+    as input); further candidates start with the table's next-best first tokens.
+
+    Sampled records (probabilities known) under a bigram key: under sampling a drafted token is
+    kept with the target's probability of it, so the tree that pays is the one of the likeliest
+    paths, with several children where the target was unsure. The layer grows it best first: the node whose
+    path probability (product of the recorded probabilities) is highest is added next, until
+    `tree_nodes` nodes or none above `min_path_prob`; each root-to-leaf path is a candidate (at
+    most max_candidates, likeliest leaves first) whose tokens carry their probabilities (Draft.p),
+    by which the tree is priced and capped (engine/decode/tree.py). Only bigram entries are
+    grown: a unigram entry's probabilities were recorded after another context and did not predict
+    (bundled model, t0.7, 4 Spec-Bench questions: first tokens recorded at p 0.93 were kept 24% of
+    the time, at p 0.32 29%; under a bigram key 73% and 22%); a unigram match is walked as when
+    greedy, its tokens priced by the layer's tracked rate.
+
+    Parameters
+      tree_nodes     most nodes of a sampled tree (the decoder's cost cap cuts it further).
+      min_path_prob  a node less likely than this to be reached and kept is not added.
+    """
 
     name = "recycle"
 
-    def __init__(self, table: RecycledTable | None = None):
+    def __init__(self, table: RecycledTable | None = None, tree_nodes: int = 16, min_path_prob: float = 0.02):
         self.table = RecycledTable() if table is None else table
+        self.tree_nodes, self.min_path_prob = tree_nodes, min_path_prob
 
     def reset(self, tokens: Sequence[int]) -> None:
         pass
@@ -63,8 +93,14 @@ class RecycledLayer:
     def top_k(self) -> int:
         return self.table.top_k
 
-    def record(self, before, tokens, parents, top) -> None:
-        self.table.record(before, tokens, parents, top)
+    @property
+    def priced(self) -> bool:
+        """Whether its drafts now carry the target's probabilities (the table's last record was a
+        sampled step's): the hierarchy then gives it no share of the slots (Hierarchy.propose)."""
+        return self.table.sampled
+
+    def record(self, before, tokens, parents, top, probs=None) -> None:
+        self.table.record(before, tokens, parents, top, probs)
 
     def _walk(self, a: int, b: int, max_len: int) -> list[int]:
         out: list[int] = []
@@ -76,13 +112,45 @@ class RecycledLayer:
             out.append(b)
         return out
 
-    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+    def _grow(self, a: int, b: int, max_len: int, max_candidates: int) -> list[Draft]:
+        """The best-first tree of the recorded probabilities (see the class), as its paths."""
+        heap: list[tuple] = []   # (-path probability, order, parent node, a, token, probability, depth)
+        order = itertools.count()
+
+        def push(parent: int, a: int, b: int, reach: float, depth: int) -> None:
+            tokens, probs = self.table.bigram.get((a, b), ((), None))   # bigram only: see the class
+            if probs is None or depth > max_len:
+                return
+            for t, p in zip(tokens, probs):
+                if reach * p >= self.min_path_prob:
+                    heapq.heappush(heap, (-reach * p, next(order), parent, b, t, p, depth))
+
+        nodes: list[tuple] = []  # (token, parent, probability, path probability)
+        push(-1, a, b, 1.0, 1)
+        while heap and len(nodes) < self.tree_nodes:
+            neg, _, parent, prev, t, p, depth = heapq.heappop(heap)
+            nodes.append((t, parent, p, -neg))
+            push(len(nodes) - 1, prev, t, -neg, depth + 1)
+        parents = {parent for _, parent, _, _ in nodes}
+        leaves = sorted((i for i in range(len(nodes)) if i not in parents), key=lambda i: -nodes[i][3])
+        out = []
+        for leaf in leaves[:max_candidates]:
+            path, i = [], leaf
+            while i >= 0:
+                path.append(i)
+                i = nodes[i][1]
+            path.reverse()
+            out.append(Draft(tuple(nodes[i][0] for i in path), self.name, p=tuple(nodes[i][2] for i in path)))
+        return out
+
+    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list:
         if not history:
             return []
         a, b = (history[-2] if len(history) > 1 else -1), history[-1]
-        firsts = self.table.next(a, b)[:max_candidates]
-        return [[f] + self._walk(b, f, max_len - 1) for f in firsts]
-
+        if self.table.bigram.get((a, b), ((), None))[1] is not None:
+            return self._grow(a, b, max_len, max_candidates)
+        firsts = self.table.next(a, b)
+        return [[f] + self._walk(b, f, max_len - 1) for f in firsts[:max_candidates]]
 
 
 register(LayerSpec(

@@ -11,7 +11,8 @@ and hdcli.hsd.stack (draft models stacked over it) implement it.
         def observe(self, tested, accepted) -> None          # what the last verification kept
         records: bool                                        # wants every forward's predictions ...
         record_k: int                                        # ... this many best tokens per node,
-        def record(self, before, tokens, parents, top, stats)  # ... given here (top[i], best first)
+        def record(self, before, tokens, parents, top, stats, probs)  # ... given here (top[i], best
+                                                             # first; probs[i] theirs when sampling)
         def record_target(self, proposed, accepted) -> None  # a step's drafted and accepted node counts
 
 The last four have defaults (records False, record_k 1, record and record_target do nothing): a
@@ -33,6 +34,10 @@ class Draft:
     # the distribution each token was drawn from, [len(tokens), V], when a draft model sampled it
     # (hdcli.hsd.stack); None for point masses (database layers, greedy)
     q: object = field(default=None, compare=False, repr=False)
+    # the drafter's estimate of the target's probability of each token, where it knows one (the
+    # recycle layer under sampling: recorded from the target's own rows, verify.top_probs); the
+    # tree prices such a node by it instead of the layer's rate (tree.node_estimates)
+    p: tuple[float, ...] | None = field(default=None, compare=False, repr=False)
 
 
 
@@ -47,7 +52,8 @@ def clamped(drafts: Sequence[Draft], max_len: int, vocab: int | None = None) -> 
         if vocab is not None:
             keep = next((i for i, t in enumerate(d.tokens[:keep]) if not 0 <= t < vocab), keep)
         if len(d.tokens) > keep:
-            d = Draft(tuple(d.tokens[:keep]), d.layer, None if d.q is None else d.q[:keep])
+            d = Draft(tuple(d.tokens[:keep]), d.layer, None if d.q is None else d.q[:keep],
+                      None if d.p is None else d.p[:keep])
         if d.tokens:
             out.append(d)
     return out
@@ -78,8 +84,9 @@ class Drafter(Protocol):
     def observe(self, tested: dict, accepted: dict) -> None: ...
 
     def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int],
-               top: Sequence[Sequence[int]], stats=None) -> None:
-        """The target's best tokens at every node of a verification forward (where records)."""
+               top: Sequence[Sequence[int]], stats=None, probs=None) -> None:
+        """The target's best tokens at every node of a verification forward (where records), and
+        under sampling their probabilities (verify.top_probs; None when greedy)."""
 
     def record_target(self, proposed: int, accepted: int) -> None:
         """How many nodes a step drafted and how many the target accepted."""

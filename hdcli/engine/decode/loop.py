@@ -34,7 +34,8 @@ from ..text.constrain import FORCED_RATE, Grammar
 from .costs import CostCurve
 from .prediction import Prediction
 from .tree import Tree, build_tree, keep_path, node_estimates, reached, supports_trees, tree_forward
-from .verify import Sampling, accept_chain_q, accept_tree, logprobs_of, processed, sampling_key, top_tokens
+from .verify import (Sampling, accept_chain_q, accept_tree, logprobs_of, processed, sampling_key, top_probs,
+                     top_tokens)
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
 # of the layer that drafted it (None for the target's own token).
@@ -253,7 +254,8 @@ class Stream:
         if self.drafter is not None and rest > 0:
             history = self.history + list(lead) if lead else self.history
             for d in clamped(self.drafter.propose(history, rest, self.stats), rest, vocab):
-                drafts.append(Draft(lead + d.tokens, d.layer, d.q if self.grammar is None else None))
+                drafts.append(Draft(lead + d.tokens, d.layer, d.q if self.grammar is None else None,
+                                    None if lead or d.p is None else d.p))
         drafts = clamped(drafts, room, vocab)
         if self.grammar is None:
             return drafts
@@ -261,7 +263,7 @@ class Stream:
         for d in drafts:
             n = self.grammar.valid_prefix(d.tokens)
             if n:
-                out.append(d if n == len(d.tokens) else Draft(d.tokens[:n], d.layer))
+                out.append(d if n == len(d.tokens) else Draft(d.tokens[:n], d.layer, p=None if d.p is None else d.p[:n]))
         return out
 
     def _rate(self, layer: str | None, depth: int = 1, first_child: bool = True) -> float:
@@ -333,7 +335,10 @@ class Stream:
         else:
             path, nxt = accept_tree(logits, tree, self.sampling, self.key, len(self.out),
                                     targets=[t[0] for t in top] if greedy else None)
-        return Verified(tree, path, nxt, logits, top if records else None, t0)
+        # under sampling the recorded tokens come with their probabilities: a recycled draft is then
+        # priced by what the target gave it (tree.node_estimates), the acceptance it will meet
+        probs = top_probs(logits, top, self.sampling) if records and not greedy else None
+        return Verified(tree, path, nxt, logits, top if records else None, t0, probs)
 
     def advance(self, v: "Verified") -> list[int]:
         """After the cache holds the accepted path (keep_path): the drafting layers learn from the
@@ -402,7 +407,8 @@ class Stream:
         (feeds `adaptive`), and the proposed and accepted sizes."""
         tree, path, stats, drafter = v.tree, v.path, self.stats, self.drafter
         if v.top is not None:
-            drafter.record(self.history[-2:-1], [self.history[-1]] + tree.tokens[1:], tree.parents, v.top, stats)
+            drafter.record(self.history[-2:-1], [self.history[-1]] + tree.tokens[1:], tree.parents, v.top,
+                           stats, v.top_probs)
         if not tree.size():
             return
         for name in tree.layers[1:]:
@@ -426,6 +432,7 @@ class Verified(NamedTuple):
     logits: torch.Tensor           # the processed (penalised, masked) logits the rule read
     top: list | None               # each node's best tokens, for a drafter that records them; else None
     t0: float                      # when verification began (bookkeeping time)
+    top_probs: list | None = None  # under sampling, the probabilities of `top` (verify.top_probs)
 
 
 @torch.inference_mode()

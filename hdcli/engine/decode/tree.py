@@ -39,6 +39,9 @@ class Tree:
         self.depths: list[int] = [0]
         self.layers: list[str | None] = [None]  # layer of the candidate that created the node
         self.children: list[list[int]] = [[]]   # in insertion order = the order they are tried
+        # the target's probability of the node's token after its parent, where the drafter knew it
+        # (Draft.p: recorded from the target's own rows under sampling), else None
+        self.probs: list[float | None] = [None]
 
     def size(self) -> int:
         """Drafted nodes (the root excluded)."""
@@ -47,10 +50,13 @@ class Tree:
     def is_chain(self) -> bool:
         return all(len(c) <= 1 for c in self.children)
 
-    def add(self, parent: int, token: int, layer: str | None) -> int:
+    def add(self, parent: int, token: int, layer: str | None, prob: float | None = None) -> int:
         for c in self.children[parent]:
             if self.tokens[c] == token:
+                if self.probs[c] is None:
+                    self.probs[c] = prob
                 return c
+        self.probs.append(prob)
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
@@ -59,10 +65,11 @@ class Tree:
         self.children[parent].append(len(self.tokens) - 1)
         return len(self.tokens) - 1
 
-    def add_candidate(self, tokens: Sequence[int], layer: str | None) -> None:
+    def add_candidate(self, tokens: Sequence[int], layer: str | None,
+                      probs: Sequence[float] | None = None) -> None:
         node = 0
-        for t in tokens:
-            node = self.add(node, t, layer)
+        for j, t in enumerate(tokens):
+            node = self.add(node, t, layer, None if probs is None else probs[j])
 
     def path(self, node: int) -> list[int]:
         """Nodes from the root's child down to `node`."""
@@ -79,7 +86,7 @@ class Tree:
         for i in sorted(keep):
             if i == 0:
                 continue
-            new_of[i] = t.add(new_of[self.parents[i]], self.tokens[i], self.layers[i])
+            new_of[i] = t.add(new_of[self.parents[i]], self.tokens[i], self.layers[i], self.probs[i])
         return t
 
 
@@ -87,14 +94,20 @@ Rate = Callable[[str | None, int, bool], float]  # (layer, depth, first child?) 
 
 
 def node_estimates(tree: Tree, rate: Rate) -> list[float]:
-    """Estimated probability that each node is accepted (root: 1)."""
+    """Estimated probability that each node is accepted (root: 1). A node whose probability the
+    drafter knew (tree.probs, sampling) is accepted with it once its parent is: the target's token
+    there is one draw, each child a different token, so children are kept in disjoint events
+    (verify.accept_tree); it is bounded by what the earlier siblings left."""
     est = [1.0] * len(tree.tokens)
+    probs = tree.probs
     for parent in range(len(tree.tokens)):
         left = est[parent]  # chance that the search reaches this child: parent reached, earlier siblings rejected
         for j, c in enumerate(tree.children[parent]):
-            a = rate(tree.layers[c], tree.depths[c], j == 0)
-            est[c] = left * a
-            left *= 1.0 - a
+            if probs[c] is None:
+                est[c] = left * rate(tree.layers[c], tree.depths[c], j == 0)
+            else:
+                est[c] = min(left, est[parent] * probs[c])
+            left = max(0.0, left - est[c])
     return est
 
 
@@ -203,7 +216,7 @@ def build_tree(drafts, rate: Rate, cost: Callable[[int], float] | None,
     forward (cost None: everything up to max_nodes). branches False: the first candidate only."""
     tree = Tree()
     for d in drafts if branches else drafts[:1]:
-        tree.add_candidate(d.tokens, d.layer)
+        tree.add_candidate(d.tokens, d.layer, getattr(d, "p", None))
     if tree.size() and cost is not None:
         return cap_by_cost(tree, node_estimates(tree, rate), cost, max_nodes)
     if tree.size() > max_nodes:

@@ -241,6 +241,19 @@ def sample_point_masses(p: torch.Tensor, candidates, gen: torch.Generator | None
     return int(torch.multinomial(p, 1, generator=gen)), None
 
 
+def top_probs(logits: torch.Tensor, top: Sequence[Sequence[int]], s: Sampling) -> list[list[float]]:
+    """Per row of logits [rows, V], the probability of each of `top[row]`'s tokens under the
+    sampling temperature (softmax of logits / T, top-k and top-p not applied: what a sampled step
+    keeps such a token with, slightly under-estimated where a truncation renormalises). These are
+    estimates for drafting (a later step with the same tokens has another context); acceptance
+    never reads them. One logsumexp over the rows and one gather."""
+    if not top or not top[0]:
+        return [[] for _ in top]
+    x = logits.float() / s.temperature
+    idx = torch.tensor(top, dtype=torch.long, device=x.device)
+    return (x.gather(1, idx) - torch.logsumexp(x, -1, keepdim=True)).exp().tolist()
+
+
 def top_tokens(logits: torch.Tensor, k: int = 1) -> list[list[int]]:
     """Per row of logits [rows, V], the k highest-scoring token ids, best first. The first is
     exactly argmax's (the lowest index among equal maxima), so greedy acceptance can take it; each
