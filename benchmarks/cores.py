@@ -60,6 +60,16 @@ optimistic (priced at t(mean width): the model's t is convex in w, so this under
 cap re-tuned on the 8/16-core curve may choose other widths than the six recorded policies: the
 figure is what those policies reach, not the cap's own optimum. c = 1, 2 use the measured t
 (linear between measured widths), 8 and 16 the model.
+
+Other shapes on paper (`shape_projection`, `project_shapes`): where a shape was not loaded (the 3B
+and 8B take too long here, dequantized to bf16), the measured entry's constants are scaled to a
+synth_gguf.py shape, no model loaded, and added under "shape_projections", every figure labelled
+"projection (model, shape-scaled; not measured)" (c = 1, 2 included: the model, not a measurement):
+
+    python benchmarks/cores.py --project-from benchmarks/results/gguf/cores.json \
+        --shapes llama-3.2-3b llama-3.1-8b --out benchmarks/results/gguf/cores.json
+
+The scaling's assumptions are in shape_projection's docstring.
 """
 from __future__ import annotations
 
@@ -170,6 +180,94 @@ def policies_from(projection: dict) -> tuple[list[dict], float]:
                     "histogram": {int(w): k for w, k in r["cap"]["histogram"].items()},
                     "mean_accepted": r["cap"]["mean_accepted_projection"]})
     return out, b["measured"]["mean_overhead_ms"] / 1000
+
+
+# ---------------------------------------------------------------- other shapes, on paper
+
+def shape_weights(shape: str) -> int:
+    """Weights of the Linear layers a forward runs, as hd loads synth_gguf.py's `shape`: per layer
+    q, k, v, o and the three FFN matrices, plus the output head (vocab x hidden), which is one
+    Linear whether tied to token_embd or not (tied: it shares the embedding's matrix; untied:
+    output.weight, and the embedding then adds only the one row a token looks up, left out as
+    layers_of leaves it out). Matches the measured smollm2-1.7b entry's `weights_by_type`."""
+    from synth_gguf import SHAPES
+    s = SHAPES[shape]
+    h, q, kv = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    per_layer = q * h + 2 * kv * h + h * q + 3 * s["ff"] * h
+    return s["layers"] * per_layer + s["vocab"] * h
+
+
+def shape_of(entry: dict) -> str:
+    """The SHAPES name a measured entry was loaded from (its file name starts with it, and its
+    weight count must be that shape's: else ValueError)."""
+    from synth_gguf import SHAPES
+    name = Path(entry["source"]).name
+    hits = [k for k in SHAPES if name.startswith(k + "-") or name.startswith(k + ".")]
+    if len(hits) != 1:
+        raise ValueError(f"{name}: not one synth_gguf.py shape ({hits})")
+    if shape_weights(hits[0]) != sum(entry["weights_by_type"].values()):
+        raise ValueError(f"{name}: {sum(entry['weights_by_type'].values())} weights, "
+                         f"shape {hits[0]} has {shape_weights(hits[0])}")
+    return hits[0]
+
+
+def shape_projection(entry: dict, shape: str, bw1: float, ref_shape: str | None = None) -> dict:
+    """The measured `entry`'s constants (a cores.json "models" row) scaled to another SHAPES name,
+    as the model's `consts` (predict's input) plus the scaling ratios. No model is loaded.
+    Assumptions (paper, not measured):
+      * B: the shape's Linear weights x the entry's bytes a weight (weight_bytes / weights: 2 on
+        this machine, dense bf16), the embedding's one row left out (shape_weights);
+      * G(w): the shape's weights x the entry's one-core GEMM seconds a weight at width w
+        (gemm_compute_ms_1_thread / weights): the per-weight rate of the in-cache microbenchmark
+        does not change with the matrices' dimensions;
+      * s (serial, per forward: Python and op dispatch) scales with the layer count;
+      * a (per row: attention, norms, rope) scales with layers x hidden;
+      * bw1, BW_max: the same machine's (the caller passes the recorded ones)."""
+    from synth_gguf import SHAPES
+    ref_shape = ref_shape or shape_of(entry)
+    ref, tgt = SHAPES[ref_shape], SHAPES[shape]
+    n_ref, n = sum(entry["weights_by_type"].values()), shape_weights(shape)
+    per_weight_bytes = entry["weight_bytes"] / n_ref
+    layers = tgt["layers"] / ref["layers"]
+    rows = layers * tgt["hidden"] / ref["hidden"]
+    fit_ = entry["fit"]
+    consts = {"s": fit_["s_ms"] / 1000 * layers, "a": fit_["a_ms_per_row"] / 1000 * rows,
+              "bytes": n * per_weight_bytes, "bw1": bw1,
+              "gemm": {int(w): float(ms) / 1000 / n_ref * n for w, ms in entry["gemm_compute_ms_1_thread"].items()}}
+    return {"consts": consts, "weights": n, "from_shape": ref_shape,
+            "ratios": {"weights": n / n_ref, "layers": layers, "layers_x_hidden": rows}}
+
+
+SHAPE_LABEL = "projection (model, shape-scaled; not measured)"
+
+
+def project_shapes(doc: dict, shapes: list[str], policies: list[dict], overhead: float) -> dict:
+    """doc["shape_projections"]: each shape's scaled constants, cost curves at CORES and speed-up
+    (speedups over policies_from's recorded policies), from doc's first "models" entry and its
+    recorded bandwidths. Every figure model-only: SHAPE_LABEL."""
+    entry = doc["models"][0]
+    bw1 = doc["bandwidth_gb_per_s"]["used_BW_c"]["1"] * 1e9
+    bw_max = doc["bw_max_gb_per_s_assumed"] * 1e9
+    out = {}
+    for shape in shapes:
+        p = shape_projection(entry, shape, bw1)
+        consts = p["consts"]
+        curves = {}
+        for c in CORES:
+            t = (lambda c: lambda w: predict(consts, w, c, bw_max))(c)
+            curves[c] = {"label": SHAPE_LABEL, "ms": {w: 1000 * t(w) for w in WIDTHS}, "one_token_ms": 1000 * t(1),
+                         "cost": {w: t(w) / t(1) for w in WIDTHS},
+                         "speedup_projection": speedups(policies, t, overhead)}
+        out[shape] = {"label": SHAPE_LABEL, "from_measured": entry["source"], "from_shape": p["from_shape"],
+                      "weights": p["weights"], "weight_bytes": consts["bytes"], "ratios": p["ratios"],
+                      "gemm_compute_ms_1_thread": {w: 1000 * g for w, g in consts["gemm"].items()},
+                      "s_ms": 1000 * consts["s"], "a_ms_per_row": 1000 * consts["a"],
+                      "assumptions": "B = Linear weights x the measured bytes a weight (bf16: 2), embedding row "
+                                     "left out, output head counted once (tied or not); G(w) = weights x the "
+                                     "measured one-core GEMM seconds a weight; s x layer ratio; a x layers*hidden "
+                                     "ratio; this machine's BW(1) and BW_max; acceptance of projection.json",
+                      "curves": curves}
+    return out
 
 
 # ---------------------------------------------------------------- measurements
@@ -324,7 +422,11 @@ def forward_seconds(lm, context: int, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", required=True, help="GGUF files (synth_gguf.py)")
+    ap.add_argument("--models", nargs="+", help="GGUF files (synth_gguf.py)")
+    ap.add_argument("--project-from", help="a recorded cores.json: add shape_projections for --shapes "
+                    "(scaled from its measured entry, no model loaded) and write it to --out")
+    ap.add_argument("--shapes", nargs="+", default=["llama-3.2-3b", "llama-3.1-8b"],
+                    help="synth_gguf.py shapes for --project-from")
     ap.add_argument("--projection", default=str(HERE / "results" / "gguf" / "projection.json"),
                     help="acceptance recorded by projection.py")
     ap.add_argument("--context", type=int, default=64, help="cache length of the timed forwards")
@@ -335,6 +437,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-mb", type=int, default=256, help="MB of the out-of-cache one-row GEMM")
     ap.add_argument("--out", help="write the JSON here")
     args = ap.parse_args(argv)
+    if args.project_from:
+        return project_main(args)
+    if not args.models:
+        ap.error("--models or --project-from is needed")
 
     # the compiled attention at every thread count, not a per-(shape, threads) timed choice: one
     # forward for both thread counts (and no minute of choosing per shape); set it to 0 to compare
@@ -431,6 +537,31 @@ def main(argv=None) -> int:
         print(f"{Path(r['source']).name[:30]:30s} "
               + " ".join(f"{cv[c]['cost'][4]:7.2f}/{cv[c]['cost'][8]:<8.2f}" for c in CORES) + "  "
               + " ".join(f"{cv[c]['speedup_projection']['best_capped']['speedup']:6.2f}" for c in CORES), file=sys.stderr)
+    return 0
+
+
+def project_main(args) -> int:
+    """--project-from: the recorded JSON with "shape_projections" added (the measured entries kept)."""
+    doc = json.loads(Path(args.project_from).read_text())
+    policies, overhead = policies_from(json.loads(Path(args.projection).read_text()))
+    doc["shape_projections"] = project_shapes(doc, args.shapes, policies, overhead)
+    doc["shape_projections_command"] = ("python benchmarks/cores.py --project-from " + args.project_from
+                                        + " --shapes " + " ".join(args.shapes)
+                                        + (f" --out {args.out}" if args.out else ""))
+    text = json.dumps(doc, indent=1) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text, end="")
+    print(f"{'shape':16s} {'1 tok ms 1/2/8/16c':>28s}  {'cost(4) 2/8/16c':>18s}  {'cost(8) 2/8/16c':>18s}  "
+          f"{'x 2/8/16c':>16s}", file=sys.stderr)
+    for name, p in doc["shape_projections"].items():
+        cv = {int(c): v for c, v in p["curves"].items()}
+        print(f"{name:16s} " + " ".join(f"{cv[c]['one_token_ms']:6.0f}" for c in CORES) + "  "
+              + " ".join(f"{cv[c]['cost'][4]:5.2f}" for c in (2, 8, 16)) + "  "
+              + " ".join(f"{cv[c]['cost'][8]:5.2f}" for c in (2, 8, 16)) + "  "
+              + " ".join(f"{cv[c]['speedup_projection']['best_capped']['speedup']:5.2f}" for c in (2, 8, 16)),
+              file=sys.stderr)
     return 0
 
 

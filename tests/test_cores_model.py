@@ -53,3 +53,37 @@ def test_fit_refuses_impossible_inputs():
     # a different machine's times give other constants, not the true ones
     consts = cores.fit({w: t * 1.5 for w, t in synthetic(1).items()}, GEMM, B, BW1)
     assert consts["a"] != pytest.approx(A, rel=1e-3)
+
+
+def _entry(shape: str) -> dict:
+    """A measured cores.json "models" row for `shape`, made up (constants of this file)."""
+    n = cores.shape_weights(shape)
+    return {"source": f"/tmp/{shape}-Q4_K_M.gguf", "weight_bytes": 2 * n, "weights_by_type": {"dense/bfloat16": n},
+            "gemm_compute_ms_1_thread": {str(w): 1000 * g for w, g in GEMM.items()},
+            "fit": {"s_ms": 1000 * S, "a_ms_per_row": 1000 * A}}
+
+
+def test_shape_projection_scales_by_weights_layers_and_hidden():
+    entry = _entry("smollm2-1.7b")
+    assert cores.shape_of(entry) == "smollm2-1.7b"
+    # the 1.7B's Linear weights as hd loads it (24 layers, tied 49152 x 2048 head): 1,711,276,032
+    assert cores.shape_weights("smollm2-1.7b") == 1711276032
+    same = cores.shape_projection(entry, "smollm2-1.7b", BW1)["consts"]
+    assert same["bytes"] == 2 * 1711276032 and same["s"] == pytest.approx(S) and same["a"] == pytest.approx(A)
+    big = cores.shape_projection(entry, "llama-3.1-8b", BW1)
+    r = cores.shape_weights("llama-3.1-8b") / cores.shape_weights("smollm2-1.7b")
+    # the 8B's untied 128256 x 4096 head is counted once, as the tied ones are, its embedding not:
+    # 7,504,658,432 Linear weights (+ 525M of embedding = the published 8.03B parameters)
+    assert cores.shape_weights("llama-3.1-8b") == 7504658432
+    assert big["ratios"]["weights"] == pytest.approx(r)
+    assert big["consts"]["bytes"] == pytest.approx(same["bytes"] * r)
+    for w in GEMM:
+        assert big["consts"]["gemm"][w] == pytest.approx(GEMM[w] * r)
+    assert big["consts"]["s"] == pytest.approx(S * 32 / 24)
+    assert big["consts"]["a"] == pytest.approx(A * 32 * 4096 / (24 * 2048))
+    # negative controls: an entry whose weights are not its file's shape is refused, and the
+    # projection to another shape is not the measured one's
+    wrong = dict(entry, weights_by_type={"dense/bfloat16": cores.shape_weights("smollm2-1.7b") + 1})
+    with pytest.raises(ValueError):
+        cores.shape_projection(wrong, "llama-3.1-8b", BW1)
+    assert cores.predict(big["consts"], 1, 8, BW_MAX) != pytest.approx(cores.predict(same, 1, 8, BW_MAX), rel=0.5)
