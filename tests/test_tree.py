@@ -392,3 +392,20 @@ def test_recycled_tree_grows_best_first_from_bigram_records():
     assert [list(c) for c in layer.propose([9, 8], 3, 4)] == [[10, 12], [11, 13]]  # unigram: the walk
     table.record([7], [8], [-1], [[10, 11]])   # a greedy record: no probabilities
     assert not layer.priced and all(not hasattr(c, "p") for c in layer.propose([7, 8], 3, 4))
+
+
+def test_recycled_probabilities_are_calibrated_on_what_the_output_did():
+    """Recorded probabilities come from another context: the layer scales them by how often its
+    proposed nodes were what the output then held (every node whose parent the output followed).
+    Control: where the output follows the drafts, the calibration rises instead."""
+    from hdcli.drafting import RecycledLayer, RecycledTable
+    table = RecycledTable(top_k=2)
+    table.record([7], [8, 10], [-1, 0], [[10, 11], [12, 14]], [[0.9, 0.05], [0.9, 0.05]])
+    missed, followed = RecycledLayer(table), RecycledLayer(table)
+    for _ in range(10):
+        assert missed.propose([7, 8], 2, 4)[0].p[0] == pytest.approx(min(1.0, 0.9 * missed.calibration))
+        missed.extend([13, 13])        # neither 10 nor 11: 0.95 predicted, nothing kept
+        followed.propose([7, 8], 2, 4)
+        followed.extend([10, 12])      # 10 (0.9) then 12 (0.9): kept
+    assert missed.calibration < 0.25 and followed.calibration > 1.0
+    assert missed.propose([7, 8], 2, 4)[0].p[0] < 0.25
