@@ -205,7 +205,12 @@ import os, signal, sys
 from hdcli.db import stores
 owner, name = (stores.StoreWriter, "{at}") if hasattr(stores.StoreWriter, "{at}") else (stores, "{at}")
 def interrupted(*args):
-    os.kill(os.getpid(), signal.{sig})   # its Python handler runs before the next line
+    os.kill(os.getpid(), signal.{sig})
+    # the Python handler runs when the main thread next checks for signals: at once as a rule, but
+    # a loaded machine may let this function return first (seen once in a full suite), so wait here
+    import time
+    for _ in range(1000):
+        time.sleep(0.01)
 setattr(owner, name, interrupted)
 sys.argv = ["hd"] + sys.argv[1:]
 from hdcli.cli import main
