@@ -185,16 +185,18 @@ def test_recycled_predictions_equal_plain_greedy(make):
     from hdcli.drafting import RecycledLayer, RecycledTable
     m = make()
     table = RecycledTable()
-    drafted = accepted = 0
+    drafted = accepted = next_drafted = 0
     for p in PROMPTS * 2:
         ref = Decoder(m, ()).generate(p, max_new_tokens=40).tokens
-        for layers in ([RecycledLayer(table)], [ContextDB(1, 3), RecycledLayer(table)]):
+        for layers in ([RecycledLayer(table, next_next=True)], [ContextDB(1, 3), RecycledLayer(table)]):
             g = Decoder(m, (), Hierarchy(layers, policy="fill", max_candidates=4)).generate(p, max_new_tokens=40)
             assert g.tokens == ref
             st = g.stats.layers.get("recycle")
             drafted += st.drafted if st else 0
             accepted += st.accepted if st else 0
-    assert drafted > 0 and accepted > 0
+            st = g.stats.layers.get("recycle:next")   # the token after next (LogitSpec)
+            next_drafted += st.drafted if st else 0
+    assert drafted > 0 and accepted > 0 and next_drafted > 0
     assert table.bigram and table.unigram
 
 

@@ -216,6 +216,33 @@ def test_layer_walks_and_respects_min_prob(tiny_lm, tmp_path):
     assert StatsDB(db, min_expected=6.0).propose(ids, 6, 1) == []
 
 
+def test_layer_remembers_lookups_within_a_request(tiny_lm, tmp_path):
+    """A step's walk repeats the last step's lookups: each is read from the store once a request
+    (misses too), the drafts are the memo-less ones, and a new request (reset) reads the store
+    again. Control: with memo_size 0 every lookup goes to the store."""
+    tok = tiny_lm.tokenizer
+    out = tmp_path / "s.lmdb"
+    statsdb.build(DOCS, out, tok, "tiny", min_count=1)
+    db = stores.Store(out)
+    calls = []
+    real_get = db.get
+    db.get = lambda key: calls.append(tuple(key)) or real_get(key)
+    ids = tokenize(tok, ["the dog sat on"])[0]
+    plain = StatsDB(stores.Store(out)).propose(ids, 6, 1)
+    layer = StatsDB(db, memo_size=64)
+    layer.reset(ids)
+    assert layer.propose(ids, 6, 1) == plain
+    first = len(calls)
+    assert first > 0 and len(set(calls)) == first
+    assert layer.propose(ids, 6, 1) == plain and len(calls) == first
+    layer.reset(ids)
+    assert layer.propose(ids, 6, 1) == plain and len(calls) == 2 * first
+    control = StatsDB(db, memo_size=0)
+    calls.clear()
+    control.propose(ids, 6, 1), control.propose(ids, 6, 1)
+    assert len(calls) == 2 * first
+
+
 def test_greedy_with_context_and_stats_equals_plain(tiny_lm, tmp_path):
     """The DB is built from the tiny model's own outputs, so its drafts are often right."""
     prompts = ["the cat sat", "one two three", "red blue", "hello world", "big small fast"]

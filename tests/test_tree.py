@@ -394,6 +394,31 @@ def test_recycled_tree_grows_best_first_from_bigram_records():
     assert not layer.priced and all(not hasattr(c, "p") for c in layer.propose([7, 8], 3, 4))
 
 
+def test_recycled_next_best_tokens_start_candidates_for_the_token_after_next():
+    """LogitSpec: the last history token is the best of the row recorded before it; that row's
+    next-best tokens start candidates for the token after it, walked on through the table and
+    tagged 'recycle:next'. Controls: no such candidate when the last token is not that row's best
+    (another path was taken), when sampled (probabilities recorded), or when switched off."""
+    from hdcli.drafting import RecycledLayer, RecycledTable
+    table = RecycledTable(top_k=2)
+    # after 6 -> 7 the target predicted 8 (best) or 9; after 8 -> 9 it predicted 5
+    table.record([6], [7, 9], [-1, -1], [[8, 9], [5, 4]])
+    table.record([8], [9], [-1], [[5, 4]])
+    layer = RecycledLayer(table, next_next=True)
+    got = layer.propose([6, 7, 8], max_len=3, max_candidates=4)
+    nxt = [d for d in got if getattr(d, "layer", None) == "recycle:next"]
+    assert [d.tokens for d in nxt] == [(9, 5)] == [tuple(d.tokens) for d in got]  # 9, then (8, 9) -> 5
+    table.record([7], [8], [-1], [[3, 9]])     # 8 seen as input: its own walk comes first, 9 is not repeated
+    got = layer.propose([6, 7, 8], 3, 4)
+    assert [list(c) for c in got] == [[3], [9, 5]]   # both recycle's own: 9 already starts one
+    assert layer.propose([6, 7, 8], 3, 1) == [[3]]   # no slot left for it
+    assert not [d for d in layer.propose([6, 7, 3], 3, 4) if getattr(d, "layer", "") == "recycle:next"]
+    assert not [d for d in RecycledLayer(table).propose([6, 7, 8], 3, 4)   # off by default
+                if getattr(d, "layer", "") == "recycle:next"]
+    table.record([6], [7], [-1], [[8, 9]], [[0.6, 0.3]])   # a sampled record: no LogitSpec guess
+    assert not [d for d in layer.propose([6, 7, 8], 3, 4) if getattr(d, "layer", "") == "recycle:next"]
+
+
 def test_recycled_probabilities_are_calibrated_on_what_the_output_did():
     """Recorded probabilities come from another context: the layer scales them by how often its
     proposed nodes were what the output then held (every node whose parent the output followed).

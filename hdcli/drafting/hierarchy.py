@@ -198,7 +198,8 @@ class Hierarchy(Drafter):
         if stats is not None:
             stats.layer(layer.name).record_query(cands, time.perf_counter() - t0)
         # a layer returns token lists, or Drafts where it knows the target's probabilities (recycle)
-        return clamped([Draft(tuple(c.tokens), layer.name, p=c.p) if isinstance(c, Draft)
+        # (its own name, or a tag of its own such as 'recycle:next', tracked apart)
+        return clamped([Draft(tuple(c.tokens), c.layer or layer.name, p=c.p) if isinstance(c, Draft)
                         else Draft(tuple(c), layer.name) for c in cands], length)   # a layer may ignore length
 
     def propose(self, history: Sequence[int], max_len: int | None = None,

@@ -79,18 +79,29 @@ class RecycledLayer:
     drafts carry min(1, calibration x p). (Bundled model, t0.7: first tokens recorded at p 0.93
     were kept 73% of the time.)
 
+    The token after next (LogitSpec, Liu et al. 2025, arXiv 2507.01449), greedy records: the last
+    history token (the root) is the target's best token of the row before it, which the table has
+    just recorded under (history[-3], history[-2]); that row's next-best tokens are often the token
+    *after* the root, so each starts one more candidate, [alt] + the walk from (root, alt), tagged
+    `recycle:next` so the tree prices it by its own tracked acceptance (it shares recycle's
+    prior) and the bench reports it apart. Off by default: it did not pay (bundled model, greedy,
+    12 Spec-Bench questions, `hd bench spec-bench -n 128 --limit 2`: 1 of its 41 tokens the cap
+    sent was kept).
+
     Parameters
       tree_nodes     most nodes of a sampled tree (the decoder's cost cap cuts it further).
       min_path_prob  a node less likely than this to be reached and kept is not added.
       weight, decay  the calibration's prior weight (prior: 1) and per-step decay.
+      next_next      add the LogitSpec candidates (greedy records only).
     """
 
     name = "recycle"
 
     def __init__(self, table: RecycledTable | None = None, tree_nodes: int = 16, min_path_prob: float = 0.02,
-                 weight: float = 2.0, decay: float = 0.95):
+                 weight: float = 2.0, decay: float = 0.95, next_next: bool = False):
         self.table = RecycledTable() if table is None else table
         self.tree_nodes, self.min_path_prob = tree_nodes, min_path_prob
+        self.next_next = next_next
         self.weight, self.decay = weight, decay
         self.reset(())
 
@@ -184,7 +195,16 @@ class RecycledLayer:
         if self.table.bigram.get((a, b), ((), None))[1] is not None:
             return self._grow(a, b, max_len, max_candidates)
         firsts = self.table.next(a, b)
-        return [[f] + self._walk(b, f, max_len - 1) for f in firsts[:max_candidates]]
+        out: list = [[f] + self._walk(b, f, max_len - 1) for f in firsts[:max_candidates]]
+        if self.next_next and len(history) > 2 and len(out) < max_candidates:
+            row, probs = self.table.scored(history[-3], a)
+            if probs is None and row and row[0] == b:   # b was that row's best token: its next-best follow b
+                taken = {c[0] for c in out}
+                for alt in row[1:]:
+                    if alt not in taken and len(out) < max_candidates:
+                        taken.add(alt)
+                        out.append(Draft((alt, *self._walk(b, alt, max_len - 1)), self.name + ":next"))
+        return out
 
 
 register(LayerSpec(
