@@ -69,3 +69,40 @@ def test_no_match_no_draft_and_hierarchy_records_queries():
     assert hier.propose(h + [1, 2], max_len=0, stats=st) == []
     ls = st.layers["context"]
     assert (ls.queries, ls.hits, ls.candidates) == (2, 1, 1)
+
+
+def test_draft_length_and_tag_follow_the_match_length():
+    """match_factor: a match on the longest key drafts factor x how far back the history agrees
+    with the text before that occurrence; tag_matches names each candidate by that length.
+    Controls: without match_factor the same match drafts max_len; a shorter key keeps
+    len_per_key x n."""
+    #    9  1  2  3  4  A...      5  6  1  2  3  4  B...     7  9  1  2  3  4
+    a, b = list(range(20, 30)), list(range(30, 40))
+    h = [9, 1, 2, 3, 4] + a + [5, 6, 1, 2, 3, 4] + b + [7, 9, 1, 2, 3, 4]
+    db = ContextDB(min_n=2, max_n=4, match_factor=2.0)
+    db.reset(h)
+    # two occurrences of the key 1 2 3 4, each followed once: the most recent (B, matched 4 back:
+    # 6 != 9) ranks first and drafts 2 x 4 = 8; the older (A, matched 5 back: 9 == 9) 2 x 5 = 10
+    assert db.propose(h, 16, 2) == [b[:8], a[:10]]
+    plain_db = ContextDB(min_n=2, max_n=4)
+    plain_db.reset(h)
+    assert plain_db.propose(h, 16, 2) == [b + [7, 9, 1, 2, 3, 4][:6], a + [5, 6, 1, 2, 3, 4]]
+    tagged = ContextDB(min_n=2, max_n=4, match_factor=2.0, tag_matches=True)
+    tagged.reset(h)
+    got = tagged.propose(h, 16, 2)
+    assert [(list(d.tokens), d.layer) for d in got] == [(b[:8], "context:4"), (a[:10], "context:5")]
+    short, h2 = ContextDB(min_n=2, max_n=4, match_factor=2.0), [9, 1, 2, 3, 4] + a + [50, 3, 4]
+    short.reset(h2)    # only the 2-token key 3 4 matches: len_per_key x 2 = 6 tokens
+    assert short.propose(h2, 16, 1) == [a[:6]]
+
+
+def test_tagged_match_lengths_are_tracked_apart_by_the_hierarchy():
+    from hdcli.engine.decode.stats import RunStats
+    h = [9, 1, 2, 3, 4] + list(range(20, 30)) + [9, 1, 2, 3, 4]
+    hier = Hierarchy([ContextDB(2, 4, tag_matches=True)], policy="fill-tracked", max_candidates=2)
+    hier.reset(h)
+    st = RunStats()
+    drafts = hier.propose(h, stats=st)
+    assert [d.layer for d in drafts] == ["context:5"] and st.layers["context"].hits == 1
+    hier.observe({("context:5", 1): 10}, {("context:5", 1): 0})
+    assert hier.rate("context:5") < hier.rate("context:4") == hier.rate("context")

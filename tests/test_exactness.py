@@ -89,6 +89,22 @@ def test_context_db_greedy_equals_plain(model, draft_len, min_n, max_n):
     assert 0 < accepted < drafted  # both paths (accept and reject) were exercised
 
 
+@pytest.mark.parametrize("kw", [{"match_factor": 1.0}, {"match_factor": 3.0, "tag_matches": True},
+                                {"tag_matches": True}])
+def test_match_length_drafts_equal_plain(model, kw):
+    """The context DB's match-length rules (draft length, tags priced apart by the tracker)."""
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        ref = plain(model, prompt, 60)
+        drafter = Hierarchy([ContextDB(1, 3, **kw)], policy="fill-tracked", max_candidates=3)
+        g = Decoder(model, (), drafter).generate(prompt, max_new_tokens=60)
+        assert g.tokens == ref
+        layers = [v for k, v in g.stats.layers.items() if k.startswith("context")]
+        accepted += sum(v.accepted for v in layers)
+        drafted += sum(v.drafted for v in layers)
+    assert 0 < accepted < drafted
+
+
 @pytest.mark.parametrize("corrupt", [0.0, 0.2, 0.6])
 def test_partial_acceptance_keeps_cache_exact(model, corrupt):
     """Rejected tokens at random depths: any rejected entry left in the KV cache changes what

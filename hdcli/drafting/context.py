@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..engine.decode.draft import Draft
 from .registry import LayerSpec, register
 
 
@@ -17,6 +18,13 @@ class ContextDB:
                      runs: on Spec-Bench-like prompts this beat a fixed length for every cost
                      profile we measured (benchmarks/context_tuning.py).
       max_scan       most occurrences of one key examined per query (bounds the query time).
+      match_factor   None: a match on the longest key drafts up to max_len. A number: it drafts
+                     match_factor x the match's length (how far back the history agrees with the
+                     text before that occurrence, up to max_match tokens), as SuffixDecoding sizes
+                     its trees: a passage being copied drafts long, a 4-token coincidence short.
+      tag_matches    tag each candidate with its match length ('context:2' .. 'context:8+'), so
+                     the decoder's tracker (hierarchy.AcceptanceTracker) learns each one's acceptance
+                     in the request and the cost cap prices a long match above a short one.
     Invariant
       `positions[key]` lists, oldest first, every index i such that history[i-n+1 : i+1] == key,
       for every i < len(history). Updated in O(max_n) per appended token.
@@ -30,10 +38,14 @@ class ContextDB:
 
     name = "context"
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, len_per_key: int = 3, max_scan: int = 64):
+    max_match = 32
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, len_per_key: int = 3, max_scan: int = 64,
+                 match_factor: float | None = None, tag_matches: bool = False):
         if not 1 <= min_n <= max_n:
             raise ValueError("context DB needs 1 <= min_n <= max_n")
         self.min_n, self.max_n, self.len_per_key, self.max_scan = min_n, max_n, len_per_key, max_scan
+        self.match_factor, self.tag_matches = match_factor, tag_matches
         self.reset([])
 
     def reset(self, tokens: Sequence[int]) -> None:
@@ -56,7 +68,8 @@ class ContextDB:
         assert len(history) >= len(h), "context DB is out of step with the decode loop"
         if len(history) > len(h):
             h = list(history)
-        out: list[list[int]] = []
+        out: list = []
+        seen: list[list[int]] = []   # out's token lists
         last = len(self.history) - 1 if len(h) == len(self.history) else len(h)
         for n in range(min(self.max_n, len(h)), self.min_n - 1, -1):
             ends = self.positions.get(tuple(h[-n:]))
@@ -71,9 +84,17 @@ class ContextDB:
                     groups.setdefault(h[i + 1], []).append(i)
             ranked = sorted(groups.values(), key=lambda g: (-len(g), -g[0]))
             for g in ranked:
-                cand = h[g[0] + 1:g[0] + 1 + length]
-                if not any(c[:len(cand)] == cand for c in out):  # adds nothing to the tree
-                    out.append(cand)
+                i, m, take = g[0], n, length
+                if n == self.max_n and (self.match_factor is not None or self.tag_matches):
+                    while m < self.max_match and i - m >= 0 and h[i - m] == h[-1 - m]:
+                        m += 1
+                    if self.match_factor is not None:
+                        take = min(max_len, max(1, round(self.match_factor * m)))
+                cand = h[i + 1:i + 1 + take]
+                if not any(c[:len(cand)] == cand for c in seen):  # adds nothing to the tree
+                    seen.append(cand)
+                    out.append(Draft(tuple(cand), f"{self.name}:{m if m < 8 else '8+'}")
+                               if self.tag_matches else cand)
                     if len(out) >= max_candidates:
                         return out
         return out
