@@ -122,3 +122,16 @@ def test_generate_json_records_a_config_that_repeats_the_run(tiny_model_dir, tmp
     over = subprocess.run(HD + ["generate", "-p", "the cat sat on the", "--config", str(run), "-n", "3",
                                 "--json"], capture_output=True, text=True, timeout=300)
     assert json.loads(over.stdout)["config"]["max_new_tokens"] == 3
+
+
+def test_the_default_order_is_declared_not_the_import_order():
+    """The layers' place comes from LayerSpec.rank (import order once moved `stats` by accident);
+    a layer registered later with a lower rank goes before them. Control: without a rank it goes last."""
+    assert registry.names()[:4] == ("context", "stats", "model", "recycle")
+    try:
+        registry.register(LayerSpec(name="early", build=lambda s: [], help="toy", prior=(0.1,) * 4, rank=-1))
+        registry.register(LayerSpec(name="late", build=lambda s: [], help="toy", prior=(0.1,) * 4))
+        assert registry.names() == ("early", "context", "stats", "model", "recycle", "late")
+    finally:
+        for name in ("early", "late"):
+            registry.LAYERS.pop(name, None), registry.PRIOR_RATES.pop(name, None)

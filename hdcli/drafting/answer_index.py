@@ -168,6 +168,6 @@ def _model_layers(s) -> list:
 
 
 register(LayerSpec(
-    name="model", prior=(0.1, 0.4, 0.4, 0.6), style="cyan", short="mdl",
+    name="model", rank=20, prior=(0.1, 0.4, 0.4, 0.6), style="cyan", short="mdl",
     help="model DB only (the target's own earlier answers, matched on long suffixes)",
     build=_model_layers, in_default=lambda s: s.model_db is not None, needs=NEEDS_MODEL_DB))

@@ -102,7 +102,7 @@ class ContextDB:
 
 
 register(LayerSpec(
-    name="context", prior=(0.1, 0.5, 0.65, 0.8), style="green", short="ctx",
+    name="context", rank=0, prior=(0.1, 0.5, 0.65, 0.8), style="green", short="ctx",
     help="context DB only (prompt lookup)",
     build=lambda s: [ContextDB(min_n=s.min_n, max_n=s.max_n)],
     in_default=lambda s: True))

@@ -116,6 +116,6 @@ def _stats_layers(s) -> list:
 
 
 register(LayerSpec(
-    name="stats", prior=(0.1, 0.3, 0.45, 0.55), style="magenta", short="st",
+    name="stats", rank=10, prior=(0.1, 0.3, 0.45, 0.55), style="magenta", short="st",
     help="statistics DB only (corpus retrieval, REST-like)",
     build=_stats_layers, in_default=lambda s: bool(s.stats_dbs), needs=NEEDS_STATS_DB))

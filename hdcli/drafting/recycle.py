@@ -208,7 +208,7 @@ class RecycledLayer:
 
 
 register(LayerSpec(
-    name="recycle", prior=(0.1, 0.3, 0.45, 0.55), style="yellow", short="rec",
+    name="recycle", rank=30, prior=(0.1, 0.3, 0.45, 0.55), style="yellow", short="rec",
     help="the target's own recycled predictions only (Token Recycling with bigram keys)",
     build=lambda s: [RecycledLayer(s.recycle_table)], in_default=lambda s: True,
     bench_default=False))

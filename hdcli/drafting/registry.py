@@ -52,19 +52,24 @@ class LayerSpec:
     style: str = ""                         # colour of its accepted tokens in a terminal
     short: str = ""                         # label in 80-column tables
     bench_default: bool = True              # a single-layer method of `hd bench` by default
+    # place in the default hierarchy, lowest first (ties: registration order). Declared, not taken
+    # from import order, which once put `stats` second by accident (an import in answer_index.py)
+    rank: int = 100
 
     def missing(self, source) -> str | None:
         """What `source` (a DecodingConfig or LayerInputs) lacks for this layer, or None."""
         return self.needs[1] if self.needs and not getattr(source, self.needs[0]) else None
 
 
-LAYERS: dict[str, LayerSpec] = {}           # in registration order: the default order too
+LAYERS: dict[str, LayerSpec] = {}           # by rank: the default order too
 PRIOR_RATES: dict[str, tuple] = {}          # name -> prior (benchmarks/recycle_tuning.py varies it)
 
 
 def register(spec: LayerSpec) -> None:
     assert ":" not in spec.name and spec.name not in LAYERS, spec.name
-    LAYERS[spec.name] = spec
+    ordered = sorted([*LAYERS.values(), spec], key=lambda x: x.rank)   # stable: ties keep their order
+    LAYERS.clear()
+    LAYERS.update((x.name, x) for x in ordered)
     PRIOR_RATES[spec.name] = spec.prior
 
 
@@ -73,8 +78,8 @@ def names() -> tuple[str, ...]:
 
 
 def default_layers(inputs: LayerInputs) -> list[str]:
-    """The hierarchy run when no layers are named, most local first: every layer whose
-    in_default holds (context, the model DB where given, recycle, the statistics DBs where given)."""
+    """The hierarchy run when no layers are named: every layer whose in_default holds, by rank
+    (context, the statistics DBs where given, the model DB where given, recycle)."""
     return [n for n, spec in LAYERS.items() if spec.in_default(inputs)]
 
 
