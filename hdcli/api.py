@@ -420,6 +420,15 @@ def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Res
 
 
 # ---------------------------------------------------------------------------------------------
+# hd models
+
+def local_models() -> dict:
+    """What `hd models` shows: every GGUF in Ollama's and LM Studio's stores
+    (engine/local_models.py), with where hd looked."""
+    from .engine import local_models as lm_stores
+    return {"searched": lm_stores.searched(), "models": [m.to_dict() for m in lm_stores.list_models()]}
+
+
 # hd costs
 
 def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",

@@ -112,6 +112,16 @@ def _api_keys(given: List[str]) -> List[str]:
     return [os.environ["HD_API_KEY"]] + list(given)
 
 
+@app.command("models")
+def models_cmd(as_json: bool = typer.Option(False, "--json", help="Write the list as JSON.")):
+    """List the GGUF models in Ollama's and LM Studio's stores, by the --model name that runs them."""
+    rep = api.local_models()
+    if as_json:
+        typer.echo(json.dumps(rep))
+    else:
+        show.local_models(rep)
+
+
 @app.command("costs")
 @takes(DecodingConfig, MODEL, into="cfg", kernels={"help": "auto shows both CPU kernel sets and which one is kept."})
 def costs_cmd(

