@@ -414,7 +414,7 @@ def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Res
     return {"plain": plain.to_dict(),
             "speedup": tps / plain.stats.tokens_per_second if plain.stats.tokens_per_second else 0.0,
             "identical": diff is None, "first_difference": diff,
-            "hf_ar": {"tokens": hf_tokens, "tokens_per_second": hf_tps, "kernels": stock.kernels},
+            "hf_ar": {"tokens": hf_tokens, "tokens_per_second": hf_tps, "kernels": stock.kernels, "dtype": stock.dtype},
             "speedup_over_hf_ar": tps / hf_tps if hf_tps else 0.0,
             "identical_to_hf_ar": hf_diff is None, "first_difference_from_hf_ar": hf_diff}
 

@@ -137,3 +137,31 @@ def test_streamed_pieces_make_the_text_and_name_layers(tiny_lm):
     assert "".join(p for p, _ in pieces) == res.text
     assert {layer for _, layer in pieces} <= {None, "context", "recycle"}
     assert sum(layer == "context" for layer in res.layers) == res.stats.layers["context"].accepted
+
+
+def test_compare_says_why_transformers_differs_and_that_drafting_did_not():
+    """A difference from transformers' stock forward is numerics (its kernels' rounding), not
+    drafting: the line says so and names plain decoding as the exact reference. Control: where the
+    outputs agree it says identical, and a drafting difference is still DIFFERENT in capitals."""
+    import io
+    from rich.console import Console
+    from hdcli import show
+    from hdcli.api import GenerateReport
+
+    def line(identical: bool, hf_identical: bool) -> str:
+        compare = {"identical": identical, "first_difference": None if identical else 3, "speedup": 2.0,
+                   "hf_ar": {"tokens": [], "tokens_per_second": 10.0, "kernels": "torch", "dtype": "bf16"},
+                   "speedup_over_hf_ar": 5.0, "identical_to_hf_ar": hf_identical,
+                   "first_difference_from_hf_ar": None if hf_identical else 18}
+        rep = GenerateReport({"model": "m", "dtype": "bf16", "device": "cpu", "config": {"temperature": 0},
+                              "compare": compare}, {})
+        buf = io.StringIO()
+        show.generate(Console(file=buf, width=400), rep)
+        return buf.getvalue()
+
+    got = line(True, False)
+    assert "output identical" in got
+    assert "differs from token 18, by numerics, not drafting" in got and "plain decoding" in got
+    assert "transformers' bf16 kernels" in got
+    assert "output identical" in line(True, True).splitlines()[-1]
+    assert "DIFFERENT from token 3" in line(False, False)
