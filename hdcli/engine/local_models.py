@@ -45,6 +45,11 @@ def lmstudio_roots() -> list[Path]:
     return [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
 
 
+def _present_lmstudio_roots() -> list[Path]:
+    """lmstudio_roots() that exist, each folder once (one linked under both names is read once)."""
+    return list({r.resolve(): r for r in lmstudio_roots() if r.is_dir()}.values())
+
+
 def is_store_name(name: str) -> bool:
     return name.startswith(PREFIXES)
 
@@ -117,7 +122,7 @@ def _is_model_file(p: Path) -> bool:
 
 
 def _lmstudio(spec: str) -> Path:
-    roots = list({r.resolve(): r for r in lmstudio_roots() if r.is_dir()}.values())   # one folder linked as both: once
+    roots = _present_lmstudio_roots()
     looked = ", ".join(str(r) for r in lmstudio_roots())
     for root in roots:
         target = root / spec
@@ -195,11 +200,10 @@ def _ollama_entries() -> list[tuple[str, Path]]:
 
 def _lmstudio_entries() -> list[tuple[str, Path]]:
     out = []
-    for root in {r.resolve(): r for r in lmstudio_roots() if r.is_dir()}.values():
-        if root.is_dir():
-            for p in sorted(root.rglob("*.gguf")):
-                if _is_model_file(p):
-                    out.append((f"lmstudio:{p.relative_to(root).as_posix()}", p))
+    for root in _present_lmstudio_roots():
+        for p in sorted(root.rglob("*.gguf")):
+            if _is_model_file(p):
+                out.append((f"lmstudio:{p.relative_to(root).as_posix()}", p))
     return out
 
 
