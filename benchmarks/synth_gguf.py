@@ -20,6 +20,8 @@ normal fp16 (>= 2**-14): at large K that makes some K-quant weights larger than 
   Q4_K  d sc q - dmin mn, sc and mn 6-bit in 32..63 (the top bit set, as llama.cpp's quantizer
         puts the largest sub-block scale at 63), dmin = 7.5 d (Q5_K: q 5-bit, dmin = 15.5 d)
   Q6_K  d sc (q - 32), sc int8 in -16..15 (small, so d stays a normal fp16)
+  Q3_K  d (sc - 32) q, random 6-bit sc     Q2_K  d sc q - dmin m, dmin = 1.5 d
+  IQ4_NL d kv[q]                           IQ4_XS d (ls - 32) kv[q], ls - 32 in {1, 3}
   F32/F16/BF16  normal(0, 1/sqrt(K))
 Data are written tensor by tensor in chunks of about 32 MB, so the writer's memory is one chunk
 plus the header (the tokenizer), whatever the model's size.
@@ -35,7 +37,9 @@ Mixes (MIXES, `plan`):
           Q8_0; and the output to Q8_0 directly), so smollm2-360m (hidden 960) gets Q5_0/Q8_0
           tensors as its published Q4_K_M files do
   Q8_0    every 2-D weight Q8_0
-  all     (tests) the 2-D weights cycle through Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32
+  Q5_K_M  Q4_K_M's recipe with Q5_K where it has Q4_K
+  IQ4_XS  every 2-D weight IQ4_XS (fallback IQ4_NL), output (or tied token_embd) Q6_K
+  all     (tests) the 2-D weights cycle through ALL_CYCLE: every type hd reads, floats included
 
     python benchmarks/synth_gguf.py --shape smollm2-1.7b --mix Q4_K_M -o /tmp/x.gguf [--json]
     python benchmarks/synth_gguf.py --list          # shapes, mixes and predicted sizes
@@ -89,13 +93,18 @@ MIXES: dict[str, dict] = {
     "Q4_K_M": dict(ftype=gguf.LlamaFileType.MOSTLY_Q4_K_M,
                    about="llama.cpp's Q4_K_M: Q4_K, output (or tied token_embd) Q6_K, "
                          "attn_v/ffn_down Q6_K where use_more_bits"),
+    "Q5_K_M": dict(ftype=gguf.LlamaFileType.MOSTLY_Q5_K_M,
+                   about="llama.cpp's Q5_K_M: Q4_K_M's recipe with Q5_K where it has Q4_K"),
+    "IQ4_XS": dict(ftype=gguf.LlamaFileType.MOSTLY_IQ4_XS,
+                   about="every 2-D weight IQ4_XS, output (or tied token_embd) Q6_K"),
     "Q8_0": dict(ftype=gguf.LlamaFileType.MOSTLY_Q8_0, about="every 2-D weight Q8_0"),
     "all": dict(ftype=gguf.LlamaFileType.GUESSED,
                 about="tests: 2-D weights cycle through every type written here"),
 }
-ALL_CYCLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
+ALL_CYCLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS", "Q2_K",
+             "F16", "BF16", "F32")
 # llama.cpp's fallback for a row length its block does not divide (then F16 if 32 does not either)
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "IQ4_XS": "IQ4_NL"}
 
 
 def _use_more_bits(i: int, n: int) -> bool:
@@ -160,14 +169,16 @@ def plan(shape: str | dict, mix: str) -> list[tuple[str, tuple[int, ...], str]]:
         elif mix == "all":
             t = _fit(ALL_CYCLE[i2d % len(ALL_CYCLE)], k)
             i2d += 1
-        else:  # Q4_K_M
+        elif name == "output.weight" or (s["tied"] and name == "token_embd.weight"):
+            t = "Q6_K" if k % 256 == 0 else "Q8_0"
+        elif mix == "IQ4_XS":
+            t = _fit("IQ4_XS", k)
+        else:  # Q4_K_M, Q5_K_M
             layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
-            if name == "output.weight" or (s["tied"] and name == "token_embd.weight"):
-                t = "Q6_K" if k % 256 == 0 else "Q8_0"
-            elif name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(layer, n):
+            if name.endswith(("attn_v.weight", "ffn_down.weight")) and _use_more_bits(layer, n):
                 t = _fit("Q6_K", k)
             else:
-                t = _fit("Q4_K", k)
+                t = _fit(mix[:4], k)
         out.append((name, shp, t))
     return out
 
@@ -207,6 +218,14 @@ _UNIT_STD["Q4_K"] = _kquant_unit_std(16)
 _UNIT_STD["Q5_K"] = _kquant_unit_std(32)
 # Q6_K: sc uniform -16..15 times q - 32 uniform -32..31
 _UNIT_STD["Q6_K"] = math.sqrt(((32**2 - 1) / 12 + 0.25) * ((64**2 - 1) / 12 + 0.25))
+# Q3_K: sc - 32 uniform -32..31 times q uniform -4..3 (both means -1/2)
+_UNIT_STD["Q3_K"] = math.sqrt(((64**2 - 1) / 12 + 0.25) * ((8**2 - 1) / 12 + 0.25) - 0.25**2)
+# Q2_K: sc q - 1.5 m (dmin = 1.5 d), sc and m uniform 0..15, q uniform 0..3
+_UNIT_STD["Q2_K"] = math.sqrt((7.5**2 + (16**2 - 1) / 12) * (1.5**2 + (4**2 - 1) / 12) - (7.5 * 1.5)**2 + 2.25 * (16**2 - 1) / 12)
+_KV = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float64)   # IQ4_NL's table
+_UNIT_STD["IQ4_NL"] = float(_KV.std())
+# IQ4_XS: ls - 32 in {1, 3} (scales set so; a wider range would need subnormal d) times kv[q]
+_UNIT_STD["IQ4_XS"] = math.sqrt(5 * float(np.mean(_KV**2)) - (2 * float(_KV.mean()))**2)
 
 _FP16_MIN_NORMAL = 2.0**-14
 _CHUNK_BYTES = 32 << 20
@@ -260,6 +279,17 @@ def random_rows(rng: np.random.Generator, type_name: str, rows: int, k: int) -> 
         sc = blocks[:, 192:208].view(np.int8)
         np.right_shift(sc, 3, out=sc)  # -16..15
         _put16(blocks, 208, d)
+    elif type_name == "Q3_K":   # hmask 32, qs 64, 12 scale bytes (6-bit, random: sc - 32 in -32..31), d at 108
+        _put16(blocks, 108, d)
+    elif type_name == "Q2_K":   # 16 scale bytes (4-bit sc, 4-bit m), qs 64, d at 80, dmin at 82
+        _put16(blocks, 80, d)
+        _put16(blocks, 82, d.astype(np.float32) * np.float32(1.5))
+    elif type_name == "IQ4_NL":
+        _put16(blocks, 0, d)
+    elif type_name == "IQ4_XS":  # d, scales_h = 0b10 each (ls's top bits: 32), scales_l nibbles 1 or 3
+        _put16(blocks, 0, d)
+        blocks[:, 2:4] = 0xAA
+        blocks[:, 4:8] = (blocks[:, 4:8] & 0x22) | 0x11
     else:
         raise ValueError(f"no random blocks for {type_name}")
     return blocks.reshape(rows, -1)

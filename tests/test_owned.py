@@ -100,9 +100,25 @@ def test_every_verified_row_equals_its_one_token_row(tiny_gguf, kern):
         pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI")
     lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", kernels=kern, invariant="on", quiet=True)
     if kern.startswith("gguf"):
-        assert {k.split(":")[1] for k in lm.info["numerics"]["layers"] if k.startswith(f"{kern}:")} >= set(quants.TYPES)
+        assert {k.split(":")[1] for k in lm.info["numerics"]["layers"] if k.startswith(f"{kern}:")} >= set(quants.FORMAT)
     rows = _rows_equal(lm.model, lm.model.config.vocab_size)
     assert all(rows), f"{rows.count(False)} of {len(rows)} rows differ"
+
+
+def test_weights_held_wider_than_the_file_are_said_in_one_line(tiny_gguf, capsys):
+    """A type without a GGUF kernel (Q2_K: dequantized to bf16) or without a layout of its own
+    (IQ4_XS: int8 codes) costs memory a user chose a quantized file to save: the load says which,
+    how and how much, in one line; the record has each type's bytes in the file and held."""
+    lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", invariant="off", quiet=False)
+    lines = [l for l in capsys.readouterr().err.splitlines() if "held wider than the file" in l]
+    assert len(lines) == 1, lines
+    assert "Q2_K as bf16 (6.1x)" in lines[0]
+    if quants.kernel_available():
+        assert "IQ4_XS as int8 codes (q8f) (2.4x)" in lines[0] and "Q4_K" not in lines[0]
+    else:
+        assert "IQ4_XS as bf16 (3.8x)" in lines[0] and "does not run here" in lines[0]
+    held = lm.info["numerics"]["held"]
+    assert set(held) >= set(quants.TYPES) and all(fb > 0 and hb > 0 for fb, hb in held.values())
 
 
 def test_the_check_fails_with_the_mode_off(tiny_gguf):

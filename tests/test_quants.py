@@ -1,6 +1,8 @@
 """GGUF-quantized weights (hdcli/engine/kernels/quants.py, csrc/qmm.cpp): dequantization equal bit for bit
-to gguf-py's reference for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (and F32/F16/BF16), the packing of
-every type in about the file's bytes, and the GEMM on the blocks: close to the dequantized product, its
+to gguf-py's reference for every type read (quants.TYPES: Q4_0 ... Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS; F32/F16/BF16),
+the packing of every type the GEMM multiplies (quants.FORMAT) in about the file's bytes (the three
+written in another type's format: at most 2.36x) and holding its weights exactly (read back by the
+layout, on any CPU), and the GEMM on the blocks (AVX512 only): close to the dequantized product, its
 weight matrix the dequantized weights exactly, and each row's result independent of the row count
 and of the row's place (the M-invariant forward relies on it), with a control that the check can fail."""
 from __future__ import annotations
@@ -15,10 +17,14 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants as gq  # noqa: E402
 
-SMALL = {"Q4_0": (48, 64), "Q4_1": (48, 64), "Q5_0": (48, 64), "Q5_1": (48, 64), "Q8_0": (48, 64), "Q4_K": (48, 512), "Q5_K": (48, 512), "Q6_K": (48, 512)}
+SMALL = {"Q4_0": (48, 64), "Q4_1": (48, 64), "Q5_0": (48, 64), "Q5_1": (48, 64), "Q8_0": (48, 64), "Q4_K": (48, 512), "Q5_K": (48, 512), "Q6_K": (48, 512),
+         "Q3_K": (48, 512), "IQ4_NL": (48, 64), "IQ4_XS": (48, 512), "Q2_K": (48, 512)}
 REAL = {"Q4_0": (1536, 576), "Q4_1": (1536, 576), "Q5_0": (1536, 576), "Q5_1": (1536, 576), "Q8_0": (1536, 576), "Q4_K": (512, 1024), "Q5_K": (512, 1024),
-        "Q6_K": (512, 1024)}
+        "Q6_K": (512, 1024), "Q3_K": (512, 1024), "IQ4_NL": (1536, 576), "IQ4_XS": (512, 1024), "Q2_K": (512, 1024)}
 SHAPES = [(t, s) for t in quants.TYPES for s in ("small", "real")]
+KERNEL_TYPES = tuple(quants.FORMAT)                      # the types the GEMM multiplies (Q2_K: dequantized)
+KERNEL_SHAPES = [(t, s) for t, s in SHAPES if t in quants.FORMAT]
+D_AT = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}   # where a block's fp16 d (and dmin) lie; else 0 (and 2)
 
 
 def shape(t: str, size: str) -> tuple[int, int]:
@@ -35,10 +41,9 @@ def make(t: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     size, nbytes = quants.BLOCK[t]
     b = rng.integers(0, 256, (n, k // size, nbytes), dtype=np.uint8)
     d = (rng.standard_normal((n, k // size, 2)) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, k // size, 4)
-    if t == "Q6_K":
-        b[..., 208:210] = d[..., :2]
-    else:
-        b[..., 0:4] = d
+    at = D_AT.get(t, (0, 2))
+    for i, a in enumerate(at):
+        b[..., a:a + 2] = d[..., 2 * i:2 * i + 2]
     return b.reshape(n, -1)
 
 
@@ -69,9 +74,9 @@ def test_dequantize_equals_gguf_py_bit_for_bit(t, size):
     assert torch.equal(quants.dequantize(t, raw, n, k, rows=rows).view(torch.int16), bf[rows].view(torch.int16))
     codes, scale, low, gk = quants.unpack(t, raw, n, k)
     lo, hi = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31), "Q8_0": (-128, 127), "Q4_K": (0, 15), "Q5_K": (0, 31),
-              "Q6_K": (-32, 31)}[t]
+              "Q6_K": (-32, 31), "Q3_K": (-4, 3), "IQ4_NL": (-127, 113), "IQ4_XS": (-127, 113), "Q2_K": (0, 3)}[t]
     assert codes.shape == (n, k) and lo <= codes.min() and codes.max() <= hi
-    assert scale.shape == (n, k // gk) and (low is None) == (t in ("Q5_0", "Q8_0", "Q6_K"))
+    assert scale.shape == (n, k // gk) and (low is None) == (t in ("Q5_0", "Q8_0", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS"))
 
 
 def test_dequantize_goes_by_chunks(monkeypatch):
@@ -98,10 +103,12 @@ def test_float_tensors(t):
 
 # bytes a weight of the file's blocks and the most the packing may take (its share of the file)
 FILE_BYTES = {t: nbytes / size for t, (size, nbytes) in quants.BLOCK.items()}
-PACKED_OVER_FILE = {"Q4_0": 1.0, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 1.03, "Q6_K": 1.001, "Q5_0": 1.55, "Q5_1": 1.67, "Q5_K": 1.82}
+PACKED_OVER_FILE = {"Q4_0": 1.0, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 1.03, "Q6_K": 1.001, "Q5_0": 1.55, "Q5_1": 1.67, "Q5_K": 1.82,
+                    # written in another type's format (the module docstring of quants.py says why)
+                    "Q3_K": 1.91, "IQ4_NL": 1.89, "IQ4_XS": 2.36}
 
 
-@pytest.mark.parametrize("t", quants.TYPES)
+@pytest.mark.parametrize("t", KERNEL_TYPES)
 def test_the_packing_takes_about_the_files_bytes(t):
     """One decode step reads every weight once: the repacked layout costs the file's bytes (the
     K-quants' per-column constants a few percent more), not the 0.75-1.25 bytes a weight of the
@@ -112,6 +119,93 @@ def test_the_packing_takes_about_the_files_bytes(t):
     packed, fmt = quants.pack(t, raw, n, k)
     assert fmt == quants.FORMAT[t] and packed.dtype == torch.uint8 and packed.shape[0] == n // 16
     assert packed.numel() <= PACKED_OVER_FILE[t] * FILE_BYTES[t] * n * k
+
+
+# The packings' layouts as csrc/qmm.cpp's header (mm) and mm8's header (int8) state them:
+# W bits a code, GK k a group, GS groups a super-block, HEAD and CONSTS bytes.
+LAYOUTS = {"q4z": (4, 32, 1, 0, 32), "q4h": (4, 32, 1, 0, 64), "q4k": (4, 32, 8, 64, 32), "q6k": (6, 16, 16, 32, 16),
+           "q8h": (8, 32, 1, 0, 32), "q8f": (8, 32, 1, 0, 128)}
+
+
+def _f16s(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.float16).astype(np.float64)
+
+
+def read_packing(packed: torch.Tensor, fmt: str, n: int, k: int, int8: bool) -> np.ndarray:
+    """The weights [n, k] (float64) a packing holds, read back by the layout the kernel's comments
+    give: each code at its lane, times its group's scale, plus its low. Independent of the packer's
+    code, so it checks the packer on any CPU (the GEMM itself needs AVX512)."""
+    w_bits, gk, gs, head_bytes, consts_bytes = LAYOUTS[fmt]
+    units = gk // 4 if not int8 else gk // 8
+    unit_bytes = ({4: 32, 6: 48, 8: 64} if not int8 else {4: 64, 6: 96, 8: 128})[w_bits]
+    code_bytes = units * unit_bytes
+    p = packed.numpy().reshape(n // 16, -1, head_bytes + gs * (code_bytes + consts_bytes))
+    cbs, supers = p.shape[:2]
+    grp = p[..., head_bytes:].reshape(cbs, supers, gs, code_bytes + consts_bytes)
+    u = grp[..., :code_bytes].reshape(cbs, supers, gs, units, unit_bytes).astype(np.int64)
+    half = unit_bytes // 2 if w_bits == 8 else (unit_bytes * 2) // 3 if w_bits == 6 else unit_bytes
+    if w_bits == 8:
+        a, b = u[..., :half], u[..., half:]
+    else:
+        a, b = u[..., :half] & 15, u[..., :half] >> 4
+        if w_bits == 6:   # the high 2 bits, byte j for lanes j and j + half/2: mm's b in bits 0-3 and
+            hi = u[..., half:]   # a in 4-7, mm8's a in bits 0-3 and b in 4-7
+            first, second = (np.concatenate([hi & 3, (hi >> 2) & 3], -1) << 4, np.concatenate([(hi >> 4) & 3, (hi >> 6) & 3], -1) << 4)
+            a, b = (a | first, b | second) if int8 else (a | second, b | first)
+    lanes = np.stack([a, b], -2)   # [cb, super, g, unit, a/b, byte]
+    if int8:   # byte j of a quad: column j / 4, k 4 quad + j % 4; a unit is 8 k
+        codes = lanes.reshape(cbs, supers, gs, units, 2, 16, 4).transpose(0, 5, 1, 2, 3, 4, 6)
+    else:      # lane L of pair h of unit u: column L / 2, k 4 u + 2 h + L % 2
+        codes = lanes.reshape(cbs, supers, gs, units, 2, 16, 2).transpose(0, 5, 1, 2, 3, 4, 6)
+    codes = codes.reshape(n, k)
+    if w_bits == 8:
+        codes = codes - 128 if (int8 and fmt == "q8h") else np.where(codes > 127, codes - 256, codes) if not int8 else codes
+    elif w_bits == 6:
+        codes = codes - 32
+    c = grp[..., code_bytes:]                       # [cb, super, g, consts]
+    head = p[..., :head_bytes]                      # [cb, super, head]
+    if fmt == "q4z":
+        scale = _f16s(c[..., :32]); low = -8 * scale
+    elif fmt == "q4h":
+        scale, low = _f16s(c[..., :32]), _f16s(c[..., 32:64])
+    elif fmt == "q4k":
+        scale = _f16s(head[..., None, :32]) * c[..., :16]
+        low = -(_f16s(head[..., None, 32:64]) * c[..., 16:32])
+    elif fmt == "q6k":
+        scale, low = _f16s(head[..., None, :32]) * c[..., :16].view(np.int8), 0 * c[..., :16]
+    elif fmt == "q8h":
+        scale, low = _f16s(c[..., :32]), 0 * c[..., :16]
+    else:
+        scale = np.ascontiguousarray(c[..., :64]).view(np.float32).astype(np.float64)
+        low = np.ascontiguousarray(c[..., 64:128]).view(np.float32).astype(np.float64)
+    scale = scale.transpose(0, 3, 1, 2).reshape(n, k // gk)   # [cb, super, g, column] -> [n, groups]
+    low = np.broadcast_to(low, (cbs, supers, gs, 16)).transpose(0, 3, 1, 2).reshape(n, k // gk)
+    return (codes.reshape(n, k // gk, gk) * scale[..., None] + low[..., None]).reshape(n, k)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+@pytest.mark.parametrize("t", KERNEL_TYPES)
+def test_the_packing_holds_the_files_weights(t, int8):
+    """Every type's packing, for bf16 and for int8 activations, read back by the layouts the
+    kernel's comments state, holds exactly the file's weights (unpack's scale x code + low, whose
+    fp32 rounding test_dequantize_equals_gguf_py_bit_for_bit checks against gguf-py). Runs
+    wherever the extension compiles: the packer is plain C++. The new types are written in the
+    existing formats (Q3_K as q6k, IQ4_NL as q8h, IQ4_XS as q8f); a control shows the check sees a
+    changed byte."""
+    if not (quants.GEMM.load() or quants.GEMM.compiled):
+        pytest.skip(f"the extension does not build here: {quants.failure()}")
+    for n, k in (SMALL[t], REAL[t]):
+        raw = make(t, n, k, seed=3)
+        packed, fmt = quants.pack(t, raw, n, k, int8=int8)
+        assert fmt == quants.FORMAT[t]
+        codes, scale, low, gk = quants.unpack(t, raw, n, k)   # W = scale codes + low, in float64: no rounding
+        want = (codes.reshape(n, -1, gk) * scale[..., None].astype(np.float64)
+                + (0 if low is None else low[..., None].astype(np.float64))).reshape(n, k)
+        got = read_packing(packed, fmt, n, k, int8)
+        assert np.array_equal(got, want), (t, n, k, int(np.sum(got != want)))
+    broken = packed.clone()
+    broken.view(-1)[7] ^= 0x11
+    assert not np.array_equal(read_packing(broken, fmt, n, k, int8), want)
 
 
 def test_pack_reads_the_files_map_as_it_lies(tmp_path):
@@ -134,7 +228,7 @@ def test_pack_reads_the_files_map_as_it_lies(tmp_path):
 def test_shapes_that_do_not_fit():
     raw = make("Q4_0", 40, 64)
     assert not quants.fits("Q4_0", 40, 64) and quants.pack("Q4_0", raw, 40, 64) is None
-    assert quants.fits("Q4_0", 48, 64) and not quants.fits("Q4_K", 48, 64) and not quants.fits("Q3_K", 48, 256)
+    assert quants.fits("Q4_0", 48, 64) and not quants.fits("Q4_K", 48, 64) and quants.fits("Q3_K", 48, 256) and not quants.fits("Q2_K", 48, 256) and not quants.fits("IQ2_XS", 48, 256)
     if quants.kernel_available():
         with pytest.raises(ValueError):
             quants.QLinear("Q4_0", raw, 40, 64)
@@ -154,7 +248,7 @@ def kernel():
         pytest.skip(f"the GGUF GEMM is not available here: {quants.failure()}")
 
 
-@pytest.mark.parametrize("t,size", SHAPES)
+@pytest.mark.parametrize("t,size", KERNEL_SHAPES)
 def test_qlinear_multiplies_by_the_dequantized_weights(t, size):
     kernel()
     n, k = shape(t, size)
@@ -194,7 +288,7 @@ def first_mismatch(f, x: torch.Tensor, ms=tuple(range(1, 21)) + (32, 48, 64), st
     return None
 
 
-@pytest.mark.parametrize("t", quants.TYPES)
+@pytest.mark.parametrize("t", KERNEL_TYPES)
 def test_rows_do_not_depend_on_the_row_count(t):
     kernel()
     n, k = REAL[t]
@@ -299,7 +393,7 @@ def int8_reference(t: str, x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
     return ((xq * (amax / 127.0)).reshape(x.shape).double() @ torch.from_numpy(w).double().T)
 
 
-@pytest.mark.parametrize("t,size", SHAPES)
+@pytest.mark.parametrize("t,size", KERNEL_SHAPES)
 def test_int8_activations_multiply_the_rows_as_quantized(t, size):
     """mm8: the file's weights times each row quantized to int8 per group: equal to that product
     up to the bf16 output's rounding (and fp32 sums); the packing is as small as mm's."""
@@ -322,7 +416,7 @@ def test_int8_activations_multiply_the_rows_as_quantized(t, size):
         lin.weight_matrix()   # the bf16 GEMM's identity trick does not read this arrangement
 
 
-@pytest.mark.parametrize("t", quants.TYPES)
+@pytest.mark.parametrize("t", KERNEL_TYPES)
 def test_int8_rows_do_not_depend_on_the_row_count(t):
     kernel8()
     n, k = REAL[t]

@@ -1,7 +1,7 @@
 """benchmarks/synth_gguf.py: GGUF files of published shapes with random weights in valid blocks.
 
-Two tiny files are written once (mix "all", every type, its vocabulary padded past the bundled
-tokenizer's; and mix Q4_K_M) and read back with gguf-py's GGUFReader: every tensor in the plan's
+Tiny files are written once (mix "all", every type, its vocabulary padded past the bundled
+tokenizer's; and mixes Q4_K_M, Q5_K_M, IQ4_XS) and read back with gguf-py's GGUFReader: every tensor in the plan's
 order, type and ggml shape, its blocks dequantize to finite weights of std about 1/sqrt(K), norms
 ones, the metadata llama.cpp reads; transformers builds the tokenizer from the file. The plans of
 the published shapes are checked without writing them (llama.cpp's Q4_K_M rules, file sizes)."""
@@ -36,13 +36,14 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("synth")
     padded = dict(sg.SHAPES["tiny"], vocab=sg.SHAPES["tiny"]["vocab"] + EXTRA, name="tiny-padded")
     out = {}
-    for key, shape, mix in (("all", padded, "all"), ("Q4_K_M", "tiny", "Q4_K_M")):
+    for key, shape, mix in (("all", padded, "all"), ("Q4_K_M", "tiny", "Q4_K_M"), ("Q5_K_M", "tiny", "Q5_K_M"),
+                            ("IQ4_XS", "tiny", "IQ4_XS")):
         res = sg.write(d / f"tiny_{key}.gguf", shape, mix, seed=1)
         out[key] = (res, shape, mix)
     return out
 
 
-@pytest.mark.parametrize("key", ["all", "Q4_K_M"])
+@pytest.mark.parametrize("key", ["all", "Q4_K_M", "Q5_K_M", "IQ4_XS"])
 def test_read_back(files, key):
     res, shape, mix = files[key]
     s = sg._shape(shape)
@@ -66,9 +67,11 @@ def test_read_back(files, key):
             assert 0.7 < std < 1.5, (name, ty, std)
     assert counts == res["types"]
     if mix == "all":
-        assert set(counts) == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"}
+        assert set(counts) == set(sg.ALL_CYCLE)
+    elif mix == "IQ4_XS":
+        assert counts == {"F32": 5, "IQ4_XS": 15, "Q6_K": 1}
     else:   # tiny: 2 layers, not tied; use_more_bits(i, 2): i >= 7*2//8 = 1 -> layer 1
-        assert counts == {"F32": 5, "Q4_K": 13, "Q6_K": 3}
+        assert counts == {"F32": 5, mix[:4]: 13, "Q6_K": 3}
         assert {t.name for t in r.tensors if t.tensor_type.name == "Q6_K"} == {
             "output.weight", "blk.1.attn_v.weight", "blk.1.ffn_down.weight"}
 

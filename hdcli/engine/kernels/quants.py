@@ -1,5 +1,6 @@
 """A GGUF's quantized weights kept in about their own bytes: exact dequantization, and
-weight-only GEMMs on the blocks (csrc/qmm.cpp) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+weight-only GEMMs on the blocks (csrc/qmm.cpp) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+and Q3_K, IQ4_NL, IQ4_XS written in those formats (below). Q2_K is dequantized to bf16.
 
 Why: one decode step reads every weight once, so bytes per weight bound its speed (2 cores stream
 ~33 GB/s on the AMD EPYC). Every type is split into integer codes, one scale and (for some) one
@@ -19,6 +20,19 @@ cost about the file's bytes (a weight, the file's in brackets):
   Q5_K   32  q in 0..31       d sc           -dmin m      q8f                         1.25   (0.6875)
   Q6_K   16  q in -32..31     d sc           -            q6k: 6-bit, fp16 d a super-block,
                                                                int8 sc a group       0.820  (0.8203)
+
+  Q3_K   16  q in -4..3       d (sc - 32)    -            q6k (codes q + 32)          0.820  (0.4297)
+  IQ4_NL 32  kv[q] in -127..113 d            -            q8h (codes kv[q])           1.0625 (0.5625)
+  IQ4_XS 32  kv[q]            d (ls - 32)    -            q8f (low 0; int8: codes + 128,
+                                                               low -128 scale)        1.25   (0.5312)
+  Q2_K   16  q in 0..3        d sc           -dmin m      none: dequantized to bf16   2      (0.3281)
+
+The three written in another type's format hold their exact weights (a wider code holds any
+product of their small integers) but take about twice the file's bytes (IQ4_XS 2.4x), said
+at load (engine/loader.py); a layout of their own (4-bit codes through a 16-entry table,
+VPERMB) is the way to the file's bytes, not written: hd's GEMM could not be run on the machine
+this was written on (no AVX512), so only the packing is checked there (tests/test_quants.py).
+kv is IQ4_NL's table of 16 int8 values (IQ4NL_VALUES); Q3_K's sc and IQ4_XS's ls are 6-bit.
 
 d, dmin and Q4_1's m are a block's fp16 numbers; a K-quant's sc and m are its sub-blocks' 6-bit
 scales and mins (Q6_K's sc: int8). Every scale and low is an exact fp32 product (an fp16 times an
@@ -67,14 +81,21 @@ import torch
 from .. import records
 from . import build
 
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# The types read here (unpacked, dequantized bit for bit as gguf-py does); FORMAT: those the GEMM
+# multiplies (Q2_K has no format: a GK of 16 with a low of its own; it is dequantized to bf16).
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS", "Q2_K")
 FLOATS = ("F32", "F16", "BF16")
 QK_K = 256
 # weights and bytes of a GGUF block
 BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
-         "Q6_K": (QK_K, 210)}
-GROUP = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}   # weights a scale
-FORMAT = {"Q4_0": "q4z", "Q4_1": "q4h", "Q5_0": "q8h", "Q5_1": "q8f", "Q8_0": "q8h", "Q4_K": "q4k", "Q5_K": "q8f", "Q6_K": "q6k"}
+         "Q6_K": (QK_K, 210), "Q3_K": (QK_K, 110), "IQ4_NL": (32, 18), "IQ4_XS": (QK_K, 136), "Q2_K": (QK_K, 84)}
+GROUP = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16,    # weights a scale
+         "Q3_K": 16, "IQ4_NL": 32, "IQ4_XS": 32, "Q2_K": 16}
+FORMAT = {"Q4_0": "q4z", "Q4_1": "q4h", "Q5_0": "q8h", "Q5_1": "q8f", "Q8_0": "q8h", "Q4_K": "q4k", "Q5_K": "q8f", "Q6_K": "q6k",
+          "Q3_K": "q6k", "IQ4_NL": "q8h", "IQ4_XS": "q8f"}
+# bytes a weight of each packing (16 columns' codes and constants; the module docstring's table)
+FORMAT_BYTES = {"q4z": 0.5625, "q4h": 0.625, "q4k": 0.578125, "q6k": 0.8203125, "q8h": 1.0625, "q8f": 1.25}
+IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 CHUNK = 1 << 22        # weights dequantized at a time (16 MB in fp32, 8 MB of bf16 output)
 
 SOURCE = Path(__file__).with_name("csrc") / "qmm.cpp"
@@ -93,12 +114,14 @@ class GemmKernel(build.OnePerProcess):
 
     def __init__(self):
         self.module = None
+        self.compiled = None      # the module as built, also where its GEMM is not (`pack` runs on any CPU)
         self.failed: str | None = None
 
     def load(self, quiet: bool = True):
         """The compiled module, built on first use, or None (why: `failed`)."""
         if self.module is None and self.failed is None:
-            self.module, self.failed = build.compile_extension(SOURCE, module_name(), "the GGUF GEMM", quiet)
+            self.compiled, self.failed = build.compile_extension(SOURCE, module_name(), "the GGUF GEMM", quiet)
+            self.module = self.compiled
             if self.module is not None and not self.module.supported():
                 self.module, self.failed = None, "this CPU has no AVX512-BF16"
         return self.module
@@ -269,7 +292,50 @@ def _q6_k(b):
     return codes, _f16(b, 208)[..., None] * b[..., 192:208].view(np.int8).astype(np.float32), None
 
 
-_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _q3_k(b):
+    """Q3_K: hmask[32], qs[64], 12 bytes of 6-bit scales, fp16 d. Element e = 128 h + 32 j + l:
+    2 low bits at bits 2j of qs[32 h + l], less 4 where bit 4h + j of hmask[l] is clear (q in
+    -4..3); group of 16 i = e / 16 scaled by d (sc_i - 32), sc_i a nibble of byte i % 8 (the high
+    one from i = 8) and bits 2 (i / 4) of byte 8 + i % 4 on top."""
+    lead = b.shape[:-1]
+    low = (b[..., None, 32:96].reshape(*lead, 1, 2, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None, None]) & 3   # [j, h, l]
+    hbit = (b[..., None, 0:32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1                                     # [4h + j, l]
+    q = low.transpose(*range(len(lead)), -2, -3, -1).astype(np.int8) - ((hbit.reshape(*lead, 2, 4, 32) ^ 1) << 2).astype(np.int8)
+    s = b[..., 96:108]
+    sc = ((s[..., None, 0:8] >> np.array([0, 4], np.uint8)[:, None]) & 0x0F).reshape(*lead, 16) \
+        | (((s[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(*lead, 16) << 4)
+    return q.reshape(*lead, QK_K), _f16(b, 108)[..., None] * (sc.view(np.int8) - np.int8(32)).astype(np.float32), None
+
+
+def _q2_k(b):
+    """Q2_K: 16 bytes of 4-bit scale (low) and min (high) a group of 16, qs[64], fp16 d, dmin.
+    Element e = 128 h + 32 j + l: bits 2j of qs[32 h + l] (0..3); W = d sc q - dmin m."""
+    lead = b.shape[:-1]
+    q = (b[..., None, 16:80].reshape(*lead, 1, 2, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None, None]) & 3   # [j, h, l]
+    q = q.transpose(*range(len(lead)), -2, -3, -1).reshape(*lead, QK_K)
+    s = b[..., 0:16]
+    return q, _f16(b, 80)[..., None] * (s & 0x0F).astype(np.float32), -(_f16(b, 82)[..., None] * (s >> 4).astype(np.float32))
+
+
+def _iq4_nl(b):   # fp16 d, 16 bytes: element i a nibble of byte i % 16 into IQ4_NL's table of 16 int8 values
+    return IQ4NL_VALUES[np.concatenate([b[..., 2:] & 0x0F, b[..., 2:] >> 4], -1)], _f16(b, 0), None
+
+
+def _iq4_xs(b):
+    """IQ4_XS: fp16 d, scales_h (uint16: bits 2j of group j's scale's top 2 bits), scales_l[4]
+    (group j's low 4 bits, a nibble of byte j / 2), qs[128] (group j's 32 as IQ4_NL's 16 bytes);
+    W = d (ls - 32) kv[q]."""
+    lead = b.shape[:-1]
+    high = (b[..., 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    low = ((b[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F).reshape(*lead, 8)
+    ls = (low | (high.astype(np.uint8) << 4)).view(np.int8) - np.int8(32)
+    qs = b[..., 8:136].reshape(*lead, 8, 16)
+    codes = IQ4NL_VALUES[np.concatenate([qs & 0x0F, qs >> 4], -1)]
+    return codes.reshape(*lead, QK_K), _f16(b, 0)[..., None] * ls.astype(np.float32), None
+
+
+_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+           "Q3_K": _q3_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "Q2_K": _q2_k}
 
 
 def _rows_checked(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -354,19 +420,21 @@ def dequantize(type_name: str, raw: np.ndarray, n: int, k: int, rows=None) -> to
 
 def fits(type_name: str, n: int, k: int) -> bool:
     """Whether a [n, k] tensor of this type packs for the kernel (N % 16, K a whole number of blocks)."""
-    return type_name in TYPES and n > 0 and k > 0 and n % 16 == 0 and k % BLOCK[type_name][0] == 0
+    return type_name in FORMAT and n > 0 and k > 0 and n % 16 == 0 and k % BLOCK[type_name][0] == 0
 
 
 def pack(type_name: str, raw: np.ndarray, n: int, k: int, int8: bool = False):
     """(packed [n/16, super-blocks, bytes] uint8 tensor, fmt) for csrc/qmm.cpp's GEMM, or None where
     the shape does not fit (`fits`). The C++ packer reads the file's blocks where they lie (the
     map) on torch's threads: an 8B model's 4.5 GB repack in seconds, not the half minute numpy
-    took. RuntimeError where the extension is not built here."""
+    took. RuntimeError where the extension is not built here (it packs on a CPU without the GEMM:
+    tests/test_quants.py reads the packing back there)."""
     if not fits(type_name, n, k):
         return None
-    module = gemm_module()
+    GEMM.load()
+    module = GEMM.compiled   # plain C++: it packs wherever the extension builds, AVX512 or not
     if module is None:
-        raise RuntimeError(f"the GGUF GEMM is not available here ({GEMM.failed})")
+        raise RuntimeError(f"the GGUF GEMM is not built here ({GEMM.failed})")
     b = _rows_checked(type_name, raw, n, k)
     packed, fmt = module.pack(b.ctypes.data, n, b.shape[1], k, type_name, int8)   # b stays alive: the call reads it
     return packed, fmt

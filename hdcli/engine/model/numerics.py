@@ -18,7 +18,10 @@ Every field changes the numbers a forward gives, so two runs with equal records 
               CPU where the extension builds: one call where torch takes a dozen small ops) or
               "torch"; the rope is bit-equal either way, a norm's sum of squares is in another order;
   min_rows    per Linear shape and kernel, the row count calls are padded to (calibrated);
-  layers      per kernel and file type, how many Linear layers use it (what ran, for the record).
+  layers      per kernel and file type, how many Linear layers use it (what ran, for the record);
+  held        per file type, [bytes in the file, bytes held] of its Linear weights: where a type
+              is held wider than the file (no GGUF kernel for it here, or none of its own: quants.py),
+              the load says so in one line (`widened`).
 Prefills use the same kernels as every other forward: no choice made by timing changes them.
 """
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Numerics:
     rows: str = "torch"
     min_rows: dict = field(default_factory=dict)
     layers: dict = field(default_factory=dict)
+    held: dict = field(default_factory=dict)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -81,7 +85,9 @@ class Numerics:
         if (self.kernels in kernels.GGUF and self.device == "cpu" and self.dtype == "bf16"
                 and qtype in quants.TYPES and quants.fits(qtype, n, k) and quants.kernel_available()):
             acts = "int8" if self.kernels == "gguf-int8" else "bf16"
-            layer = Linear(quants.QLinear(qtype, raw, n, k, bias=bias, activations=acts), "gguf", qtype)
+            q = quants.QLinear(qtype, raw, n, k, bias=bias, activations=acts)
+            held = q.packed.numel()
+            layer = Linear(q, "gguf", qtype)
         else:
             weight = dequantize(qtype, raw, n, k, self.torch_dtype).to(self.device)
             dense = torch.nn.Linear(k, n, bias=bias is not None, device="meta")
@@ -94,6 +100,24 @@ class Numerics:
                 with torch.inference_mode():
                     dense, kind = kernels.PackedLinear(dense), "onednn"
             layer = Linear(dense, kind, qtype)
+            held = weight.numel() * weight.element_size()
         tag = f"{layer.kernel_name}:{qtype}"
         self.layers[tag] = self.layers.get(tag, 0) + 1
+        file_bytes, held_bytes = self.held.get(qtype, (0, 0))
+        self.held[qtype] = [file_bytes + raw.nbytes, held_bytes + held]
         return layer
+
+    def widened(self) -> str | None:
+        """One line where quantized weights are held wider than the file (1.3x or more a type),
+        naming the types, how and how much, or None: memory is part of what a user chose a
+        quantized file for."""
+        wide = {t: fb_hb for t, fb_hb in self.held.items() if t not in ("F32", "F16", "BF16") and fb_hb[1] >= 1.3 * fb_hb[0]}
+        if not wide:
+            return None
+        how = [f"{t} as {'int8 codes (' + quants.FORMAT[t] + ')' if self.layers.get('gguf:' + t) or self.layers.get('gguf-int8:' + t) else self.dtype} "
+               f"({hb / fb:.1f}x)" for t, (fb, hb) in sorted(wide.items())]
+        fb, hb = sum(v[0] for v in wide.values()), sum(v[1] for v in wide.values())
+        why = ("" if self.kernels not in ("gguf", "gguf-int8") or quants.kernel_available()
+               else f" (hd's GGUF GEMM does not run here: {quants.failure()})")
+        return (f"hd: weights held wider than the file: {', '.join(how)}; {hb / 1e9:.2f} GB for their "
+                f"{fb / 1e9:.2f} GB in the file{why}")

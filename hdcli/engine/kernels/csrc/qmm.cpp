@@ -16,6 +16,8 @@
 //   "q8h" Q8_0  int8 codes, fp16 d; scale d, no low (and Q5_0: codes q - 16)        1.0625 (1.0625)
 //   "q8f" Q5_1, Q5_K  int8 codes 0..31, fp32 scale and low (as Q5_1: d, m; Q5_K: d sc, -(dmin mn))
 //                                                                                    1.25 (0.75, 0.6875)
+// and, in those formats without a layout of their own (dec_q3_k below): Q3_K as q6k 0.820 (0.4297),
+// IQ4_NL as q8h 1.0625 (0.5625), IQ4_XS as q8f 1.25 (0.5312).
 // Every scale and low is an exact fp32 product of the file's numbers (fp16 times an integer of at
 // most 8 bits), so where it is computed does not change a bit.
 //
@@ -751,6 +753,53 @@ static void dec_q6_k(const uint8_t* blk, Super<Q6K>& S, int c) {
   }
 }
 
+// The types without a layout of their own, written exactly in one of the formats above (their
+// weights are products of an fp16 and small integers, so a wider code holds them; memory: quants.py):
+//   Q3_K -> q6k: W = d (sc - 32) q, q = 2 low bits - (hmask bit ? 0 : 4) in -4..3: the code q + 32
+//          (6-bit, 28..35), the int8 scale sc - 32 a group of 16, d the super-block's;
+//   IQ4_NL -> q8h: W = d kv[q], kv IQ4_NL's table of 16 int8 values: the code kv[q], d the block's;
+//   IQ4_XS -> q8f: W = d (ls - 32) kv[q], ls a 6-bit scale a group of 32: the fp32 scale
+//          d (ls - 32); codes kv[q] (int8) and low 0 for mm, kv[q] + 128 (0..255, as mm8 reads
+//          q8f's codes: unsigned) and low -128 scale for mm8: each the same W.
+static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static void dec_q3_k(const uint8_t* blk, Super<Q6K>& S, int c) {   // hmask[32] qs[64] scales[12] d
+  std::memcpy(S.hconst(2 * c), blk + 108, 2);
+  const uint8_t* sc = blk + 96;
+  for (int i = 0; i < 16; ++i) {   // scale i: low 4 bits a nibble of byte i % 8, top 2 of byte 8 + i % 4
+    const int v = ((sc[i % 8] >> (4 * (i / 8))) & 0x0F) | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
+    *S.gconst(i, c) = static_cast<uint8_t>(static_cast<int8_t>(v - 32));
+  }
+  for (int e = 0; e < 256; ++e) {  // half h of 128, run j of 32, l: bits 2j of qs[32 h + l], bit 4h + j of hmask[l]
+    const int h = e / 128, j = (e % 128) / 32, l = e % 32;
+    const int q = ((blk[32 + 32 * h + l] >> (2 * j)) & 3) - (((blk[l] >> (4 * h + j)) & 1) ? 0 : 4);
+    S.codes[c][e] = static_cast<uint8_t>(q + 32);
+  }
+}
+static void dec_iq4_nl(const uint8_t* blk, Super<Q8H>& S, int c) {   // d, qs[16]
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  for (int e = 0; e < 16; ++e) {
+    S.codes[c][e] = static_cast<uint8_t>(IQ4NL_VALUES[blk[2 + e] & 0x0F]);
+    S.codes[c][e + 16] = static_cast<uint8_t>(IQ4NL_VALUES[blk[2 + e] >> 4]);
+  }
+}
+template <bool INT8>
+static void dec_iq4_xs(const uint8_t* blk, Super<Q8F8>& S, int c) {   // d, scales_h (u16), scales_l[4], qs[128]
+  const float d = f16(blk);
+  const int high = u16(blk + 2);
+  for (int j = 0; j < 8; ++j) {
+    const int ls = ((blk[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
+    const float scale = d * static_cast<float>(ls - 32);
+    put_f32(S.gconst(j, 4 * c), scale);
+    put_f32(S.gconst(j, 64 + 4 * c), INT8 ? -128.0f * scale : 0.0f);
+    const uint8_t* qs = blk + 8 + 16 * j;
+    for (int l = 0; l < 16; ++l) {
+      S.codes[c][32 * j + l] = static_cast<uint8_t>(IQ4NL_VALUES[qs[l] & 0x0F] + (INT8 ? 128 : 0));
+      S.codes[c][32 * j + 16 + l] = static_cast<uint8_t>(IQ4NL_VALUES[qs[l] >> 4] + (INT8 ? 128 : 0));
+    }
+  }
+}
+
 // Every column block on torch's threads, super-block by super-block: the 16 columns' GGUF blocks
 // (block_bytes each, one a super-block) decoded, then written.
 template <typename F, typename D>
@@ -783,11 +832,16 @@ std::tuple<torch::Tensor, std::string> pack(int64_t address, int64_t N, int64_t 
   if (type == "Q8_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 34, dec_q8_0, int8), "q8h"};
   if (type == "Q5_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 22, dec_q5_0, int8), "q8h"};
   if (type == "Q5_1") return {pack_all<Q8F>(raw, N, row_bytes, K, 24, dec_q5_1, int8), "q8f"};
+  if (type == "IQ4_NL") return {pack_all<Q8H>(raw, N, row_bytes, K, 18, dec_iq4_nl, int8), "q8h"};
   TORCH_CHECK(K % 256 == 0, "GGUF pack: K % 256 must be 0 for a K-quant");
   if (type == "Q4_K") return {pack_all<Q4K>(raw, N, row_bytes, K, 144, dec_q4_k, int8), "q4k"};
   if (type == "Q5_K")   // no head: 8 groups of q8f in a row are q8f's super-blocks of one
     return {pack_all<Q8F8>(raw, N, row_bytes, K, 176, dec_q5_k, int8).view({N / 16, K / 32, Q8F::SB}), "q8f"};
   if (type == "Q6_K") return {pack_all<Q6K>(raw, N, row_bytes, K, 210, dec_q6_k, int8), "q6k"};
+  if (type == "Q3_K") return {pack_all<Q6K>(raw, N, row_bytes, K, 110, dec_q3_k, int8), "q6k"};
+  if (type == "IQ4_XS")
+    return {(int8 ? pack_all<Q8F8>(raw, N, row_bytes, K, 136, dec_iq4_xs<true>, true)
+                  : pack_all<Q8F8>(raw, N, row_bytes, K, 136, dec_iq4_xs<false>, false)).view({N / 16, K / 32, Q8F::SB}), "q8f"};
   TORCH_CHECK(false, "GGUF pack: no packing for ", type);
   return {torch::Tensor(), ""};
 }
