@@ -70,3 +70,28 @@ def test_owned_weights_are_the_gguf_weights_transformers_reads(bundled_lm):
             assert torch.equal(getattr(blk, name).kernel.weight[perm], lin.weight), (i, name)
         assert torch.equal(blk.attn_norm, ref.input_layernorm.weight)
     assert torch.equal(own.head.kernel.weight, direct.lm_head.weight)
+
+
+@pytest.mark.bundled
+def test_a_gguf_the_owned_forward_does_not_compute_runs_on_transformers_said(tmp_path):
+    """A file of an architecture hd owns but with a part its forward does not compute (here a rope
+    over 32 of each head's 64 dimensions, as llama.cpp reads rope.dimension_count without
+    attention.key_length: Phi-4-mini's partial rotary) is not opened as hd's own forward: the
+    loader names why and that transformers' forward runs it, with the M-invariant mode (and so
+    exactness) off."""
+    import sys
+    from pathlib import Path
+    from conftest import require_bundled
+    require_bundled()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import synth_gguf
+    from hdcli.engine.model.gguf import GGUFFile
+    shape = dict(synth_gguf.SHAPES["tiny"], head_dim=32, name="tiny-partial-rope")
+    path = tmp_path / "partial.gguf"
+    synth_gguf.write(path, shape, "Q8_0", seed=0)
+    assert GGUFFile(path).unsupported() == "a rotary embedding over 32 of each head's 64 dimensions"
+    why = models._owned_source(str(path), "gguf", str(path))
+    assert why == "hd's forward does not compute a rotary embedding over 32 of each head's 64 dimensions"
+    full = tmp_path / "full.gguf"
+    synth_gguf.write(full, "tiny", "Q8_0", seed=0)
+    assert GGUFFile(full).unsupported() is None and not isinstance(models._owned_source(str(full), "gguf", str(full)), str)

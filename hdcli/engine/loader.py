@@ -321,7 +321,10 @@ def _owned_source(name: str, kind: str, source: str):
     forward runs it."""
     if kind == "gguf":
         gf = GGUFFile(source)
-        return gf if family_of(gf.arch) else f"no forward of hd's own for GGUF architecture {gf.arch}"
+        if not family_of(gf.arch):
+            return f"no forward of hd's own for GGUF architecture {gf.arch}"
+        why = gf.unsupported()
+        return gf if why is None else f"hd's forward does not compute {why}"
     _check_folder(kind, source)   # whichever forward runs it
     folder = _checkpoint_folder(name, kind, source)
     mt = model_type(folder)
@@ -355,7 +358,8 @@ def _stock(name: str, kind: str, source: str, why: str, dtype: str, device: str,
     t0 = time.perf_counter()
     tok, model = _transformers_model(name, kind, source, dt)
     model.to(device).eval()
-    print(f"hd: {name}: {why}: transformers' forward, M-invariant mode off", file=sys.stderr, flush=True)
+    print(f"hd: {name}: {why}: transformers' forward, M-invariant mode off (drafted output may differ from "
+          "plain decoding by rounding: not exact)", file=sys.stderr, flush=True)
     kn = "onednn" if kernels == "onednn" else "torch"
     if kn == "onednn":
         kern.pack(model)

@@ -68,10 +68,14 @@ def expected_shapes(src, cfg, family: str) -> dict[str, tuple[tuple[int, ...], b
         p = f"blk.{i}."
         gate = src.shape(p + "ffn_gate.weight")
         ff = gate[0] if gate and len(gate) == 2 else cfg.intermediate_size
+        if src.arch == "phi3":   # q, k, v in one tensor; ffn_up holds gate and up, in that order
+            out.update({p + "attn_qkv.weight": ((q + 2 * kv, h), True), p + "ffn_up.weight": ((2 * ff, h), True)})
+        else:
+            out.update({p + "attn_q.weight": ((q, h), True), p + "attn_k.weight": ((kv, h), True),
+                        p + "attn_v.weight": ((kv, h), True), p + "ffn_gate.weight": ((ff, h), True),
+                        p + "ffn_up.weight": ((ff, h), True)})
         out.update({p + "attn_norm.weight": ((h,), True), p + "ffn_norm.weight": ((h,), True),
-                    p + "attn_q.weight": ((q, h), True), p + "attn_k.weight": ((kv, h), True),
-                    p + "attn_v.weight": ((kv, h), True), p + "attn_output.weight": ((h, q), True),
-                    p + "ffn_gate.weight": ((ff, h), True), p + "ffn_up.weight": ((ff, h), True),
+                    p + "attn_output.weight": ((h, q), True),
                     p + "ffn_down.weight": ((h, ff), True),
                     p + "attn_q.bias": ((q,), False), p + "attn_k.bias": ((kv,), False), p + "attn_v.bias": ((kv,), False),
                     p + "attn_q_norm.weight": ((d,), family == "gemma3"),

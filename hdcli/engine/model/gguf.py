@@ -303,11 +303,26 @@ class GGUFFile:
             max_position_embeddings=self._int("context_length", 4096), rope_scaling=scaling,
             rope_interleaved=self.arch in INTERLEAVED_ROPE,
             tie_word_embeddings=not self.has("output.weight"),
-            sliding_window=self._int("attention.sliding_window"),
+            sliding_window=None if self.arch_field("attention.sliding_window") == 0 else self._int("attention.sliding_window"),   # 0: none (llama.cpp's converter writes it so)
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
             pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
             name=str(self.field("general.name", self.path.stem)))
+
+    def unsupported(self) -> str | None:
+        """Why hd's forward cannot compute this file of an architecture it owns as llama.cpp does
+        (None: it can): Phi-3's long-context rope (rope_factors_long/short: Phi-3-128k, Phi-3.5,
+        Phi-4-mini) and a rotary embedding over part of each head (Phi-4-mini's 0.75)."""
+        if self.has("rope_factors_long.weight") or self.has("rope_factors_short.weight"):
+            return "a long-context rope with per-frequency factors (rope_factors_long/short)"
+        dims, hidden = self.arch_field("rope.dimension_count"), self.arch_field("embedding_length")
+        heads, key = self.arch_field("attention.head_count"), self.arch_field("attention.key_length")
+        if isinstance(heads, list):
+            heads = heads[0] if heads else None
+        if (isinstance(dims, int) and isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+                and dims != (key if isinstance(key, int) else hidden // heads)):
+            return f"a rotary embedding over {dims} of each head's {key or hidden // heads} dimensions"
+        return None
 
     def _check(self) -> None:
         """What any forward (hd's or transformers') takes for granted: every tokenizer id has an
@@ -319,7 +334,7 @@ class GGUFFile:
                                    {f"tokenizer.ggml.{k}_token_id": self.fields.get(f"tokenizer.ggml.{k}_token_id")
                                     for k in ("bos", "eos")})
         family = family_of(self.arch)
-        if family is None:
+        if family is None or self.unsupported():   # transformers' forward runs it (loader._owned_source)
             return
         cfg = self.config()
         names = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "num_hidden_layers": "block_count",

@@ -1,9 +1,10 @@
-"""hd's own forward for the llama family (Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2/Qwen3), from a
-GGUF file in the file's own bits, or from a transformers checkpoint.
+"""hd's own forward for the llama family (Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2/Qwen3, Phi-3),
+from a GGUF file in the file's own bits, or from a transformers checkpoint.
 
 One decoder layer: x += o(attention(rope(q(norm(x))), rope(k(norm(x))), v(norm(x))));
 x += down(silu(gate(norm(x))) * up(norm(x))); then the final norm and the head. Qwen2's q/k/v
-biases and Qwen3's per-head q/k norms are read where the file has them; rope scaling as the
+biases and Qwen3's per-head q/k norms are read where the file has them; Phi-3's fused q/k/v
+(attn_qkv) and gate/up (ffn_up: gate rows first) are one Linear each; rope scaling as the
 file's metadata states it (transformers' rope functions compute the frequencies); a sliding
 window where a checkpoint's config gives its layers one (Mistral v0.1, Qwen2 with
 use_sliding_window). The source is a GGUF file (gguf.GGUFFile) or a transformers checkpoint
@@ -64,21 +65,27 @@ class Block(nn.Module):
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.attn_norm = nn.Parameter(num.vector(gf, p + "attn_norm.weight"), requires_grad=False)
         self.ffn_norm = nn.Parameter(num.vector(gf, p + "ffn_norm.weight"), requires_grad=False)
+        self.o = num.linear(gf, p + "attn_output.weight")
+        self.down = num.linear(gf, p + "ffn_down.weight")
+        self.qkv_sizes = (self.hq * self.d, self.hkv * self.d)
+        if gf.has(p + "attn_qkv.weight"):   # Phi-3: q, k, v in one tensor, gate and up in ffn_up
+            self.q = self.k = self.v = self.gate = self.up = None
+            self.qkv = num.linear(gf, p + "attn_qkv.weight")
+            self.gate_up = num.linear(gf, p + "ffn_up.weight")
+            self.q_norm = self.k_norm = None
+            return
         bias = {n: num.vector(gf, f"{p}attn_{n}.bias") if gf.has(f"{p}attn_{n}.bias") else None for n in "qkv"}
         self.q = num.linear(gf, p + "attn_q.weight", bias["q"])
         self.k = num.linear(gf, p + "attn_k.weight", bias["k"])
         self.v = num.linear(gf, p + "attn_v.weight", bias["v"])
-        self.o = num.linear(gf, p + "attn_output.weight")
         self.gate = num.linear(gf, p + "ffn_gate.weight")
         self.up = num.linear(gf, p + "ffn_up.weight")
-        self.down = num.linear(gf, p + "ffn_down.weight")
         # Qwen3: RMSNorm of each head's q and k before the rotation
         self.q_norm = (nn.Parameter(num.vector(gf, p + "attn_q_norm.weight"), requires_grad=False)
                        if gf.has(p + "attn_q_norm.weight") else None)
         self.k_norm = (nn.Parameter(num.vector(gf, p + "attn_k_norm.weight"), requires_grad=False)
                        if gf.has(p + "attn_k_norm.weight") else None)
         # q, k, v (and gate, up) in one GEMM where their kernels join: one call, one pass
-        self.qkv_sizes = (self.q.out_features, self.k.out_features)
         self.qkv = Linear.joined([self.q, self.k, self.v])
         self.gate_up = Linear.joined([self.gate, self.up])
         if self.qkv is not None:
@@ -257,6 +264,9 @@ class LlamaForward(nn.Module):
 
     def layer_kind(self, i: int) -> str:
         """Which attention layer i has: "full", or "sliding" where the config's layer types say so
-        (a checkpoint's Mistral or Qwen2 with a window; a GGUF of this family states none)."""
+        (a checkpoint's Mistral or Qwen2 with a window), or every layer of a Phi-3 whose file states
+        a window (transformers' Phi3 and llama.cpp's phi3 both slide every layer)."""
         types = self.config.extra.get("layer_types")
+        if self.config.architecture == "phi3" and self.config.sliding_window:
+            return "sliding"
         return "sliding" if types and types[i] == "sliding_attention" else "full"
