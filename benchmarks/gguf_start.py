@@ -46,7 +46,8 @@ def hd_run(path: Path, cache: Path, tokens: int, timeout: int) -> dict:
     data = json.loads(out.stdout)
     st = data["stats"]
     decode = st["wall_seconds"] - st["prefill_seconds"]
-    return {"wall_seconds": wall, "load_seconds": data["load_seconds"], "peak_rss_bytes": data["peak_rss_bytes"],
+    return {"wall_seconds": wall, "load_seconds": data["load_seconds"], "load_phases": data.get("load_phases"),
+            "peak_rss_bytes": data["peak_rss_bytes"],
             "new_tokens": st["new_tokens"], "tokens_per_second": st["tokens_per_second"],
             "decode_tokens_per_second": (st["new_tokens"] - 1) / decode if decode > 0 else None,
             "numerics": data.get("numerics"), "invariant": bool((data.get("invariant") or {}).get("self_check"))}

@@ -371,7 +371,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     used = resolved(cfg, lm, run.dbs)
     data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
             "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
-            "forward": lm.info.get("forward", "transformers"), "numerics": lm.info.get("numerics"),
+            "load_phases": lm.info.get("load_phases"), "forward": lm.info.get("forward", "transformers"), "numerics": lm.info.get("numerics"),
             "peak_rss_bytes": models.peak_rss_bytes(),
             "layers": used.layers,
             "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,

@@ -95,3 +95,16 @@ def test_a_gguf_the_owned_forward_does_not_compute_runs_on_transformers_said(tmp
     full = tmp_path / "full.gguf"
     synth_gguf.write(full, "tiny", "Q8_0", seed=0)
     assert GGUFFile(full).unsupported() is None and not isinstance(models._owned_source(str(full), "gguf", str(full)), str)
+
+
+@pytest.mark.bundled
+def test_a_load_says_where_its_time_goes():
+    """load_phases: seconds by phase of hd's own forward's start (open, kernels, tokenizer, weights,
+    invariant), which add up to load_seconds: what a start-time benchmark reads (gguf_start.py)."""
+    from conftest import require_bundled
+    require_bundled()
+    lm = models.load("smollm2-135m", dtype="fp32", kernels="torch", invariant="off", quiet=True)
+    phases = lm.info["load_phases"]
+    assert set(phases) == {"open", "kernels", "tokenizer", "weights", "invariant"}
+    assert all(v >= 0 for v in phases.values()) and phases["open"] > 0 and phases["weights"] > 0
+    assert abs(sum(phases.values()) - lm.load_seconds) < 0.05 + 0.01 * lm.load_seconds

@@ -309,10 +309,12 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto", k
     if attention != "auto":   # a recorded run's attention: the same numerics, or a clear refusal
         attention_choice.require(attention)
     kind, source = resolve(name)
+    t0 = time.perf_counter()
     src = _owned_source(name, kind, source)
     if isinstance(src, str):
         return _stock(name, kind, source, src, dtype, dev, kernels, invariant)
-    return load_owned(name, src, dtype, dev, kernels, invariant, quiet, source=source)
+    return load_owned(name, src, dtype, dev, kernels, invariant, quiet, source=source,
+                      opened_seconds=time.perf_counter() - t0)
 
 
 def _owned_source(name: str, kind: str, source: str):
@@ -531,21 +533,33 @@ def _int8_here() -> bool:
 
 
 def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant: str, quiet: bool,
-               source: str | None = None) -> LoadedModel:
+               source: str | None = None, opened_seconds: float = 0.0) -> LoadedModel:
     """A model on hd's own forward (hdcli/engine/model/), built from `src`: an opened GGUF file
     (forward.gguf.GGUFFile: in the file's own bits, no fp32 copy, no converted copy on disk) or a
     checkpoint (forward.checkpoint.Checkpoint: its safetensors, cast one tensor at a time).
     dtype: owned_dtype; kernels: owned_kernels; invariant as in load(); source: what the model
-    was resolved to (cache keys), by default the file's path."""
+    was resolved to (cache keys), by default the file's path; opened_seconds: the time opening
+    it took (counted in load_seconds). info["load_phases"]: seconds by phase (open, kernels:
+    the kernel choice and extensions, tokenizer, weights, invariant: the attention choice,
+    calibration and self-check), where a start's time goes."""
     import torch
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() - opened_seconds
+    phases = {"open": opened_seconds}
+    clock = [time.perf_counter()]
+
+    def phase(label: str) -> None:
+        now = time.perf_counter()
+        phases[label] = phases.get(label, 0.0) + now - clock[0]
+        clock[0] = now
     gguf = isinstance(src, GGUFFile)
     source = source or str(src.path)
     dt = owned_dtype(dtype, device, gguf)
     kn = owned_kernels(kernels, device, dt, gguf)
-    tok = _owned_tokenizer(name, src)
     if kn == "gguf" and device == "cpu" and dt == "bf16":   # (gguf-int8: compiled by the choice above)
         quants.kernel_available(quiet=quiet)   # compiled once per machine (~30 s): said, not silent
+    phase("kernels")
+    tok = _owned_tokenizer(name, src)
+    phase("tokenizer")
     num = Numerics(dtype=dt, device=device, kernels=kn, invariant=invariant != "off")
     cfg = src.config()
     from tqdm import tqdm
@@ -557,8 +571,11 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     model.eval()
     if not quiet and num.widened():
         print(num.widened(), file=sys.stderr, flush=True)
+    phase("weights")
     info: dict = {"forward": f"hd ({model.family})", "file_types": src.type_counts()}
     on = _invariant_mode(name, model, source, num, invariant, quiet, info)
+    phase("invariant")
+    info["load_phases"] = {k: round(v, 3) for k, v in phases.items()}
     num.invariant = on
     num.attention = fused.name() if on else "sdpa"
     info["numerics"] = num.record()
