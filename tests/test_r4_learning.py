@@ -202,6 +202,9 @@ def test_an_interrupted_write_removes_its_own_temporary_files(tok, tmp_path, mon
 # by then): no timing, and the CLI's own handling of SIGINT (Ctrl-C) and SIGTERM.
 SIGNAL_AT = """
 import os, signal, sys
+# Python's own Ctrl-C handler, as in a terminal: a process started in the background by a shell
+# without job control (`cmd &`, as some CI runners do) inherits SIGINT ignored, and never sees it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from hdcli.db import stores
 owner, name = (stores.StoreWriter, "{at}") if hasattr(stores.StoreWriter, "{at}") else (stores, "{at}")
 def interrupted(*args):
