@@ -222,7 +222,7 @@ _UNIT_STD["Q6_K"] = math.sqrt(((32**2 - 1) / 12 + 0.25) * ((64**2 - 1) / 12 + 0.
 _UNIT_STD["Q3_K"] = math.sqrt(((64**2 - 1) / 12 + 0.25) * ((8**2 - 1) / 12 + 0.25) - 0.25**2)
 # Q2_K: sc q - 1.5 m (dmin = 1.5 d), sc and m uniform 0..15, q uniform 0..3
 _UNIT_STD["Q2_K"] = math.sqrt((7.5**2 + (16**2 - 1) / 12) * (1.5**2 + (4**2 - 1) / 12) - (7.5 * 1.5)**2 + 2.25 * (16**2 - 1) / 12)
-_KV = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float64)   # IQ4_NL's table
+_KV = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float64)   # IQ4_NL's table
 _UNIT_STD["IQ4_NL"] = float(_KV.std())
 # IQ4_XS: ls - 32 in {1, 3} (scales set so; a wider range would need subnormal d) times kv[q]
 _UNIT_STD["IQ4_XS"] = math.sqrt(5 * float(np.mean(_KV**2)) - (2 * float(_KV.mean()))**2)

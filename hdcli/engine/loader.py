@@ -569,8 +569,9 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     with torch.inference_mode(), bar:
         model = build(src, cfg, num, progress=bar.update)
     model.eval()
-    if not quiet and num.widened():
-        print(num.widened(), file=sys.stderr, flush=True)
+    widened = num.widened()
+    if widened and not quiet:
+        print(widened, file=sys.stderr, flush=True)
     phase("weights")
     info: dict = {"forward": f"hd ({model.family})", "file_types": src.type_counts()}
     on = _invariant_mode(name, model, source, num, invariant, quiet, info)

@@ -93,8 +93,6 @@ GROUP = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 32,
          "Q3_K": 16, "IQ4_NL": 32, "IQ4_XS": 32, "Q2_K": 16}
 FORMAT = {"Q4_0": "q4z", "Q4_1": "q4h", "Q5_0": "q8h", "Q5_1": "q8f", "Q8_0": "q8h", "Q4_K": "q4k", "Q5_K": "q8f", "Q6_K": "q6k",
           "Q3_K": "q6k", "IQ4_NL": "q8h", "IQ4_XS": "q8f"}
-# bytes a weight of each packing (16 columns' codes and constants; the module docstring's table)
-FORMAT_BYTES = {"q4z": 0.5625, "q4h": 0.625, "q4k": 0.578125, "q6k": 0.8203125, "q8h": 1.0625, "q8f": 1.25}
 IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 CHUNK = 1 << 22        # weights dequantized at a time (16 MB in fp32, 8 MB of bf16 output)
 
@@ -395,8 +393,11 @@ def dequantize_f32(type_name: str, raw: np.ndarray, n: int, k: int, rows=None) -
         return b.view(np.float16).reshape(m, k).astype(np.float32)
     if type_name == "BF16":
         return (b.view(np.uint16).reshape(m, k).astype(np.uint32) << 16).view(np.float32)
-    if type_name not in TYPES:
-        raise NotImplementedError(f"dequantizing {type_name} is not implemented (types: {', '.join(TYPES + FLOATS)})")
+    if type_name not in TYPES:   # e.g. IQ2_XS: gguf-py's dequantization (`dequantize` goes by chunks)
+        import gguf
+        if type_name not in gguf.GGMLQuantizationType.__members__:
+            raise NotImplementedError(f"dequantizing {type_name} is not implemented (types: {', '.join(TYPES + FLOATS)})")
+        return gguf.quants.dequantize(b, gguf.GGMLQuantizationType[type_name]).reshape(m, k)
     codes, scale, low, gk = unpack(type_name, b, m, k)
     return _weights(type_name, codes, scale, low, gk)
 

@@ -4,7 +4,6 @@ RMSNorm (transformers' LlamaRMSNorm, op for op), and a block's row-wise ops (Row
 CompiledRowOps: csrc/qmm.cpp's), chosen once when a model loads."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 from ..kernels import quants
@@ -78,16 +77,8 @@ def row_ops(num, eps: float) -> RowOps:
 
 def dequantize(qtype: str, raw, n: int, k: int, dtype: torch.dtype, rows=None) -> torch.Tensor:
     """A tensor of the file (or some of its rows) in `dtype`: the values gguf-py's dequantize
-    gives, rounded to bf16 or kept in fp32 (quants.py, chunk by chunk)."""
-    if qtype not in quants.TYPES + ("F32", "F16", "BF16"):   # e.g. IQ2_XS: gguf-py's dequantization,
-        import gguf                                           # a chunk of rows at a time (never all in fp32)
-        src = raw if rows is None else raw[np.asarray(rows, dtype=np.int64)]
-        out = torch.empty((src.shape[0], k), dtype=dtype)
-        step = max(1, quants.CHUNK // max(k, 1))
-        for a in range(0, src.shape[0], step):
-            values = gguf.quants.dequantize(src[a:a + step], gguf.GGMLQuantizationType[qtype])
-            out[a:a + step] = torch.from_numpy(values.reshape(-1, k))
-        return out
+    gives, rounded to bf16 or kept in fp32 (quants.py, chunk by chunk; a type quants.py does not
+    read by gguf-py itself)."""
     if dtype == torch.bfloat16:
         return quants.dequantize(qtype, raw, n, k, rows=rows)
     values = quants.dequantize_f32(qtype, raw, n, k, rows=rows)
