@@ -153,3 +153,23 @@ def test_the_token_check_can_fail(converter, tokenizer, tmp_path, monkeypatch):
     assert hd_run(path, NEW, "llama")[1] == theirs
     monkeypatch.setattr(gguf, "INTERLEAVED_ROPE", gguf.INTERLEAVED_ROPE - {"llama"})
     assert hd_run(path, NEW, "llama")[1] != theirs
+
+
+def test_speculative_greedy_equals_plain_on_phi3(converter, tokenizer, tmp_path):
+    """The Phi-3 forward (fused q/k/v and gate/up, new in the llama family) in the M-invariant
+    mode: drafted token trees, a quarter of their tokens corrupted, verified in one forward, give
+    plain greedy decoding's tokens."""
+    import random
+    from gpu_check import Oracle
+    hf_dir = tiny_model("phi3", tmp_path / "tiny-phi3", tokenizer)
+    path = llama_cpp_convert.convert(hf_dir, tmp_path / "f32.gguf", "f32")
+    lm = loader.load(str(path), dtype="bf16", device="cpu", invariant="on", quiet=True)
+    vocab = lm.model.config.vocab_size
+    rng = random.Random(1)
+    for i in range(2):
+        prompt = [rng.randrange(3, vocab) for _ in range(20 + 9 * i)]
+        ref = Decoder(lm.model, ()).generate(prompt, max_new_tokens=32).tokens
+        oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=vocab, seed=i)
+        got = Decoder(lm.model, (), drafter=oracle).generate(prompt, max_new_tokens=32)
+        assert got.tokens == ref
+        assert max(got.stats.tree_sizes) > 4
