@@ -273,6 +273,30 @@ def test_a_trickled_body_gets_408_and_its_connection_closes(served, monkeypatch)
         sock.close()
 
 
+def test_a_connection_answered_mid_body_lingers_instead_of_resetting(served, monkeypatch):
+    """CI: the 408 to a trickled body arrived as "Connection reset by peer": the server closed its
+    socket while the client still sent, and a closed socket answers bytes with a reset, which can
+    reach the client before it reads the answer. Now the server shuts its write side and reads on
+    (limits.LingeringClose): the client reads the whole answer, then EOF, and what it sends after
+    is taken, not reset (a socket closed at once resets the second send below: the control)."""
+    from hdcli.serve import limits
+    monkeypatch.setattr(served.server, "body_timeout", 0.5)
+    sock = socket.create_connection(("127.0.0.1", served.port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000\r\n\r\n{")
+        sock.settimeout(limits.LINGER_SECONDS + 5)
+        answer = b""
+        while got := sock.recv(65536):   # the answer, then the server's EOF
+            answer += got
+        assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer, answer
+        for _ in range(2):               # the body goes on: read and dropped while the server lingers
+            sock.sendall(b" " * 4096)
+            time.sleep(0.3)
+    finally:
+        sock.close()
+
+
 # ---------------------------------------------------------------------------------- shutdown
 
 @pytest.fixture(scope="module")

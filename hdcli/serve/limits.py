@@ -14,6 +14,11 @@ Invariants
   * At most `server.max_connections` connections are open: one beyond is answered 503 (OpenAI's
     error schema) and closed at once, so the process keeps file descriptors to accept with
     (1,100 idle sockets under `ulimit -n 1024` used to time every request out).
+  * A connection closed while its request's body is still coming (408, 413, an error before the
+    body was read) is closed gracefully: its answer is written, then the write side shut, and what
+    the client still sends is read and dropped until it closes or LINGER_SECONDS pass. Closing a
+    socket with unread bytes makes the kernel send a reset, which can destroy the answer before
+    the client reads it (a 408 to a trickled body arrived as "Connection reset by peer").
   * A request task uvicorn cancels at a stop is logged in one line, without a traceback.
   * Running out of file descriptors is logged once per period with a count, not once per failed
     accept (asyncio logs each, with a traceback: 60 MB in 15 s once).
@@ -29,6 +34,9 @@ import time
 from typing import Callable
 
 OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# Seconds a connection closed mid-body is still read (and the bytes dropped) after its answer, for
+# the client to see the answer and close; Apache's lingering close waits as long.
+LINGER_SECONDS = 2.0
 
 
 def _refusal(max_connections: int) -> bytes:
@@ -37,6 +45,37 @@ def _refusal(max_connections: int) -> bytes:
                                  "code": "overloaded"}}).encode()
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class LingeringClose:
+    """A connection's transport whose close() lingers where the request's body was not read whole
+    (the module's invariants): the write side is shut once the answer is written, and the socket
+    closed when the client closes or LINGER_SECONDS later. Everything else is the transport's."""
+
+    def __init__(self, transport, protocol):
+        self.transport, self.protocol = transport, protocol
+        self.timer = None   # set while lingering: the socket's close, LINGER_SECONDS on
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+    def is_closing(self) -> bool:
+        return self.timer is not None or self.transport.is_closing()
+
+    def close(self) -> None:
+        if self.is_closing():
+            return
+        cycle = self.protocol.cycle
+        if cycle is None or not getattr(cycle, "more_body", False) or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()          # after the answer still buffered
+        self.timer = self.protocol.loop.call_later(LINGER_SECONDS, self.transport.close)
+        self.transport.resume_reading()     # flow control may have paused it: the client's bytes are read
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 def http_protocol(server):
@@ -53,7 +92,19 @@ def http_protocol(server):
                 transport.write(_refusal(server.max_connections))
                 transport.close()
                 return
+            self.transport = LingeringClose(transport, self)   # what the request cycles write to
             self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if isinstance(self.transport, LingeringClose) and self.transport.timer is not None:
+                return   # lingering: the rest of a body no one reads
+            super().data_received(data)
+
+        def eof_received(self):
+            if isinstance(self.transport, LingeringClose) and self.transport.timer is not None:
+                self.transport.transport.close()   # the client has read the answer and closed
+                return None
+            return super().eof_received()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -62,6 +113,8 @@ def http_protocol(server):
         def connection_lost(self, exc) -> None:
             if self.header_timer is not None:
                 self.header_timer.cancel()
+            if isinstance(self.transport, LingeringClose):
+                self.transport.cancel()
             super().connection_lost(exc)
 
         def _arm(self) -> None:
