@@ -116,7 +116,7 @@ _DEFAULT_LAYERS_HELP = (", ".join(_ALWAYS) + ", then " +
                         " and ".join(n for n in registry.LAYERS if n not in _ALWAYS) + " when their DBs are given")
 KERNELS_HELP = ("auto|gguf|gguf-int8|onednn|torch (int4: an alias of gguf). auto: a GGUF's own blocks where "
                 "hd has a kernel for their type, by int8 activations (gguf-int8) where this CPU has AVX512-VNNI "
-                "and measured them faster (once, cached), else by bf16 ones (gguf); else oneDNN-packed dense "
+                "and measured them faster (once, cached) or has AVX2 and no AVX512-BF16, else by bf16 ones (gguf); else oneDNN-packed dense "
                 "layers where oneDNN is usable, else torch's (docs/dtype.md).")
 DTYPE_HELP = ("auto|bf16|fp16|fp32. auto: bf16 for a GGUF, on CUDA and on a CPU with native bf16; "
               "else fp32. hd's own forward runs in bf16 or fp32 (docs/dtype.md).")

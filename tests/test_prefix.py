@@ -58,7 +58,7 @@ def bundled():
     from hdcli import api
     from hdcli.engine.kernels import quants
     if not quants.int8_available():
-        pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI")
+        pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI or AVX2")
     lm = api.load_model("smollm2-135m", dtype="bf16", device="cpu", kernels="gguf-int8", quiet=True)
     assert lm.invariant and prefix.why_not(lm.model) is None
     return lm

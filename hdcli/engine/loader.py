@@ -516,7 +516,7 @@ def owned_kernels(kernels: str, device: str, dtype: str, gguf: bool) -> str:
         raise HdError(f"--kernels {kernels} multiplies a GGUF file's blocks; this model is a safetensors "
                       "checkpoint: use --kernels auto, onednn or torch")
     if kernels == "gguf-int8" and not (device == "cpu" and dtype == "bf16" and _int8_here()):
-        raise HdError("--kernels gguf-int8 needs a CPU with AVX512-VNNI and --dtype bf16; use --kernels gguf")
+        raise HdError("--kernels gguf-int8 needs a CPU with AVX512-VNNI or AVX2 and --dtype bf16; use --kernels gguf")
     if kernels == "onednn" and device != "cpu":
         raise HdError("--kernels onednn needs a CPU model; use --kernels torch")
     if kernels != "auto":

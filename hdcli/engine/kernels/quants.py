@@ -50,6 +50,9 @@ bytes with the codes arranged for VPDPBUSD (AVX512-VNNI), each activation row qu
 of GK to int8 on its own, llama.cpp's way; exact integer group sums, so 8 verification rows cost
 ~1.6 one row's time where the bf16 GEMM's cost ~2.5 (benchmarks/gguf_gemm.py). Other numerics than
 the bf16 GEMM's, M-invariant all the same (docs/dtype.md); `activation_choice` picks one per machine.
+On a CPU with AVX2 and no AVX512 (Zen 1-3, most desktop Intel) mm8 is built on AVX2 (VPMADDUBSW):
+the same integer sums and fp32 operations, so the same outputs bit for bit; it is the only GEMM
+there (no AVX512-BF16), and the GGUF's weights are held in about the file's bytes there too.
 
 Speed (2-core AMD EPYC, N = K = 2048, 2 threads, another process busy on the machine, least of
 rounds; weights in cache; measured on the wider formats this replaced, whose arithmetic is the
@@ -65,8 +68,8 @@ Invariants
   * QLinear.weight_matrix() (I @ W^T through the kernel) equals dequantize()'s bf16 weights as
     values (torch.equal); a zero's sign may differ (the kernel's sums start from +0).
   * A QLinear holds only its packing (and bias): no second copy of the weights.
-  * Where the kernel is not built (no compiler, no AVX512-BF16: `kernel_available()`), QLinear
-    raises RuntimeError and the caller keeps dequantized bf16 weights; where a tensor's shape does
+  * Where the kernel is not built (no compiler, neither AVX512-BF16 nor AVX2: `kernel_available()`;
+    for bf16 activations, AVX512-BF16: `bf16_available()`), QLinear raises RuntimeError and the caller keeps dequantized bf16 weights; where a tensor's shape does
     not fit the packing (N % 16, K % the type's block), `pack` returns None and QLinear raises
     ValueError (`fits()` says beforehand).
 """
@@ -107,8 +110,9 @@ def module_name() -> str:
 
 class GemmKernel(build.OnePerProcess):
     """The process's compiled GEMM (csrc/qmm.cpp, also the compiled row-wise ops): its module once
-    built (None until then, or where it cannot be built or this CPU lacks AVX512-BF16: `failed`
-    says why). One a process (GEMM): a module is built and loaded once."""
+    built (None until then, or where it cannot be built or this CPU has neither GEMM, the bf16 one
+    (AVX512-BF16) nor the int8 one (AVX512-VNNI or AVX2): `failed` says why). One a process (GEMM):
+    a module is built and loaded once."""
 
     def __init__(self):
         self.module = None
@@ -120,8 +124,8 @@ class GemmKernel(build.OnePerProcess):
         if self.module is None and self.failed is None:
             self.compiled, self.failed = build.compile_extension(SOURCE, module_name(), "the GGUF GEMM", quiet)
             self.module = self.compiled
-            if self.module is not None and not self.module.supported():
-                self.module, self.failed = None, "this CPU has no AVX512-BF16"
+            if self.module is not None and not (self.module.supported() or self.module.supported8()):
+                self.module, self.failed = None, "this CPU has neither AVX512-BF16 nor AVX2"
         return self.module
 
 
@@ -129,20 +133,38 @@ GEMM = GemmKernel()
 
 
 def gemm_module(quiet: bool = True):
-    """The compiled GEMM (csrc/qmm.cpp), or None where it cannot be built or this CPU lacks
-    AVX512-BF16 (why: `failure()`)."""
+    """The compiled GEMM (csrc/qmm.cpp), or None where it cannot be built or this CPU has no GEMM
+    of it (why: `failure()`)."""
     return GEMM.load(quiet)
 
 
 def kernel_available(quiet: bool = True) -> bool:
-    """Whether QLinear can be made here (the GEMM compiled and this CPU has AVX512-BF16)."""
+    """Whether QLinear can be made here, for bf16 or int8 activations (the GEMM compiled and this
+    CPU has AVX512-BF16, or AVX512-VNNI or AVX2)."""
     return gemm_module(quiet) is not None
 
 
+def bf16_available(quiet: bool = True) -> bool:
+    """Whether the bf16-activation GEMM (mm) runs here: the extension built with AVX512-BF16."""
+    module = gemm_module(quiet)
+    return module is not None and module.supported()
+
+
 def int8_available(quiet: bool = True) -> bool:
-    """Whether the int8-activation GEMM (mm8) runs here: the extension built with AVX512-VNNI."""
+    """Whether the int8-activation GEMM (mm8) runs here: the extension built with AVX512-VNNI or AVX2."""
     module = gemm_module(quiet)
     return module is not None and module.supported8()
+
+
+def gemm_isa() -> str:
+    """What the GGUF GEMMs here are built on, for records: "AVX512-BF16 + AVX512-VNNI", "AVX2
+    (int8 activations only)", or "none"."""
+    module = gemm_module()
+    if module is None:
+        return "none"
+    if not module.supported():
+        return f"{module.isa8()} (int8 activations only)"
+    return "AVX512-BF16" + (f" + {module.isa8()}" if module.supported8() else "")
 
 
 CHOICE_FORMAT = 1
@@ -167,7 +189,9 @@ def activation_choice(remeasure: bool = False) -> dict:
     times both alike, and such a measurement decides nothing (measured again next time). One
     machine keeps one choice: the two round differently (docs/dtype.md)."""
     if not int8_available():
-        return {"activations": "bf16", "why": "no AVX512-VNNI int8 GEMM here"}
+        return {"activations": "bf16", "why": "no int8 GEMM here (AVX512-VNNI or AVX2)"}
+    if not bf16_available():
+        return {"activations": "int8", "why": f"the only GGUF GEMM here: {gemm_isa()}"}
     key = _choice_key()
     path = records.cache_file("choices", key)
     if not remeasure:
@@ -457,7 +481,10 @@ class QLinear(torch.nn.Module):
         if activations not in ("bf16", "int8"):
             raise ValueError(f"activations must be bf16 or int8, not {activations!r}")
         if activations == "int8" and not int8_available():
-            raise RuntimeError("the int8-activation GEMM needs AVX512-VNNI, which this CPU's build lacks")
+            raise RuntimeError("the int8-activation GEMM needs AVX512-VNNI or AVX2, which this CPU's build lacks")
+        if activations == "bf16" and not bf16_available():
+            raise RuntimeError("the bf16-activation GEMM needs AVX512-BF16, which this CPU lacks: take "
+                               "activations='int8'")
         self.activations = activations
         got = pack(type_name, raw, n_out, k_in, int8=activations == "int8")
         if got is None:

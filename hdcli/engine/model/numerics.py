@@ -82,9 +82,9 @@ class Numerics:
     def linear(self, gf, name: str, bias: torch.Tensor | None = None):
         """The Linear layer of the file's tensor `name` ([N, K] in torch order) by these numerics."""
         qtype, raw, (n, k) = gf.raw(name)
+        acts = "int8" if self.kernels == "gguf-int8" else "bf16"
         if (self.kernels in kernels.GGUF and self.device == "cpu" and self.dtype == "bf16"
-                and qtype in quants.TYPES and quants.fits(qtype, n, k) and quants.kernel_available()):
-            acts = "int8" if self.kernels == "gguf-int8" else "bf16"
+                and qtype in quants.TYPES and quants.fits(qtype, n, k) and self.gemm_here()):
             q = quants.QLinear(qtype, raw, n, k, bias=bias, activations=acts)
             held = q.packed.numel()
             layer = Linear(q, "gguf", qtype)
@@ -107,6 +107,11 @@ class Numerics:
         self.held[qtype] = [file_bytes + raw.nbytes, held_bytes + held]
         return layer
 
+    def gemm_here(self) -> bool:
+        """Whether hd's GGUF GEMM for these kernels' activations runs here (int8: AVX512-VNNI or
+        AVX2; bf16: AVX512-BF16)."""
+        return quants.int8_available() if self.kernels == "gguf-int8" else quants.bf16_available()
+
     def widened(self) -> str | None:
         """One line where quantized weights are held wider than the file (1.3x or more a type),
         naming the types, how and how much, or None: memory is part of what a user chose a
@@ -117,7 +122,9 @@ class Numerics:
         how = [f"{t} as {'int8 codes (' + quants.FORMAT[t] + ')' if self.layers.get('gguf:' + t) or self.layers.get('gguf-int8:' + t) else self.dtype} "
                f"({hb / fb:.1f}x)" for t, (fb, hb) in sorted(wide.items())]
         fb, hb = sum(v[0] for v in wide.values()), sum(v[1] for v in wide.values())
-        why = ("" if self.kernels not in ("gguf", "gguf-int8") or quants.kernel_available()
-               else f" (hd's GGUF GEMM does not run here: {quants.failure()})")
+        why = ("" if self.kernels not in ("gguf", "gguf-int8") or self.gemm_here()
+               else f" (hd's GGUF GEMM does not run here: {quants.failure()})" if not quants.kernel_available()
+               else " (hd's GGUF GEMM takes int8 activations on this CPU, which has no AVX512-BF16: "
+                    "--kernels auto or gguf-int8)")
         return (f"hd: weights held wider than the file: {', '.join(how)}; {hb / 1e9:.2f} GB for their "
                 f"{fb / 1e9:.2f} GB in the file{why}")

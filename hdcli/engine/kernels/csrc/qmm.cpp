@@ -31,8 +31,8 @@
 // a tile; tiles of up to 4 rows also take two groups side by side), but no sum crosses rows and
 // every output of a tile goes through the same operations in the same order whatever the tile's
 // height: a row's result is the same in any M, which keeps the M-invariant forward
-// (engine/kernels/invariant.py) exact. Needs AVX512-BF16; without it the extension has no GEMM
-// (`supported()` false) and quants.py dequantizes to bf16 instead.
+// (engine/kernels/invariant.py) exact. Needs AVX512-BF16 (`supported()`); without it the GEMM with
+// int8 activations below (`supported8()`: AVX512-VNNI, or AVX2) is the GEMM there.
 //
 // Layout: packed [N/16][K/(GK GS)][SB] uint8: a column block of 16 columns, then its super-blocks
 // of GS groups of GK k in order (a column block is one stream read front to back). A super-block
@@ -46,6 +46,7 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <algorithm>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -79,6 +80,81 @@ struct Q8F8 : Layout<8, 32, 8, 0, 128, true> {};   // q8f's bytes, packed 8 grou
 
 static inline const uint8_t* super_at(const uint8_t* pk, int64_t sb_bytes, int64_t supers, int64_t cb, int64_t s) {
   return pk + (cb * supers + s) * sb_bytes;
+}
+
+// Where the GEMM reads: the packing, its super-blocks a column block, the groups a row.
+struct Packed {
+  const uint8_t* pk;
+  int64_t supers, G;
+};
+
+// The M rows in tiles of at most `most`, as even as they go; each tile streams the weights once.
+// A tile's x is laid out by group, [G][height][GK] (`at`), so that a group's rows are a few
+// consecutive cache lines: rows K apart, with K a power of 2 (2048), fall in one L1 set, and 16 of
+// them overran its ways (AMD EPYC, N = K = 2048, 16 rows, one thread: 688 us against 1556 in int4mm's
+// layout).
+struct Tiling {
+  int64_t M, tiles;
+  std::vector<int64_t> first, height;   // per row: its tile's first row and height
+  Tiling(int64_t M_, int64_t most) : M(M_), tiles((M_ + most - 1) / most), first(M_), height(M_) {
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t m = begin(t); m < begin(t + 1); ++m) {
+        first[m] = begin(t);
+        height[m] = begin(t + 1) - begin(t);
+      }
+  }
+  int64_t begin(int64_t t) const { return t * M / tiles; }
+  // where row m's group g starts in its tile's layout (tiles one after the other, K a row)
+  int64_t at(int64_t m, int64_t g, int64_t K, int GK) const { return first[m] * K + (g * height[m] + m - first[m]) * GK; }
+};
+
+// prepare(i) for every group i of every row (M * G of them), then tile(t, cb) for every tile and
+// column block, on torch's threads. A few thousand x (a decode step's row) are prepared before the
+// threads start (a microsecond or two), more by the threads before the tiles: a barrier more,
+// which costs most where the threads share the cores with other work.
+template <typename Prepare, typename Tile>
+static void schedule(const Tiling& T, int64_t G, int64_t K, int64_t NB, bool any, Prepare prepare, Tile tile) {
+  const int64_t groups = T.M * G;
+  const bool alone = T.M * K <= 4096;
+  if (any && alone)
+    for (int64_t i = 0; i < groups; ++i) prepare(i);
+#pragma omp parallel
+  {
+    if (any && !alone) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < groups; ++i) prepare(i);
+    }
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t cb = 0; cb < NB; ++cb)
+      for (int64_t t = 0; t < T.tiles; ++t) tile(t, cb);
+  }
+}
+
+// The packing's shape checked against format F and K (`what`: the GEMM, in the message).
+template <typename F>
+static void check_packing(const torch::Tensor& packed, int64_t K, const char* what) {
+  TORCH_CHECK(packed.size(2) == F::SB && packed.size(1) * F::GS * F::GK == K, what, ": the packing's super-blocks are ",
+              packed.size(2), " bytes, ", packed.size(1), " a column block; the format's ", F::SB, " bytes, K / ", F::GS * F::GK);
+}
+
+// run(static_cast<F*>(nullptr)) for the format named fmt (a kernel's entry point picks its run<F>).
+template <typename Run>
+static torch::Tensor by_format(const std::string& fmt, const char* what, Run run) {
+  if (fmt == "q4z") return run(static_cast<Q4Z*>(nullptr));
+  if (fmt == "q4h") return run(static_cast<Q4H*>(nullptr));
+  if (fmt == "q4k") return run(static_cast<Q4K*>(nullptr));
+  if (fmt == "q6k") return run(static_cast<Q6K*>(nullptr));
+  if (fmt == "q8h") return run(static_cast<Q8H*>(nullptr));
+  if (fmt == "q8f") return run(static_cast<Q8F*>(nullptr));
+  TORCH_CHECK(false, what, ": no format ", fmt);
+  return torch::Tensor();
+}
+
+// mm's and mm8's checks of their arguments; `what` names the GEMM in the message.
+static void check_gemm_args(const torch::Tensor& x, const torch::Tensor& packed, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, what, ": x must be [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+              what, ": packed must be [N/16, super-blocks, bytes] uint8, contiguous");
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -172,12 +248,6 @@ static inline void codes(const uint8_t* unit, __m512bh& a, __m512bh& b) {
   }
 }
 
-// Where the GEMM reads: the packing, its super-blocks a column block, the groups a row.
-struct Packed {
-  const uint8_t* pk;
-  int64_t supers, G;
-};
-
 // GI groups g.. of TR rows of column block cb, added to the rows' running outputs (out: in
 // registers, or outm: in L1). Each group's s1 is its own chain of VDPBF16PS, so GI groups side by
 // side are GI x TR independent sums in flight; the outputs still take the groups in order.
@@ -260,68 +330,6 @@ static inline void tile(int rows, const uint16_t* x, const float* s0, const Pack
   block<F, TR>(x, s0, P, y, N, cb);
 }
 
-// The M rows in tiles of at most `most`, as even as they go; each tile streams the weights once.
-// A tile's x is laid out by group, [G][height][GK] (`at`), so that a group's rows are a few
-// consecutive cache lines: rows K apart, with K a power of 2 (2048), fall in one L1 set, and 16 of
-// them overran its ways (AMD EPYC, N = K = 2048, 16 rows, one thread: 688 us against 1556 in int4mm's
-// layout).
-struct Tiling {
-  int64_t M, tiles;
-  std::vector<int64_t> first, height;   // per row: its tile's first row and height
-  Tiling(int64_t M_, int64_t most) : M(M_), tiles((M_ + most - 1) / most), first(M_), height(M_) {
-    for (int64_t t = 0; t < tiles; ++t)
-      for (int64_t m = begin(t); m < begin(t + 1); ++m) {
-        first[m] = begin(t);
-        height[m] = begin(t + 1) - begin(t);
-      }
-  }
-  int64_t begin(int64_t t) const { return t * M / tiles; }
-  // where row m's group g starts in its tile's layout (tiles one after the other, K a row)
-  int64_t at(int64_t m, int64_t g, int64_t K, int GK) const { return first[m] * K + (g * height[m] + m - first[m]) * GK; }
-};
-
-// prepare(i) for every group i of every row (M * G of them), then tile(t, cb) for every tile and
-// column block, on torch's threads. A few thousand x (a decode step's row) are prepared before the
-// threads start (a microsecond or two), more by the threads before the tiles: a barrier more,
-// which costs most where the threads share the cores with other work.
-template <typename Prepare, typename Tile>
-static void schedule(const Tiling& T, int64_t G, int64_t K, int64_t NB, bool any, Prepare prepare, Tile tile) {
-  const int64_t groups = T.M * G;
-  const bool alone = T.M * K <= 4096;
-  if (any && alone)
-    for (int64_t i = 0; i < groups; ++i) prepare(i);
-#pragma omp parallel
-  {
-    if (any && !alone) {
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < groups; ++i) prepare(i);
-    }
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t cb = 0; cb < NB; ++cb)
-      for (int64_t t = 0; t < T.tiles; ++t) tile(t, cb);
-  }
-}
-
-// The packing's shape checked against format F and K (`what`: the GEMM, in the message).
-template <typename F>
-static void check_packing(const torch::Tensor& packed, int64_t K, const char* what) {
-  TORCH_CHECK(packed.size(2) == F::SB && packed.size(1) * F::GS * F::GK == K, what, ": the packing's super-blocks are ",
-              packed.size(2), " bytes, ", packed.size(1), " a column block; the format's ", F::SB, " bytes, K / ", F::GS * F::GK);
-}
-
-// run(static_cast<F*>(nullptr)) for the format named fmt (a kernel's entry point picks its run<F>).
-template <typename Run>
-static torch::Tensor by_format(const std::string& fmt, const char* what, Run run) {
-  if (fmt == "q4z") return run(static_cast<Q4Z*>(nullptr));
-  if (fmt == "q4h") return run(static_cast<Q4H*>(nullptr));
-  if (fmt == "q4k") return run(static_cast<Q4K*>(nullptr));
-  if (fmt == "q6k") return run(static_cast<Q6K*>(nullptr));
-  if (fmt == "q8h") return run(static_cast<Q8H*>(nullptr));
-  if (fmt == "q8f") return run(static_cast<Q8F*>(nullptr));
-  TORCH_CHECK(false, what, ": no format ", fmt);
-  return torch::Tensor();
-}
-
 template <typename F>
 static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
   constexpr int GK = F::GK;
@@ -361,13 +369,6 @@ static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
   return y;
 }
 
-// mm's and mm8's checks of their arguments; `what` names the GEMM in the message.
-static void check_gemm_args(const torch::Tensor& x, const torch::Tensor& packed, const char* what) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, what, ": x must be [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
-              what, ": packed must be [N/16, super-blocks, bytes] uint8, contiguous");
-}
-
 // x [M, K] bf16, packed [N/16, K/(GK GS), SB] uint8 in format fmt (above). Returns [M, N] bf16.
 torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
   check_gemm_args(x, packed, "GGUF GEMM");
@@ -382,7 +383,7 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) 
 #endif
 
 
-// ------------------------------------------------------------------ int8 activations (AVX512-VNNI)
+// ------------------------------------------------------------------ int8 activations (AVX512-VNNI or AVX2)
 //
 // The same formats' bytes with the codes arranged for VPDPBUSD (four unsigned codes of a column
 // times four signed int8 activations, summed into an int32: twice the products of a VDPBF16PS
@@ -402,7 +403,30 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor packed, const std::string& fmt) 
 // (quad a) in its low nibble and of k 4 + j % 4 (quad b) in its high one; 6-bit those 64 bytes of
 // the low 4 bits, then 32 bytes of the high 2 bits, byte j holding quad a's bytes j and j + 32 in
 // bits 0-1 and 2-3 and quad b's in bits 4-5 and 6-7; 8-bit 128 bytes, quad a then quad b.
+template <typename F>
+struct I8 {
+  static constexpr int UNITS = F::GK / 8;
+  static constexpr int UNIT_BYTES = F::W == 4 ? 64 : F::W == 6 ? 96 : 128;
+  static_assert(UNITS * UNIT_BYTES == F::CODES, "the int8 arrangement keeps the format's bytes");
+};
+
+// Formats whose low is a fixed multiple of the scale, low = -OFFSET scale (Q4_0: 8, Q6_K: 32,
+// Q8_0/Q5_0 stored plus 128: 128): their sums start at -OFFSET xs, in int32, exact, so that
+// scale (isum - OFFSET xs) is the whole group and no low is added. Others (Q4_1, Q4_K, Q5_1, Q5_K)
+// add their own low: OFFSET 0.
+template <typename F>
+constexpr int offset8() {
+  return std::is_same_v<F, Q4Z> ? 8 : std::is_same_v<F, Q6K> ? 32 : std::is_same_v<F, Q8H> ? 128 : 0;
+}
+
+// The tile's activations: xq [G][TR][GK] int8 (rows interleaved by group, as run's x), dx and xs [TR][G].
+struct Act8 {
+  const int8_t* q;
+  const float *d, *s;
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define HD_MM8 "AVX512-VNNI"
 // Tiles of up to 8 rows: a column block's weights (18 KB at K = 2048 in Q4_0) stay in L1 for the
 // next tile, and 16 rows' sums did not fit the registers (AMD EPYC, 65536 x 2048 Q4_0, 2 threads:
 // 16 rows 14.3 -> 8.6 ms, 32 rows 28.0 -> 15.8 ms; 1-8 rows alike).
@@ -410,13 +434,6 @@ constexpr int TILE8 = 8;
 // Groups ahead to ask the cache for (65536 x 2048, 2 threads: 2 groups ahead was 10-30% slower
 // than 9 for one row; 9 to 32 alike).
 constexpr int AHEAD8 = 9;
-
-template <typename F>
-struct I8 {
-  static constexpr int UNITS = F::GK / 8;
-  static constexpr int UNIT_BYTES = F::W == 4 ? 64 : F::W == 6 ? 96 : 128;
-  static_assert(UNITS * UNIT_BYTES == F::CODES, "the int8 arrangement keeps the format's bytes");
-};
 
 static inline void codes8(const uint8_t* unit, int W, __m512i& a, __m512i& b) {
   if (W == 8) {
@@ -436,21 +453,6 @@ static inline void codes8(const uint8_t* unit, int W, __m512i& a, __m512i& b) {
     b = _mm512_ternarylogic_epi32(b, _mm512_srlv_epi16(h, right), bits45, 0xF8);
   }
 }
-
-// Formats whose low is a fixed multiple of the scale, low = -OFFSET scale (Q4_0: 8, Q6_K: 32,
-// Q8_0/Q5_0 stored plus 128: 128): their sums start at -OFFSET xs, in int32, exact, so that
-// scale (isum - OFFSET xs) is the whole group and no low is added. Others (Q4_1, Q4_K, Q5_1, Q5_K)
-// add their own low: OFFSET 0.
-template <typename F>
-constexpr int offset8() {
-  return std::is_same_v<F, Q4Z> ? 8 : std::is_same_v<F, Q6K> ? 32 : std::is_same_v<F, Q8H> ? 128 : 0;
-}
-
-// The tile's activations: xq [G][TR][GK] int8 (rows interleaved by group, as run's x), dx and xs [TR][G].
-struct Act8 {
-  const int8_t* q;
-  const float *d, *s;
-};
 
 // Group g of TR rows of column block cb, added to the rows' running outputs. One group at a time:
 // two side by side (as the bf16 GEMM does for few rows) made one row 10-25% slower here, and
@@ -530,6 +532,182 @@ static inline void quantize_group(const uint16_t* x, int GK, int8_t* q, float& d
   s = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));   // exact: |s| <= 32 * 127
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HD_MM8 "AVX2"
+// The int8 GEMM on AVX2 (CPUs without AVX512: Zen 1-3, most desktop Intel): the same packing,
+// the same quantized rows and the same integer group sums (exact, so the instructions that form
+// them do not matter), the same fp32 operations on them in the same order: the outputs are
+// VPDPBUSD's bit for bit. A unit's 16 columns are two halves of 8 (a 256-bit register holds 8
+// columns' four codes); VPMADDUBSW adds two code x activation products into an int16, which holds
+// them for codes of at most 6 bits (2 x 63 x 127); 8-bit codes (0..255) go in two nibbles, the
+// high one's sums taken 16 times by VPMADDWD.
+// Tiles of up to 4 rows: their sums and outputs take 16 of the 16 registers already.
+constexpr int TILE8 = 4;
+constexpr int AHEAD8 = 9;   // groups ahead to ask the cache for (as the AVX512 GEMM)
+
+static inline __m256 f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m256 i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Half h (columns 8 h .. 8 h + 7) of a group's scale and low: consts<F> of the AVX512 GEMM, the
+// same exact fp32 products.
+template <typename F>
+static inline void consts2(const uint8_t* head, const uint8_t* grp, int h, __m256& scale, __m256& low) {
+  const uint8_t* c = grp + F::CODES;
+  if constexpr (std::is_same_v<F, Q4Z> || std::is_same_v<F, Q8H>) {
+    scale = f16x8(c + 16 * h);
+  } else if constexpr (std::is_same_v<F, Q4H>) {
+    scale = f16x8(c + 16 * h);
+    low = f16x8(c + 32 + 16 * h);
+  } else if constexpr (std::is_same_v<F, Q4K>) {
+    scale = _mm256_mul_ps(f16x8(head + 16 * h), u8x8(c + 8 * h));
+    const __m256 m = _mm256_mul_ps(f16x8(head + 32 + 16 * h), u8x8(c + 16 + 8 * h));
+    low = _mm256_xor_ps(m, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))));   // -m, the sign flipped
+  } else if constexpr (std::is_same_v<F, Q6K>) {
+    scale = _mm256_mul_ps(f16x8(head + 16 * h), i8x8(c + 8 * h));
+  } else {
+    scale = _mm256_loadu_ps(reinterpret_cast<const float*>(c + 32 * h));
+    low = _mm256_loadu_ps(reinterpret_cast<const float*>(c + 64 + 32 * h));
+  }
+}
+
+// sum over the four k of each column's quad: codes c (uint8, 8 columns x 4 k) times the quad's
+// four activations x (int8, broadcast), as int32.
+template <int W>
+static inline __m256i dot4(__m256i c, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (W == 8) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(c, nib), x);
+    const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), nib), x);
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
+  }
+}
+
+// A unit's codes (mm8's arrangement, above): quad a's and quad b's, each in halves of 8 columns.
+template <int W>
+static inline void codes2(const uint8_t* unit, __m256i a[2], __m256i b[2]) {
+  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (W == 8) {
+    a[0] = load(unit), a[1] = load(unit + 32), b[0] = load(unit + 64), b[1] = load(unit + 96);
+    return;
+  }
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = load(unit + 32 * h);
+    a[h] = _mm256_and_si256(v, nib);
+    b[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  }
+  if constexpr (W == 6) {   // byte j of the high bits: quad a's bytes j and j + 32 in bits 0-1 and 2-3, quad b's in 4-5 and 6-7
+    const __m256i hb = load(unit + 64), bits45 = _mm256_set1_epi8(0x30);
+    a[0] = _mm256_or_si256(a[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits45));
+    a[1] = _mm256_or_si256(a[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits45));
+    b[0] = _mm256_or_si256(b[0], _mm256_and_si256(hb, bits45));
+    b[1] = _mm256_or_si256(b[1], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45));
+  }
+}
+
+// Group g of TR rows of column block cb, added to the rows' running outputs (two halves a row):
+// group8's operations.
+template <typename F, int TR>
+static inline __attribute__((always_inline)) void group8(const Act8& X, const Packed& P, int64_t cb, int64_t g,
+                                                         __m256 out[][2]) {
+  constexpr int GK = F::GK, OFFSET = offset8<F>();
+  const uint8_t* head = super_at(P.pk, F::SB, P.supers, cb, g / F::GS);
+  const uint8_t* grp = head + F::HEAD + (g % F::GS) * F::GROUP;
+  for (int64_t l = 0; l < F::GROUP; l += 64)   // past the end: a hint, never a fault
+    _mm_prefetch(reinterpret_cast<const char*>(grp + AHEAD8 * F::GROUP + l), _MM_HINT_T0);
+  __m256i acc[TR][2];
+  for (int r = 0; r < TR; ++r)
+    acc[r][0] = acc[r][1] = OFFSET ? _mm256_set1_epi32(-OFFSET * static_cast<int32_t>(X.s[r * P.G + g]))
+                                   : _mm256_setzero_si256();
+  for (int u = 0; u < I8<F>::UNITS; ++u) {
+    __m256i a[2], b[2];
+    codes2<F::W>(grp + u * I8<F>::UNIT_BYTES, a, b);
+    for (int r = 0; r < TR; ++r) {
+      int32_t xa, xb;
+      const int8_t* xr = X.q + (g * TR + r) * GK + 8 * u;
+      std::memcpy(&xa, xr, 4);
+      std::memcpy(&xb, xr + 4, 4);
+      const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
+      for (int h = 0; h < 2; ++h)
+        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_add_epi32(dot4<F::W>(a[h], va), dot4<F::W>(b[h], vb)));
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    __m256 dv, lv = _mm256_setzero_ps();
+    consts2<F>(head, grp, h, dv, lv);
+    for (int r = 0; r < TR; ++r) {
+      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), dv);
+      if constexpr (OFFSET == 0) t = _mm256_fmadd_ps(lv, _mm256_set1_ps(X.s[r * P.G + g]), t);
+      out[r][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(X.d[r * P.G + g]), out[r][h]);
+    }
+  }
+}
+
+// fp32 to bf16 as VCVTNEPS2BF16 rounds: to nearest even, a subnormal to a signed zero, a NaN quiet.
+static inline uint16_t bf16_of(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7F800000u) == 0) return static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <typename F, int TR>
+static inline void block8(const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
+  static_assert(TR <= TILE8, "a tile's outputs live in registers");
+  __m256 out[TR][2];
+  for (int r = 0; r < TR; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < P.G; ++g) group8<F, TR>(X, P, cb, g, out);
+  for (int r = 0; r < TR; ++r) {
+    alignas(32) float o[16];
+    _mm256_store_ps(o, out[r][0]);
+    _mm256_store_ps(o + 8, out[r][1]);
+    for (int j = 0; j < 16; ++j) y[r * N + cb * 16 + j] = bf16_of(o[j]);
+  }
+}
+
+template <typename F, int TR = 1>
+static inline void tile8(int rows, const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
+  if constexpr (TR < TILE8) {
+    if (rows > TR) return tile8<F, TR + 1>(rows, X, P, y, N, cb);
+  }
+  block8<F, TR>(X, P, y, N, cb);
+}
+
+// quantize_group of the AVX512 GEMM in plain C++, the same fp32 operations: max |x| (exact in any
+// order), 127 / amax, x times it rounded to nearest even (the default rounding mode, as
+// VCVTPS2DQ), the sum of the codes (exact).
+static inline void quantize_group(const uint16_t* x, int GK, int8_t* q, float& d, float& s) {
+  float v[32], amax = 0.0f;
+  for (int k = 0; k < GK; ++k) {
+    const uint32_t bits = static_cast<uint32_t>(x[k]) << 16;
+    std::memcpy(&v[k], &bits, 4);
+    amax = std::max(amax, std::fabs(v[k]));
+  }
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  d = amax / 127.0f;
+  int32_t sum = 0;
+  for (int k = 0; k < GK; ++k) {
+    const float r = std::nearbyint(v[k] * inv);   // a NaN: VCVTPS2DQ's INT_MIN, saturated to -128
+    const int32_t c = r >= -128.0f && r <= 127.0f ? static_cast<int32_t>(r) : r > 127.0f ? 127 : -128;
+    q[k] = static_cast<int8_t>(std::min(127, std::max(-128, c)));
+    sum += q[k];
+  }
+  s = static_cast<float>(sum);
+}
+#endif
+
+#ifdef HD_MM8
 template <typename F>
 static torch::Tensor run8(const torch::Tensor& x, const torch::Tensor& packed) {
   constexpr int GK = F::GK;
@@ -561,12 +739,14 @@ torch::Tensor mm8(torch::Tensor x, torch::Tensor packed, const std::string& fmt)
   return by_format(fmt, "GGUF int8 GEMM", [&](auto* f) { return run8<std::remove_pointer_t<decltype(f)>>(xs, packed); });
 }
 bool supported8() { return true; }
+std::string isa8() { return HD_MM8; }
 #else
 torch::Tensor mm8(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
-  TORCH_CHECK(false, "GGUF int8 GEMM: built without AVX512-VNNI");
+  TORCH_CHECK(false, "GGUF int8 GEMM: built without AVX512-VNNI or AVX2");
   return x;
 }
 bool supported8() { return false; }
+std::string isa8() { return ""; }
 #endif
 
 bool supported() {
@@ -949,6 +1129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("interleaved"));
   m.def("mm8", &mm8, "GEMM on GGUF-quantized weights with int8 activations quantized row by row (VPDPBUSD), the same arithmetic for any row count",
         py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
-  m.def("supported8", &supported8, "whether this CPU's build has the int8-activation GEMM (AVX512-VNNI)");
+  m.def("supported8", &supported8, "whether this CPU's build has the int8-activation GEMM (AVX512-VNNI or AVX2)");
+  m.def("isa8", &isa8, "the instructions the int8-activation GEMM is built on: AVX512-VNNI, AVX2 or empty");
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
 }
