@@ -346,12 +346,15 @@ def test_sigterm_drains_running_requests_then_exits(model_dir):
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
         name = json.loads(http("GET", f"http://127.0.0.1:{port}/v1/models")[1])["data"][0]["id"]
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(lambda: chat(client, name, PROMPTS[0], max_tokens=200))
-            time.sleep(0.05)
-            p.send_signal(signal.SIGTERM)
-            r = fut.result(timeout=60)
-        assert r.choices[0].finish_reason in ("length", "stop")
+        # streamed, and the signal sent once its first chunk is here: the request is running (a
+        # signal sent 50 ms after the request was sent could reach the server first: a 503)
+        stream = iter(client.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                     max_tokens=200, stream=True))
+        chunks = [next(stream)]
+        p.send_signal(signal.SIGTERM)
+        chunks += list(stream)
+        ends = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert ends and ends[-1] in ("length", "stop"), ends
         out, _ = p.communicate(timeout=60)
         assert p.returncode == 0
         assert json.loads(out)["requests"] >= 1
@@ -378,7 +381,8 @@ def test_sigkill_mid_learning_leaves_the_model_db_intact(model_dir, tmp_path):
     assert report["ok"], report
     p, port, _ = start_cli(model_dir, "--model-db", str(db), "--learn")
     try:
-        assert http("GET", f"http://127.0.0.1:{port}/health")[0] == 200
+        status, body = http("GET", f"http://127.0.0.1:{port}/health")
+        assert status == 200, body
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(60)
