@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         print(f"the int8-activation GEMM does not run here ({quants.failure() or 'no AVX512-VNNI or AVX2'})")
         return 1
     rows = [int(r) for r in args.rows.split(",")]
-    doc = {"command": command_line("benchmarks/gguf_gemm.py", args), "machine": machine(), "shape": [args.n, args.k],
+    doc = {"command": command_line("gguf_gemm.py", args), "machine": machine(), "shape": [args.n, args.k],
            "gemm": quants.gemm_isa(), "types": {}}
     base = "bf16" if quants.bf16_available() else "torch-bf16"
     print(f"N x K = {args.n} x {args.k}, {torch.get_num_threads()} threads, least of {args.rounds}, "

@@ -1,7 +1,8 @@
 """Memory and start-up of hd on GGUF files of published shapes (random weights in valid blocks,
 written by synth_gguf.py): per file, peak resident memory, the first start (nothing cached: the
 tokenizer, the M-invariant calibration and self-check, the fused attention's timing) and the
-second, and plain decoding's tokens/s of hd and of llama.cpp on the same file, in the same run.
+second, and prefill's and plain decoding's tokens/s of hd and of llama.cpp on the same file, in the
+same run, with llama.cpp's own load time (its Llama(...) on the file, also a later start).
 
     python benchmarks/gguf_start.py --shapes smollm2-1.7b --mixes Q4_0,Q4_K_M --out benchmarks/results/gguf/start.json
 
@@ -32,10 +33,10 @@ def log(msg: str) -> None:
     print(f"[gguf_start {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def hd_run(path: Path, cache: Path, tokens: int, timeout: int) -> dict:
+def hd_run(path: Path, cache: Path, tokens: int, timeout: int, prompt: str = PROMPT) -> dict:
     env = dict(os.environ, HD_CACHE_DIR=str(cache))
     hd = str(Path(sys.executable).with_name("hd"))
-    cmd = [hd, "generate", "--model", str(path), "-p", PROMPT, "-n", str(tokens), "--layers", "none",
+    cmd = [hd, "generate", "--model", str(path), "-p", prompt, "-n", str(tokens), "--layers", "none",
            "--json", "--max-new-tokens", str(tokens)]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -47,16 +48,19 @@ def hd_run(path: Path, cache: Path, tokens: int, timeout: int) -> dict:
     st = data["stats"]
     decode = st["wall_seconds"] - st["prefill_seconds"]
     return {"wall_seconds": wall, "load_seconds": data["load_seconds"], "load_phases": data.get("load_phases"),
-            "peak_rss_bytes": data["peak_rss_bytes"],
+            "peak_rss_bytes": data["peak_rss_bytes"], "prompt_tokens": st["prompt_tokens"],
+            "prefill_tokens_per_second": st["prompt_tokens"] / st["prefill_seconds"] if st["prefill_seconds"] else None,
             "new_tokens": st["new_tokens"], "tokens_per_second": st["tokens_per_second"],
             "decode_tokens_per_second": (st["new_tokens"] - 1) / decode if decode > 0 else None,
             "numerics": data.get("numerics"), "invariant": bool((data.get("invariant") or {}).get("self_check"))}
 
 
 LLAMA_CODE = """
-import json, sys, time
+import json, resource, sys, time
 from llama_cpp import Llama
-llm = Llama(model_path=sys.argv[1], n_ctx=1024, n_threads={threads}, verbose=False)
+t = time.perf_counter()
+llm = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads={threads}, verbose=False)
+load = time.perf_counter() - t
 ids = llm.tokenize(sys.argv[2].encode())
 t0 = time.perf_counter(); n = 0; first = None
 for tok in llm.generate(ids, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -64,18 +68,20 @@ for tok in llm.generate(ids, temp=0.0, repeat_penalty=1.0, reset=True):
     if first is None: first = time.perf_counter()
     if n >= int(sys.argv[3]): break
 t1 = time.perf_counter()
-print(json.dumps({{"new_tokens": n, "tokens_per_second": n / (t1 - t0),
-                  "decode_tokens_per_second": (n - 1) / (t1 - first) if n > 1 else None}}))
+print(json.dumps({{"load_seconds": load, "prompt_tokens": len(ids), "new_tokens": n, "tokens_per_second": n / (t1 - t0),
+                  "prefill_tokens_per_second": len(ids) / (first - t0),   # its first token included
+                  "decode_tokens_per_second": (n - 1) / (t1 - first) if n > 1 else None,
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
 """
 
 
-def llama_run(path: Path, tokens: int, timeout: int) -> dict:
+def llama_run(path: Path, tokens: int, timeout: int, prompt: str = PROMPT) -> dict:
     import importlib.util
     if importlib.util.find_spec("llama_cpp") is None:
         return {"error": "llama-cpp-python not installed (pip install -e '.[llama-cpp]')"}
     import torch
     code = LLAMA_CODE.format(threads=torch.get_num_threads())
-    out = subprocess.run([sys.executable, "-c", code, str(path), PROMPT, str(tokens)], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code, str(path), prompt, str(tokens)], capture_output=True,
                          text=True, timeout=timeout)
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
@@ -91,9 +97,11 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--tokens", type=int, default=32)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--prompt-file", help="the prompt (default: a one-line story request); a long one measures prefill")
     ap.add_argument("--out", help="write the JSON here (else stdout)")
     args = ap.parse_args(argv)
     from common import machine
+    prompt = Path(args.prompt_file).read_text() if args.prompt_file else PROMPT
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
     results = []
@@ -106,12 +114,12 @@ def main(argv=None) -> int:
             row = {"shape": shape, "mix": mix, "file_bytes": path.stat().st_size}
             with tempfile.TemporaryDirectory(prefix="hd-cache-") as cache:
                 log(f"{path.name}: first start (empty cache)")
-                row["first"] = hd_run(path, Path(cache), args.tokens, args.timeout)
+                row["first"] = hd_run(path, Path(cache), args.tokens, args.timeout, prompt)
                 log(f"{path.name}: second start")
-                row["second"] = hd_run(path, Path(cache), args.tokens, args.timeout)
+                row["second"] = hd_run(path, Path(cache), args.tokens, args.timeout, prompt)
             if not args.no_llama_cpp:
                 log(f"{path.name}: llama.cpp")
-                row["llama_cpp"] = llama_run(path, args.tokens, args.timeout)
+                row["llama_cpp"] = llama_run(path, args.tokens, args.timeout, prompt)
             hd_tps = row["second"].get("decode_tokens_per_second")
             ll_tps = row.get("llama_cpp", {}).get("decode_tokens_per_second")
             row["hd_over_llama_cpp"] = hd_tps / ll_tps if hd_tps and ll_tps else None
@@ -119,7 +127,10 @@ def main(argv=None) -> int:
             row["peak_rss_over_file"] = rss / row["file_bytes"] if rss else None
             log(json.dumps({k: row[k] for k in ("shape", "mix", "peak_rss_over_file", "hd_over_llama_cpp")}))
             results.append(row)
-    out = {"machine": machine(), "tokens": args.tokens, "prompt": PROMPT, "results": results}
+    from common import command_line
+    from hdcli.engine.kernels import quants
+    out = {"command": command_line("gguf_start.py", args), "machine": machine(), "gemm": quants.gemm_isa(),
+           "tokens": args.tokens, "prompt": prompt, "results": results}
     from common import write_result
     write_result(Path(args.out) if args.out else None, out)
     if not args.out:
