@@ -73,6 +73,10 @@ class LingeringClose:
         self.timer = self.protocol.loop.call_later(LINGER_SECONDS, self.transport.close)
         self.transport.resume_reading()     # flow control may have paused it: the client's bytes are read
 
+    @property
+    def lingering(self) -> bool:
+        return self.timer is not None
+
     def cancel(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
@@ -95,13 +99,16 @@ def http_protocol(server):
             self.transport = LingeringClose(transport, self)   # what the request cycles write to
             self._arm()
 
+        def _lingering(self) -> bool:
+            return isinstance(self.transport, LingeringClose) and self.transport.lingering
+
         def data_received(self, data: bytes) -> None:
-            if isinstance(self.transport, LingeringClose) and self.transport.timer is not None:
-                return   # lingering: the rest of a body no one reads
+            if self._lingering():
+                return   # the rest of a body no one reads
             super().data_received(data)
 
         def eof_received(self):
-            if isinstance(self.transport, LingeringClose) and self.transport.timer is not None:
+            if self._lingering():
                 self.transport.transport.close()   # the client has read the answer and closed
                 return None
             return super().eof_received()

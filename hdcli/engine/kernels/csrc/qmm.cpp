@@ -78,6 +78,13 @@ struct Q8H : Layout<8, 32, 1, 0, 32, false> {};    // + d[16] fp16
 struct Q8F : Layout<8, 32, 1, 0, 128, true> {};    // + scale[16], low[16] fp32
 struct Q8F8 : Layout<8, 32, 8, 0, 128, true> {};   // q8f's bytes, packed 8 groups at a time (Q5_K's blocks)
 
+static inline float f32_of_bf16(uint16_t h) {   // exact: a bf16 is an fp32's top half
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 static inline const uint8_t* super_at(const uint8_t* pk, int64_t sb_bytes, int64_t supers, int64_t cb, int64_t s) {
   return pk + (cb * supers + s) * sb_bytes;
 }
@@ -353,12 +360,7 @@ static torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed) {
       std::memcpy(xtp + T.at(m, g, K, GK), xg, GK * sizeof(uint16_t));
     if constexpr (F::LOW) {
       float s = 0.0f;
-      for (int k = 0; k < GK; ++k) {
-        const uint32_t bits = static_cast<uint32_t>(xg[k]) << 16;
-        float f;
-        std::memcpy(&f, &bits, 4);
-        s += f;
-      }
+      for (int k = 0; k < GK; ++k) s += f32_of_bf16(xg[k]);
       s0p[i] = s;
     }
   };
@@ -505,14 +507,6 @@ static inline void block8(const Act8& X, const Packed& P, uint16_t* y, int64_t N
   for (int64_t g = 0; g < P.G; ++g) group8<F, TR>(X, P, cb, g, out);
   for (int r = 0; r < TR; ++r)   // to bf16, rounded to nearest even
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + cb * 16), (__m256i)_mm512_cvtneps_pbh(out[r]));
-}
-
-template <typename F, int TR = 1>
-static inline void tile8(int rows, const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
-  if constexpr (TR < TILE8) {
-    if (rows > TR) return tile8<F, TR + 1>(rows, X, P, y, N, cb);
-  }
-  block8<F, TR>(X, P, y, N, cb);
 }
 
 // One group of GK (16 or 32) bf16 activations quantized: q, its scale d and the sum of q. One code
@@ -676,22 +670,13 @@ static inline void block8(const Act8& X, const Packed& P, uint16_t* y, int64_t N
   }
 }
 
-template <typename F, int TR = 1>
-static inline void tile8(int rows, const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
-  if constexpr (TR < TILE8) {
-    if (rows > TR) return tile8<F, TR + 1>(rows, X, P, y, N, cb);
-  }
-  block8<F, TR>(X, P, y, N, cb);
-}
-
 // quantize_group of the AVX512 GEMM in plain C++, the same fp32 operations: max |x| (exact in any
 // order), 127 / amax, x times it rounded to nearest even (the default rounding mode, as
 // VCVTPS2DQ), the sum of the codes (exact).
 static inline void quantize_group(const uint16_t* x, int GK, int8_t* q, float& d, float& s) {
   float v[32], amax = 0.0f;
   for (int k = 0; k < GK; ++k) {
-    const uint32_t bits = static_cast<uint32_t>(x[k]) << 16;
-    std::memcpy(&v[k], &bits, 4);
+    v[k] = f32_of_bf16(x[k]);
     amax = std::max(amax, std::fabs(v[k]));
   }
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -708,6 +693,15 @@ static inline void quantize_group(const uint16_t* x, int GK, int8_t* q, float& d
 #endif
 
 #ifdef HD_MM8
+// block8<rows> (this build's, above) for rows 1..TILE8
+template <typename F, int TR = 1>
+static inline void tile8(int rows, const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
+  if constexpr (TR < TILE8) {
+    if (rows > TR) return tile8<F, TR + 1>(rows, X, P, y, N, cb);
+  }
+  block8<F, TR>(X, P, y, N, cb);
+}
+
 template <typename F>
 static torch::Tensor run8(const torch::Tensor& x, const torch::Tensor& packed) {
   constexpr int GK = F::GK;
