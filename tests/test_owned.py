@@ -228,6 +228,28 @@ def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tmp_path)
     assert other["config"]["attention"] == "torch"
 
 
+def test_the_header_parser_knows_ggml_types_as_gguf_py_does():
+    """The type ids hd reads without importing gguf-py: the names and block sizes gguf-py gives."""
+    import gguf
+    from hdcli.engine.model.gguf import TYPE_IDS
+    for type_id, (name, block, nbytes) in TYPE_IDS.items():
+        qtype = gguf.GGMLQuantizationType(type_id)
+        assert (qtype.name, *gguf.GGML_QUANT_SIZES[qtype]) == (name, block, nbytes)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20])
+def test_the_header_parser_walks_string_arrays_in_any_chunk(tiny_gguf, monkeypatch, chunk):
+    """The vocabulary's strings are skipped over chunks of the file: a string cut by a chunk's
+    end (a length or its bytes) reads as a whole one; the same header whatever the chunk."""
+    from hdcli.engine.model import gguf as reader
+    whole = reader.GGUFFile(tiny_gguf)
+    monkeypatch.setattr(reader, "STRINGS_READ", chunk)
+    got = reader.GGUFFile(tiny_gguf)
+    assert got.fields == whole.fields and got.array_lengths == whole.array_lengths
+    assert {n: (t.type_name, t.shape) for n, t in got.tensors.items()} == {
+        n: (t.type_name, t.shape) for n, t in whole.tensors.items()}
+
+
 def test_the_header_parser_reads_what_gguf_py_reads(tiny_gguf, tmp_path):
     """engine/model/gguf.py parses the header itself (gguf-py's reader took ~25 s on a 128k
     vocabulary): every tensor's type, shape and bytes and every scalar field as GGUFReader gives

@@ -2,8 +2,12 @@
 functions), so that what can change a run from outside its options is listed in one place.
 
   HD_CACHE_DIR        where measured choices (cost curves, the attention's timing), M-invariant
-                      calibrations and built tokenizers are kept; default ~/.cache/hdcli. None of
+                      calibrations, built tokenizers and GGUFs' repacked weights are kept; default
+                      ~/.cache/hdcli. None of
                       them changes a run's numerics without being recorded in its Numerics.
+  HD_LAYOUT_CACHE     "0" (or off, false, no): a GGUF's repacked weights are not kept under
+                      HD_CACHE_DIR/layouts (model/layouts.py), every start repacks them; unset or
+                      anything else: kept (the start that writes them says so, with their size).
   HD_FUSED_ATTENTION  "1": the compiled invariant attention wherever it compiles; "0": never;
                       unset or anything else: timed once per machine (invariant.decide). The choice is
                       recorded in the run's config (`attention`) and replayed by --config.
@@ -24,7 +28,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HD_CACHE_DIR") or Path.home() / ".cache" / "hdcli")
 
 
-CACHE_FOLDERS = ("costs", "invariant", "attention", "choices", "tokenizers", "gguf")   # what hd keeps there
+CACHE_FOLDERS = ("costs", "invariant", "attention", "choices", "tokenizers", "gguf", "layouts")   # what hd keeps there
 _checked: set[str] = set()
 
 
@@ -57,6 +61,11 @@ def check_cache_dir() -> Path:
               f"timed choices may differ between runs); {fix}", file=sys.stderr, flush=True)
     _checked.add(str(root))
     return root
+
+
+def layout_cache() -> bool:
+    """Whether a GGUF's repacked weights are kept on disk (HD_LAYOUT_CACHE, on by default)."""
+    return os.environ.get("HD_LAYOUT_CACHE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def fused_attention() -> str:

@@ -29,7 +29,8 @@ Invariants
     info["peak_rss_bytes"]; one on transformers' forward has info["forward"] "transformers", the
     reason in info["why"], and is never in the M-invariant mode (`--invariant on` refuses it).
   * Nothing is written under cache_dir() but measurements (costs, invariant calibrations), GGUF
-    tokenizers and assembled bundled GGUFs: no weights.
+    tokenizers, assembled bundled GGUFs and a GGUF's weights in the GEMM's layout (model/layouts.py,
+    HD_LAYOUT_CACHE): never dequantized weights.
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ from .environment import cache_dir as configured
 from .environment import check_cache_dir
 from .environment import hub_endpoint
 from .environment import hub_offline
+from .environment import layout_cache
+from .model import layouts as layout_files
 from .model.checkpoint import ARCHS
 from .model.checkpoint import model_type
 from .model.gguf import GGUFFile
@@ -566,14 +569,25 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     shown = name if local_models.is_store_name(name) else Path(source).name   # not an Ollama blob's hash
     bar = tqdm(total=cfg.num_hidden_layers, desc=f"loading {shown}", unit=" layers",
                file=sys.stderr, disable=quiet, mininterval=0.5, leave=False)
-    with torch.inference_mode(), bar:
-        model = build(src, cfg, num, progress=bar.update)
+    kept = _layout_cache(src, dt, device, kn)
+    try:
+        with torch.inference_mode(), bar:
+            model = build(src, cfg, num, progress=bar.update)
+    finally:
+        if gguf:
+            src.layouts = None
     model.eval()
+    if kept is not None:
+        kept.keep(model)   # written on a thread of its own where it was not read
+        for line in kept.warnings + ([kept.note] if kept.note and not quiet else []):
+            print(line, file=sys.stderr, flush=True)
     widened = num.widened()
     if widened and not quiet:
         print(widened, file=sys.stderr, flush=True)
     phase("weights")
     info: dict = {"forward": f"hd ({model.family})", "file_types": src.type_counts()}
+    if kept is not None:
+        info["layout_cache"] = {"path": str(kept.path), "hit": kept.hit, "writing_bytes": kept.writing}
     on = _invariant_mode(name, model, source, num, invariant, quiet, info)
     phase("invariant")
     info["load_phases"] = {k: round(v, 3) for k, v in phases.items()}
@@ -584,6 +598,16 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
                      load_seconds=time.perf_counter() - t0, kernels=kn, invariant=on, info=info)
     info["peak_rss_bytes"] = peak_rss_bytes()
     return lm
+
+
+def _layout_cache(src, dtype: str, device: str, kernels: str):
+    """The layout cache (model/layouts.py) a GGUF's build reads its packings from, set on the file
+    as `layouts`; None where none is kept (a checkpoint, not the GGUF GEMM, HD_LAYOUT_CACHE=0)."""
+    if not (isinstance(src, GGUFFile) and kernels in kern.GGUF and device == "cpu" and dtype == "bf16"
+            and layout_cache() and quants.kernel_available()):
+        return None
+    src.layouts = layout_files.for_gguf(src, cache_dir() / "layouts", int8=kernels == "gguf-int8")
+    return src.layouts
 
 
 def _owned_tokenizer(name: str, src):

@@ -465,16 +465,30 @@ def pack(type_name: str, raw: np.ndarray, n: int, k: int, int8: bool = False):
     return packed, fmt
 
 
+def _side_by_side(packings: list[torch.Tensor]) -> torch.Tensor:
+    """The packings one after another along the column blocks: a view where they already lie so
+    in one storage (mapped from the layout cache, model/layouts.py), else a copy."""
+    first = packings[0]
+    storage, at = first.untyped_storage(), first.storage_offset()
+    for p in packings:
+        if not p.is_contiguous() or p.untyped_storage().data_ptr() != storage.data_ptr() or p.storage_offset() != at:
+            return torch.cat(packings)
+        at += p.numel()
+    rows = sum(p.shape[0] for p in packings)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 class QLinear(torch.nn.Module):
     """y = x @ W^T + bias with W a GGUF tensor's blocks, multiplied by csrc/qmm.cpp's GEMM."""
 
     def __init__(self, type_name: str, raw: np.ndarray, n_out: int, k_in: int, bias: torch.Tensor | None = None,
-                 activations: str = "bf16"):
+                 activations: str = "bf16", packing: tuple | None = None):
         """raw: the tensor's GGUF bytes [n_out, bytes a row] (GGUFReader's tensor.data); bias [n_out]
         or None; activations: "bf16" (mm: the activations as they come) or "int8" (mm8: each row's
         groups quantized to int8, llama.cpp's way; `int8_available()`). RuntimeError where the
         kernel is not available here, ValueError where the shape does not fit its packing (`fits`):
-        the caller then dequantizes to bf16."""
+        the caller then dequantizes to bf16. packing: (packed, fmt) as `pack` makes them for these
+        arguments, made beforehand (model/layouts.py maps them from its cache), else packed here."""
         super().__init__()
         if GEMM.load() is None:
             raise RuntimeError(f"the GGUF GEMM is not available here ({GEMM.failed}): dequantize to bf16 instead")
@@ -486,11 +500,12 @@ class QLinear(torch.nn.Module):
             raise RuntimeError("the bf16-activation GEMM needs AVX512-BF16, which this CPU lacks: take "
                                "activations='int8'")
         self.activations = activations
-        got = pack(type_name, raw, n_out, k_in, int8=activations == "int8")
+        got = packing if packing is not None else pack(type_name, raw, n_out, k_in, int8=activations == "int8")
         if got is None:
             raise ValueError(f"a {type_name} tensor [{n_out}, {k_in}] does not fit the GGUF GEMM's packing "
                              f"(N % 16, K % {BLOCK.get(type_name, ('?',))[0]})")
         self.packed, self.fmt = got
+        self.names: tuple = ()   # ((the file's tensor name, column blocks), ...): set by its maker, for the layout cache
         self.qtype = type_name
         self.out_features, self.in_features = n_out, k_in
         self.dtype = torch.bfloat16
@@ -532,8 +547,9 @@ class QLinear(torch.nn.Module):
             return None
         out = cls.__new__(cls)
         torch.nn.Module.__init__(out)
-        out.packed, out.fmt, out.qtype = torch.cat([p.packed for p in parts]), first.fmt, first.qtype
+        out.packed, out.fmt, out.qtype = _side_by_side([p.packed for p in parts]), first.fmt, first.qtype
         out.activations = first.activations
+        out.names = sum((p.names for p in parts), ())
         out.in_features, out.out_features = first.in_features, sum(p.out_features for p in parts)
         out.dtype = torch.bfloat16
         out.bias = None if first.bias is None else torch.cat([p.bias for p in parts])

@@ -69,6 +69,7 @@ INTERLEAVED_ROPE = {"llama", "mistral", "granite"}
 
 # GGUF metadata value types (the format's enum) -> struct format of one item; 8 string, 9 array
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRINGS_READ = 1 << 20    # bytes read at a time to walk a string array (a 128k vocabulary's ~2 MB)
 _ARRAY_KEPT = 4096   # numeric arrays up to this many items are read (per-layer head counts); longer ones
                      # (the tokenizer's) and every string array are skipped: transformers reads those
 
@@ -80,14 +81,38 @@ def readable_types() -> set[str]:
     return set(quants.TYPES) | {"F32", "F16", "BF16"} | {t.name for t in gguf.quants._type_traits}
 
 
+# ggml's type ids of the types hd reads itself: (name, weights a block, bytes a block), the numbers
+# of gguf-py's GGMLQuantizationType and GGML_QUANT_SIZES (tests/test_owned.py compares them). Other
+# ids are asked of gguf-py, whose import (~0.3 s) a later start of a usual file spares.
+TYPE_IDS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+            7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+            12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 20: ("IQ4_NL", 32, 18),
+            23: ("IQ4_XS", 256, 136), 30: ("BF16", 1, 2)}
+
+
+def type_of(type_id: int) -> tuple[str, int, int]:
+    """(name, weights a block, bytes a block) of a ggml type id; ValueError for an id gguf-py does
+    not know."""
+    if type_id in TYPE_IDS:
+        return TYPE_IDS[type_id]
+    import gguf
+    qtype = gguf.GGMLQuantizationType(type_id)
+    return (qtype.name, *gguf.GGML_QUANT_SIZES[qtype])
+
+
 class Tensor:
-    """One tensor of the file: name, ggml type, shape in ggml order [K, N], its bytes (a view of
-    the map, [N rows, bytes a row] for 2-D tensors)."""
+    """One tensor of the file: name, ggml type (its id and name), shape in ggml order [K, N], its
+    bytes (a view of the map, [N rows, bytes a row] for 2-D tensors)."""
 
     def __init__(self, name: str, type_id: int, shape: list[int], data: np.ndarray):
-        import gguf
         self.name, self.shape, self.data = name, shape, data
-        self.tensor_type = gguf.GGMLQuantizationType(type_id)
+        self.type_id, self.type_name = type_id, type_of(type_id)[0]
+
+    @property
+    def tensor_type(self):
+        """gguf-py's enum of the type (as GGUFReader's tensors have it)."""
+        import gguf
+        return gguf.GGMLQuantizationType(self.type_id)
 
 
 class GGUFFile:
@@ -108,6 +133,7 @@ class GGUFFile:
                           " (the file is truncated or not a GGUF); download it again") from None
         self.arch = str(self.field("general.architecture", "llama"))
         self._config = None
+        self.layouts = None   # while a model is built: its layout cache (model/layouts.py), set by the loader
         self._check()
 
     def _parse(self) -> None:
@@ -133,6 +159,30 @@ class GGUFFile:
             def string() -> str:
                 return f.read(fits(read("<Q"), 1, "bytes in a string")).decode("utf-8")
 
+            def skip_strings(key: str, count: int) -> None:
+                """Past an array of count strings (a vocabulary: 128k-256k of them), walked over
+                the file's bytes read a few MB at a time (read string by string, it was most of
+                a later start's opening)."""
+                start = f.tell()
+                buf, at, length = b"", 0, struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    if at + 8 > len(buf):    # the next length is past what was read: read on
+                        if start + len(buf) >= size:
+                            break
+                        if at > len(buf):    # the last string ends past what was read
+                            f.seek(start + at)
+                        buf = buf[at:] + f.read(STRINGS_READ + 8)
+                        start, at = start + at, 0
+                        if at + 8 > len(buf):
+                            break
+                    at += 8 + length(buf, at)[0]
+                else:
+                    if start + at <= size:
+                        f.seek(start + at)
+                        return
+                raise HdError(f"{self.path}: the strings of {key} run past the end of the file ({size} bytes); "
+                              "the file is truncated or damaged")
+
             def value(key: str, kind: int):
                 if kind in _SCALAR:
                     return read(_SCALAR[kind])
@@ -146,8 +196,7 @@ class GGUFFile:
                 size_of = 8 if item == 8 else struct.calcsize(_SCALAR[item])
                 self.array_lengths[key] = fits(count, size_of, f"items in {key}")
                 if item == 8:
-                    for _ in range(count):
-                        f.seek(fits(read("<Q"), 1, f"bytes in a string of {key}"), 1)
+                    skip_strings(key, count)
                     return None
                 if count > _ARRAY_KEPT:
                     f.seek(size_of * count, 1)
@@ -180,7 +229,6 @@ class GGUFFile:
         """(rows, first byte, bytes) of each tensor, after checking what gguf-py and the kernels take
         for granted: a known type, 1 to 4 dimensions none of them 0, a row length its type's block
         divides, an aligned offset, one name per tensor, no two tensors sharing bytes."""
-        import gguf
         spans, names = [], set()
         for name, dims, type_id, offset in infos:
             where = f"{self.path}: tensor {name}"
@@ -188,15 +236,14 @@ class GGUFFile:
                 raise HdError(f"{where} appears twice; the file is damaged")
             names.add(name)
             try:
-                qtype = gguf.GGMLQuantizationType(type_id)
+                type_name, block, block_bytes = type_of(type_id)
             except ValueError:
                 raise HdError(f"{where} has type id {type_id}, which hd's GGUF reader (gguf-py) does not know; "
                               "the file is damaged or newer than hd") from None
             if not 1 <= len(dims) <= 4 or 0 in dims:
                 raise HdError(f"{where} has shape {dims}; expected 1 to 4 dimensions, none of them 0")
-            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
             if dims[0] % block:
-                raise HdError(f"{where}: its row length {dims[0]} is not a multiple of {qtype.name}'s block of "
+                raise HdError(f"{where}: its row length {dims[0]} is not a multiple of {type_name}'s block of "
                               f"{block} values; the file is damaged")
             if offset % align:
                 raise HdError(f"{where}: its data offset {offset} is not a multiple of the alignment {align}")
@@ -240,7 +287,7 @@ class GGUFFile:
     def type_counts(self) -> dict:
         out: dict = {}
         for t in self.tensors.values():
-            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+            out[t.type_name] = out.get(t.type_name, 0) + 1
         return out
 
     def config(self) -> ModelConfig:
@@ -344,7 +391,9 @@ class GGUFFile:
                  "max_position_embeddings": "context_length", "sliding_window": "attention.sliding_window",
                  "rope_scaling": "rope.scaling.factor"}
         checks.check_config(cfg, str(self.path), lambda attr: f"{self.arch}.{names.get(attr, attr)}")
-        checks.check_tensors(self, cfg, family, str(self.path), readable=readable_types())
+        types = {t.type_name for t in self.tensors.values()}
+        own = set(quants.TYPES) | set(quants.FLOATS)   # readable without asking gguf-py (its import)
+        checks.check_tensors(self, cfg, family, str(self.path), readable=own if types <= own else readable_types())
         if cfg.vocab_size != int(emb.shape[-1]):
             raise HdError(f"{self.path}: {self.arch}.vocab_size is {cfg.vocab_size} but token_embd.weight has "
                           f"{emb.shape[-1]} rows; the file is damaged")
@@ -355,13 +404,13 @@ class GGUFFile:
         return None if t is None else tuple(int(x) for x in reversed(t.shape))
 
     def qtype(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        return self.tensors[name].type_name
 
     def raw(self, name: str) -> tuple[str, np.ndarray, tuple[int, ...]]:
         """(type name, bytes or values as the file holds them, shape in torch order [N, K] or [N])."""
         t = self.tensor(name)
         shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
-        return t.tensor_type.name, t.data, shape
+        return t.type_name, t.data, shape
 
     def key(self) -> str:
         """What identifies this file's content for caches: path, size, modification time."""
@@ -369,20 +418,37 @@ class GGUFFile:
         return hashlib.sha256(f"{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def _saved_tokenizer(folder: Path):
+    """A tokenizer saved by `tokenizer` below: its class read from its config and loaded directly
+    where it is transformers' plain tokenizers one (what a GGUF's llama/qwen vocabularies give),
+    else through AutoTokenizer. The same object either way; the direct class spares importing
+    transformers' auto classes (~0.7 s of a later start on the EPYC)."""
+    import json
+    try:
+        kind = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    if kind in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        return TokenizersBackend.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
 def tokenizer(gf: GGUFFile, cache_dir: Path):
     """transformers' tokenizer of the file, built once and kept as tokenizer files (no weights)."""
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     folder = cache_dir / "tokenizers" / f"{gf.path.stem}-{gf.key()}"
     if (folder / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(folder))
+            return _saved_tokenizer(folder)
         except Exception:  # noqa: BLE001 - a damaged copy (transformers raises many kinds): built again below
             import shutil
             import sys
             print(f"warning: {folder}: the cached tokenizer is malformed; rebuilding it", file=sys.stderr, flush=True)
             shutil.rmtree(folder, ignore_errors=True)
+    from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
     except Exception as exc:  # transformers raises many kinds for a file it cannot read

@@ -85,7 +85,10 @@ class Numerics:
         acts = "int8" if self.kernels == "gguf-int8" else "bf16"
         if (self.kernels in kernels.GGUF and self.device == "cpu" and self.dtype == "bf16"
                 and qtype in quants.TYPES and quants.fits(qtype, n, k) and self.gemm_here()):
-            q = quants.QLinear(qtype, raw, n, k, bias=bias, activations=acts)
+            layouts = getattr(gf, "layouts", None)   # model/layouts.py: the packings kept on disk
+            packing = None if layouts is None else layouts.packing(name, qtype, raw, n, k, int8=acts == "int8")
+            q = quants.QLinear(qtype, raw, n, k, bias=bias, activations=acts, packing=packing)
+            q.names = ((name, n // 16),)
             held = q.packed.numel()
             layer = Linear(q, "gguf", qtype)
         else:

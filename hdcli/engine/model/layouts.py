@@ -1,0 +1,280 @@
+"""A GGUF's weights in the GEMM's layout, kept on disk: a later start maps them instead of repacking.
+
+Why: repacking an 8B Q4_K_M file's blocks into csrc/qmm.cpp's layout (quants.pack) takes ~15 s
+on 2 cores, most of a later start; mapping the same bytes from a file takes under a second, and
+they stay shared with the page cache (resident memory counts them once, as the file's map would).
+The price is disk: as many bytes again as the quantized weights, said in one line by the start
+that writes them, with how to turn it off (HD_LAYOUT_CACHE=0, engine/environment.py).
+
+Writing: after the model is built, on a thread of its own (`keep`), from the packings the model
+holds (no second copy in memory); the disk's write-back bounds it (~0.2-0.4 GB/s on the EPYC's
+disk: an 8B model's 4.7 GB take longer than packing them), so a first start does not wait for
+it; the process does, at exit (the thread is not a daemon), or `wait()` does.
+
+The file: <cache>/layouts/<GGUF stem>-<key>.hdl
+  * the packings, each at a multiple of ALIGN bytes, as the model holds them (a layer's q, k and
+    v joined, its gate and up joined: quants.QLinear.joined), the model's order;
+  * the index, JSON: {"format", "key", "source", "entries": {tensor name: [offset, shape, fmt,
+    sample]}}: each of the file's tensors, the joined ones as their parts' ranges (side by side:
+    QLinear.joined views them as one again instead of copying);
+  * FOOTER bytes: the index's length (uint64, little-endian) and MAGIC.
+Its key is the GGUF's identity (GGUFFile.key(): path, size, modification time), the packing's code
+(quants.module_name(): a hash of qmm.cpp, the CPU, torch and the build flags) and the activations
+the packing is arranged for (bf16, int8). `sample` is a CRC-32 of SAMPLE bytes at every STRIDE of
+the tensor's packing: a hole or a zeroed stretch (a crash, a full disk) fails it without reading
+every byte.
+
+Invariants
+  * A file under its final name was written whole: it is written under a temporary name and
+    renamed after its footer. One that does not read back (footer, index, key, sizes, samples) is
+    removed and rebuilt, said in one line; its bytes are never used.
+  * A packing read from the cache is the one pack() made for the same key; a name the index lacks
+    is packed in the process (and the cache left as it is).
+  * One file per GGUF path: writing a new one removes the older ones of the same path, and the
+    temporary files of processes that no longer run.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import struct
+import threading
+import warnings
+import zlib
+from pathlib import Path
+
+import torch
+
+from ..kernels import quants
+
+MAGIC = b"HDLAYT01"        # the footer's last 8 bytes
+FORMAT = 1
+ALIGN = 64                # each packing's offset: the GEMM's loads are 64-byte aligned at best
+FOOTER = 16               # index length (uint64) + MAGIC
+SAMPLE, STRIDE = 256, 1 << 20   # the checksum's bytes: SAMPLE at each STRIDE of a packing
+FREE_MARGIN = 1 << 30     # disk left free after the cache is written; else it is not written
+_WRITERS: list[threading.Thread] = []   # this process's writers still running (`wait`)
+
+
+def _sample(view: memoryview) -> int:
+    """CRC-32 of SAMPLE bytes at every STRIDE of a packing's bytes (its last SAMPLE too)."""
+    n, crc = len(view), 0
+    for at in list(range(0, n, STRIDE)) + [max(0, n - SAMPLE)]:
+        crc = zlib.crc32(view[at:at + SAMPLE], crc)
+    return crc
+
+
+class LayoutCache:
+    """The packings of one load: mapped from `path` where it holds them (`hit`), else made by
+    quants.pack and, once the model is built, written by `keep(model)`.
+
+    `warnings`: lines always shown (a cache rebuilt or not written); `note`: the line a start that
+    writes the cache shows (its size, where, how to turn it off)."""
+
+    def __init__(self, path: Path, key: str, source: str):
+        self.path, self.key, self.source = path, key, source
+        self.entries: dict = {}
+        self.warnings: list[str] = []
+        self.note: str | None = None
+        self.base: torch.Tensor | None = None  # the mapped file as one uint8 tensor (a hit)
+        self._map = None
+        self.writing = 0                       # bytes this load is writing (a miss)
+        self._open()
+
+    @property
+    def hit(self) -> bool:
+        return self.base is not None
+
+    # ------------------------------------------------------------ reading
+
+    def _open(self) -> None:
+        if not self.path.is_file():
+            return
+        why = self._read()
+        if why is not None:
+            self.warnings.append(f"hd: the layout cache {self.path} {why}: removed, the weights are repacked")
+            self._drop_map()
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+
+    def _read(self) -> str | None:
+        """Map the file and check it; why it cannot be used, or None."""
+        try:
+            size = self.path.stat().st_size
+            if size < FOOTER:
+                return "is truncated"
+            with open(self.path, "rb") as f:
+                f.seek(size - FOOTER)
+                length, magic = struct.unpack("<Q8s", f.read(FOOTER))
+                if magic != MAGIC or length > size - FOOTER:
+                    return "is truncated or not a layout file"
+                f.seek(size - FOOTER - length)
+                index = json.loads(f.read(length))
+                # read-only and populated: the pages come from the page cache now, not at the first
+                # forward, and are never copied (a private writable map would copy them)
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._map = mmap.mmap(f.fileno(), size - FOOTER - length, flags=flags, prot=mmap.PROT_READ)
+        except (OSError, ValueError, struct.error, UnicodeDecodeError):
+            return "cannot be read"
+        if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("key") != self.key:
+            return "is of another version"
+        entries = index.get("entries")
+        if not isinstance(entries, dict):
+            return "has no index"
+        data = len(self._map)
+        view = memoryview(self._map)
+        try:
+            for name, (offset, shape, fmt, sample) in entries.items():
+                n = int(torch.Size(shape).numel())
+                if offset % ALIGN or offset + n > data or _sample(view[offset:offset + n]) != sample:
+                    return f"does not match its index at {name}"
+        except (TypeError, ValueError):
+            return "has a damaged index"
+        finally:
+            view.release()
+        with warnings.catch_warnings():   # read-only on purpose: nothing writes a packing
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.base = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.entries = entries
+        return None
+
+    def _drop_map(self) -> None:
+        self.base = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:   # a tensor still views it: it closes when that goes
+                pass
+            self._map = None
+
+    # ------------------------------------------------------------ the packings
+
+    def packing(self, name: str, type_name: str, raw, n: int, k: int, int8: bool):
+        """(packed, fmt) of a tensor: the cache's view where it holds it, else quants.pack's (None
+        where the shape does not fit, as pack)."""
+        got = self.entries.get(name) if self.hit else None
+        if got is not None:
+            offset, shape, fmt, _ = got
+            numel = int(torch.Size(shape).numel())
+            return self.base[offset:offset + numel].view(shape), fmt
+        return quants.pack(type_name, raw, n, k, int8=int8)
+
+    def keep(self, model) -> None:
+        """Write the packings `model` holds (its quants.QLinear kernels, in module order) to the
+        cache on a thread of its own; nothing where the cache was read (a hit), or there is nothing
+        to write, or the disk has no room for it (said)."""
+        if self.hit:
+            return
+        kernels = [m for m in model.modules() if isinstance(m, quants.QLinear) and m.names]
+        size = sum(k.packed.numel() + ALIGN for k in kernels)
+        if not kernels:
+            return
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _remove_stale(folder)
+            free = shutil.disk_usage(folder).free
+        except OSError as exc:
+            self.warnings.append(f"hd: the layout cache is off for this start: {folder}: {exc.strerror or exc}")
+            return
+        if free < size + FREE_MARGIN:
+            self.warnings.append(f"hd: the layout cache is off for this start: {folder} has {free / 1e9:.1f} GB free, "
+                                 f"it would take {size / 1e9:.2f} GB (later starts repack the weights)")
+            return
+        tmp = folder / f".{self.path.name}.tmp-{os.getpid()}"
+        self.writing = size
+        self.note = (f"hd: keeping the weights in the GEMM's layout ({size / 1e9:.2f} GB of disk, as much again as "
+                     f"they take in the file) in {self.path}: later starts map them instead of repacking; "
+                     "HD_LAYOUT_CACHE=0 turns this off (delete the file to free the space)")
+        writer = threading.Thread(target=self._write, args=(kernels, tmp), name="hd-layout-writer", daemon=False)
+        _WRITERS.append(writer)
+        writer.start()
+
+    def _write(self, kernels: list, tmp: Path) -> None:
+        """The packings, the index and the footer into `tmp`, then renamed to `path`. A failure
+        leaves nothing (the temporary file removed): later starts repack, and try again."""
+        import sys
+        entries = {}
+        try:
+            with open(tmp, "wb") as out:
+                for kernel in kernels:
+                    out.write(b"\0" * (-out.tell() % ALIGN))
+                    at = out.tell()
+                    data = memoryview(kernel.packed.contiguous().numpy()).cast("B")
+                    out.write(data)
+                    block, begin = kernel.packed[0].numel(), 0   # bytes of one column block; a part's first
+                    for name, blocks in kernel.names:           # the parts side by side (QLinear.joined)
+                        part = data[begin:begin + blocks * block]
+                        entries[name] = [at + begin, [blocks, *kernel.packed.shape[1:]], kernel.fmt, _sample(part)]
+                        begin += blocks * block
+                index = json.dumps({"format": FORMAT, "key": self.key, "source": self.source, "entries": entries}).encode()
+                out.write(index)
+                out.write(struct.pack("<Q8s", len(index), MAGIC))
+            self._remove_older()
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            print(f"hd: the layout cache {self.path} could not be written ({exc.strerror or exc}): later starts "
+                  "repack the weights", file=sys.stderr, flush=True)
+        finally:
+            if threading.current_thread() in _WRITERS:
+                _WRITERS.remove(threading.current_thread())
+
+    def _remove_older(self) -> None:
+        """Other layout files of the same GGUF path (another modification time, another build of the
+        kernel): one file per model is kept."""
+        for other in self.path.parent.glob("*.hdl"):
+            if other == self.path:
+                continue
+            try:
+                if read_source(other) == self.source:
+                    other.unlink()
+            except OSError:
+                pass
+
+
+def wait() -> None:
+    """Until this process's layout files are written (tests, benchmarks, a second load)."""
+    for writer in list(_WRITERS):
+        writer.join()
+
+
+def _remove_stale(folder: Path) -> None:
+    """Temporary files of writers whose process no longer runs (killed while writing)."""
+    for tmp in folder.glob(".*.hdl.tmp-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (ValueError, PermissionError, OSError):
+            pass
+
+
+def read_source(path: Path) -> str | None:
+    """The GGUF path a layout file was made from (its index's "source"), None where unreadable."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            f.seek(size - FOOTER)
+            length, magic = struct.unpack("<Q8s", f.read(FOOTER))
+            if magic != MAGIC or length > size - FOOTER:
+                return None
+            f.seek(size - FOOTER - length)
+            return json.loads(f.read(length)).get("source")
+    except (OSError, ValueError, struct.error, AttributeError):
+        return None
+
+
+def for_gguf(gf, folder: Path, int8: bool) -> LayoutCache:
+    """The layout cache of an opened GGUF file (model/gguf.GGUFFile) under `folder` (a writer of
+    this process still writing it is waited for)."""
+    import hashlib
+    wait()
+    key = f"{gf.key()}|{quants.module_name()}|{'int8' if int8 else 'bf16'}|{FORMAT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return LayoutCache(folder / f"{gf.path.stem}-{digest}.hdl", key, str(gf.path.resolve()))
