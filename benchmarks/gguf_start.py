@@ -48,6 +48,8 @@ def hd_run(path: Path, cache: Path, tokens: int, timeout: int, prompt: str = PRO
     st = data["stats"]
     decode = st["wall_seconds"] - st["prefill_seconds"]
     return {"wall_seconds": wall, "load_seconds": data["load_seconds"], "load_phases": data.get("load_phases"),
+            "layout_cache": data.get("layout_cache"),
+            "ready_seconds": data["load_seconds"] + st["prefill_seconds"],   # loaded and the prompt read: its first token
             "peak_rss_bytes": data["peak_rss_bytes"], "prompt_tokens": st["prompt_tokens"],
             "prefill_tokens_per_second": st["prompt_tokens"] / st["prefill_seconds"] if st["prefill_seconds"] else None,
             "new_tokens": st["new_tokens"], "tokens_per_second": st["tokens_per_second"],

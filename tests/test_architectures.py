@@ -117,11 +117,26 @@ def hd_run(path: Path, n: int, arch: str) -> tuple[np.ndarray, list[int]]:
     return logits, Decoder(lm.model, ()).generate(IDS, max_new_tokens=n).tokens
 
 
+def same_tokenizer(path: Path) -> None:
+    """The tokenizer hd builds from a GGUF (gguf.built_tokenizer: the class picked by the file's
+    model_type) is the one AutoTokenizer builds: class, vocabulary, special tokens, encoding,
+    decoding, chat template."""
+    from hdcli.engine.model.gguf import GGUFFile, built_tokenizer
+    ours = built_tokenizer(GGUFFile(path))
+    ref = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = "Hello world! <|im_start|>user\nWhat's 2+2?<|im_end|> ünïcödé 日本語"
+    assert type(ours) is type(ref) and ours.get_vocab() == ref.get_vocab() and len(ours) == len(ref)
+    assert ours.all_special_ids == ref.all_special_ids and ours.chat_template == ref.chat_template
+    assert [ours.bos_token_id, ours.eos_token_id, ours.pad_token_id] == [ref.bos_token_id, ref.eos_token_id, ref.pad_token_id]
+    assert ours.encode(text) == ref.encode(text) and ours.decode(ours.encode(text)) == ref.decode(ref.encode(text))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hd_gives_llama_cpps_and_transformers_tokens(arch, converter, tokenizer, tmp_path):
     hf_dir = tiny_model(arch, tmp_path / f"tiny-{arch}", tokenizer)
     pre = "smollm" if arch == "qwen2" else None
     f32 = llama_cpp_convert.convert(hf_dir, tmp_path / "f32.gguf", "f32", pre_tokenizer=pre)
+    same_tokenizer(f32)
     ours, got = hd_run(f32, NEW, arch)
     theirs, want = llama_cpp_run(f32, NEW)
     model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

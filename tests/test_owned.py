@@ -280,3 +280,35 @@ def test_hd_costs_on_a_gguf_reports_its_own_forward(tiny_gguf):
     kern = rep["kernels"]
     assert kern in ("gguf", "gguf-int8") and rep["forward"] == "hd (llama)"
     assert rep["curves"][kern]["cost"] and rep["curves"][kern]["one_token_ms"] > 0
+
+
+def test_the_self_check_runs_the_blocks_that_cover_every_kind_of_layer(tmp_path, monkeypatch):
+    """calibrate.covering_blocks: on an 8-layer Q4_K_M file (Q6_K in layers 0, 3, 6, 7; all-Q4_K
+    layers join q/k/v) the self-check runs blocks 0, 1 and 7, which hold every kind of layer of the
+    model; a kind found only in middle blocks (ffn_down in Q4_K) that breaks M-invariance fails it.
+    Control for the reduction: the same break with block 1 left out of the check goes unseen."""
+    import synth_gguf
+    from hdcli.engine.decode import calibrate
+    from hdcli.engine.model.layers import Linear
+    if not quants.kernel_available():
+        pytest.skip("hd's GGUF GEMM needs AVX512-BF16 or AVX2")
+    shape = dict(synth_gguf.SHAPES["tiny"], layers=8)
+    path = tmp_path / "tiny8-q4_k_m.gguf"
+    synth_gguf.write(path, shape, "Q4_K_M", seed=2)
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "cache"))
+    lm = models.load(str(path), dtype="bf16", device="cpu", invariant="on", quiet=True)
+    model = lm.model
+    chosen = calibrate.covering_blocks(model)
+    assert chosen == [0, 1, 7]
+
+    def kinds(blocks):
+        return {m.shape_key() for b in blocks for m in b.modules() if isinstance(m, Linear)}
+    assert kinds(model.blocks[i] for i in chosen) == kinds(model.blocks)
+    down = model.blocks[1].down.shape_key()
+    assert down not in kinds([model.blocks[0], model.blocks[7]]), "a kind only middle blocks hold"
+    real = Linear.forward
+    monkeypatch.setattr(Linear, "forward", lambda self, x: real(self, x) + (0.5 if self.shape_key() == down and x.shape[0] > 1 else 0))
+    equal, rows = calibrate.self_check(model)
+    assert equal < rows
+    monkeypatch.setattr(calibrate, "covering_blocks", lambda m: [0, 7])
+    assert calibrate.self_check(model) == (rows, rows)

@@ -208,6 +208,22 @@ def test_the_packing_holds_the_files_weights(t, int8):
     assert not np.array_equal(read_packing(broken, fmt, n, k, int8), want)
 
 
+@pytest.mark.parametrize("t", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_the_direct_int8_packers_write_the_decoded_paths_bytes(t):
+    """qmm.cpp writes the int8 arrangement of the commonest types straight from the blocks, four
+    codes a word: byte for byte what the decoded path (Super::emit8, `reference=True`) writes,
+    for both test shapes. Control: a changed byte of the file changes the direct packing."""
+    if not (quants.GEMM.load() or quants.GEMM.compiled):
+        pytest.skip(f"the extension does not build here: {quants.failure()}")
+    for n, k in (SMALL[t], REAL[t]):
+        raw = make(t, n, k, seed=11)
+        fast, fmt = quants.pack(t, raw, n, k, int8=True)
+        slow, fmt2 = quants.pack(t, raw, n, k, int8=True, reference=True)
+        assert fmt == fmt2 and torch.equal(fast, slow), (t, n, k, int((fast != slow).sum()))
+    raw[5, 17] ^= 0x24
+    assert not torch.equal(quants.pack(t, raw, n, k, int8=True)[0], slow)
+
+
 def test_pack_reads_the_files_map_as_it_lies(tmp_path):
     """The packer reads a read-only map of the file in place (what GGUFFile.raw gives): the same
     bytes as from a copy in memory, also inside inference mode (a model load is)."""

@@ -448,12 +448,13 @@ def fits(type_name: str, n: int, k: int) -> bool:
     return type_name in FORMAT and n > 0 and k > 0 and n % 16 == 0 and k % BLOCK[type_name][0] == 0
 
 
-def pack(type_name: str, raw: np.ndarray, n: int, k: int, int8: bool = False):
+def pack(type_name: str, raw: np.ndarray, n: int, k: int, int8: bool = False, reference: bool = False):
     """(packed [n/16, super-blocks, bytes] uint8 tensor, fmt) for csrc/qmm.cpp's GEMM, or None where
     the shape does not fit (`fits`). The C++ packer reads the file's blocks where they lie (the
     map) on torch's threads: an 8B model's 4.5 GB repack in seconds, not the half minute numpy
     took. RuntimeError where the extension is not built here (it packs on a CPU without the GEMM:
-    tests/test_quants.py reads the packing back there)."""
+    tests/test_quants.py reads the packing back there). reference: for int8, the arrangement through
+    decoded codes also for the types written directly (Q4_0, Q8_0, Q4_K, Q6_K; the tests compare)."""
     if not fits(type_name, n, k):
         return None
     GEMM.load()
@@ -461,7 +462,7 @@ def pack(type_name: str, raw: np.ndarray, n: int, k: int, int8: bool = False):
     if module is None:
         raise RuntimeError(f"the GGUF GEMM is not built here ({GEMM.failed})")
     b = _rows_checked(type_name, raw, n, k)
-    packed, fmt = module.pack(b.ctypes.data, n, b.shape[1], k, type_name, int8)   # b stays alive: the call reads it
+    packed, fmt = module.pack(b.ctypes.data, n, b.shape[1], k, type_name, int8, reference)   # b stays alive: the call reads it
     return packed, fmt
 
 

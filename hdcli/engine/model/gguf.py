@@ -435,6 +435,30 @@ def _saved_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+# transformers' model_type of the GGUF architectures hd owns, as its GGUF config reader names them
+# (modeling_gguf_pytorch_utils: a llama file named "mistral" is mistral, gemma3 is gemma3_text)
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+               "phi3": "phi3"}
+
+
+def built_tokenizer(gf: GGUFFile):
+    """transformers' tokenizer of the file, the class AutoTokenizer picks for its model_type.
+
+    Why not AutoTokenizer itself: for these architectures it first builds the file's whole model
+    config with gguf-py's reader, only to learn the model_type (19 s of a first start of a Llama 3
+    file on the EPYC, for a 128k vocabulary); the tokenizer itself reads the file in 2-3 s.
+    tests/test_architectures.py checks both give the same tokenizer on every such file."""
+    from transformers import AutoTokenizer
+    model_type = MODEL_TYPES.get(gf.arch)
+    if gf.arch == "llama" and gf.field("general.name") == "mistral":
+        model_type = "mistral"
+    if model_type is None:
+        return AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    cls = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
+    return cls.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
+
+
 def tokenizer(gf: GGUFFile, cache_dir: Path):
     """transformers' tokenizer of the file, built once and kept as tokenizer files (no weights)."""
     from transformers.utils import logging as hf_logging
@@ -448,9 +472,8 @@ def tokenizer(gf: GGUFFile, cache_dir: Path):
             import sys
             print(f"warning: {folder}: the cached tokenizer is malformed; rebuilding it", file=sys.stderr, flush=True)
             shutil.rmtree(folder, ignore_errors=True)
-    from transformers import AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
+        tok = built_tokenizer(gf)
     except Exception as exc:  # transformers raises many kinds for a file it cannot read
         raise HdError(f"could not read the tokenizer of GGUF {gf.path}: {str(exc).splitlines()[0]}") from None
     import shutil

@@ -199,6 +199,25 @@ class LlamaForward(nn.Module):
         small.numerics = self.numerics.replace(invariant=False)
         return small
 
+    def subset(self, indices: list[int]) -> "LlamaForward":
+        """A model of the blocks `indices` (in order), the embedding, the final norm and the head,
+        sharing their weights and numerics (no copy): the M-invariant self-check runs on the blocks
+        that hold every kind of layer (calibrate.covering_blocks), not on all of them. Each block
+        is a shallow copy numbered by its place in the subset (its layer of the smaller cache)."""
+        import copy
+        small = copy.copy(self)
+        small._modules = dict(self._modules)
+        small._parameters = dict(self._parameters)
+        blocks = []
+        for place, i in enumerate(indices):
+            blk = copy.copy(self.blocks[i])
+            blk.index = place
+            blocks.append(blk)
+        small.blocks = nn.ModuleList(blocks)
+        small.config = copy.copy(self.config)
+        small.config.num_hidden_layers = len(indices)
+        return small
+
     # ------------------------------------------------------------ forwards
 
     def forward(self, input_ids, cache=None, position_ids=None, mask=None) -> torch.Tensor:
