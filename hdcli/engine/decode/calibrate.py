@@ -21,7 +21,7 @@ def compare_rows(model: torch.nn.Module, tree, prompt: list[int]) -> list[tuple[
     forward of the node, the largest |difference|)."""
     device = model.device
     cache = model.new_cache()
-    model.forward(torch.tensor([prompt[:-1]], device=device), cache)
+    model.prefill(torch.tensor([prompt[:-1]], device=device), cache)   # as decoding reads a prompt: keys only, no logits
     base = cache.get_seq_length()
     rows = tree_forward(model, tree, prompt[-1], cache)
     ones: dict[int, torch.Tensor] = {}
