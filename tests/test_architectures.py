@@ -1,6 +1,6 @@
 """Every architecture hd owns a forward for, checked against llama.cpp itself on the files users make.
 
-A tiny random transformers model of each architecture (llama, mistral, qwen2, qwen3, phi3, gemma3;
+A tiny random transformers model of each architecture (llama, mistral, qwen2, qwen3, phi3, gemma3, olmo2;
 2 layers, the bundled SmolLM2 tokenizer, the head scaled so the top token leads by a clear margin)
 is converted by llama.cpp's own convert_hf_to_gguf.py (from the llama-cpp-python sdist:
 benchmarks/llama_cpp_convert.py) to F32 and F16, and quantized by llama.cpp to Q8_0. On each file:
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import llama_cpp_convert  # noqa: E402
 
 pytestmark = pytest.mark.bundled
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "olmo2"]
 IDS = [19556, 216, 905, 216, 33, 34, 35, 1000, 2000, 77, 1451, 28, 4]
 NEW = 16
 
@@ -69,7 +69,8 @@ def _config(arch: str, vocab: int, tok):
             "qwen2": lambda: tf.Qwen2Config(**base),
             "qwen3": lambda: tf.Qwen3Config(**base, head_dim=16),
             "phi3": lambda: tf.Phi3Config(**base, pad_token_id=0),
-            "gemma3": lambda: tf.Gemma3TextConfig(**base, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)}[arch]()
+            "gemma3": lambda: tf.Gemma3TextConfig(**base, head_dim=16, sliding_window=64, query_pre_attn_scalar=16),
+            "olmo2": lambda: tf.Olmo2Config(**base)}[arch]()
 
 
 def tiny_model(arch: str, folder: Path, tokenizer) -> Path:
@@ -117,14 +118,20 @@ def hd_run(path: Path, n: int, arch: str) -> tuple[np.ndarray, list[int]]:
     return logits, Decoder(lm.model, ()).generate(IDS, max_new_tokens=n).tokens
 
 
-def same_tokenizer(path: Path) -> None:
+def same_tokenizer(path: Path, original: Path) -> None:
     """The tokenizer hd builds from a GGUF (gguf.built_tokenizer: the class picked by the file's
     model_type) is the one AutoTokenizer builds: class, vocabulary, special tokens, encoding,
-    decoding, chat template."""
+    decoding, chat template. transformers reads no olmo2 GGUF (no GGUF config for it): there the
+    reference is the model's own tokenizer (`original`), compared by vocabulary and encoding."""
     from hdcli.engine.model.gguf import GGUFFile, built_tokenizer
-    ours = built_tokenizer(GGUFFile(path))
-    ref = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    gf = GGUFFile(path)
+    ours = built_tokenizer(gf)
     text = "Hello world! <|im_start|>user\nWhat's 2+2?<|im_end|> ünïcödé 日本語"
+    if gf.arch == "olmo2":
+        ref = tf.AutoTokenizer.from_pretrained(str(original))
+        assert ours.get_vocab() == ref.get_vocab() and ours.encode(text) == ref.encode(text)
+        return
+    ref = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert type(ours) is type(ref) and ours.get_vocab() == ref.get_vocab() and len(ours) == len(ref)
     assert ours.all_special_ids == ref.all_special_ids and ours.chat_template == ref.chat_template
     assert [ours.bos_token_id, ours.eos_token_id, ours.pad_token_id] == [ref.bos_token_id, ref.eos_token_id, ref.pad_token_id]
@@ -136,7 +143,7 @@ def test_hd_gives_llama_cpps_and_transformers_tokens(arch, converter, tokenizer,
     hf_dir = tiny_model(arch, tmp_path / f"tiny-{arch}", tokenizer)
     pre = "smollm" if arch == "qwen2" else None
     f32 = llama_cpp_convert.convert(hf_dir, tmp_path / "f32.gguf", "f32", pre_tokenizer=pre)
-    same_tokenizer(f32)
+    same_tokenizer(f32, hf_dir)
     ours, got = hd_run(f32, NEW, arch)
     theirs, want = llama_cpp_run(f32, NEW)
     model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -170,13 +177,15 @@ def test_the_token_check_can_fail(converter, tokenizer, tmp_path, monkeypatch):
     assert hd_run(path, NEW, "llama")[1] != theirs
 
 
-def test_speculative_greedy_equals_plain_on_phi3(converter, tokenizer, tmp_path):
-    """The Phi-3 forward (fused q/k/v and gate/up, new in the llama family) in the M-invariant
-    mode: drafted token trees, a quarter of their tokens corrupted, verified in one forward, give
-    plain greedy decoding's tokens."""
+@pytest.mark.parametrize("arch", ["phi3", "olmo2"])
+def test_speculative_greedy_equals_plain(arch, converter, tokenizer, tmp_path):
+    """The forwards new in the llama family (Phi-3's fused q/k/v and gate/up; OLMo 2's norms after
+    the sublayers and over the whole q and k) in the M-invariant mode: drafted token trees, a
+    quarter of their tokens corrupted, verified in one forward, give plain greedy decoding's
+    tokens."""
     import random
     from gpu_check import Oracle
-    hf_dir = tiny_model("phi3", tmp_path / "tiny-phi3", tokenizer)
+    hf_dir = tiny_model(arch, tmp_path / f"tiny-{arch}", tokenizer)
     path = llama_cpp_convert.convert(hf_dir, tmp_path / "f32.gguf", "f32")
     lm = loader.load(str(path), dtype="bf16", device="cpu", invariant="on", quiet=True)
     vocab = lm.model.config.vocab_size

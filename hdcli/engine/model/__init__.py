@@ -1,7 +1,7 @@
 """hd's own forwards, one module per model family, built from a GGUF file in its own bits or from a
 transformers checkpoint's safetensors.
 
-  llama.py       Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3 (architectures below)
+  llama.py       Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 (architectures below)
   gemma3.py      Gemma 3 text models: sliding windows, (1 + w) norms, two ropes
   gguf.py        a GGUF file: metadata as a ModelConfig, tensors as the file holds them, the tokenizer
   checkpoint.py  a transformers checkpoint read as a GGUF is: GGUF tensor names mapped to its own
@@ -21,7 +21,8 @@ from __future__ import annotations
 from .llama import LlamaForward
 from .gemma3 import Gemma3Forward
 
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "llama", "gemma3": "gemma3"}
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "llama", "olmo2": "llama",
+            "gemma3": "gemma3"}
 
 
 def family_of(arch: str) -> str | None:

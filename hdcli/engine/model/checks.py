@@ -74,13 +74,14 @@ def expected_shapes(src, cfg, family: str) -> dict[str, tuple[tuple[int, ...], b
             out.update({p + "attn_q.weight": ((q, h), True), p + "attn_k.weight": ((kv, h), True),
                         p + "attn_v.weight": ((kv, h), True), p + "ffn_gate.weight": ((ff, h), True),
                         p + "ffn_up.weight": ((ff, h), True)})
-        out.update({p + "attn_norm.weight": ((h,), True), p + "ffn_norm.weight": ((h,), True),
+        olmo2 = src.arch == "olmo2"   # norms after the sublayers, q and k normed over their whole width
+        out.update({p + "attn_norm.weight": ((h,), not olmo2), p + "ffn_norm.weight": ((h,), not olmo2),
                     p + "attn_output.weight": ((h, q), True),
                     p + "ffn_down.weight": ((h, ff), True),
                     p + "attn_q.bias": ((q,), False), p + "attn_k.bias": ((kv,), False), p + "attn_v.bias": ((kv,), False),
-                    p + "attn_q_norm.weight": ((d,), family == "gemma3"),
-                    p + "attn_k_norm.weight": ((d,), family == "gemma3")})
-        if family == "gemma3":
+                    p + "attn_q_norm.weight": ((q if olmo2 else d,), family == "gemma3" or olmo2),
+                    p + "attn_k_norm.weight": ((kv if olmo2 else d,), family == "gemma3" or olmo2)})
+        if family == "gemma3" or olmo2:
             out.update({p + "post_attention_norm.weight": ((h,), True), p + "post_ffw_norm.weight": ((h,), True)})
     return out
 

@@ -362,6 +362,8 @@ class GGUFFile:
         Phi-4-mini) and a rotary embedding over part of each head (Phi-4-mini's 0.75)."""
         if self.has("rope_factors_long.weight") or self.has("rope_factors_short.weight"):
             return "a long-context rope with per-frequency factors (rope_factors_long/short)"
+        if self.arch == "olmo2" and self.arch_field("attention.sliding_window"):
+            return "OLMo 3's sliding-window layers (an olmo2 file with attention.sliding_window)"
         dims, hidden = self.arch_field("rope.dimension_count"), self.arch_field("embedding_length")
         heads, key = self.arch_field("attention.head_count"), self.arch_field("attention.key_length")
         if isinstance(heads, list):
@@ -438,7 +440,7 @@ def _saved_tokenizer(folder: Path):
 # transformers' model_type of the GGUF architectures hd owns, as its GGUF config reader names them
 # (modeling_gguf_pytorch_utils: a llama file named "mistral" is mistral, gemma3 is gemma3_text)
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
-               "phi3": "phi3"}
+               "phi3": "phi3", "olmo2": "olmo2"}
 
 
 def built_tokenizer(gf: GGUFFile):
@@ -447,7 +449,8 @@ def built_tokenizer(gf: GGUFFile):
     Why not AutoTokenizer itself: for these architectures it first builds the file's whole model
     config with gguf-py's reader, only to learn the model_type (19 s of a first start of a Llama 3
     file on the EPYC, for a 128k vocabulary); the tokenizer itself reads the file in 2-3 s.
-    tests/test_architectures.py checks both give the same tokenizer on every such file."""
+    tests/test_architectures.py checks both give the same tokenizer on every such file (olmo2,
+    whose GGUF config transformers does not read, against the model's own tokenizer)."""
     from transformers import AutoTokenizer
     model_type = MODEL_TYPES.get(gf.arch)
     if gf.arch == "llama" and gf.field("general.name") == "mistral":

@@ -1,10 +1,13 @@
-"""hd's own forward for the llama family (Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2/Qwen3, Phi-3),
-from a GGUF file in the file's own bits, or from a transformers checkpoint.
+"""hd's own forward for the llama family (Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2/Qwen3, Phi-3,
+OLMo 2), from a GGUF file in the file's own bits, or from a transformers checkpoint.
 
 One decoder layer: x += o(attention(rope(q(norm(x))), rope(k(norm(x))), v(norm(x))));
 x += down(silu(gate(norm(x))) * up(norm(x))); then the final norm and the head. Qwen2's q/k/v
 biases and Qwen3's per-head q/k norms are read where the file has them; Phi-3's fused q/k/v
-(attn_qkv) and gate/up (ffn_up: gate rows first) are one Linear each; rope scaling as the
+(attn_qkv) and gate/up (ffn_up: gate rows first) are one Linear each; OLMo 2 norms each
+sublayer's output instead of its input (post_attention_norm, post_ffw_norm: x += norm(o(...)),
+x += norm(down(...))) and q and k over their whole width (attn_q_norm [heads * d], not a head's
+d as Qwen3's) before they are split into heads; rope scaling as the
 file's metadata states it (transformers' rope functions compute the frequencies); a sliding
 window where a checkpoint's config gives its layers one (Mistral v0.1, Qwen2 with
 use_sliding_window). The source is a GGUF file (gguf.GGUFFile) or a transformers checkpoint
@@ -63,8 +66,12 @@ class Block(nn.Module):
         p = f"blk.{i}."
         self.index, self.kind, self.ops = i, kind, ops
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.attn_norm = nn.Parameter(num.vector(gf, p + "attn_norm.weight"), requires_grad=False)
-        self.ffn_norm = nn.Parameter(num.vector(gf, p + "ffn_norm.weight"), requires_grad=False)
+
+        def norm(name: str):
+            return nn.Parameter(num.vector(gf, p + name), requires_grad=False) if gf.has(p + name) else None
+        # OLMo 2: a norm after attention and after the MLP, none before them
+        self.attn_norm, self.ffn_norm = norm("attn_norm.weight"), norm("ffn_norm.weight")
+        self.post_attn_norm, self.post_ffn_norm = norm("post_attention_norm.weight"), norm("post_ffw_norm.weight")
         self.o = num.linear(gf, p + "attn_output.weight")
         self.down = num.linear(gf, p + "ffn_down.weight")
         self.qkv_sizes = (self.hq * self.d, self.hkv * self.d)
@@ -73,6 +80,7 @@ class Block(nn.Module):
             self.qkv = num.linear(gf, p + "attn_qkv.weight")
             self.gate_up = num.linear(gf, p + "ffn_up.weight")
             self.q_norm = self.k_norm = None
+            self.wide_qk_norm = False
             return
         bias = {n: num.vector(gf, f"{p}attn_{n}.bias") if gf.has(f"{p}attn_{n}.bias") else None for n in "qkv"}
         self.q = num.linear(gf, p + "attn_q.weight", bias["q"])
@@ -80,11 +88,9 @@ class Block(nn.Module):
         self.v = num.linear(gf, p + "attn_v.weight", bias["v"])
         self.gate = num.linear(gf, p + "ffn_gate.weight")
         self.up = num.linear(gf, p + "ffn_up.weight")
-        # Qwen3: RMSNorm of each head's q and k before the rotation
-        self.q_norm = (nn.Parameter(num.vector(gf, p + "attn_q_norm.weight"), requires_grad=False)
-                       if gf.has(p + "attn_q_norm.weight") else None)
-        self.k_norm = (nn.Parameter(num.vector(gf, p + "attn_k_norm.weight"), requires_grad=False)
-                       if gf.has(p + "attn_k_norm.weight") else None)
+        # Qwen3: RMSNorm of each head's q and k before the rotation; OLMo 2: of the whole q and k
+        self.q_norm, self.k_norm = norm("attn_q_norm.weight"), norm("attn_k_norm.weight")
+        self.wide_qk_norm = self.q_norm is not None and self.q_norm.numel() != self.d
         # q, k, v (and gate, up) in one GEMM where their kernels join: one call, one pass
         self.qkv = Linear.joined([self.q, self.k, self.v])
         self.gate_up = Linear.joined([self.gate, self.up])
@@ -94,6 +100,11 @@ class Block(nn.Module):
             self.gate = self.up = None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if self.post_attn_norm is not None:   # OLMo 2: each sublayer's output normed, then added
+            q, k, v = self.qkv_heads(x, step)
+            x = x + self.ops.norm(self.o(step.attend(self, q, k, v)), self.post_attn_norm)
+            gate, up = self.gate_and_up(x)
+            return x + self.ops.norm(self.down(nn.functional.silu(gate) * up), self.post_ffn_norm)
         q, k, v = self.qkv_heads(self.ops.norm(x, self.attn_norm), step)
         x, h = self.ops.add_norm(x, self.o(step.attend(self, q, k, v)), self.ffn_norm)
         gate, up = self.gate_and_up(h)
@@ -103,17 +114,23 @@ class Block(nn.Module):
         """q [1, hq, m, d], k and v [1, hkv, m, d] of the normed input h, rotated."""
         rope, cos, sin = step.rope(self.kind)
         yq, yk, yv = self.project_qkv(h)
-        q = self.ops.rotate(yq, self.hq, self.d, self.q_norm, rope, cos, sin)[None]
-        k = self.ops.rotate(yk, self.hkv, self.d, self.k_norm, rope, cos, sin)[None]
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if self.wide_qk_norm:
+            yq, yk, q_norm, k_norm = self.ops.norm(yq, q_norm), self.ops.norm(yk, k_norm), None, None
+        q = self.ops.rotate(yq, self.hq, self.d, q_norm, rope, cos, sin)[None]
+        k = self.ops.rotate(yk, self.hkv, self.d, k_norm, rope, cos, sin)[None]
         v = yv.reshape(h.shape[0], self.hkv, self.d).transpose(0, 1)[None]
         return q, k, v
 
     def keys_only(self, x: torch.Tensor, step: Step) -> None:
         """The last layer of a prefill: its keys and values only, appended to each part's cache."""
-        h = self.ops.norm(x, self.attn_norm)
+        h = x if self.attn_norm is None else self.ops.norm(x, self.attn_norm)
         _, yk, yv = self.project_qkv(h)
         rope, cos, sin = step.rope(self.kind)
-        k = rope.apply(self.ops.heads(yk, self.hkv, self.d, self.k_norm), cos, sin)
+        k_norm = self.k_norm
+        if self.wide_qk_norm:
+            yk, k_norm = self.ops.norm(yk, k_norm), None
+        k = rope.apply(self.ops.heads(yk, self.hkv, self.d, k_norm), cos, sin)
         v = yv.reshape(h.shape[0], self.hkv, self.d).transpose(0, 1)
         step.store(self.index, k, v)
 
