@@ -115,6 +115,30 @@ class Tensor:
         return gguf.GGMLQuantizationType(self.type_id)
 
 
+def _skip_strings(f, size: int, count: int, where: str) -> None:
+    """Past an array of count strings at f's position (a vocabulary: 128k-256k of them), walked over
+    the file's bytes read STRINGS_READ at a time (read string by string, it was most of a later
+    start's opening). where: the file and array, for the error."""
+    start = f.tell()
+    buf, at, length = b"", 0, struct.Struct("<Q").unpack_from
+    for _ in range(count):
+        if at + 8 > len(buf):    # the next length is past what was read: read on
+            if start + len(buf) >= size:
+                break
+            if at > len(buf):    # the last string ends past what was read
+                f.seek(start + at)
+            buf = buf[at:] + f.read(STRINGS_READ + 8)
+            start, at = start + at, 0
+            if at + 8 > len(buf):
+                break
+        at += 8 + length(buf, at)[0]
+    else:
+        if start + at <= size:
+            f.seek(start + at)
+            return
+    raise HdError(f"{where} run past the end of the file ({size} bytes); the file is truncated or damaged")
+
+
 class GGUFFile:
     """An open GGUF file: its metadata, tensors by name, the configuration.
 
@@ -159,30 +183,6 @@ class GGUFFile:
             def string() -> str:
                 return f.read(fits(read("<Q"), 1, "bytes in a string")).decode("utf-8")
 
-            def skip_strings(key: str, count: int) -> None:
-                """Past an array of count strings (a vocabulary: 128k-256k of them), walked over
-                the file's bytes read a few MB at a time (read string by string, it was most of
-                a later start's opening)."""
-                start = f.tell()
-                buf, at, length = b"", 0, struct.Struct("<Q").unpack_from
-                for _ in range(count):
-                    if at + 8 > len(buf):    # the next length is past what was read: read on
-                        if start + len(buf) >= size:
-                            break
-                        if at > len(buf):    # the last string ends past what was read
-                            f.seek(start + at)
-                        buf = buf[at:] + f.read(STRINGS_READ + 8)
-                        start, at = start + at, 0
-                        if at + 8 > len(buf):
-                            break
-                    at += 8 + length(buf, at)[0]
-                else:
-                    if start + at <= size:
-                        f.seek(start + at)
-                        return
-                raise HdError(f"{self.path}: the strings of {key} run past the end of the file ({size} bytes); "
-                              "the file is truncated or damaged")
-
             def value(key: str, kind: int):
                 if kind in _SCALAR:
                     return read(_SCALAR[kind])
@@ -196,7 +196,7 @@ class GGUFFile:
                 size_of = 8 if item == 8 else struct.calcsize(_SCALAR[item])
                 self.array_lengths[key] = fits(count, size_of, f"items in {key}")
                 if item == 8:
-                    skip_strings(key, count)
+                    _skip_strings(f, size, count, f"{self.path}: the strings of {key}")
                     return None
                 if count > _ARRAY_KEPT:
                     f.seek(size_of * count, 1)
