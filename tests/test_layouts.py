@@ -144,16 +144,10 @@ def test_control_a_damaged_cache_used_unchecked_changes_the_logits(tiny_gguf, ca
 
 def _read_unchecked(self):
     """LayoutCache._read with every sample taken as right."""
-    import json
     import mmap
-    import struct
-    size = self.path.stat().st_size
     with open(self.path, "rb") as f:
-        f.seek(size - layouts.FOOTER)
-        length, _ = struct.unpack("<Q8s", f.read(layouts.FOOTER))
-        f.seek(size - layouts.FOOTER - length)
-        index = json.loads(f.read(length))
-        self._map = mmap.mmap(f.fileno(), size - layouts.FOOTER - length, access=mmap.ACCESS_COPY)
+        index, data = layouts._index(f, self.path.stat().st_size)
+        self._map = mmap.mmap(f.fileno(), data, access=mmap.ACCESS_COPY)
     self.base = torch.frombuffer(self._map, dtype=torch.uint8)
     self.entries = index["entries"]
     return None

@@ -231,10 +231,10 @@ def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tmp_path)
 def test_the_header_parser_knows_ggml_types_as_gguf_py_does():
     """The type ids hd reads without importing gguf-py: the names and block sizes gguf-py gives."""
     import gguf
-    from hdcli.engine.model.gguf import TYPE_IDS
-    for type_id, (name, block, nbytes) in TYPE_IDS.items():
+    from hdcli.engine.model.gguf import TYPE_IDS, type_of
+    for type_id in TYPE_IDS:
         qtype = gguf.GGMLQuantizationType(type_id)
-        assert (qtype.name, *gguf.GGML_QUANT_SIZES[qtype]) == (name, block, nbytes)
+        assert (qtype.name, *gguf.GGML_QUANT_SIZES[qtype]) == type_of(type_id)
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20])

@@ -81,20 +81,20 @@ def readable_types() -> set[str]:
     return set(quants.TYPES) | {"F32", "F16", "BF16"} | {t.name for t in gguf.quants._type_traits}
 
 
-# ggml's type ids of the types hd reads itself: (name, weights a block, bytes a block), the numbers
-# of gguf-py's GGMLQuantizationType and GGML_QUANT_SIZES (tests/test_owned.py compares them). Other
-# ids are asked of gguf-py, whose import (~0.3 s) a later start of a usual file spares.
-TYPE_IDS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-            7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
-            12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 20: ("IQ4_NL", 32, 18),
-            23: ("IQ4_XS", 256, 136), 30: ("BF16", 1, 2)}
+# ggml's type ids of the types hd reads itself (quants.TYPES and the floats), as gguf-py's
+# GGMLQuantizationType numbers them (tests/test_owned.py compares them); their blocks are quants.BLOCK's.
+# Other ids are asked of gguf-py, whose import (~0.3 s) a later start of a usual file spares.
+TYPE_IDS = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
+            12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS", 30: "BF16"}
+FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
 def type_of(type_id: int) -> tuple[str, int, int]:
     """(name, weights a block, bytes a block) of a ggml type id; ValueError for an id gguf-py does
     not know."""
-    if type_id in TYPE_IDS:
-        return TYPE_IDS[type_id]
+    name = TYPE_IDS.get(type_id)
+    if name is not None:
+        return (name, *quants.BLOCK[name]) if name in quants.BLOCK else (name, 1, FLOAT_BYTES[name])
     import gguf
     qtype = gguf.GGMLQuantizationType(type_id)
     return (qtype.name, *gguf.GGML_QUANT_SIZES[qtype])

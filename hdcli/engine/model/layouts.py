@@ -105,19 +105,14 @@ class LayoutCache:
         """Map the file and check it; why it cannot be used, or None."""
         try:
             size = self.path.stat().st_size
-            if size < FOOTER:
-                return "is truncated"
             with open(self.path, "rb") as f:
-                f.seek(size - FOOTER)
-                length, magic = struct.unpack("<Q8s", f.read(FOOTER))
-                if magic != MAGIC or length > size - FOOTER:
+                index, data = _index(f, size)
+                if index is None:
                     return "is truncated or not a layout file"
-                f.seek(size - FOOTER - length)
-                index = json.loads(f.read(length))
                 # read-only and populated: the pages come from the page cache now, not at the first
                 # forward, and are never copied (a private writable map would copy them)
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._map = mmap.mmap(f.fileno(), size - FOOTER - length, flags=flags, prot=mmap.PROT_READ)
+                self._map = mmap.mmap(f.fileno(), data, flags=flags, prot=mmap.PROT_READ)
         except (OSError, ValueError, struct.error, UnicodeDecodeError):
             return "cannot be read"
         if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("key") != self.key:
@@ -156,7 +151,7 @@ class LayoutCache:
     def packing(self, name: str, type_name: str, raw, n: int, k: int, int8: bool):
         """(packed, fmt) of a tensor: the cache's view where it holds it, else quants.pack's (None
         where the shape does not fit, as pack)."""
-        got = self.entries.get(name) if self.hit else None
+        got = self.entries.get(name)   # empty unless the file was read (a hit)
         if got is not None:
             offset, shape, fmt, _ = got
             numel = int(torch.Size(shape).numel())
@@ -170,9 +165,9 @@ class LayoutCache:
         if self.hit:
             return
         kernels = [m for m in model.modules() if isinstance(m, quants.QLinear) and m.names]
-        size = sum(k.packed.numel() + ALIGN for k in kernels)
         if not kernels:
             return
+        size = sum(k.packed.numel() + ALIGN for k in kernels)
         folder = self.path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -255,17 +250,26 @@ def _remove_stale(folder: Path) -> None:
             pass
 
 
+def _index(f, size: int) -> tuple[dict | None, int]:
+    """(the index, bytes of packings before it) of an open layout file of `size` bytes, read from
+    its footer; (None, 0) where the footer is not one (cut short, not a layout file). ValueError
+    where the index is not JSON."""
+    if size < FOOTER:
+        return None, 0
+    f.seek(size - FOOTER)
+    length, magic = struct.unpack("<Q8s", f.read(FOOTER))
+    if magic != MAGIC or length > size - FOOTER:
+        return None, 0
+    f.seek(size - FOOTER - length)
+    return json.loads(f.read(length)), size - FOOTER - length
+
+
 def read_source(path: Path) -> str | None:
     """The GGUF path a layout file was made from (its index's "source"), None where unreadable."""
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
-            f.seek(size - FOOTER)
-            length, magic = struct.unpack("<Q8s", f.read(FOOTER))
-            if magic != MAGIC or length > size - FOOTER:
-                return None
-            f.seek(size - FOOTER - length)
-            return json.loads(f.read(length)).get("source")
+            index, _ = _index(f, path.stat().st_size)
+        return index.get("source")
     except (OSError, ValueError, struct.error, AttributeError):
         return None
 
