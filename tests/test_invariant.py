@@ -420,6 +420,13 @@ def test_fused_attention_is_chosen_by_measurement_and_cached(tmp_path, monkeypat
         fused.KERNEL.use(was)
     ms = real(4, 2, 16, rounds=1, calls=1)   # the real timing runs and times both
     assert set(ms) == {"fused", "torch"} and min(ms.values()) > 0
+    calls, attend = [], invariant.attend_kv   # rounds stop early only once one path is clearly faster
+    monkeypatch.setattr(invariant, "attend_kv", lambda *a: calls.append(1) or attend(*a))
+    real(4, 2, 16, rounds=5, calls=1, clear=1.0, least_rounds=2)
+    assert len(calls) == 2 * 3
+    calls.clear()
+    real(4, 2, 16, rounds=5, calls=1, clear=float("inf"), least_rounds=2)
+    assert len(calls) == 5 * 3
 
 
 @pytest.mark.parametrize("name,attention", [("llama", "torch"), ("gemma3", "torch"), ("llama", "fused"),

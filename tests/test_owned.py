@@ -286,7 +286,9 @@ def test_the_self_check_runs_the_blocks_that_cover_every_kind_of_layer(tmp_path,
     """calibrate.covering_blocks: on an 8-layer Q4_K_M file (Q6_K in layers 0, 3, 6, 7; all-Q4_K
     layers join q/k/v) the self-check runs blocks 0, 1 and 7, which hold every kind of layer of the
     model; a kind found only in middle blocks (ffn_down in Q4_K) that breaks M-invariance fails it.
-    Control for the reduction: the same break with block 1 left out of the check goes unseen."""
+    Control for the reduction: the same break with block 1 left out of the check goes unseen.
+    The head narrowed to its first column blocks (subset(head_blocks=)) gives those logits exactly,
+    leaves the model's head whole, and a break in it is still seen."""
     import synth_gguf
     from hdcli.engine.decode import calibrate
     from hdcli.engine.model.layers import Linear
@@ -312,3 +314,17 @@ def test_the_self_check_runs_the_blocks_that_cover_every_kind_of_layer(tmp_path,
     assert equal < rows
     monkeypatch.setattr(calibrate, "covering_blocks", lambda m: [0, 7])
     assert calibrate.self_check(model) == (rows, rows)
+    monkeypatch.setattr(Linear, "forward", real)
+    # the head narrowed to its first column blocks: those logits exactly, the model's head whole
+    head = model.head
+    small = model.subset([0, 7], head_blocks=4)
+    assert small.head.out_features == 64 and model.head is head and head.out_features == model.config.vocab_size
+    ids = torch.tensor([[5, 9, 11]])
+    assert torch.equal(small.forward(ids), model.subset([0, 7]).forward(ids)[:, :64])
+    # a break in the head is still seen through the narrowed head (control: none without it)
+    assert calibrate.self_check(model) == (rows, rows)
+    def head_broken(self, x):   # the head's packing, narrowed or not, wrong for more than one row
+        at = getattr(self.kernel, "packed", None)
+        return real(self, x) + (0.5 if at is not None and at.data_ptr() == head.kernel.packed.data_ptr() and x.shape[0] > 1 else 0)
+    monkeypatch.setattr(Linear, "forward", head_broken)
+    assert calibrate.self_check(model)[0] < rows

@@ -350,20 +350,29 @@ def test_the_row_check_can_fail():
 
 
 def test_joined_layers_give_the_parts_outputs():
-    """q, k, v (gate, up) joined into one GEMM: the outputs are the parts' side by side, bit for
-    bit, with and without biases; parts of another format or with a bias on some only stay apart."""
+    """q, k, v (gate, up) packed side by side into one GEMM: the outputs are the parts' own
+    QLinears' side by side, bit for bit, with and without biases, and the packing is the parts'
+    packings concatenated; a bias on some only stays apart."""
     kernel16()
     gen = torch.Generator().manual_seed(3)
     k = 512
-    parts = [quants.QLinear("Q4_K", make("Q4_K", n, k, seed=s), n, k) for s, n in ((0, 64), (1, 32), (2, 32))]
-    joined = quants.QLinear.joined(parts)
+    shapes = ((0, 64), (1, 32), (2, 32))
+    raws = [make("Q4_K", n, k, seed=s) for s, n in shapes]
+    parts = [quants.QLinear("Q4_K", raw, n, k) for raw, (_, n) in zip(raws, shapes)]
+    joined = quants.QLinear.side_by_side("Q4_K", raws, [n for _, n in shapes], k)
     x = torch.randn(5, k, generator=gen).bfloat16()
     assert joined.out_features == 128 and torch.equal(joined(x), torch.cat([p(x) for p in parts], -1))
-    biased = [quants.QLinear("Q4_K", make("Q4_K", 32, k, seed=s), 32, k, bias=torch.randn(32, generator=gen).bfloat16())
-              for s in (4, 5)]
-    assert torch.equal(quants.QLinear.joined(biased)(x), torch.cat([p(x) for p in biased], -1))
-    assert quants.QLinear.joined([parts[0], biased[0]]) is None
-    assert quants.QLinear.joined([parts[0], quants.QLinear("Q6_K", make("Q6_K", 32, k), 32, k)]) is None
+    assert torch.equal(joined.packed, torch.cat([p.packed for p in parts]))
+    braws = [make("Q4_K", 32, k, seed=s) for s in (4, 5)]
+    bias = [torch.randn(32, generator=gen).bfloat16() for _ in braws]
+    biased = [quants.QLinear("Q4_K", raw, 32, k, bias=b) for raw, b in zip(braws, bias)]
+    assert torch.equal(quants.QLinear.side_by_side("Q4_K", braws, [32, 32], k, biases=bias)(x),
+                       torch.cat([p(x) for p in biased], -1))
+    assert quants.QLinear.side_by_side("Q4_K", [raws[0], braws[0]], [64, 32], k, biases=[None, bias[0]]) is None
+    # the control: another part's bytes in the second place change exactly its columns
+    swapped = quants.QLinear.side_by_side("Q4_K", [raws[0], raws[2], raws[1]], [64, 32, 32], k)(x)
+    y = joined(x)
+    assert torch.equal(swapped[:, :64], y[:, :64]) and not torch.equal(swapped[:, 64:96], y[:, 64:96])
 
 
 def test_compiled_row_ops():
@@ -453,7 +462,7 @@ def test_int8_rows_controls():
     """Controls for the int8 path: the row check flags a function whose rows see other rows; a
     change in one row changes only that row; int8 activations are other numerics than the bf16
     GEMM's (plain decoding in the same mode is the reference, docs/dtype.md); joined int8 layers
-    equal their parts and do not join with bf16-activation ones."""
+    equal their parts."""
     kernel8()
     t, (n, k) = "Q4_K", REAL["Q4_K"]
     raw = make(t, n, k)
@@ -465,12 +474,12 @@ def test_int8_rows_controls():
     x2[5, 3] = x2[5, 3] * 1.5 + 1
     changed = (lin(x2) != y).any(-1)
     assert changed[5] and changed.sum() == 1
-    parts = [quants.QLinear(t, make(t, m, k, seed=s), m, k, activations="int8") for s, m in ((1, 64), (2, 32))]
-    joined = quants.QLinear.joined(parts)
+    raws = [make(t, m, k, seed=s) for s, m in ((1, 64), (2, 32))]
+    parts = [quants.QLinear(t, raw, m, k, activations="int8") for raw, m in zip(raws, (64, 32))]
+    joined = quants.QLinear.side_by_side(t, raws, [64, 32], k, activations="int8")
     assert torch.equal(joined(x), torch.cat([p(x) for p in parts], -1))
     if quants.bf16_available():
         assert not torch.equal(quants.QLinear(t, raw, n, k)(x[:16]), y)
-        assert quants.QLinear.joined([parts[0], quants.QLinear(t, make(t, 32, k), 32, k)]) is None
 
 
 def test_the_activation_choice_is_measured_once_and_cached(tmp_path, monkeypatch):

@@ -455,28 +455,23 @@ def pack(type_name: str, raw: np.ndarray, n: int, k: int, int8: bool = False, re
     took. RuntimeError where the extension is not built here (it packs on a CPU without the GEMM:
     tests/test_quants.py reads the packing back there). reference: for int8, the arrangement through
     decoded codes also for the types written directly (Q4_0, Q8_0, Q4_K, Q6_K; the tests compare)."""
-    if not fits(type_name, n, k):
+    return pack_side_by_side(type_name, [raw], [n], k, int8=int8, reference=reference)
+
+
+def pack_side_by_side(type_name: str, raws: list, ns: list[int], k: int, int8: bool = False, reference: bool = False):
+    """(packed, fmt) of tensors of one type and K (raws[t]: [ns[t], bytes a row]) side by side
+    along the column blocks, in one buffer: the packing of their rows concatenated, each tensor's
+    blocks what `pack` makes of it (q, k and v joined without a copy: QLinear.side_by_side). None where
+    one does not fit."""
+    if not all(fits(type_name, n, k) for n in ns):
         return None
     GEMM.load()
     module = GEMM.compiled   # plain C++: it packs wherever the extension builds, AVX512 or not
     if module is None:
         raise RuntimeError(f"the GGUF GEMM is not built here ({GEMM.failed})")
-    b = _rows_checked(type_name, raw, n, k)
-    packed, fmt = module.pack(b.ctypes.data, n, b.shape[1], k, type_name, int8, reference)   # b stays alive: the call reads it
-    return packed, fmt
-
-
-def _side_by_side(packings: list[torch.Tensor]) -> torch.Tensor:
-    """The packings one after another along the column blocks: a view where they already lie so
-    in one storage (mapped from the layout cache, model/layouts.py), else a copy."""
-    first = packings[0]
-    storage, at = first.untyped_storage(), first.storage_offset()
-    for p in packings:
-        if not p.is_contiguous() or p.untyped_storage().data_ptr() != storage.data_ptr() or p.storage_offset() != at:
-            return torch.cat(packings)
-        at += p.numel()
-    rows = sum(p.shape[0] for p in packings)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    rows = [_rows_checked(type_name, raw, n, k) for raw, n in zip(raws, ns)]
+    return module.pack([b.ctypes.data for b in rows], list(ns), [b.shape[1] for b in rows], k, type_name, int8,
+                       reference)   # rows stay alive: the call reads them
 
 
 class QLinear(torch.nn.Module):
@@ -536,25 +531,25 @@ class QLinear(torch.nn.Module):
         return out
 
     @classmethod
-    def joined(cls, parts: list["QLinear"]) -> "QLinear | None":
-        """One QLinear whose outputs are the parts' side by side (q, k and v; gate and up): one
-        call and one pass over the weights where there were several. Each output column's
-        arithmetic is its part's (columns never share a sum), so the outputs are torch.equal to
-        the parts' concatenated. None where the parts do not join (another format or K, a bias on
-        some only: adding a zero bias could turn a -0 into +0)."""
-        first = parts[0]
-        if any(p.fmt != first.fmt or p.activations != first.activations or p.in_features != first.in_features or p.packed.shape[1:] != first.packed.shape[1:]
-               or (p.bias is None) != (first.bias is None) for p in parts):
+    def side_by_side(cls, type_name: str, raws: list, ns: list[int], k_in: int, biases: list | None = None,
+                     activations: str = "bf16", packing: tuple | None = None) -> "QLinear | None":
+        """One QLinear whose outputs are the tensors' side by side (a layer's q, k and v; its gate
+        and up): one call and one pass over the weights where there were several, packed into one
+        buffer (pack_side_by_side: nothing copied to join them). Each output column's arithmetic
+        is its tensor's (columns never share a sum), so the outputs are torch.equal to the
+        tensors' own QLinears' concatenated. raws[t]: [ns[t], bytes a row], one type and K;
+        biases: one a tensor or None; packing: as pack_side_by_side makes it, made beforehand (the
+        layout cache's view). None where a bias is on some only (adding a zero bias could turn a
+        -0 into +0); ValueError where one does not fit the packing."""
+        biases = biases or [None] * len(raws)
+        if len({b is None for b in biases}) > 1:
             return None
-        out = cls.__new__(cls)
-        torch.nn.Module.__init__(out)
-        out.packed, out.fmt, out.qtype = _side_by_side([p.packed for p in parts]), first.fmt, first.qtype
-        out.activations = first.activations
-        out.names = sum((p.names for p in parts), ())
-        out.in_features, out.out_features = first.in_features, sum(p.out_features for p in parts)
-        out.dtype = torch.bfloat16
-        out.bias = None if first.bias is None else torch.cat([p.bias for p in parts])
-        return out
+        if packing is None and GEMM.load() is not None:
+            packing = pack_side_by_side(type_name, raws, ns, k_in, int8=activations == "int8")
+            if packing is None:
+                raise ValueError(f"{type_name} tensors of {ns} rows and K {k_in} do not fit the GGUF GEMM's packing")
+        bias = None if biases[0] is None else torch.cat(biases)
+        return cls(type_name, None, sum(ns), k_in, bias=bias, activations=activations, packing=packing)
 
     def weight_matrix(self) -> torch.Tensor:
         """The bf16 weights [out, in] the kernel multiplies by, exactly: I @ W^T through the bf16

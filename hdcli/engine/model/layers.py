@@ -107,16 +107,6 @@ class Linear(nn.Module):
     def dtype(self) -> torch.dtype:
         return getattr(self.kernel, "dtype", None) or self.kernel.weight.dtype
 
-    @classmethod
-    def joined(cls, layers: list["Linear"]) -> "Linear | None":
-        """One layer computing the layers' outputs side by side (q, k, v; gate, up), where all are
-        GGUF kernels of one format (quants.QLinear.joined: outputs torch.equal to the parts'),
-        else None (the parts stay)."""
-        if any(l.kind != "gguf" or l.qtype != layers[0].qtype for l in layers):
-            return None
-        kernel = type(layers[0].kernel).joined([l.kernel for l in layers])
-        return None if kernel is None else cls(kernel, "gguf", layers[0].qtype)
-
     @property
     def kernel_name(self) -> str:
         """gguf (bf16 activations), gguf-int8, onednn or torch."""

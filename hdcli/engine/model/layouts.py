@@ -13,10 +13,10 @@ it; the process does, at exit (the thread is not a daemon), or `wait()` does.
 
 The file: <cache>/layouts/<GGUF stem>-<key>.hdl
   * the packings, each at a multiple of ALIGN bytes, as the model holds them (a layer's q, k and
-    v joined, its gate and up joined: quants.QLinear.joined), the model's order;
+    v joined, its gate and up joined: quants.QLinear.side_by_side), the model's order;
   * the index, JSON: {"format", "key", "source", "entries": {tensor name: [offset, shape, fmt,
     sample]}}: each of the file's tensors, the joined ones as their parts' ranges (side by side:
-    QLinear.joined views them as one again instead of copying);
+    `packing` views them as one again instead of copying);
   * FOOTER bytes: the index's length (uint64, little-endian) and MAGIC.
 Its key is the GGUF's identity (GGUFFile.key(): path, size, modification time), the packing's code
 (quants.module_name(): a hash of qmm.cpp, the CPU, torch and the build flags) and the activations
@@ -148,15 +148,15 @@ class LayoutCache:
 
     # ------------------------------------------------------------ the packings
 
-    def packing(self, name: str, type_name: str, raw, n: int, k: int, int8: bool):
-        """(packed, fmt) of a tensor: the cache's view where it holds it, else quants.pack's (None
-        where the shape does not fit, as pack)."""
-        got = self.entries.get(name)   # empty unless the file was read (a hit)
-        if got is not None:
-            offset, shape, fmt, _ = got
-            numel = int(torch.Size(shape).numel())
-            return self.base[offset:offset + numel].view(shape), fmt
-        return quants.pack(type_name, raw, n, k, int8=int8)
+    def packing(self, names: list[str], type_name: str, raws: list, ns: list[int], k: int, int8: bool):
+        """(packed, fmt) of tensors side by side (one, or a layer's q, k, v: quants.pack_side_by_side):
+        the cache's view where it holds them all, else packed here (None where a shape does not
+        fit, as pack_side_by_side)."""
+        got = [self.entries.get(name) for name in names]   # empty unless the file was read (a hit)
+        if all(g is not None for g in got):
+            views = [self.base[offset:offset + int(torch.Size(shape).numel())].view(shape) for offset, shape, _, _ in got]
+            return _side_by_side(views), got[0][2]
+        return quants.pack_side_by_side(type_name, raws, ns, k, int8=int8)
 
     def keep(self, model) -> None:
         """Write the packings `model` holds (its quants.QLinear kernels, in module order) to the
@@ -193,6 +193,7 @@ class LayoutCache:
         """The packings, the index and the footer into `tmp`, then renamed to `path`. A failure
         leaves nothing (the temporary file removed): later starts repack, and try again."""
         import sys
+        _yield_cpu()
         entries = {}
         try:
             with open(tmp, "wb") as out:
@@ -202,7 +203,7 @@ class LayoutCache:
                     data = memoryview(kernel.packed.contiguous().numpy()).cast("B")
                     out.write(data)
                     block, begin = kernel.packed[0].numel(), 0   # bytes of one column block; a part's first
-                    for name, blocks in kernel.names:           # the parts side by side (QLinear.joined)
+                    for name, blocks in kernel.names:           # the parts side by side (QLinear.side_by_side)
                         part = data[begin:begin + blocks * block]
                         entries[name] = [at + begin, [blocks, *kernel.packed.shape[1:]], kernel.fmt, _sample(part)]
                         begin += blocks * block
@@ -230,6 +231,32 @@ class LayoutCache:
                     other.unlink()
             except OSError:
                 pass
+
+
+def _side_by_side(packings: list[torch.Tensor]) -> torch.Tensor:
+    """The packings one after another along the column blocks: a view where they lie so in the
+    map (a joined layer's parts, as `keep` wrote them), else a copy."""
+    first = packings[0]
+    at = first.storage_offset()
+    for p in packings:
+        if not p.is_contiguous() or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or p.storage_offset() != at:
+            return torch.cat(packings)
+        at += p.numel()
+    rows = sum(p.shape[0] for p in packings)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _yield_cpu() -> None:
+    """This thread (the writer) at the lowest priority: copying gigabytes into the page cache takes
+    a core for ~2 s a GB on the 2-core EPYC (system time), which would halve the build's
+    self-check and the first tokens (their GEMMs split rows across both cores and wait for the
+    slower); at nice 19 it runs where they leave a core idle, and at exit (`wait`). Linux sets a
+    thread's priority by its id; elsewhere it stays as it is."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def wait() -> None:

@@ -82,22 +82,16 @@ class Block(nn.Module):
             self.q_norm = self.k_norm = None
             self.wide_qk_norm = False
             return
-        bias = {n: num.vector(gf, f"{p}attn_{n}.bias") if gf.has(f"{p}attn_{n}.bias") else None for n in "qkv"}
-        self.q = num.linear(gf, p + "attn_q.weight", bias["q"])
-        self.k = num.linear(gf, p + "attn_k.weight", bias["k"])
-        self.v = num.linear(gf, p + "attn_v.weight", bias["v"])
-        self.gate = num.linear(gf, p + "ffn_gate.weight")
-        self.up = num.linear(gf, p + "ffn_up.weight")
+        bias = [num.vector(gf, f"{p}attn_{n}.bias") if gf.has(f"{p}attn_{n}.bias") else None for n in "qkv"]
+        # q, k, v (and gate, up) in one GEMM where their kernels join: one call, one pass
+        qkv, gate_up = [p + f"attn_{n}.weight" for n in "qkv"], [p + "ffn_gate.weight", p + "ffn_up.weight"]
+        self.qkv = num.joined(gf, qkv, bias)
+        self.q, self.k, self.v = (None,) * 3 if self.qkv else [num.linear(gf, n, b) for n, b in zip(qkv, bias)]
+        self.gate_up = num.joined(gf, gate_up)
+        self.gate, self.up = (None,) * 2 if self.gate_up else [num.linear(gf, n) for n in gate_up]
         # Qwen3: RMSNorm of each head's q and k before the rotation; OLMo 2: of the whole q and k
         self.q_norm, self.k_norm = norm("attn_q_norm.weight"), norm("attn_k_norm.weight")
         self.wide_qk_norm = self.q_norm is not None and self.q_norm.numel() != self.d
-        # q, k, v (and gate, up) in one GEMM where their kernels join: one call, one pass
-        self.qkv = Linear.joined([self.q, self.k, self.v])
-        self.gate_up = Linear.joined([self.gate, self.up])
-        if self.qkv is not None:
-            self.q = self.k = self.v = None
-        if self.gate_up is not None:
-            self.gate = self.up = None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         if self.post_attn_norm is not None:   # OLMo 2: each sublayer's output normed, then added
@@ -216,15 +210,25 @@ class LlamaForward(nn.Module):
         small.numerics = self.numerics.replace(invariant=False)
         return small
 
-    def subset(self, indices: list[int]) -> "LlamaForward":
+    def subset(self, indices: list[int], head_blocks: int | None = None) -> "LlamaForward":
         """A model of the blocks `indices` (in order), the embedding, the final norm and the head,
         sharing their weights and numerics (no copy): the M-invariant self-check runs on the blocks
         that hold every kind of layer (calibrate.covering_blocks), not on all of them. Each block
-        is a shallow copy numbered by its place in the subset (its layer of the smaller cache)."""
+        is a shallow copy numbered by its place in the subset (its layer of the smaller cache).
+        head_blocks: a GGUF head's first column blocks only (16 logits each; QLinear.narrowed),
+        which run the code all its blocks run: an 8B model's 0.4 GB head is half the time of a
+        one-token forward over 3 blocks, and a row whose hidden state differs differs in these
+        logits too. Other heads stay whole."""
         import copy
         small = copy.copy(self)
         small._modules = dict(self._modules)
         small._parameters = dict(self._parameters)
+        if head_blocks is not None and self.head.kind == "gguf":
+            head = copy.copy(self.head)
+            head._modules = dict(self.head._modules)   # its own kernel; the model's head keeps its own
+            head.kernel = self.head.kernel.narrowed(head_blocks)
+            head.out_features = head.kernel.out_features
+            small.head = head
         blocks = []
         for place, i in enumerate(indices):
             blk = copy.copy(self.blocks[i])

@@ -82,33 +82,56 @@ class Numerics:
     def linear(self, gf, name: str, bias: torch.Tensor | None = None):
         """The Linear layer of the file's tensor `name` ([N, K] in torch order) by these numerics."""
         qtype, raw, (n, k) = gf.raw(name)
-        acts = "int8" if self.kernels == "gguf-int8" else "bf16"
-        if (self.kernels in kernels.GGUF and self.device == "cpu" and self.dtype == "bf16"
-                and qtype in quants.TYPES and quants.fits(qtype, n, k) and self.gemm_here()):
-            layouts = getattr(gf, "layouts", None)   # model/layouts.py: the packings kept on disk
-            packing = None if layouts is None else layouts.packing(name, qtype, raw, n, k, int8=acts == "int8")
-            q = quants.QLinear(qtype, raw, n, k, bias=bias, activations=acts, packing=packing)
-            q.names = ((name, n // 16),)
-            held = q.packed.numel()
-            layer = Linear(q, "gguf", qtype)
-        else:
-            weight = dequantize(qtype, raw, n, k, self.torch_dtype).to(self.device)
-            dense = torch.nn.Linear(k, n, bias=bias is not None, device="meta")
-            dense.weight = torch.nn.Parameter(weight, requires_grad=False)
-            if bias is not None:
-                dense.bias = torch.nn.Parameter(bias, requires_grad=False)
-            kind = "torch"
-            if self.kernels in kernels.GGUF + ("onednn",) and self.device == "cpu" and self.dtype in ("bf16", "fp32") \
-                    and kernels.available(self.dtype):
-                with torch.inference_mode():
-                    dense, kind = kernels.PackedLinear(dense), "onednn"
-            layer = Linear(dense, kind, qtype)
-            held = weight.numel() * weight.element_size()
-        tag = f"{layer.kernel_name}:{qtype}"
-        self.layers[tag] = self.layers.get(tag, 0) + 1
-        file_bytes, held_bytes = self.held.get(qtype, (0, 0))
-        self.held[qtype] = [file_bytes + raw.nbytes, held_bytes + held]
+        if self._gguf_gemm(qtype, n, k):
+            return self._gguf_layer(gf, [name], qtype, [raw], [n], k, [bias])
+        weight = dequantize(qtype, raw, n, k, self.torch_dtype).to(self.device)
+        dense = torch.nn.Linear(k, n, bias=bias is not None, device="meta")
+        dense.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            dense.bias = torch.nn.Parameter(bias, requires_grad=False)
+        kind = "torch"
+        if self.kernels in kernels.GGUF + ("onednn",) and self.device == "cpu" and self.dtype in ("bf16", "fp32") \
+                and kernels.available(self.dtype):
+            with torch.inference_mode():
+                dense, kind = kernels.PackedLinear(dense), "onednn"
+        layer = Linear(dense, kind, qtype)
+        self._count(layer, qtype, raw.nbytes, weight.numel() * weight.element_size())
         return layer
+
+    def joined(self, gf, names: list[str], biases: list | None = None):
+        """One Linear computing the file's tensors `names` side by side (q, k, v; gate, up: one
+        GEMM call and one pass over their weights; quants.QLinear.side_by_side, outputs torch.equal
+        to the parts'), where all run on hd's GGUF GEMM with one type and K and a bias on all or
+        none; else None (the caller builds them one by one)."""
+        got = [gf.raw(name) for name in names]
+        qtype, k = got[0][0], got[0][2][1]
+        biases = biases or [None] * len(names)
+        if (any(t != qtype or shape[1] != k or not self._gguf_gemm(t, *shape) for t, _, shape in got)
+                or len({b is None for b in biases}) > 1):
+            return None
+        return self._gguf_layer(gf, names, qtype, [raw for _, raw, _ in got], [shape[0] for _, _, shape in got], k, biases)
+
+    def _gguf_gemm(self, qtype: str, n: int, k: int) -> bool:
+        """Whether a [n, k] tensor of this type runs on hd's GGUF GEMM by these numerics."""
+        return (self.kernels in kernels.GGUF and self.device == "cpu" and self.dtype == "bf16"
+                and qtype in quants.TYPES and quants.fits(qtype, n, k) and self.gemm_here())
+
+    def _gguf_layer(self, gf, names: list[str], qtype: str, raws: list, ns: list[int], k: int, biases: list):
+        acts = "int8" if self.kernels == "gguf-int8" else "bf16"
+        layouts = getattr(gf, "layouts", None)   # model/layouts.py: the packings kept on disk
+        packing = None if layouts is None else layouts.packing(names, qtype, raws, ns, k, int8=acts == "int8")
+        q = quants.QLinear.side_by_side(qtype, raws, ns, k, biases=biases, activations=acts, packing=packing)
+        q.names = tuple((name, n // 16) for name, n in zip(names, ns))
+        layer = Linear(q, "gguf", qtype)
+        self._count(layer, qtype, sum(raw.nbytes for raw in raws), q.packed.numel(), len(names))
+        return layer
+
+    def _count(self, layer, qtype: str, file_bytes: int, held_bytes: int, tensors: int = 1) -> None:
+        """The file's tensors a layer holds, by kernel and type, and their bytes in the file and held."""
+        tag = f"{layer.kernel_name}:{qtype}"
+        self.layers[tag] = self.layers.get(tag, 0) + tensors
+        fb, hb = self.held.get(qtype, (0, 0))
+        self.held[qtype] = [fb + file_bytes, hb + held_bytes]
 
     def gemm_here(self) -> bool:
         """Whether hd's GGUF GEMM for these kernels' activations runs here (int8: AVX512-VNNI or

@@ -974,20 +974,40 @@ static void dec_iq4_xs(const uint8_t* blk, Super<Q8F8>& S, int c) {   // d, scal
   }
 }
 
+// The rows of one or more GGUF tensors of one type and K, side by side: column block cb (16 rows)
+// of the whole is a block of one of them (q, k and v of a layer packed into one buffer: the
+// joined GEMM reads them in one pass, and nothing is copied to join them). row[cb]: the first
+// byte of its 16 rows; bytes[cb]: their row stride.
+struct Rows {
+  std::vector<const uint8_t*> row;
+  std::vector<int64_t> bytes;
+  Rows(const std::vector<int64_t>& addresses, const std::vector<int64_t>& ns, const std::vector<int64_t>& row_bytes) {
+    TORCH_CHECK(addresses.size() == ns.size() && ns.size() == row_bytes.size() && !ns.empty(),
+                "GGUF pack: one address, row count and row size a tensor");
+    for (size_t t = 0; t < ns.size(); ++t) {
+      TORCH_CHECK(ns[t] % 16 == 0, "GGUF pack: N % 16 must be 0");
+      for (int64_t cb = 0; cb < ns[t] / 16; ++cb) {
+        row.push_back(reinterpret_cast<const uint8_t*>(addresses[t]) + 16 * cb * row_bytes[t]);
+        bytes.push_back(row_bytes[t]);
+      }
+    }
+  }
+  int64_t blocks() const { return static_cast<int64_t>(row.size()); }
+};
+
 // Every column block on torch's threads, super-block by super-block: the 16 columns' GGUF blocks
 // (block_bytes each, one a super-block) decoded, then written.
 template <typename F, typename D>
-static torch::Tensor pack_all(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t K, int64_t block_bytes, D decode,
-                              bool int8) {
+static torch::Tensor pack_all(const Rows& rows, int64_t K, int64_t block_bytes, D decode, bool int8) {
   const int64_t supers = K / (F::GK * F::GS);
-  torch::Tensor out = torch::empty({N / 16, supers, static_cast<int64_t>(F::SB)}, torch::kUInt8);
+  torch::Tensor out = torch::empty({rows.blocks(), supers, static_cast<int64_t>(F::SB)}, torch::kUInt8);
   uint8_t* o = out.data_ptr<uint8_t>();
 #pragma omp parallel for schedule(static)
-  for (int64_t cb = 0; cb < N / 16; ++cb) {
+  for (int64_t cb = 0; cb < rows.blocks(); ++cb) {
     Super<F> S;
     for (int64_t s = 0; s < supers; ++s) {
       S.out = o + (cb * supers + s) * F::SB;
-      for (int c = 0; c < 16; ++c) decode(raw + (16 * cb + c) * row_bytes + s * block_bytes, S, c);
+      for (int c = 0; c < 16; ++c) decode(rows.row[cb] + c * rows.bytes[cb] + s * block_bytes, S, c);
       if (int8) S.emit8(); else S.emit();
     }
   }
@@ -1068,50 +1088,53 @@ static void fast_q6_k(const uint8_t* const* blk, uint8_t* out) {   // dec_q6_k's
 // Every column block on torch's threads, super-block by super-block: `write` makes one from the 16
 // columns' GGUF blocks (block_bytes each, one a super-block).
 template <typename F, typename W>
-static torch::Tensor pack_fast(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t K, int64_t block_bytes, W write) {
+static torch::Tensor pack_fast(const Rows& rows, int64_t K, int64_t block_bytes, W write) {
   const int64_t supers = K / (F::GK * F::GS);
-  torch::Tensor out = torch::empty({N / 16, supers, static_cast<int64_t>(F::SB)}, torch::kUInt8);
+  torch::Tensor out = torch::empty({rows.blocks(), supers, static_cast<int64_t>(F::SB)}, torch::kUInt8);
   uint8_t* o = out.data_ptr<uint8_t>();
 #pragma omp parallel for schedule(static)
-  for (int64_t cb = 0; cb < N / 16; ++cb) {
+  for (int64_t cb = 0; cb < rows.blocks(); ++cb) {
     const uint8_t* blk[16];
     for (int64_t s = 0; s < supers; ++s) {
-      for (int c = 0; c < 16; ++c) blk[c] = raw + (16 * cb + c) * row_bytes + s * block_bytes;
+      for (int c = 0; c < 16; ++c) blk[c] = rows.row[cb] + c * rows.bytes[cb] + s * block_bytes;
       write(blk, o + (cb * supers + s) * F::SB);
     }
   }
   return out;
 }
 
-// (packed, fmt) of a GGUF tensor's rows: `address` of N rows of row_bytes bytes (the file's map,
-// read only here), K weights a row. The caller checks the shape (quants.fits) and the row bytes.
-// int8: arranged for mm8 (int8 activations), else for mm. reference: the int8 arrangement through the
-// decoded codes (Super::emit8) also where a direct writer exists (the tests' reference).
-std::tuple<torch::Tensor, std::string> pack(int64_t address, int64_t N, int64_t row_bytes, int64_t K, const std::string& type,
+// (packed, fmt) of GGUF tensors' rows side by side (Rows): at addresses[t], ns[t] rows of
+// row_bytes[t] bytes (the file's map, read only here), K weights a row, one type. The caller
+// checks the shapes (quants.fits) and the row bytes. int8: arranged for mm8 (int8 activations),
+// else for mm. reference: the int8 arrangement through the decoded codes (Super::emit8) also where
+// a direct writer exists (the tests' reference).
+std::tuple<torch::Tensor, std::string> pack(const std::vector<int64_t>& addresses, const std::vector<int64_t>& ns,
+                                            const std::vector<int64_t>& row_bytes, int64_t K, const std::string& type,
                                             bool int8, bool reference) {
-  const uint8_t* raw = reinterpret_cast<const uint8_t*>(address);
-  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "GGUF pack: N % 16 and K % 32 must be 0");
+  const Rows raw(addresses, ns, row_bytes);
+  const int64_t B = raw.blocks();
+  TORCH_CHECK(K % 32 == 0, "GGUF pack: K % 32 must be 0");
   if (int8 && !reference) {
-    if (type == "Q4_0") return {pack_fast<Q4Z>(raw, N, row_bytes, K, 18, fast_q4_0), "q4z"};
-    if (type == "Q8_0") return {pack_fast<Q8H>(raw, N, row_bytes, K, 34, fast_q8_0), "q8h"};
-    if (K % 256 == 0 && type == "Q4_K") return {pack_fast<Q4K>(raw, N, row_bytes, K, 144, fast_q4_k), "q4k"};
-    if (K % 256 == 0 && type == "Q6_K") return {pack_fast<Q6K>(raw, N, row_bytes, K, 210, fast_q6_k), "q6k"};
+    if (type == "Q4_0") return {pack_fast<Q4Z>(raw, K, 18, fast_q4_0), "q4z"};
+    if (type == "Q8_0") return {pack_fast<Q8H>(raw, K, 34, fast_q8_0), "q8h"};
+    if (K % 256 == 0 && type == "Q4_K") return {pack_fast<Q4K>(raw, K, 144, fast_q4_k), "q4k"};
+    if (K % 256 == 0 && type == "Q6_K") return {pack_fast<Q6K>(raw, K, 210, fast_q6_k), "q6k"};
   }
-  if (type == "Q4_0") return {pack_all<Q4Z>(raw, N, row_bytes, K, 18, dec_q4_0, int8), "q4z"};
-  if (type == "Q4_1") return {pack_all<Q4H>(raw, N, row_bytes, K, 20, dec_q4_1, int8), "q4h"};
-  if (type == "Q8_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 34, dec_q8_0, int8), "q8h"};
-  if (type == "Q5_0") return {pack_all<Q8H>(raw, N, row_bytes, K, 22, dec_q5_0, int8), "q8h"};
-  if (type == "Q5_1") return {pack_all<Q8F>(raw, N, row_bytes, K, 24, dec_q5_1, int8), "q8f"};
-  if (type == "IQ4_NL") return {pack_all<Q8H>(raw, N, row_bytes, K, 18, dec_iq4_nl, int8), "q8h"};
+  if (type == "Q4_0") return {pack_all<Q4Z>(raw, K, 18, dec_q4_0, int8), "q4z"};
+  if (type == "Q4_1") return {pack_all<Q4H>(raw, K, 20, dec_q4_1, int8), "q4h"};
+  if (type == "Q8_0") return {pack_all<Q8H>(raw, K, 34, dec_q8_0, int8), "q8h"};
+  if (type == "Q5_0") return {pack_all<Q8H>(raw, K, 22, dec_q5_0, int8), "q8h"};
+  if (type == "Q5_1") return {pack_all<Q8F>(raw, K, 24, dec_q5_1, int8), "q8f"};
+  if (type == "IQ4_NL") return {pack_all<Q8H>(raw, K, 18, dec_iq4_nl, int8), "q8h"};
   TORCH_CHECK(K % 256 == 0, "GGUF pack: K % 256 must be 0 for a K-quant");
-  if (type == "Q4_K") return {pack_all<Q4K>(raw, N, row_bytes, K, 144, dec_q4_k, int8), "q4k"};
+  if (type == "Q4_K") return {pack_all<Q4K>(raw, K, 144, dec_q4_k, int8), "q4k"};
   if (type == "Q5_K")   // no head: 8 groups of q8f in a row are q8f's super-blocks of one
-    return {pack_all<Q8F8>(raw, N, row_bytes, K, 176, dec_q5_k, int8).view({N / 16, K / 32, Q8F::SB}), "q8f"};
-  if (type == "Q6_K") return {pack_all<Q6K>(raw, N, row_bytes, K, 210, dec_q6_k, int8), "q6k"};
-  if (type == "Q3_K") return {pack_all<Q6K>(raw, N, row_bytes, K, 110, dec_q3_k, int8), "q6k"};
+    return {pack_all<Q8F8>(raw, K, 176, dec_q5_k, int8).view({B, K / 32, Q8F::SB}), "q8f"};
+  if (type == "Q6_K") return {pack_all<Q6K>(raw, K, 210, dec_q6_k, int8), "q6k"};
+  if (type == "Q3_K") return {pack_all<Q6K>(raw, K, 110, dec_q3_k, int8), "q6k"};
   if (type == "IQ4_XS")
-    return {(int8 ? pack_all<Q8F8>(raw, N, row_bytes, K, 136, dec_iq4_xs<true>, true)
-                  : pack_all<Q8F8>(raw, N, row_bytes, K, 136, dec_iq4_xs<false>, false)).view({N / 16, K / 32, Q8F::SB}), "q8f"};
+    return {(int8 ? pack_all<Q8F8>(raw, K, 136, dec_iq4_xs<true>, true)
+                  : pack_all<Q8F8>(raw, K, 136, dec_iq4_xs<false>, false)).view({B, K / 32, Q8F::SB}), "q8f"};
   TORCH_CHECK(false, "GGUF pack: no packing for ", type);
   return {torch::Tensor(), ""};
 }
@@ -1211,8 +1234,8 @@ torch::Tensor rope(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "weight-only GEMM on GGUF-quantized weights with bf16 dot products, the same arithmetic for any row count",
         py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
-  m.def("pack", &pack, "a GGUF tensor's rows repacked for mm: (packed, fmt)", py::arg("address"), py::arg("n"),
-        py::arg("row_bytes"), py::arg("k"), py::arg("type"), py::arg("int8") = false, py::arg("reference") = false,
+  m.def("pack", &pack, "GGUF tensors' rows, side by side, repacked for mm: (packed, fmt)", py::arg("addresses"),
+        py::arg("ns"), py::arg("row_bytes"), py::arg("k"), py::arg("type"), py::arg("int8") = false, py::arg("reference") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, RMSNorm(x + delta) w) row by row in bf16", py::arg("x"),
         py::arg("delta"), py::arg("w"), py::arg("eps"));
