@@ -426,6 +426,18 @@ def _fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def _finish_layout_cache() -> None:
+    """A first start's layout cache (engine/model/layouts.py) still being written: waited for with
+    a bar, as the process would wait silently at exit; Ctrl-C abandons it (the next start writes
+    it). Nothing where no model was loaded."""
+    layouts = sys.modules.get("hdcli.engine.model.layouts")
+    if layouts is not None:
+        try:
+            layouts.wait(progress=True)
+        except KeyboardInterrupt:
+            raise typer.Abort() from None
+
+
 def main() -> None:
     # click's exceptions, wherever this typer takes click from (recent ones vendor it)
     cx = sys.modules[typer.BadParameter.__module__]
@@ -434,6 +446,7 @@ def main() -> None:
         # standalone_mode=False: click hands usage errors to us instead of printing its boxed
         # multi-line form, so they are one line like every other error
         code = app(standalone_mode=False)
+        _finish_layout_cache()
     except no_args as exc:  # bare `hd` or `hd db`: the help (rich has printed it already)
         exc.show()
         sys.exit(exc.exit_code)

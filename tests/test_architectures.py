@@ -1,6 +1,7 @@
 """Every architecture hd owns a forward for, checked against llama.cpp itself on the files users make.
 
-A tiny random transformers model of each architecture (llama, mistral, qwen2, qwen3, phi3, gemma3, olmo2;
+A tiny random transformers model of each architecture (llama, mistral, qwen2, qwen3, phi3, gemma3, olmo2,
+granite (its four multipliers away from 1);
 2 layers, the bundled SmolLM2 tokenizer, the head scaled so the top token leads by a clear margin)
 is converted by llama.cpp's own convert_hf_to_gguf.py (from the llama-cpp-python sdist:
 benchmarks/llama_cpp_convert.py) to F32 and F16, and quantized by llama.cpp to Q8_0. On each file:
@@ -39,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import llama_cpp_convert  # noqa: E402
 
 pytestmark = pytest.mark.bundled
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "olmo2"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "olmo2", "granite"]
+NO_GGUF_CONFIG = {"olmo2", "granite"}   # architectures whose GGUF config transformers does not read
 IDS = [19556, 216, 905, 216, 33, 34, 35, 1000, 2000, 77, 1451, 28, 4]
 NEW = 16
 
@@ -70,7 +72,9 @@ def _config(arch: str, vocab: int, tok):
             "qwen3": lambda: tf.Qwen3Config(**base, head_dim=16),
             "phi3": lambda: tf.Phi3Config(**base, pad_token_id=0),
             "gemma3": lambda: tf.Gemma3TextConfig(**base, head_dim=16, sliding_window=64, query_pre_attn_scalar=16),
-            "olmo2": lambda: tf.Olmo2Config(**base)}[arch]()
+            "olmo2": lambda: tf.Olmo2Config(**base),
+            "granite": lambda: tf.GraniteConfig(**base, embedding_multiplier=6.0, residual_multiplier=0.5,
+                                                attention_multiplier=0.1, logits_scaling=4.0)}[arch]()
 
 
 def tiny_model(arch: str, folder: Path, tokenizer) -> Path:
@@ -121,13 +125,14 @@ def hd_run(path: Path, n: int, arch: str) -> tuple[np.ndarray, list[int]]:
 def same_tokenizer(path: Path, original: Path) -> None:
     """The tokenizer hd builds from a GGUF (gguf.built_tokenizer: the class picked by the file's
     model_type) is the one AutoTokenizer builds: class, vocabulary, special tokens, encoding,
-    decoding, chat template. transformers reads no olmo2 GGUF (no GGUF config for it): there the
-    reference is the model's own tokenizer (`original`), compared by vocabulary and encoding."""
+    decoding, chat template. transformers reads no olmo2 or granite GGUF (no GGUF config for them):
+    there the reference is the model's own tokenizer (`original`), compared by vocabulary and
+    encoding."""
     from hdcli.engine.model.gguf import GGUFFile, built_tokenizer
     gf = GGUFFile(path)
     ours = built_tokenizer(gf)
     text = "Hello world! <|im_start|>user\nWhat's 2+2?<|im_end|> ünïcödé 日本語"
-    if gf.arch == "olmo2":
+    if gf.arch in NO_GGUF_CONFIG:
         ref = tf.AutoTokenizer.from_pretrained(str(original))
         assert ours.get_vocab() == ref.get_vocab() and ours.encode(text) == ref.encode(text)
         return
@@ -177,10 +182,28 @@ def test_the_token_check_can_fail(converter, tokenizer, tmp_path, monkeypatch):
     assert hd_run(path, NEW, "llama")[1] != theirs
 
 
-@pytest.mark.parametrize("arch", ["phi3", "olmo2"])
+def test_granite_without_its_multipliers_is_caught(converter, tokenizer, tmp_path, monkeypatch):
+    """Negative control for Granite: hd's forward ignoring the residual multiplier parts from
+    llama.cpp's tokens; ignoring the embedding multiplier, from its logits."""
+    from hdcli.engine.model import llama
+    hf_dir = tiny_model("granite", tmp_path / "tiny-granite", tokenizer)
+    path = llama_cpp_convert.convert(hf_dir, tmp_path / "f32.gguf", "f32")
+    theirs, want = llama_cpp_run(path, NEW)
+    ours, got = hd_run(path, NEW, "granite")
+    assert got == want
+    with monkeypatch.context() as m:
+        m.setattr(llama.Block, "scaled", lambda self, y: y)
+        assert hd_run(path, NEW, "granite")[1] != want
+    scale = float(np.abs(theirs).max())
+    with monkeypatch.context() as m:
+        m.setattr(llama.LlamaForward, "embed_rows", lambda self, ids: self.embed(ids))
+        assert float(np.abs(hd_run(path, 1, "granite")[0] - theirs).max()) > 1e-2 * scale
+
+
+@pytest.mark.parametrize("arch", ["phi3", "olmo2", "granite"])
 def test_speculative_greedy_equals_plain(arch, converter, tokenizer, tmp_path):
     """The forwards new in the llama family (Phi-3's fused q/k/v and gate/up; OLMo 2's norms after
-    the sublayers and over the whole q and k) in the M-invariant mode: drafted token trees, a
+    the sublayers and over the whole q and k; Granite's multipliers) in the M-invariant mode: drafted token trees, a
     quarter of their tokens corrupted, verified in one forward, give plain greedy decoding's
     tokens."""
     import random

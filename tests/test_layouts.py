@@ -7,7 +7,8 @@
     removed and rebuilt: never used. Control: with the check skipped, the damaged file is used and
     the logits change (the damage the test makes is one that matters);
   * HD_LAYOUT_CACHE=0 writes nothing; a disk without room says so and writes nothing; a write
-    that fails leaves no file, said in one line.
+    that fails leaves no file, said in one line; Ctrl-C while the CLI waits for the write at exit
+    leaves none either.
 """
 from __future__ import annotations
 
@@ -197,3 +198,34 @@ def test_a_failed_write_leaves_no_file(tiny_gguf, cache, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "could not be written (No space left on device)" in err, err
     assert not list(cache.glob("*.hdl")) and not list(cache.glob(".*tmp*"))
+
+
+def test_ctrl_c_while_waiting_at_exit_abandons_the_write(tiny_gguf, cache, monkeypatch, capsys):
+    """The CLI's wait at exit (layouts.wait(progress=True)) shows a bar; Ctrl-C there stops the
+    writer at its next tensor and leaves no file, final or temporary; the next load writes it."""
+    import time
+    kern = _kernels()[0]
+    if kern == "none":
+        pytest.skip("hd's GGUF GEMM does not run here (neither AVX512-BF16 nor AVX2)")
+    real = layouts._sample
+
+    def held(view):   # the writer held at its first tensor until told to stop
+        for _, writing in list(layouts._WRITERS):
+            writing.abandon.wait(30)
+        return real(view)
+    monkeypatch.setattr(layouts, "_sample", held)
+    models.load(str(tiny_gguf), dtype="bf16", device="cpu", kernels=kern, invariant="off", quiet=True)
+    assert layouts._WRITERS
+    capsys.readouterr()
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(time, "sleep", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        layouts.wait(progress=True)
+    assert "writing the layout cache" in capsys.readouterr().err
+    assert not layouts._WRITERS and not list(cache.glob("*.hdl")) and not list(cache.glob(".*tmp*"))
+    monkeypatch.undo()
+    monkeypatch.setenv("HD_CACHE_DIR", str(cache.parent))
+    lm, _ = _load(tiny_gguf, kern)
+    assert lm.info["layout_cache"]["writing_bytes"] > 0 and len(list(cache.glob("*.hdl"))) == 1

@@ -11,7 +11,7 @@
     hub or its local cache.
 
 Which forward runs it (one place decides: `load`):
-  * the llama family (llama, mistral, qwen2, qwen3, phi3, olmo2) and Gemma 3 run on hd's own forward
+  * the llama family (llama, mistral, qwen2, qwen3, phi3, olmo2, granite) and Gemma 3 run on hd's own forward
     (hdcli/engine/model/, `load_owned`): a GGUF read in its own bits (model/gguf.py: no
     dequantized copy, in memory or on disk), a folder or hub snapshot from its safetensors
     (model/checkpoint.py: memory-mapped, cast one tensor at a time);

@@ -23,6 +23,7 @@ from .llama import LlamaForward
 from .gemma3 import Gemma3Forward
 
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "llama", "olmo2": "llama",
+            "granite": "llama",
             "gemma3": "gemma3"}
 
 

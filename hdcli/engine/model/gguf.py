@@ -53,6 +53,14 @@ class ModelConfig:
     eos_token_id: int | list | None = None
     pad_token_id: int | None = None
     name: str = ""
+    # Granite's multipliers (transformers' GraniteConfig names; llama.cpp's granite.*_scale):
+    # the embedding times embedding_multiplier, each sublayer's output times residual_multiplier
+    # before its residual add, attention scores times attention_multiplier (None: head_dim ** -0.5),
+    # logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -341,7 +349,14 @@ class GGUFFile:
             scaling = {"rope_type": kind, "factor": self._float("rope.scaling.factor", 1.0)}
             if kind == "yarn":
                 scaling["original_max_position_embeddings"] = self._int("rope.scaling.original_context_length", 4096)
+        granite = {}
+        if self.arch == "granite":   # llama.cpp reads these for granite only
+            granite = {"embedding_multiplier": self._float("embedding_scale", 1.0),
+                       "residual_multiplier": self._float("residual_scale", 1.0),
+                       "attention_multiplier": self._float("attention.scale", head_dim ** -0.5),
+                       "logits_scaling": self._float("logit_scale", 1.0)}
         return ModelConfig(
+            **granite,
             architecture=self.arch, vocab_size=vocab, hidden_size=hidden,
             intermediate_size=self._int("feed_forward_length", 4 * hidden),
             num_hidden_layers=self._int("block_count"), num_attention_heads=heads, num_key_value_heads=kv,
@@ -440,7 +455,7 @@ def _saved_tokenizer(folder: Path):
 # transformers' model_type of the GGUF architectures hd owns, as its GGUF config reader names them
 # (modeling_gguf_pytorch_utils: a llama file named "mistral" is mistral, gemma3 is gemma3_text)
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
-               "phi3": "phi3", "olmo2": "olmo2"}
+               "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
 
 
 def built_tokenizer(gf: GGUFFile):

@@ -40,6 +40,7 @@ import mmap
 import os
 import shutil
 import struct
+import sys
 import threading
 import warnings
 import zlib
@@ -55,7 +56,7 @@ ALIGN = 64                # each packing's offset: the GEMM's loads are 64-byte 
 FOOTER = 16               # index length (uint64) + MAGIC
 SAMPLE, STRIDE = 256, 1 << 20   # the checksum's bytes: SAMPLE at each STRIDE of a packing
 FREE_MARGIN = 1 << 30     # disk left free after the cache is written; else it is not written
-_WRITERS: list[threading.Thread] = []   # this process's writers still running (`wait`)
+_WRITERS: list[tuple[threading.Thread, "LayoutCache"]] = []   # this process's writers still running (`wait`)
 
 
 def _sample(view: memoryview) -> int:
@@ -81,6 +82,8 @@ class LayoutCache:
         self.base: torch.Tensor | None = None  # the mapped file as one uint8 tensor (a hit)
         self._map = None
         self.writing = 0                       # bytes this load is writing (a miss)
+        self.written = 0                       # of which on their way to the disk
+        self.abandon = threading.Event()       # set: the writer stops at the next tensor, leaving nothing
         self._open()
 
     @property
@@ -186,22 +189,24 @@ class LayoutCache:
                      f"they take in the file) in {self.path}: later starts map them instead of repacking; "
                      "HD_LAYOUT_CACHE=0 turns this off (delete the file to free the space)")
         writer = threading.Thread(target=self._write, args=(kernels, tmp), name="hd-layout-writer", daemon=False)
-        _WRITERS.append(writer)
+        _WRITERS.append((writer, self))
         writer.start()
 
     def _write(self, kernels: list, tmp: Path) -> None:
         """The packings, the index and the footer into `tmp`, then renamed to `path`. A failure
         leaves nothing (the temporary file removed): later starts repack, and try again."""
-        import sys
         _yield_cpu()
         entries = {}
         try:
             with open(tmp, "wb") as out:
                 for kernel in kernels:
+                    if self.abandon.is_set():
+                        raise _Abandoned
                     out.write(b"\0" * (-out.tell() % ALIGN))
                     at = out.tell()
                     data = memoryview(kernel.packed.contiguous().numpy()).cast("B")
                     out.write(data)
+                    self.written += len(data)
                     block, begin = kernel.packed[0].numel(), 0   # bytes of one column block; a part's first
                     for name, blocks in kernel.names:           # the parts side by side (QLinear.side_by_side)
                         part = data[begin:begin + blocks * block]
@@ -212,13 +217,15 @@ class LayoutCache:
                 out.write(struct.pack("<Q8s", len(index), MAGIC))
             self._remove_older()
             os.replace(tmp, self.path)
+        except _Abandoned:
+            tmp.unlink(missing_ok=True)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             print(f"hd: the layout cache {self.path} could not be written ({exc.strerror or exc}): later starts "
                   "repack the weights", file=sys.stderr, flush=True)
         finally:
-            if threading.current_thread() in _WRITERS:
-                _WRITERS.remove(threading.current_thread())
+            if (threading.current_thread(), self) in _WRITERS:
+                _WRITERS.remove((threading.current_thread(), self))
 
     def _remove_older(self) -> None:
         """Other layout files of the same GGUF path (another modification time, another build of the
@@ -259,9 +266,33 @@ def _yield_cpu() -> None:
         pass
 
 
-def wait() -> None:
-    """Until this process's layout files are written (tests, benchmarks, a second load)."""
-    for writer in list(_WRITERS):
+class _Abandoned(Exception):
+    """The writer was told to stop (`wait`'s Ctrl-C)."""
+
+
+def wait(progress: bool = False) -> None:
+    """Until this process's layout files are written (tests, benchmarks, a second load, the CLI at
+    exit). progress: a bar on stderr while they are (the CLI's exit after a first start: an 8B
+    model's 4.7 GB take ~15 s more on the EPYC's disk); Ctrl-C there abandons them, leaving no
+    file (the next start writes it), and raises KeyboardInterrupt."""
+    pending = list(_WRITERS)
+    if progress and pending:
+        import time
+        from tqdm import tqdm
+        total = sum(cache.writing for _, cache in pending)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="hd: writing the layout cache", file=sys.stderr,
+                  mininterval=0.5, leave=False) as bar:
+            try:
+                while any(writer.is_alive() for writer, _ in pending):
+                    time.sleep(0.25)
+                    bar.update(sum(cache.written for _, cache in pending) - bar.n)
+            except KeyboardInterrupt:
+                for writer, cache in pending:
+                    cache.abandon.set()
+                for writer, _ in pending:
+                    writer.join()
+                raise
+    for writer, _ in pending:
         writer.join()
 
 

@@ -1,5 +1,5 @@
 """hd's own forward for the llama family (Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2/Qwen3, Phi-3,
-OLMo 2), from a GGUF file in the file's own bits, or from a transformers checkpoint.
+OLMo 2, Granite 3), from a GGUF file in the file's own bits, or from a transformers checkpoint.
 
 One decoder layer: x += o(attention(rope(q(norm(x))), rope(k(norm(x))), v(norm(x))));
 x += down(silu(gate(norm(x))) * up(norm(x))); then the final norm and the head. Qwen2's q/k/v
@@ -7,7 +7,9 @@ biases and Qwen3's per-head q/k norms are read where the file has them; Phi-3's 
 (attn_qkv) and gate/up (ffn_up: gate rows first) are one Linear each; OLMo 2 norms each
 sublayer's output instead of its input (post_attention_norm, post_ffw_norm: x += norm(o(...)),
 x += norm(down(...))) and q and k over their whole width (attn_q_norm [heads * d], not a head's
-d as Qwen3's) before they are split into heads; rope scaling as the
+d as Qwen3's) before they are split into heads; Granite scales the embedding, each sublayer's
+output before its residual add, the attention scores and the logits by the file's multipliers
+(ModelConfig); rope scaling as the
 file's metadata states it (transformers' rope functions compute the frequencies); a sliding
 window where a checkpoint's config gives its layers one (Mistral v0.1, Qwen2 with
 use_sliding_window). The source is a GGUF file (gguf.GGUFFile) or a transformers checkpoint
@@ -66,6 +68,7 @@ class Block(nn.Module):
         p = f"blk.{i}."
         self.index, self.kind, self.ops = i, kind, ops
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.residual_scale = float(getattr(cfg, "residual_multiplier", None) or 1.0)   # Granite's
 
         def norm(name: str):
             return nn.Parameter(num.vector(gf, p + name), requires_grad=False) if gf.has(p + name) else None
@@ -100,9 +103,14 @@ class Block(nn.Module):
             gate, up = self.gate_and_up(x)
             return x + self.ops.norm(self.down(nn.functional.silu(gate) * up), self.post_ffn_norm)
         q, k, v = self.qkv_heads(self.ops.norm(x, self.attn_norm), step)
-        x, h = self.ops.add_norm(x, self.o(step.attend(self, q, k, v)), self.ffn_norm)
+        x, h = self.ops.add_norm(x, self.scaled(self.o(step.attend(self, q, k, v))), self.ffn_norm)
         gate, up = self.gate_and_up(h)
-        return x + self.down(nn.functional.silu(gate) * up)
+        return x + self.scaled(self.down(nn.functional.silu(gate) * up))
+
+    def scaled(self, y: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as its residual add takes it: times Granite's residual multiplier,
+        in the model dtype as transformers rounds it (elementwise: each row its own)."""
+        return y if self.residual_scale == 1.0 else y * self.residual_scale
 
     def qkv_heads(self, h, step: Step):
         """q [1, hq, m, d], k and v [1, hkv, m, d] of the normed input h, rotated."""
@@ -169,7 +177,9 @@ class LlamaForward(nn.Module):
         self.head = num.linear(gf, "output.weight" if gf.has("output.weight") else "token_embd.weight")
         gf.release()
         self.rope = Rope(cfg, num.device)
-        self.scaling = cfg.head_dim ** -0.5
+        self.scaling = getattr(cfg, "attention_multiplier", None) or cfg.head_dim ** -0.5
+        self.embedding_scale = float(getattr(cfg, "embedding_multiplier", None) or 1.0)   # Granite's
+        self.logits_scale = float(getattr(cfg, "logits_scaling", None) or 1.0)
 
     # ------------------------------------------------------------ what the rest of hd reads
 
@@ -280,6 +290,8 @@ class LlamaForward(nn.Module):
                 return []
             x = blk(x, ctx)
         logits = self.head(self.final_norm(x))
+        if self.logits_scale != 1.0:   # Granite: divided, as transformers does
+            logits = logits / self.logits_scale
         if len(parts) == 1:
             return [logits]
         return [logits[a:b] for a, b in ctx.bounds]
@@ -294,7 +306,8 @@ class LlamaForward(nn.Module):
         return int(self.config.sliding_window) if kind == "sliding" else None
 
     def embed_rows(self, ids) -> torch.Tensor:
-        return self.embed(ids)
+        x = self.embed(ids)
+        return x if self.embedding_scale == 1.0 else x * self.embedding_scale
 
     def choose_row_ops(self, num: Numerics) -> RowOps:
         return row_ops(num, self.config.rms_norm_eps)
