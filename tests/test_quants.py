@@ -106,25 +106,29 @@ FILE_BYTES = {t: nbytes / size for t, (size, nbytes) in quants.BLOCK.items()}
 PACKED_OVER_FILE = {"Q4_0": 1.0, "Q4_1": 1.0, "Q8_0": 1.0, "Q4_K": 1.03, "Q6_K": 1.001, "Q5_0": 1.55, "Q5_1": 1.67, "Q5_K": 1.82,
                     # written in another type's format (the module docstring of quants.py says why)
                     "Q3_K": 1.91, "IQ4_NL": 1.89, "IQ4_XS": 2.36}
+PACKED8_OVER_FILE = dict(PACKED_OVER_FILE, IQ4_NL=1.0, IQ4_XS=1.02)   # int8 activations: their own 4-bit layouts
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
 @pytest.mark.parametrize("t", KERNEL_TYPES)
-def test_the_packing_takes_about_the_files_bytes(t):
+def test_the_packing_takes_about_the_files_bytes(t, int8):
     """One decode step reads every weight once: the repacked layout costs the file's bytes (the
     K-quants' per-column constants a few percent more), not the 0.75-1.25 bytes a weight of the
     fp32-constant layouts it replaced."""
-    kernel()
+    if not (quants.GEMM.load() or quants.GEMM.compiled):
+        pytest.skip(f"the extension does not build here: {quants.failure()}")
     n, k = REAL[t]
     raw = make(t, n, k)
-    packed, fmt = quants.pack(t, raw, n, k)
-    assert fmt == quants.FORMAT[t] and packed.dtype == torch.uint8 and packed.shape[0] == n // 16
-    assert packed.numel() <= PACKED_OVER_FILE[t] * FILE_BYTES[t] * n * k
+    packed, fmt = quants.pack(t, raw, n, k, int8=int8)
+    assert fmt == (quants.FORMAT8 if int8 else quants.FORMAT)[t]
+    assert packed.dtype == torch.uint8 and packed.shape[0] == n // 16
+    assert packed.numel() <= (PACKED8_OVER_FILE if int8 else PACKED_OVER_FILE)[t] * FILE_BYTES[t] * n * k
 
 
 # The packings' layouts as csrc/qmm.cpp's header (mm) and mm8's header (int8) state them:
 # W bits a code, GK k a group, GS groups a super-block, HEAD and CONSTS bytes.
 LAYOUTS = {"q4z": (4, 32, 1, 0, 32), "q4h": (4, 32, 1, 0, 64), "q4k": (4, 32, 8, 64, 32), "q6k": (6, 16, 16, 32, 16),
-           "q8h": (8, 32, 1, 0, 32), "q8f": (8, 32, 1, 0, 128)}
+           "q8h": (8, 32, 1, 0, 32), "q8f": (8, 32, 1, 0, 128), "q4n": (4, 32, 1, 0, 32), "q4x": (4, 32, 8, 32, 16)}
 
 
 def _f16s(a: np.ndarray) -> np.ndarray:
@@ -162,6 +166,8 @@ def read_packing(packed: torch.Tensor, fmt: str, n: int, k: int, int8: bool) -> 
         codes = codes - 128 if (int8 and fmt == "q8h") else np.where(codes > 127, codes - 256, codes) if not int8 else codes
     elif w_bits == 6:
         codes = codes - 32
+    elif fmt in ("q4n", "q4x"):   # indices into IQ4_NL's table
+        codes = quants.IQ4NL_VALUES[codes].astype(np.int64)
     c = grp[..., code_bytes:]                       # [cb, super, g, consts]
     head = p[..., :head_bytes]                      # [cb, super, head]
     if fmt == "q4z":
@@ -171,9 +177,9 @@ def read_packing(packed: torch.Tensor, fmt: str, n: int, k: int, int8: bool) -> 
     elif fmt == "q4k":
         scale = _f16s(head[..., None, :32]) * c[..., :16]
         low = -(_f16s(head[..., None, 32:64]) * c[..., 16:32])
-    elif fmt == "q6k":
+    elif fmt in ("q6k", "q4x"):
         scale, low = _f16s(head[..., None, :32]) * c[..., :16].view(np.int8), 0 * c[..., :16]
-    elif fmt == "q8h":
+    elif fmt in ("q8h", "q4n"):
         scale, low = _f16s(c[..., :32]), 0 * c[..., :16]
     else:
         scale = np.ascontiguousarray(c[..., :64]).view(np.float32).astype(np.float64)
@@ -189,15 +195,15 @@ def test_the_packing_holds_the_files_weights(t, int8):
     """Every type's packing, for bf16 and for int8 activations, read back by the layouts the
     kernel's comments state, holds exactly the file's weights (unpack's scale x code + low, whose
     fp32 rounding test_dequantize_equals_gguf_py_bit_for_bit checks against gguf-py). Runs
-    wherever the extension compiles: the packer is plain C++. The new types are written in the
-    existing formats (Q3_K as q6k, IQ4_NL as q8h, IQ4_XS as q8f); a control shows the check sees a
-    changed byte."""
+    wherever the extension compiles: the packer is plain C++. Q3_K is written in q6k, IQ4_NL and
+    IQ4_XS in q8h and q8f for bf16 activations and in q4n and q4x (their own 4-bit indices) for
+    int8 ones; a control shows the check sees a changed byte."""
     if not (quants.GEMM.load() or quants.GEMM.compiled):
         pytest.skip(f"the extension does not build here: {quants.failure()}")
     for n, k in (SMALL[t], REAL[t]):
         raw = make(t, n, k, seed=3)
         packed, fmt = quants.pack(t, raw, n, k, int8=int8)
-        assert fmt == quants.FORMAT[t]
+        assert fmt == (quants.FORMAT8 if int8 else quants.FORMAT)[t]
         codes, scale, low, gk = quants.unpack(t, raw, n, k)   # W = scale codes + low, in float64: no rounding
         want = (codes.reshape(n, -1, gk) * scale[..., None].astype(np.float64)
                 + (0 if low is None else low[..., None].astype(np.float64))).reshape(n, k)
@@ -429,12 +435,13 @@ def int8_reference(t: str, x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
 @pytest.mark.parametrize("t,size", KERNEL_SHAPES)
 def test_int8_activations_multiply_the_rows_as_quantized(t, size):
     """mm8: the file's weights times each row quantized to int8 per group: equal to that product
-    up to the bf16 output's rounding (and fp32 sums); the packing is as small as mm's."""
+    up to the bf16 output's rounding (and fp32 sums); the packing is as small as mm's or smaller
+    (IQ4_NL, IQ4_XS: their own 4-bit layouts)."""
     kernel8()
     n, k = shape(t, size)
     raw = make(t, n, k)
     lin = quants.QLinear(t, raw, n, k, activations="int8")
-    assert lin.activations == "int8" and lin.nbytes == quants.pack(t, raw, n, k)[0].numel()
+    assert lin.activations == "int8" and lin.nbytes <= quants.pack(t, raw, n, k)[0].numel()
     w = quants.dequantize_f32(t, raw, n, k)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(9, k, generator=gen).bfloat16()

@@ -543,8 +543,8 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     dtype: owned_dtype; kernels: owned_kernels; invariant as in load(); source: what the model
     was resolved to (cache keys), by default the file's path; opened_seconds: the time opening
     it took (counted in load_seconds). info["load_phases"]: seconds by phase (open, kernels:
-    the kernel choice and extensions, tokenizer, weights, invariant: the attention choice,
-    calibration and self-check), where a start's time goes."""
+    the kernel choice and extensions, layouts: mapping the layout cache, tokenizer, weights,
+    invariant: the attention choice, calibration and self-check), where a start's time goes."""
     import torch
     t0 = time.perf_counter() - opened_seconds
     phases = {"open": opened_seconds}
@@ -561,6 +561,11 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     if kn == "gguf" and device == "cpu" and dt == "bf16":   # (gguf-int8: compiled by the choice above)
         quants.kernel_available(quiet=quiet)   # compiled once per machine (~30 s): said, not silent
     phase("kernels")
+    kept = _layout_cache(src, dt, device, kn)
+    if gguf and not (kept is not None and kept.hit):   # the file's weights will be read: asked for now
+        import threading
+        threading.Thread(target=src.read_ahead, name="hd-read-ahead", daemon=True).start()
+    phase("layouts")
     tok = _owned_tokenizer(name, src)
     phase("tokenizer")
     num = Numerics(dtype=dt, device=device, kernels=kn, invariant=invariant != "off")
@@ -569,7 +574,6 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     shown = name if local_models.is_store_name(name) else Path(source).name   # not an Ollama blob's hash
     bar = tqdm(total=cfg.num_hidden_layers, desc=f"loading {shown}", unit=" layers",
                file=sys.stderr, disable=quiet, mininterval=0.5, leave=False)
-    kept = _layout_cache(src, dt, device, kn)
     try:
         with torch.inference_mode(), bar:
             model = build(src, cfg, num, progress=bar.update)
@@ -577,10 +581,6 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
         if gguf:
             src.layouts = None
     model.eval()
-    if kept is not None:
-        kept.keep(model)   # written on a thread of its own where it was not read
-        for line in kept.warnings + ([kept.note] if kept.note and not quiet else []):
-            print(line, file=sys.stderr, flush=True)
     widened = num.widened()
     if widened and not quiet:
         print(widened, file=sys.stderr, flush=True)
@@ -590,6 +590,11 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
         info["layout_cache"] = {"path": str(kept.path), "hit": kept.hit, "writing_bytes": kept.writing}
     on = _invariant_mode(name, model, source, num, invariant, quiet, info)
     phase("invariant")
+    if kept is not None:   # written on a thread of its own where it was not read, once the model is
+        kept.keep(model)   # ready: copying gigabytes into the page cache takes a core the build's GEMMs need
+        for line in kept.warnings + ([kept.note] if kept.note and not quiet else []):
+            print(line, file=sys.stderr, flush=True)
+        info["layout_cache"]["writing_bytes"] = kept.writing
     info["load_phases"] = {k: round(v, 3) for k, v in phases.items()}
     num.invariant = on
     num.attention = fused.name() if on else "sdpa"

@@ -23,15 +23,18 @@ cost about the file's bytes (a weight, the file's in brackets):
 
   Q3_K   16  q in -4..3       d (sc - 32)    -            q6k (codes q + 32)          0.820  (0.4297)
   IQ4_NL 32  kv[q] in -127..113 d            -            q8h (codes kv[q])           1.0625 (0.5625)
-  IQ4_XS 32  kv[q]            d (ls - 32)    -            q8f (low 0; int8: codes + 128,
-                                                               low -128 scale)        1.25   (0.5312)
+                                                          int8: q4n, 4-bit q, fp16 d  0.5625
+  IQ4_XS 32  kv[q]            d (ls - 32)    -            q8f (low 0)                 1.25   (0.5312)
+                                                          int8: q4x, 4-bit q, fp16 d a
+                                                               super-block, int8 ls-32 0.539
   Q2_K   16  q in 0..3        d sc           -dmin m      none: dequantized to bf16   2      (0.3281)
 
 The three written in another type's format hold their exact weights (a wider code holds any
 product of their small integers) but take about twice the file's bytes (IQ4_XS 2.4x), said
-at load (engine/loader.py); a layout of their own (4-bit codes through a 16-entry table,
-VPERMB) is the way to the file's bytes, not written: hd's GEMM could not be run on the machine
-this was written on (no AVX512), so only the packing is checked there (tests/test_quants.py).
+at load (engine/loader.py). For int8 activations (the GEMM on AVX2, and on AVX512 where it
+was measured faster) IQ4_NL and IQ4_XS keep the file's 4-bit indices (q4n, q4x: FORMAT8), looked
+up in IQ4_NL's table in the kernel (VPSHUFB), the file's bytes; the bf16-activation GEMM has no
+such table yet (it was written on a machine without AVX512-BF16, where it cannot be run).
 kv is IQ4_NL's table of 16 int8 values (IQ4NL_VALUES); Q3_K's sc and IQ4_XS's ls are 6-bit.
 
 d, dmin and Q4_1's m are a block's fp16 numbers; a K-quant's sc and m are its sub-blocks' 6-bit
@@ -96,6 +99,7 @@ GROUP = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 32,
          "Q3_K": 16, "IQ4_NL": 32, "IQ4_XS": 32, "Q2_K": 16}
 FORMAT = {"Q4_0": "q4z", "Q4_1": "q4h", "Q5_0": "q8h", "Q5_1": "q8f", "Q8_0": "q8h", "Q4_K": "q4k", "Q5_K": "q8f", "Q6_K": "q6k",
           "Q3_K": "q6k", "IQ4_NL": "q8h", "IQ4_XS": "q8f"}
+FORMAT8 = dict(FORMAT, IQ4_NL="q4n", IQ4_XS="q4x")   # packed for int8 activations (mm8)
 IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 CHUNK = 1 << 22        # weights dequantized at a time (16 MB in fp32, 8 MB of bf16 output)
 

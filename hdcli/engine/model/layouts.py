@@ -6,10 +6,12 @@ they stay shared with the page cache (resident memory counts them once, as the f
 The price is disk: as many bytes again as the quantized weights, said in one line by the start
 that writes them, with how to turn it off (HD_LAYOUT_CACHE=0, engine/environment.py).
 
-Writing: after the model is built, on a thread of its own (`keep`), from the packings the model
-holds (no second copy in memory); the disk's write-back bounds it (~0.2-0.4 GB/s on the EPYC's
-disk: an 8B model's 4.7 GB take longer than packing them), so a first start does not wait for
-it; the process does, at exit (the thread is not a daemon), or `wait()` does.
+Writing: once the model is ready (built and self-checked: copying gigabytes into the page cache
+takes a core for ~2 s a GB on the EPYC, which the build's GEMMs would wait on), on a thread of its
+own (`keep`), from the packings the model holds (no second copy in memory); the disk's write-back
+bounds it (~0.2-0.4 GB/s on the EPYC's disk: an 8B model's 4.7 GB take longer than packing them),
+so a first start does not wait for it; the process does, at exit (the thread is not a daemon;
+the CLI shows a bar), or `wait()` does.
 
 The file: <cache>/layouts/<GGUF stem>-<key>.hdl
   * the packings, each at a multiple of ALIGN bytes, as the model holds them (a layer's q, k and
@@ -195,7 +197,6 @@ class LayoutCache:
     def _write(self, kernels: list, tmp: Path) -> None:
         """The packings, the index and the footer into `tmp`, then renamed to `path`. A failure
         leaves nothing (the temporary file removed): later starts repack, and try again."""
-        _yield_cpu()
         entries = {}
         try:
             with open(tmp, "wb") as out:
@@ -252,18 +253,6 @@ def _side_by_side(packings: list[torch.Tensor]) -> torch.Tensor:
         at += p.numel()
     rows = sum(p.shape[0] for p in packings)
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
-
-
-def _yield_cpu() -> None:
-    """This thread (the writer) at the lowest priority: copying gigabytes into the page cache takes
-    a core for ~2 s a GB on the 2-core EPYC (system time), which would halve the build's
-    self-check and the first tokens (their GEMMs split rows across both cores and wait for the
-    slower); at nice 19 it runs where they leave a core idle, and at exit (`wait`). Linux sets a
-    thread's priority by its id; elsewhere it stays as it is."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 class _Abandoned(Exception):

@@ -145,7 +145,8 @@ class Numerics:
         wide = {t: fb_hb for t, fb_hb in self.held.items() if t not in ("F32", "F16", "BF16") and fb_hb[1] >= 1.3 * fb_hb[0]}
         if not wide:
             return None
-        how = [f"{t} as {'int8 codes (' + quants.FORMAT[t] + ')' if self.layers.get('gguf:' + t) or self.layers.get('gguf-int8:' + t) else self.dtype} "
+        formats = quants.FORMAT8 if self.kernels == "gguf-int8" else quants.FORMAT
+        how = [f"{t} as {'int8 codes (' + formats[t] + ')' if self.layers.get('gguf:' + t) or self.layers.get('gguf-int8:' + t) else self.dtype} "
                f"({hb / fb:.1f}x)" for t, (fb, hb) in sorted(wide.items())]
         fb, hb = sum(v[0] for v in wide.values()), sum(v[1] for v in wide.values())
         why = ("" if self.kernels not in ("gguf", "gguf-int8") or self.gemm_here()

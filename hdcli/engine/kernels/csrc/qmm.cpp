@@ -17,7 +17,12 @@
 //   "q8f" Q5_1, Q5_K  int8 codes 0..31, fp32 scale and low (as Q5_1: d, m; Q5_K: d sc, -(dmin mn))
 //                                                                                    1.25 (0.75, 0.6875)
 // and, in those formats without a layout of their own (dec_q3_k below): Q3_K as q6k 0.820 (0.4297),
-// IQ4_NL as q8h 1.0625 (0.5625), IQ4_XS as q8f 1.25 (0.5312).
+// IQ4_NL as q8h 1.0625 (0.5625), IQ4_XS as q8f 1.25 (0.5312). For int8 activations (mm8 only)
+// IQ4_NL and IQ4_XS have 4-bit layouts of their own, the file's indices into IQ4_NL's table of 16
+// int8 values, looked up in the kernel (VPSHUFB):
+//   "q4n" IQ4_NL  4-bit indices, the block's fp16 d; scale d, no low                0.5625 (0.5625)
+//   "q4x" IQ4_XS  4-bit indices, each column's fp16 d a super-block of 256, an int8 scale
+//                 ls - 32 a group of 32; scale d (ls - 32), no low                  0.539  (0.5312)
 // Every scale and low is an exact fp32 product of the file's numbers (fp16 times an integer of at
 // most 8 bits), so where it is computed does not change a bit.
 //
@@ -77,6 +82,22 @@ struct Q6K : Layout<6, 16, 16, 32, 16, false> {};  // head d[16] fp16; + sc[16] 
 struct Q8H : Layout<8, 32, 1, 0, 32, false> {};    // + d[16] fp16
 struct Q8F : Layout<8, 32, 1, 0, 128, true> {};    // + scale[16], low[16] fp32
 struct Q8F8 : Layout<8, 32, 8, 0, 128, true> {};   // q8f's bytes, packed 8 groups at a time (Q5_K's blocks)
+struct Q4N : Layout<4, 32, 1, 0, 32, false> {};    // + d[16] fp16; codes: indices into IQ4NL_VALUES (mm8 only)
+struct Q4X : Layout<4, 32, 8, 32, 16, false> {};   // head d[16] fp16; + sc[16] int8 (ls - 32); codes as q4n
+
+// IQ4_NL's (and IQ4_XS's) 16 weights, the values a q4n or q4x index stands for
+static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// Whether a format's 4-bit codes are indices into IQ4NL_VALUES: mm8 looks them up as the value
+// plus 128 (1..241, unsigned as VPDPBUSD reads codes), the group's sum offset by 128 (offset8).
+template <typename F>
+constexpr bool table8() {
+  return std::is_same_v<F, Q4N> || std::is_same_v<F, Q4X>;
+}
+// IQ4NL_VALUES + 128 as bytes, the table mm8 looks indices up in (VPSHUFB: 16 bytes a lane)
+static inline __m128i iq4nl_table8() {
+  return _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181,
+                       (char)197, (char)217, (char)241);
+}
 
 static inline float f32_of_bf16(uint16_t h) {   // exact: a bf16 is an fp32's top half
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -157,6 +178,14 @@ static torch::Tensor by_format(const std::string& fmt, const char* what, Run run
   return torch::Tensor();
 }
 
+// by_format, and the formats only mm8 reads (q4n, q4x)
+template <typename Run>
+static torch::Tensor by_format8(const std::string& fmt, const char* what, Run run) {
+  if (fmt == "q4n") return run(static_cast<Q4N*>(nullptr));
+  if (fmt == "q4x") return run(static_cast<Q4X*>(nullptr));
+  return by_format(fmt, what, run);
+}
+
 // mm's and mm8's checks of their arguments; `what` names the GEMM in the message.
 static void check_gemm_args(const torch::Tensor& x, const torch::Tensor& packed, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, what, ": x must be [M, K] bf16");
@@ -195,9 +224,9 @@ static inline void consts(const uint8_t* head, const uint8_t* grp, __m512& scale
   } else if constexpr (std::is_same_v<F, Q4K>) {
     scale = _mm512_mul_ps(f16x16(head), u8x16(c));
     low = negated(_mm512_mul_ps(f16x16(head + 32), u8x16(c + 16)));
-  } else if constexpr (std::is_same_v<F, Q6K>) {
+  } else if constexpr (std::is_same_v<F, Q6K> || std::is_same_v<F, Q4X>) {
     scale = _mm512_mul_ps(f16x16(head), i8x16(c));
-  } else if constexpr (std::is_same_v<F, Q8H>) {
+  } else if constexpr (std::is_same_v<F, Q8H> || std::is_same_v<F, Q4N>) {
     scale = f16x16(c);
   } else {
     scale = _mm512_loadu_ps(c);
@@ -413,12 +442,12 @@ struct I8 {
 };
 
 // Formats whose low is a fixed multiple of the scale, low = -OFFSET scale (Q4_0: 8, Q6_K: 32,
-// Q8_0/Q5_0 stored plus 128: 128): their sums start at -OFFSET xs, in int32, exact, so that
-// scale (isum - OFFSET xs) is the whole group and no low is added. Others (Q4_1, Q4_K, Q5_1, Q5_K)
-// add their own low: OFFSET 0.
+// Q8_0/Q5_0 stored plus 128, q4n/q4x looked up plus 128: 128): their sums start at -OFFSET xs, in
+// int32, exact, so that scale (isum - OFFSET xs) is the whole group and no low is added. Others
+// (Q4_1, Q4_K, Q5_1, Q5_K) add their own low: OFFSET 0.
 template <typename F>
 constexpr int offset8() {
-  return std::is_same_v<F, Q4Z> ? 8 : std::is_same_v<F, Q6K> ? 32 : std::is_same_v<F, Q8H> ? 128 : 0;
+  return std::is_same_v<F, Q4Z> ? 8 : std::is_same_v<F, Q6K> ? 32 : std::is_same_v<F, Q8H> || table8<F>() ? 128 : 0;
 }
 
 // The tile's activations: xq [G][TR][GK] int8 (rows interleaved by group, as run's x), dx and xs [TR][G].
@@ -437,7 +466,7 @@ constexpr int TILE8 = 8;
 // than 9 for one row; 9 to 32 alike).
 constexpr int AHEAD8 = 9;
 
-static inline void codes8(const uint8_t* unit, int W, __m512i& a, __m512i& b) {
+static inline void codes8(const uint8_t* unit, int W, bool table, __m512i& a, __m512i& b) {
   if (W == 8) {
     a = _mm512_loadu_si512(unit);
     b = _mm512_loadu_si512(unit + 64);
@@ -446,6 +475,11 @@ static inline void codes8(const uint8_t* unit, int W, __m512i& a, __m512i& b) {
   const __m512i v = _mm512_loadu_si512(unit), nib = _mm512_set1_epi8(0x0F);
   a = _mm512_and_si512(v, nib);
   b = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if (table) {   // q4n, q4x: the indices' values plus 128
+    const __m512i t = _mm512_broadcast_i32x4(iq4nl_table8());
+    a = _mm512_shuffle_epi8(t, a);
+    b = _mm512_shuffle_epi8(t, b);
+  }
   if (W == 6) {
     const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 64)));
     const __m512i left = _mm512_set_epi16(2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4);
@@ -477,7 +511,7 @@ static inline __attribute__((always_inline)) void group8(const Act8& X, const Pa
                                    : _mm512_setzero_si512();
   for (int u = 0; u < I8<F>::UNITS; ++u) {
     __m512i a, b;
-    codes8(grp + u * I8<F>::UNIT_BYTES, F::W, a, b);
+    codes8(grp + u * I8<F>::UNIT_BYTES, F::W, table8<F>(), a, b);
     for (int r = 0; r < TR; ++r) {
       int32_t xa, xb;
       const int8_t* xr = X.q + (g * TR + r) * GK + 8 * u;
@@ -554,7 +588,7 @@ static inline __m256 i8x8(const uint8_t* p) {
 template <typename F>
 static inline void consts2(const uint8_t* head, const uint8_t* grp, int h, __m256& scale, __m256& low) {
   const uint8_t* c = grp + F::CODES;
-  if constexpr (std::is_same_v<F, Q4Z> || std::is_same_v<F, Q8H>) {
+  if constexpr (std::is_same_v<F, Q4Z> || std::is_same_v<F, Q8H> || std::is_same_v<F, Q4N>) {
     scale = f16x8(c + 16 * h);
   } else if constexpr (std::is_same_v<F, Q4H>) {
     scale = f16x8(c + 16 * h);
@@ -563,7 +597,7 @@ static inline void consts2(const uint8_t* head, const uint8_t* grp, int h, __m25
     scale = _mm256_mul_ps(f16x8(head + 16 * h), u8x8(c + 8 * h));
     const __m256 m = _mm256_mul_ps(f16x8(head + 32 + 16 * h), u8x8(c + 16 + 8 * h));
     low = _mm256_xor_ps(m, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))));   // -m, the sign flipped
-  } else if constexpr (std::is_same_v<F, Q6K>) {
+  } else if constexpr (std::is_same_v<F, Q6K> || std::is_same_v<F, Q4X>) {
     scale = _mm256_mul_ps(f16x8(head + 16 * h), i8x8(c + 8 * h));
   } else {
     scale = _mm256_loadu_ps(reinterpret_cast<const float*>(c + 32 * h));
@@ -586,8 +620,9 @@ static inline __m256i dot4(__m256i c, __m256i x) {
   }
 }
 
-// A unit's codes (mm8's arrangement, above): quad a's and quad b's, each in halves of 8 columns.
-template <int W>
+// A unit's codes (mm8's arrangement, above): quad a's and quad b's, each in halves of 8 columns;
+// TABLE: q4n's and q4x's indices looked up (their values plus 128, 8-bit codes for dot4).
+template <int W, bool TABLE = false>
 static inline void codes2(const uint8_t* unit, __m256i a[2], __m256i b[2]) {
   auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   if constexpr (W == 8) {
@@ -599,6 +634,11 @@ static inline void codes2(const uint8_t* unit, __m256i a[2], __m256i b[2]) {
     const __m256i v = load(unit + 32 * h);
     a[h] = _mm256_and_si256(v, nib);
     b[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    if constexpr (TABLE) {
+      const __m256i t = _mm256_broadcastsi128_si256(iq4nl_table8());
+      a[h] = _mm256_shuffle_epi8(t, a[h]);
+      b[h] = _mm256_shuffle_epi8(t, b[h]);
+    }
   }
   if constexpr (W == 6) {   // byte j of the high bits: quad a's bytes j and j + 32 in bits 0-1 and 2-3, quad b's in 4-5 and 6-7
     const __m256i hb = load(unit + 64), bits45 = _mm256_set1_epi8(0x30);
@@ -625,7 +665,7 @@ static inline __attribute__((always_inline)) void group8(const Act8& X, const Pa
                                    : _mm256_setzero_si256();
   for (int u = 0; u < I8<F>::UNITS; ++u) {
     __m256i a[2], b[2];
-    codes2<F::W>(grp + u * I8<F>::UNIT_BYTES, a, b);
+    codes2<F::W, table8<F>()>(grp + u * I8<F>::UNIT_BYTES, a, b);
     for (int r = 0; r < TR; ++r) {
       int32_t xa, xb;
       const int8_t* xr = X.q + (g * TR + r) * GK + 8 * u;
@@ -633,7 +673,8 @@ static inline __attribute__((always_inline)) void group8(const Act8& X, const Pa
       std::memcpy(&xb, xr + 4, 4);
       const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
       for (int h = 0; h < 2; ++h)
-        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_add_epi32(dot4<F::W>(a[h], va), dot4<F::W>(b[h], vb)));
+        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_add_epi32(dot4<table8<F>() ? 8 : F::W>(a[h], va),
+                                                                 dot4<table8<F>() ? 8 : F::W>(b[h], vb)));
     }
   }
   for (int h = 0; h < 2; ++h) {
@@ -730,7 +771,7 @@ static torch::Tensor run8(const torch::Tensor& x, const torch::Tensor& packed) {
 torch::Tensor mm8(torch::Tensor x, torch::Tensor packed, const std::string& fmt) {
   check_gemm_args(x, packed, "GGUF int8 GEMM");
   auto xs = x.contiguous();
-  return by_format(fmt, "GGUF int8 GEMM", [&](auto* f) { return run8<std::remove_pointer_t<decltype(f)>>(xs, packed); });
+  return by_format8(fmt, "GGUF int8 GEMM", [&](auto* f) { return run8<std::remove_pointer_t<decltype(f)>>(xs, packed); });
 }
 bool supported8() { return true; }
 std::string isa8() { return HD_MM8; }
@@ -931,12 +972,11 @@ static void dec_q6_k(const uint8_t* blk, Super<Q6K>& S, int c) {
 // weights are products of an fp16 and small integers, so a wider code holds them; memory: quants.py):
 //   Q3_K -> q6k: W = d (sc - 32) q, q = 2 low bits - (hmask bit ? 0 : 4) in -4..3: the code q + 32
 //          (6-bit, 28..35), the int8 scale sc - 32 a group of 16, d the super-block's;
-//   IQ4_NL -> q8h: W = d kv[q], kv IQ4_NL's table of 16 int8 values: the code kv[q], d the block's;
-//   IQ4_XS -> q8f: W = d (ls - 32) kv[q], ls a 6-bit scale a group of 32: the fp32 scale
-//          d (ls - 32); codes kv[q] (int8) and low 0 for mm, kv[q] + 128 (0..255, as mm8 reads
-//          q8f's codes: unsigned) and low -128 scale for mm8: each the same W.
-static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
+//   IQ4_NL -> q8h (mm): W = d kv[q], kv IQ4_NL's table of 16 int8 values: the code kv[q], d the
+//          block's; for mm8, q4n: the index q, kv looked up in the kernel;
+//   IQ4_XS -> q8f (mm): W = d (ls - 32) kv[q], ls a 6-bit scale a group of 32: the fp32 scale
+//          d (ls - 32), codes kv[q] (int8), low 0; for mm8, q4x: the index q, ls - 32 an int8,
+//          d the super-block's.
 static void dec_q3_k(const uint8_t* blk, Super<Q6K>& S, int c) {   // hmask[32] qs[64] scales[12] d
   std::memcpy(S.hconst(2 * c), blk + 108, 2);
   const uint8_t* sc = blk + 96;
@@ -957,19 +997,38 @@ static void dec_iq4_nl(const uint8_t* blk, Super<Q8H>& S, int c) {   // d, qs[16
     S.codes[c][e + 16] = static_cast<uint8_t>(IQ4NL_VALUES[blk[2 + e] >> 4]);
   }
 }
-template <bool INT8>
+// q4n, q4x (mm8): the file's indices and constants as they are
+static void dec_iq4_nl8(const uint8_t* blk, Super<Q4N>& S, int c) {   // d, qs[16]
+  std::memcpy(S.gconst(0, 2 * c), blk, 2);
+  for (int e = 0; e < 16; ++e) {
+    S.codes[c][e] = blk[2 + e] & 0x0F;
+    S.codes[c][e + 16] = blk[2 + e] >> 4;
+  }
+}
+static void dec_iq4_xs8(const uint8_t* blk, Super<Q4X>& S, int c) {   // d, scales_h (u16), scales_l[4], qs[128]
+  std::memcpy(S.hconst(2 * c), blk, 2);
+  const int high = u16(blk + 2);
+  for (int j = 0; j < 8; ++j) {
+    const int ls = ((blk[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
+    *S.gconst(j, c) = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+    const uint8_t* qs = blk + 8 + 16 * j;
+    for (int l = 0; l < 16; ++l) {
+      S.codes[c][32 * j + l] = qs[l] & 0x0F;
+      S.codes[c][32 * j + 16 + l] = qs[l] >> 4;
+    }
+  }
+}
 static void dec_iq4_xs(const uint8_t* blk, Super<Q8F8>& S, int c) {   // d, scales_h (u16), scales_l[4], qs[128]
   const float d = f16(blk);
   const int high = u16(blk + 2);
   for (int j = 0; j < 8; ++j) {
     const int ls = ((blk[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
-    const float scale = d * static_cast<float>(ls - 32);
-    put_f32(S.gconst(j, 4 * c), scale);
-    put_f32(S.gconst(j, 64 + 4 * c), INT8 ? -128.0f * scale : 0.0f);
+    put_f32(S.gconst(j, 4 * c), d * static_cast<float>(ls - 32));
+    put_f32(S.gconst(j, 64 + 4 * c), 0.0f);
     const uint8_t* qs = blk + 8 + 16 * j;
     for (int l = 0; l < 16; ++l) {
-      S.codes[c][32 * j + l] = static_cast<uint8_t>(IQ4NL_VALUES[qs[l] & 0x0F] + (INT8 ? 128 : 0));
-      S.codes[c][32 * j + 16 + l] = static_cast<uint8_t>(IQ4NL_VALUES[qs[l] >> 4] + (INT8 ? 128 : 0));
+      S.codes[c][32 * j + l] = static_cast<uint8_t>(IQ4NL_VALUES[qs[l] & 0x0F]);
+      S.codes[c][32 * j + 16 + l] = static_cast<uint8_t>(IQ4NL_VALUES[qs[l] >> 4]);
     }
   }
 }
@@ -1114,6 +1173,8 @@ std::tuple<torch::Tensor, std::string> pack(const std::vector<int64_t>& addresse
   const Rows raw(addresses, ns, row_bytes);
   const int64_t B = raw.blocks();
   TORCH_CHECK(K % 32 == 0, "GGUF pack: K % 32 must be 0");
+  if (int8 && type == "IQ4_NL") return {pack_all<Q4N>(raw, K, 18, dec_iq4_nl8, true), "q4n"};
+  if (int8 && type == "IQ4_XS" && K % 256 == 0) return {pack_all<Q4X>(raw, K, 136, dec_iq4_xs8, true), "q4x"};
   if (int8 && !reference) {
     if (type == "Q4_0") return {pack_fast<Q4Z>(raw, K, 18, fast_q4_0), "q4z"};
     if (type == "Q8_0") return {pack_fast<Q8H>(raw, K, 34, fast_q8_0), "q8h"};
@@ -1132,9 +1193,8 @@ std::tuple<torch::Tensor, std::string> pack(const std::vector<int64_t>& addresse
     return {pack_all<Q8F8>(raw, K, 176, dec_q5_k, int8).view({B, K / 32, Q8F::SB}), "q8f"};
   if (type == "Q6_K") return {pack_all<Q6K>(raw, K, 210, dec_q6_k, int8), "q6k"};
   if (type == "Q3_K") return {pack_all<Q6K>(raw, K, 110, dec_q3_k, int8), "q6k"};
-  if (type == "IQ4_XS")
-    return {(int8 ? pack_all<Q8F8>(raw, K, 136, dec_iq4_xs<true>, true)
-                  : pack_all<Q8F8>(raw, K, 136, dec_iq4_xs<false>, false)).view({B, K / 32, Q8F::SB}), "q8f"};
+  if (type == "IQ4_XS")   // bf16 activations (int8: q4x above)
+    return {pack_all<Q8F8>(raw, K, 136, dec_iq4_xs, false).view({B, K / 32, Q8F::SB}), "q8f"};
   TORCH_CHECK(false, "GGUF pack: no packing for ", type);
   return {torch::Tensor(), ""};
 }
