@@ -561,10 +561,9 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     if kn == "gguf" and device == "cpu" and dt == "bf16":   # (gguf-int8: compiled by the choice above)
         quants.kernel_available(quiet=quiet)   # compiled once per machine (~30 s): said, not silent
     phase("kernels")
+    # (the file's pages are not read ahead: on the EPYC's disk a background read of a cold 8B file
+    # slowed the tokenizer's phase by as much as it saved the packing's)
     kept = _layout_cache(src, dt, device, kn)
-    if gguf and not (kept is not None and kept.hit):   # the file's weights will be read: asked for now
-        import threading
-        threading.Thread(target=src.read_ahead, name="hd-read-ahead", daemon=True).start()
     phase("layouts")
     tok = _owned_tokenizer(name, src)
     phase("tokenizer")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,7 +77,6 @@ INTERLEAVED_ROPE = {"llama", "mistral", "granite"}
 
 # GGUF metadata value types (the format's enum) -> struct format of one item; 8 string, 9 array
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-READ_AHEAD_STEP = 8 << 20  # bytes asked for a call in read_ahead
 STRINGS_READ = 1 << 20    # bytes read at a time to walk a string array (a 128k vocabulary's ~2 MB)
 _ARRAY_KEPT = 4096   # numeric arrays up to this many items are read (per-layer head counts); longer ones
                      # (the tokenizer's) and every string array are skipped: transformers reads those
@@ -265,28 +263,6 @@ class GGUFFile:
                 raise HdError(f"{self.path}: tensors {infos[i][0]} and {infos[j][0]} overlap (their data share "
                               "bytes); the file is damaged")
         return spans
-
-    def read_ahead(self) -> bool:
-        """Ask the kernel to read the whole file into the page cache in the background
-        (POSIX_FADV_WILLNEED), as llama.cpp's loader does: a load that repacks every tensor then
-        finds them read while it builds the tokenizer, instead of faulting them in one by one
-        (an 8B Q4_K_M file from the EPYC's disk: ~9 s of its first start). Not for a file larger
-        than half the machine's memory (it would push out what it reads first). Whether asked.
-        The asking blocks for seconds (the reads are queued): call it on a thread of its own."""
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if not hasattr(os, "posix_fadvise") or self.path.stat().st_size > memory // 2:
-                return False
-            fd = os.open(self.path, os.O_RDONLY)
-            try:   # the kernel reads at most a few MB a call (8 on the EPYC's): asked for in such steps
-                size = os.fstat(fd).st_size
-                for at in range(0, size, READ_AHEAD_STEP):
-                    os.posix_fadvise(fd, at, READ_AHEAD_STEP, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-            return True
-        except (OSError, ValueError):
-            return False
 
     def release(self) -> None:
         """Let the kernel drop the file's pages this process has read (they stay in the page
