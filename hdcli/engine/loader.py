@@ -543,8 +543,8 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     dtype: owned_dtype; kernels: owned_kernels; invariant as in load(); source: what the model
     was resolved to (cache keys), by default the file's path; opened_seconds: the time opening
     it took (counted in load_seconds). info["load_phases"]: seconds by phase (open, kernels:
-    the kernel choice and extensions, layouts: mapping the layout cache, tokenizer, weights,
-    invariant: the attention choice, calibration and self-check), where a start's time goes."""
+    the kernel choice and extensions, tokenizer, weights, invariant: the attention choice,
+    calibration and self-check), where a start's time goes."""
     import torch
     t0 = time.perf_counter() - opened_seconds
     phases = {"open": opened_seconds}
@@ -561,10 +561,6 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     if kn == "gguf" and device == "cpu" and dt == "bf16":   # (gguf-int8: compiled by the choice above)
         quants.kernel_available(quiet=quiet)   # compiled once per machine (~30 s): said, not silent
     phase("kernels")
-    # (the file's pages are not read ahead: on the EPYC's disk a background read of a cold 8B file
-    # slowed the tokenizer's phase by as much as it saved the packing's)
-    kept = _layout_cache(src, dt, device, kn)
-    phase("layouts")
     tok = _owned_tokenizer(name, src)
     phase("tokenizer")
     num = Numerics(dtype=dt, device=device, kernels=kn, invariant=invariant != "off")
@@ -573,6 +569,7 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     shown = name if local_models.is_store_name(name) else Path(source).name   # not an Ollama blob's hash
     bar = tqdm(total=cfg.num_hidden_layers, desc=f"loading {shown}", unit=" layers",
                file=sys.stderr, disable=quiet, mininterval=0.5, leave=False)
+    kept = _layout_cache(src, dt, device, kn)
     try:
         with torch.inference_mode(), bar:
             model = build(src, cfg, num, progress=bar.update)
