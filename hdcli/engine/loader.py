@@ -582,15 +582,13 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
         print(widened, file=sys.stderr, flush=True)
     phase("weights")
     info: dict = {"forward": f"hd ({model.family})", "file_types": src.type_counts()}
-    if kept is not None:
-        info["layout_cache"] = {"path": str(kept.path), "hit": kept.hit, "writing_bytes": kept.writing}
     on = _invariant_mode(name, model, source, num, invariant, quiet, info)
     phase("invariant")
     if kept is not None:   # written on a thread of its own where it was not read, once the model is
         kept.keep(model)   # ready: copying gigabytes into the page cache takes a core the build's GEMMs need
         for line in kept.warnings + ([kept.note] if kept.note and not quiet else []):
             print(line, file=sys.stderr, flush=True)
-        info["layout_cache"]["writing_bytes"] = kept.writing
+        info["layout_cache"] = {"path": str(kept.path), "hit": kept.hit, "writing_bytes": kept.writing}
     info["load_phases"] = {k: round(v, 3) for k, v in phases.items()}
     num.invariant = on
     num.attention = fused.name() if on else "sdpa"
