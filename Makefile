@@ -31,8 +31,9 @@ demo: setup
 	$(BIN)/hd build-stats sample_corpora/assistant_answers.jsonl -o out/sample_stats.lmdb --min-count 1 --overwrite
 	$(BIN)/hd generate --compare --max-new-tokens 200 --prompt-file sample_corpora/demo_prompt.txt --stats-db out/sample_stats.lmdb
 
+# --durations=15: the slowest tests close every run, so a slow one is seen the day it lands
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # What a GPU machine of the `device` tool lacks (Python 3.12, torch and transformers there), as
 # wheels in .whl/ to carry: docs/gpu.md. transformers is pinned to the version CI tests with.

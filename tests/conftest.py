@@ -5,8 +5,14 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import pytest
-import torch
+# HD_CPU=avx2 runs the suite as on an AVX2-only CPU (most users'; engine/environment.py) on a newer
+# one: torch's kernels and oneDNN are capped to AVX2 too, which they read once, before torch loads
+if os.environ.get("HD_CPU", "").strip().lower() == "avx2":
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 WORDS = ("the a cat dog sat on mat and then it was very good bad day night sun moon red blue "
          "green one two three four five is are we you they run jump eat sleep big small "
@@ -163,3 +169,42 @@ def step_together(model, streams, max_nodes=None) -> None:
     trees = [s.propose(max_nodes=max_nodes) for s in live]
     for s, rows in zip(live, batch.forward_many(model, [(t, s.history[-1], s.cache) for s, t in zip(live, trees)])):
         s.accept(rows)
+
+
+def hd_main(*args, env: dict | None = None, input: str | None = None, cwd=None):
+    """`hd ARGS` run in this process as the console script runs it (cli.main: one-line errors,
+    exit codes), returning a subprocess.CompletedProcess: for CLI tests whose subject is what a
+    command says and leaves behind, not the process (signals, kills, a fresh interpreter's
+    warnings, stdin of a pipe stay subprocesses). `env` is set for the call only (None values
+    unset); an exception main lets through is exit 1 with its traceback on stderr, as python's."""
+    import contextlib
+    import io
+    import subprocess
+    import sys
+    import traceback
+    from hdcli import cli
+    argv = ["hd", *map(str, args)]
+    out, err = io.StringIO(), io.StringIO()
+    mp = pytest.MonkeyPatch()
+    for k, v in (env or {}).items():
+        if v is None:
+            mp.delenv(k, raising=False)
+        else:
+            mp.setenv(k, str(v))
+    mp.setattr(sys, "argv", argv)
+    mp.setattr(sys, "stdin", io.StringIO(input or ""))
+    if cwd is not None:
+        mp.chdir(cwd)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except Exception:  # noqa: BLE001 - what python prints for an uncaught exception
+                traceback.print_exc()
+                code = 1
+    finally:
+        mp.undo()
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +11,8 @@ from hdcli.drafting import Hierarchy, LayerSpec, registry
 from hdcli.errors import HdError
 from hdcli.hsd.stack import ModelStack
 
-HD = [sys.executable, "-m", "hdcli.cli"]
+from conftest import hd_main
+
 
 
 def test_every_form_of_an_option_gives_one_config():
@@ -106,21 +105,19 @@ def test_a_registered_layer_runs_without_touching_the_cli_and_stays_exact(tiny_l
 def test_generate_json_records_a_config_that_repeats_the_run(tiny_model_dir, tmp_path):
     args = ["generate", "--model", str(tiny_model_dir), "-p", "the cat sat on the", "-n", "12",
             "--raw", "--candidates", "2", "--json"]
-    first = subprocess.run(HD + args, capture_output=True, text=True, timeout=300)
+    first = hd_main(*args)
     assert first.returncode == 0, first.stderr
     run = tmp_path / "run.json"
     run.write_text(first.stdout)
     rec = json.loads(first.stdout)
     assert rec["config"]["candidates"] == 2 and rec["config"]["layers"] == ["context", "recycle"]
     assert rec["config"]["kernels"] in ("torch", "onednn") and rec["config"]["min_n"] in (1, 2)
-    again = subprocess.run(HD + ["generate", "-p", "the cat sat on the", "--config", str(run), "--json"],
-                           capture_output=True, text=True, timeout=300)
+    again = hd_main("generate", "-p", "the cat sat on the", "--config", str(run), "--json")
     assert again.returncode == 0, again.stderr
     rec2 = json.loads(again.stdout)
     assert rec2["tokens"] == rec["tokens"] and rec2["config"] == rec["config"]
     # an option given beside --config wins over the file
-    over = subprocess.run(HD + ["generate", "-p", "the cat sat on the", "--config", str(run), "-n", "3",
-                                "--json"], capture_output=True, text=True, timeout=300)
+    over = hd_main("generate", "-p", "the cat sat on the", "--config", str(run), "-n", "3", "--json")
     assert json.loads(over.stdout)["config"]["max_new_tokens"] == 3
 
 

@@ -1,5 +1,6 @@
 """The forward-cost curve: measured so that load cannot fake
-it, re-measured when implausible or old; loading a model measures nothing."""
+it, re-measured when implausible or old; loading a model measures nothing. The measurement's
+logic runs on a model's own clock (SleepyModel), so no test here rides on the machine's load."""
 from __future__ import annotations
 
 import json
@@ -17,15 +18,28 @@ from hdcli.engine.model.target import TransformersForward
 from conftest import tiny_llama
 
 
+class Clock:
+    """Seconds that pass only when a SleepyModel says its forward took them: what the tests check
+    is the measurement's logic, not this machine's load (another process on the cores changes
+    nothing here)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class SleepyModel(TransformersForward):
     """A tiny llama (a TargetModel over transformers' forward) whose forward over w tokens takes
-    base + per_token * w seconds, except calls number `burst` (a set) that take `slow` times
-    longer: another process loading the CPU."""
+    base + per_token * w seconds on its own clock, except calls number `burst` (a set) that take
+    `slow` times longer: another process loading the CPU."""
 
     def __init__(self, base=0.008, per_token=0.002, burst=(), slow=6.0):
         super().__init__(tiny_llama(40))
         self.base, self.per_token, self.burst, self.slow = base, per_token, set(burst), slow
         self.calls = 0
+        self.clock = Clock()
 
     def forward(self, input_ids, cache=None, position_ids=None, mask=None):
         out = super().forward(input_ids, cache, position_ids, mask)
@@ -33,11 +47,7 @@ class SleepyModel(TransformersForward):
         if self.calls in self.burst:
             t *= self.slow
         self.calls += 1
-        # spin, not sleep: a forward keeps the CPU busy, and an idle vCPU woken from a sleep runs
-        # the next short call measurably slower on a VM, which is not what is under test
-        end = time.perf_counter() + t
-        while time.perf_counter() < end:
-            pass
+        self.clock.now += t
         return out
 
 
@@ -53,9 +63,10 @@ def test_a_load_burst_cannot_fake_a_flat_curve():
     the first two timed rounds, the one-token forwards included) changes nothing: widths are
     interleaved and each keeps its least time. (Timing each width's repeats in one block and
     taking the median, as before, turned such a stretch into a flat 1.0 curve.)"""
-    quiet = costs.measure(SleepyModel(), context=8, repeats=6, widths=WIDTHS)
+    calm = SleepyModel()
+    quiet = costs.measure(calm, context=8, repeats=6, widths=WIDTHS, clock=calm.clock)
     m = SleepyModel(burst=range(0, 1 + 4 + 2 * 4))
-    curve = costs.measure(m, context=8, repeats=6, widths=WIDTHS)
+    curve = costs.measure(m, context=8, repeats=6, widths=WIDTHS, clock=m.clock)
     for w in WIDTHS:
         assert curve(w) == pytest.approx(quiet(w), rel=0.3), (w, curve.to_dict(), quiet.to_dict())
     assert curve(48) > 0.5 * true_cost(m, 48) > 5
@@ -63,27 +74,29 @@ def test_a_load_burst_cannot_fake_a_flat_curve():
 
 def test_curve_is_monotone_and_starts_at_one():
     m = SleepyModel(per_token=0.0005)
-    curve = costs.measure(m, context=8, repeats=2, widths=WIDTHS)
+    curve = costs.measure(m, context=8, repeats=2, widths=WIDTHS, clock=m.clock)
     assert curve(1) == 1.0 and all(a <= b for a, b in zip(curve.costs, curve.costs[1:]))
-    # a sleep never returns early, and a loaded machine only ever makes it later: a bound below, and a
-    # loose one above (a width-64 time taken for the one-token time would be 64 sleeps)
-    assert m.base + m.per_token <= curve.one_token_seconds < m.base + 32 * m.per_token
+    # the one-token time is the one-token forward's, not a wider one's (a width-48 time taken
+    # for it would be 48 tokens' worth)
+    assert curve.one_token_seconds == pytest.approx(m.base + m.per_token)
+    assert curve(48) == pytest.approx(true_cost(m, 48))
 
 
 def test_implausible_flat_curve_is_measured_again_and_never_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(costs, "MIN_PARAMS_FOR_SLOPE", 0)  # treat the tiny model as a big one
-    monkeypatch.setattr(costs, "FLAT_LIMIT", 1.5)  # (its own compute adds a little per token)
+    monkeypatch.setattr(costs, "FLAT_LIMIT", 1.5)
     m = SleepyModel(base=0.006, per_token=0.0)  # every width costs the same: impossible on a CPU
     key = "test-flat"
-    curve = costs.cached_curve(key, m, quiet=True)
+    curve = costs.cached_curve(key, m, quiet=True, clock=m.clock)
     assert curve.info["plausible"] is False
     assert m.calls > 1 + 2 * len(costs.WIDTHS) * (costs.ROUNDS + 1)  # two measurements (and prefills)
     assert costs._read(key) is None and not list((tmp_path / "costs").glob("*.json"))
     # a sane curve is cached, with its absolute times
     monkeypatch.setattr(costs, "MIN_PARAMS_FOR_SLOPE", 10 ** 12)
     costs._CURVES.clear()
-    got = costs.cached_curve("test-sane", SleepyModel(), quiet=True)
+    sane = SleepyModel()
+    got = costs.cached_curve("test-sane", sane, quiet=True, clock=sane.clock)
     back = costs._read("test-sane")
     assert back is not None and back.to_dict() == got.to_dict()
     assert back.one_token_seconds == got.one_token_seconds

@@ -204,29 +204,33 @@ def test_gemma3_rows_past_the_sliding_window_equal_one_token_rows():
     assert Decoder(lm.model, (), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
 
 
-@pytest.mark.bundled
-def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tmp_path):
+def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(tiny_model_dir, tmp_path, monkeypatch):
     """The attention is chosen by timing (fused or torch ops) and changes the numbers: a run's
     JSON records it, and `--config` of that JSON gives the same tokens in a process whose own
-    choice is the other one (HD_FUSED_ATTENTION flips it here)."""
-    require_bundled()
+    choice is the other one (HD_FUSED_ATTENTION flips it here). Each run is `hd generate` in this
+    process with the process's choice forgotten first (fused.KERNEL.decision: once a process),
+    on the tiny checkpoint in the M-invariant mode: the record's path is the subject, not the
+    model's size."""
+    from conftest import hd_main
     from hdcli.engine.kernels import fused
     if fused.load(quiet=True) is None:
         pytest.skip("the fused attention does not compile here")
-    env = dict(os.environ, HD_CACHE_DIR=str(tmp_path / "cache"))
-    hd = [str(Path(sys.executable).with_name("hd"))]
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(fused.KERNEL, "decision", None)
+    monkeypatch.setattr(fused.KERNEL, "on", False)
+    model = ["--model", str(tiny_model_dir), "--invariant", "on"]
 
-    def run(*args, flip=None):
-        e = dict(env, HD_FUSED_ATTENTION=flip) if flip else env
-        out = subprocess.run(hd + ["generate", "--json", *args], capture_output=True, text=True, env=e, timeout=600)
+    def run(*args, flip):
+        fused.KERNEL.decision = None   # a new process decides again
+        out = hd_main("generate", "--json", *args, env={"HD_FUSED_ATTENTION": flip})
         assert out.returncode == 0, out.stderr[-1500:]
         return json.loads(out.stdout)
-    first = run("-p", "hi", "-n", "12", "--dtype", "bf16", flip="1")
-    assert first["config"]["attention"] == "fused"
+    first = run(*model, "-p", "the cat sat", "-n", "12", flip="1")
+    assert first["config"]["attention"] == "fused" and first["config"]["invariant"] == "on"
     (tmp_path / "run.json").write_text(json.dumps(first))
-    again = run("-p", "hi", "--config", str(tmp_path / "run.json"), flip="0")
+    again = run("-p", "the cat sat", "--config", str(tmp_path / "run.json"), flip="0")
     assert again["config"]["attention"] == "fused" and again["tokens"] == first["tokens"]
-    other = run("-p", "hi", "-n", "12", "--dtype", "bf16", flip="0")   # the other choice is recorded too
+    other = run(*model, "-p", "the cat sat", "-n", "12", flip="0")   # the other choice is recorded too
     assert other["config"]["attention"] == "torch"
 
 

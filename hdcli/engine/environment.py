@@ -14,6 +14,11 @@ functions), so that what can change a run from outside its options is listed in 
   HD_FUSED_TILE       the compiled attention's tile height, forced (tests and timing only: it
                       changes how rows share loops, never a row's arithmetic); passed to the
                       extension by fused.py.
+  HD_CPU              "avx2": hd takes this CPU for one with AVX2 and no AVX-512 (most users'
+                      desktops and laptops): its kernels built for x86-64-v3, bf16 taken as emulated,
+                      records keyed apart. For testing and measuring that path on a newer CPU; torch's
+                      own kernels follow only where ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2
+                      are set before torch loads (tests/conftest.py sets them).
   HF_HUB_OFFLINE, HF_ENDPOINT
                       Hugging Face's own: whether a hub id may be looked up online, and where.
 """
@@ -80,6 +85,11 @@ def fused_tile() -> int:
         return int(os.environ.get("HD_FUSED_TILE", "0") or 0)
     except ValueError:
         return 0
+
+
+def cpu_cap() -> str | None:
+    """"avx2" where HD_CPU asks hd to run as on an AVX2-only CPU, else None (this CPU as it is)."""
+    return "avx2" if os.environ.get("HD_CPU", "").strip().lower() == "avx2" else None
 
 
 def hub_offline() -> bool:

@@ -44,6 +44,7 @@ from ..errors import HdError
 from . import local_models
 from .environment import cache_dir as configured
 from .environment import check_cache_dir
+from .environment import cpu_cap
 from .environment import hub_endpoint
 from .environment import hub_offline
 from .environment import layout_cache
@@ -152,7 +153,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def native_bf16() -> bool:
     """Whether the CPU computes in bf16 natively (AVX-512 BF16 or AMX): else bf16 is emulated and
-    never the faster dtype."""
+    never the faster dtype. False where HD_CPU=avx2 runs hd as on an AVX2-only CPU."""
+    if cpu_cap() == "avx2":
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

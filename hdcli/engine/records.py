@@ -16,20 +16,32 @@ import platform
 import sys
 from pathlib import Path
 
-from .environment import cache_dir
+from .environment import cache_dir, cpu_cap
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_name() -> str:
-    """The CPU model (lscpu's 'Model name'), part of every cache key: curves do not travel.
+    """The CPU model (lscpu's 'Model name'), with its family and model numbers where it names an
+    x86 CPU, part of every cache key: curves do not travel. The numbers matter where a VM names
+    a Zen 3 and a Zen 5 alike ("AMD EPYC"): a kernel built for one's AVX-512 must never load on
+    the other. " (as AVX2)" where HD_CPU=avx2 runs hd as on such a CPU (environment.cpu_cap).
     Read once per process: every curve lookup (each api.generate) builds a key."""
+    name, numbers = platform.processor() or platform.machine(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name":
+                name = value.strip()
+            elif key in ("cpu family", "model") and key not in numbers:
+                numbers[key] = value.strip()
+            if key == "flags":   # the first processor's block is read whole by now
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if len(numbers) == 2:
+        name += f" (family {numbers['cpu family']} model {numbers['model']})"
+    return name + (" (as AVX2)" if cpu_cap() == "avx2" else "")
 
 
 def cache_root() -> Path:

@@ -135,9 +135,11 @@ def _progress(total: int, desc: str, quiet: bool):
 
 @torch.inference_mode()
 def measure_seconds(model, context: int = 256, rounds: int = ROUNDS, widths=WIDTHS,
-                    desc: str = "measuring forward cost", quiet: bool = False) -> dict[int, float]:
+                    desc: str = "measuring forward cost", quiet: bool = False,
+                    clock=time.perf_counter) -> dict[int, float]:
     """Least time of a w-token forward over a `context`-token cache, per width, over `rounds`
-    interleaved rounds (see the module docstring)."""
+    interleaved rounds (see the module docstring). `clock` reads seconds: the tests pass one that
+    the model itself advances, so what they check does not ride on this machine's load."""
     device = model.device
     vocab = model.config.vocab_size
     ctx = torch.arange(context, device=device)[None] % vocab
@@ -149,11 +151,11 @@ def measure_seconds(model, context: int = 256, rounds: int = ROUNDS, widths=WIDT
     def once(w: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         model.forward(inputs[w], cache)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         cache.crop(-(cache.get_seq_length() - base))
         return dt
 
@@ -204,22 +206,23 @@ def budget_for(model) -> tuple[int, int]:
 
 
 def measure(model, context: int = 256, repeats: int = ROUNDS, widths=WIDTHS, quiet: bool = True,
-            desc: str = "measuring forward cost") -> CostCurve:
+            desc: str = "measuring forward cost", clock=time.perf_counter) -> CostCurve:
     """The cost curve of `model`: least times over interleaved rounds, relative to w = 1, checked
     for plausibility and measured once more (twice the rounds) when it fails."""
-    curve = curve_from_seconds(measure_seconds(model, context, repeats, widths, desc, quiet))
+    curve = curve_from_seconds(measure_seconds(model, context, repeats, widths, desc, quiet, clock))
     ok = plausible(curve, model)
     if not ok:
         curve = curve_from_seconds(measure_seconds(model, context, 2 * repeats, widths,
-                                                   desc + " (again: the first looked loaded)", quiet))
+                                                   desc + " (again: the first looked loaded)", quiet, clock))
         ok = plausible(curve, model)
     curve.info["plausible"] = ok
-    curve.branch, curve.stream = measure_extras(model, context, repeats, quiet)
+    curve.branch, curve.stream = measure_extras(model, context, repeats, quiet, clock)
     return curve
 
 
 @torch.inference_mode()
-def measure_extras(model, context: int = 256, rounds: int = ROUNDS, quiet: bool = True) -> tuple[float, float]:
+def measure_extras(model, context: int = 256, rounds: int = ROUNDS, quiet: bool = True,
+                   clock=time.perf_counter) -> tuple[float, float]:
     """(branch, stream) of the module docstring, in one-token forwards: an 8-row tree against an
     8-row chain, 4 one-token streams in one batched forward against a 4-token chain, all timed in
     interleaved rounds (least time of each). stream is 1 (a forward each) where the model does
@@ -249,11 +252,11 @@ def measure_extras(model, context: int = 256, rounds: int = ROUNDS, quiet: bool 
         items = [(t, root, c) for t, c in zip(shapes[name], caches)]
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         batch.forward_many(model, items)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         for c in caches:
             if c.get_seq_length() > base:
                 c.crop(base - c.get_seq_length())   # (crop(0) would empty it)
@@ -332,7 +335,8 @@ def _write(key: str, curve: CostCurve) -> None:
 
 
 def cached_curve(key: str, model, remeasure: bool = False, quiet: bool = False,
-                 desc: str = "measuring forward cost", measure_missing: bool = True) -> CostCurve | None:
+                 desc: str = "measuring forward cost", measure_missing: bool = True,
+                 clock=time.perf_counter) -> CostCurve | None:
     """The curve for key from this process, the disk cache, or measured now on `model` (cached
     only when plausible; None instead of measuring when measure_missing is False)."""
     if not remeasure:
@@ -345,7 +349,7 @@ def cached_curve(key: str, model, remeasure: bool = False, quiet: bool = False,
     if not measure_missing:
         return None
     context, rounds = budget_for(model)
-    curve = _CURVES[key] = measure(model, context=context, repeats=rounds, quiet=quiet, desc=desc)
+    curve = _CURVES[key] = measure(model, context=context, repeats=rounds, quiet=quiet, desc=desc, clock=clock)
     if curve.info.get("plausible", True):
         _write(key, curve)
     return curve

@@ -4,6 +4,7 @@ and the flags, so a binary built for another CPU or source is never loaded.
 
   * -O3 -march=native -ffp-contract=off, no -ffast-math: vector and scalar code round alike and no
     sum is reordered, whatever the compiler vectorises (the kernels' exactness rests on this).
+    -march=x86-64-v3 (AVX2, FMA, F16C) instead where HD_CPU=avx2 asks for the AVX2-only path.
   * A build lock left by a killed build is removed after STALE_LOCK_SECONDS, said in one line.
 """
 from __future__ import annotations
@@ -17,11 +18,16 @@ from pathlib import Path
 
 import torch
 
+from ..environment import cpu_cap
 from ..records import cpu_name
 
-# -fopenmp: at::parallel_for runs on threads only where OpenMP is on in the extension itself; the
-# process has one OpenMP runtime all the same (torch's libgomp is loaded first and shares its soname)
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+
+def flags() -> list[str]:
+    """The compiler's flags. -fopenmp: at::parallel_for runs on threads only where OpenMP is on in
+    the extension itself; the process has one OpenMP runtime all the same (torch's libgomp is
+    loaded first and shares its soname)."""
+    march = "-march=x86-64-v3" if cpu_cap() == "avx2" else "-march=native"
+    return ["-O3", march, "-ffp-contract=off", "-fopenmp"]
 class OnePerProcess:
     """A compiled kernel's state (fused.KERNEL, quants.GEMM): one a process. A copied model (torch.ao's
     quantize_dynamic copies one) shares it: its compiled module cannot be copied."""
@@ -36,7 +42,7 @@ STALE_LOCK_SECONDS = 180   # a build takes ~30 s (a minute on a loaded machine);
 def extension_name(source: Path, prefix: str) -> str:
     """A compiled extension's name: prefix + a hash of its source, the CPU, torch and the flags, so
     a binary built for another CPU or source is never loaded."""
-    h = hashlib.sha256((source.read_text() + cpu_name() + torch.__version__ + " ".join(FLAGS)).encode())
+    h = hashlib.sha256((source.read_text() + cpu_name() + torch.__version__ + " ".join(flags())).encode())
     return prefix + h.hexdigest()[:12]
 
 
@@ -66,7 +72,7 @@ def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
             print(f"hd: compiling {what} (once per machine, ~30 s)...", file=sys.stderr, flush=True)
 
         def build():
-            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=FLAGS,
+            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags(),
                                       extra_ldflags=["-fopenmp"], verbose=False)
         try:
             module = build()
