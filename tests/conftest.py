@@ -176,13 +176,19 @@ def hd_main(*args, env: dict | None = None, input: str | None = None, cwd=None):
     exit codes), returning a subprocess.CompletedProcess: for CLI tests whose subject is what a
     command says and leaves behind, not the process (signals, kills, a fresh interpreter's
     warnings, stdin of a pipe stay subprocesses). `env` is set for the call only (None values
-    unset); an exception main lets through is exit 1 with its traceback on stderr, as python's."""
+    unset); an exception main lets through is exit 1 with its traceback on stderr, as python's.
+    What a process's end would undo is undone: cost curves it remembered (a new process reads
+    them from its HD_CACHE_DIR) and the DB environments it opened (closed, their lock files gone)."""
     import contextlib
     import io
     import subprocess
     import sys
     import traceback
     from hdcli import cli
+    from hdcli.db import stores
+    from hdcli.engine.decode import costs
+    costs._CURVES.clear()
+    envs_before = set(stores._ENVS)
     argv = ["hd", *map(str, args)]
     out, err = io.StringIO(), io.StringIO()
     mp = pytest.MonkeyPatch()
@@ -207,4 +213,7 @@ def hd_main(*args, env: dict | None = None, input: str | None = None, cwd=None):
                 code = 1
     finally:
         mp.undo()
+        for real in set(stores._ENVS) - envs_before:
+            stores.forget_env(real)
+        costs._CURVES.clear()
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())

@@ -19,7 +19,15 @@ pytest.importorskip("distributed")
 HD = [sys.executable, "-m", "hdcli.cli"]
 
 
-def hd_proc(*args, **kw):
+def hd_proc(*args):
+    """`hd ARGS` in this process (conftest.hd_main); a local cluster's workers are processes all
+    the same."""
+    from conftest import hd_main
+    return hd_main(*args)
+
+
+def hd_sub(*args, **kw):
+    """`hd ARGS` in a process of its own, under a timeout: where a scheduler dies under it."""
     return subprocess.run(HD + [str(a) for a in args], capture_output=True, text=True, **kw)
 
 
@@ -133,8 +141,8 @@ def test_a_cluster_that_goes_away_leaves_no_output(tiny_model_dir, tmp_path):
         killer = threading.Thread(target=kill_once_tasks_wait)
         killer.start()
         paths = corpus(tmp_path, docs=200)
-        p = hd_proc("build-stats", *paths, "-o", tmp_path / "s.lmdb", "-m", str(tiny_model_dir),
-                    "--cluster", address, timeout=240)
+        p = hd_sub("build-stats", *paths, "-o", tmp_path / "s.lmdb", "-m", str(tiny_model_dir),
+                   "--cluster", address, timeout=240)
         killer.join()
         assert p.returncode == 2 and "nothing was written" in p.stderr and "Traceback" not in p.stderr, \
             p.stderr[-3000:]

@@ -20,7 +20,7 @@ from hdcli.serve.server import Server, listening_socket
 from hdcli.serve import tenants
 from hdcli.serve.scheduler import Job, Scheduler
 
-from test_reliability import hd_proc, one_line_error
+from test_reliability import hd_sub, one_line_error
 from test_serve import PROMPTS, Running, chat, config, http, model_dir  # noqa: F401 - model_dir: a fixture
 
 openai = pytest.importorskip("openai")
@@ -75,7 +75,7 @@ def test_two_keys_never_share_a_name(tmp_path):
 def test_duplicate_key_names_stop_hd_serve_in_one_line(tmp_path, model_dir):
     f = tmp_path / "keys"
     f.write_text("alice K1\nalice K2\n")
-    err = one_line_error(hd_proc("serve", "--model", model_dir, "--api-keys-file", f, timeout=120))
+    err = one_line_error(hd_sub("serve", "--model", model_dir, "--api-keys-file", f, timeout=120))
     assert f"{f} line 2" in err and "alice" in err
 
 
@@ -143,7 +143,7 @@ def test_non_finite_serve_options_are_refused(model_dir, option, value):
 
 
 def test_nan_drain_timeout_stops_hd_serve_in_one_line(model_dir):
-    err = one_line_error(hd_proc("serve", "--model", model_dir, "--drain-timeout", "nan", "--port", "0",
+    err = one_line_error(hd_sub("serve", "--model", model_dir, "--drain-timeout", "nan", "--port", "0",
                                  timeout=120))
     assert "--drain-timeout" in err and "nan" in err
 

@@ -17,6 +17,7 @@ from hdcli.db import statsdb, stores
 from hdcli.errors import HdError
 from hdcli.engine.kernels import build
 
+from conftest import hd_main
 from test_cli import run
 
 HD = [sys.executable, "-m", "hdcli.cli"]
@@ -24,7 +25,15 @@ TEXTS = ["the cat sat on the mat and then the dog ran up", "one two three four o
          "hello world the sun is big and the moon is small", "we run and jump and eat and sleep"]
 
 
-def hd_proc(*args, **kw):
+def hd_proc(*args, env=None):
+    """`hd ARGS` as the console script runs it, in this process (conftest.hd_main): what it says,
+    its exit code and what it leaves behind."""
+    return hd_main(*args, env=env)
+
+
+def hd_sub(*args, **kw):
+    """`hd ARGS` in a process of its own: where the process is the subject (it is killed, limited,
+    raced, or must not take this one down with it: a server that fails to refuse would serve)."""
     return subprocess.run(HD + [str(a) for a in args], capture_output=True, text=True, **kw)
 
 
@@ -333,7 +342,7 @@ def test_truncated_db_is_one_line_everywhere_and_leaves_no_lock(tiny_model_dir, 
     for args in (["db", "info", half], ["db", "verify", half], ["db", "query", half, "--text", "the", "-m", m],
                  ["generate", "-m", m, "-p", "the cat", "-n", "4", "--stats-db", half],
                  ["merge-stats", half, good, "-o", tmp_path / "m.lmdb"]):
-        err = one_line_error(hd_proc(*args))
+        err = one_line_error(hd_sub(*args))   # a process of its own: the bug was a SIGBUS
         assert "half.lmdb is truncated" in err, (args, err)
     assert not (tmp_path / "half.lmdb-lock").exists() and not (tmp_path / "m.lmdb").exists()
 
@@ -355,11 +364,11 @@ def test_damaged_db_is_found_by_verify_and_refused_by_merge(tiny_model_dir, tmp_
         data[3 * psize - 3] ^= 0x01
     bad = tmp_path / "bad.lmdb"
     bad.write_bytes(bytes(data))
-    p = hd_proc("db", "verify", bad, "--json")
+    p = hd_sub("db", "verify", bad, "--json")   # damaged pages must not take the test run down
     report = json.loads(p.stdout)
     assert p.returncode == 1 and not report["ok"] and report["dbs"][0]["problems"], p.stdout
     other = _stats_db(tiny_model_dir, tmp_path, "other.lmdb")
-    err = one_line_error(hd_proc("merge-stats", other, bad, "-o", tmp_path / "m.lmdb"))
+    err = one_line_error(hd_sub("merge-stats", other, bad, "-o", tmp_path / "m.lmdb"))
     assert "bad.lmdb" in err and "damaged" in err
     assert not (tmp_path / "m.lmdb").exists()
     assert not [x for x in tmp_path.iterdir() if ".tmp-" in x.name]
@@ -459,9 +468,11 @@ def test_outputs_follow_the_umask(tiny_model_dir, tmp_path, umask, mode):
     write_corpus(corpus, 8)
     out = tmp_path / "s.lmdb"
     for extra in ([], ["--overwrite"]):
-        p = subprocess.run(HD + ["build-stats", str(corpus), "-o", str(out), "-m", str(tiny_model_dir),
-                                 *extra], capture_output=True, text=True,
-                           preexec_fn=lambda: os.umask(umask))
+        old = os.umask(umask)
+        try:
+            p = hd_proc("build-stats", corpus, "-o", out, "-m", tiny_model_dir, *extra)
+        finally:
+            os.umask(old)
         assert p.returncode == 0, p.stderr[-1000:]
         assert out.stat().st_mode & 0o777 == mode, (extra, oct(out.stat().st_mode))
 
@@ -512,11 +523,13 @@ def _cache_records(cache):
 
 def test_malformed_cache_records_are_dropped_and_measured_again(tiny_model_dir, tmp_path):
     """A record with the right key and a wrong type (an edited or damaged file) made every run exit 1
-    with a TypeError, `hd costs --remeasure` too. Now each is dropped in one line and measured again."""
+    with a TypeError, `hd costs --remeasure` too. Now each is dropped in one line and measured again.
+    Processes of their own: what a process decides once (the attention) is read from the records
+    by a new one."""
     env = {**os.environ, "HD_CACHE_DIR": str(tmp_path / "cache")}
     m = str(tiny_model_dir)
     gen = ["generate", "-m", m, "-p", "the cat sat", "-n", "4", "--json"]
-    first = hd_proc(*gen, env=env)
+    first = hd_sub(*gen, env=env)
     assert first.returncode == 0, first.stderr[-2000:]
     records = _cache_records(tmp_path / "cache")
     assert set(records) == {"costs", "attention", "invariant"}, records
@@ -527,14 +540,14 @@ def test_malformed_cache_records_are_dropped_and_measured_again(tiny_model_dir, 
             rec = json.loads(records[kind].read_text())
             records[kind].write_text(json.dumps({**rec, field: value}))
     spoil()
-    p = hd_proc(*gen, env=env)
+    p = hd_sub(*gen, env=env)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert json.loads(p.stdout)["tokens"] == json.loads(first.stdout)["tokens"]
     for kind, path in records.items():
         assert f"warning: {path}: " in p.stderr and "is malformed; re-measuring" in p.stderr, (kind, p.stderr)
         assert json.loads(path.read_text())[bad[kind][0]] != bad[kind][1]   # measured and written again
     spoil()
-    p = hd_proc("costs", "-m", m, "--remeasure", "--json", env=env)
+    p = hd_sub("costs", "-m", m, "--remeasure", "--json", env=env)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert p.stderr.count("is malformed; re-measuring") == 2   # attention, invariant (costs: not read)
 
