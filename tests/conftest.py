@@ -106,6 +106,13 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def serve_model_dir(tmp_path_factory):
+    """The tiny model at hidden 64 that the server tests serve: one folder for the session, so its
+    cost curve and M-invariant calibration (keyed by its path) are measured once, not per module."""
+    return save_tiny_model(tmp_path_factory.mktemp("serve-llama"), hidden=64)
+
+
+@pytest.fixture(scope="session")
 def tiny_lm(tiny_model_dir):
     """Packed where oneDNN exists: the suite runs the packed path whatever `auto` would keep here."""
     from hdcli.engine.kernels import dense as kernels

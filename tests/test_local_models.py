@@ -5,17 +5,14 @@ model's blob (linked, not copied)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from hdcli.engine import loader, local_models
 from hdcli.errors import HdError
 
-from conftest import require_bundled
+from conftest import hd_main, require_bundled
 
-HD = [sys.executable, "-m", "hdcli.cli"]
 HEX = "ab" * 32
 
 
@@ -105,7 +102,7 @@ def test_a_damaged_ollama_store_is_said_in_one_line(stores, fault, message):
 
 
 def test_hd_models_lists_both_stores_with_architecture_and_quantization(stores):
-    out = subprocess.run(HD + ["models", "--json"], capture_output=True, text=True, timeout=120)
+    out = hd_main("models", "--json")
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     names = [m["name"] for m in rep["models"]]
@@ -114,17 +111,17 @@ def test_hd_models_lists_both_stores_with_architecture_and_quantization(stores):
     first = rep["models"][0]
     assert first["architecture"] == "llama" and first["forward"] == "hd" and first["quants"].get("Q4_1", 0) > 0
     assert first["size_bytes"] > 50_000_000
-    table = subprocess.run(HD + ["models"], capture_output=True, text=True, timeout=120)
+    table = hd_main("models")
     assert table.returncode == 0 and "ollama:smollm2:latest" in table.stdout and "hd (exact)" in table.stdout
 
 
 def test_generate_by_an_ollama_name_is_generate_by_the_file(stores, gguf_file):
     args = ["generate", "-p", "The capital of France is", "-n", "8", "--raw", "--json", "--layers", "none"]
-    by_name = subprocess.run(HD + args + ["--model", "ollama:smollm2:q4"], capture_output=True, text=True, timeout=300)
-    by_file = subprocess.run(HD + args + ["--model", gguf_file], capture_output=True, text=True, timeout=300)
+    by_name = hd_main(*args, "--model", "ollama:smollm2:q4")
+    by_file = hd_main(*args, "--model", gguf_file)
     assert by_name.returncode == 0, by_name.stderr
     assert json.loads(by_name.stdout)["tokens"] == json.loads(by_file.stdout)["tokens"]
     assert "loading ollama:smollm2:q4" in by_name.stderr     # the name the user typed, not the blob's
-    missing = subprocess.run(HD + args + ["--model", "ollama:nothing"], capture_output=True, text=True, timeout=120)
+    missing = hd_main(*args, "--model", "ollama:nothing")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "ollama model nothing not found" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1

@@ -29,7 +29,7 @@ from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.tree import tree_forward
 from hdcli.engine.decode import calibrate
 
-from conftest import require_bundled, save_tiny_model
+from conftest import require_bundled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from gpu_check import Oracle  # noqa: E402
@@ -255,10 +255,10 @@ def test_only_what_is_not_stored_yet_is_copied():
 
 # ---------------------------------------------------------------- hd serve
 
-def test_served_two_turn_chat_equals_uncached(tmp_path_factory):
+def test_served_two_turn_chat_equals_uncached(serve_model_dir):
     pytest.importorskip("openai")
     from test_serve import Running, config
-    model_dir = save_tiny_model(tmp_path_factory.mktemp("prefix-llama"), hidden=64)
+    model_dir = serve_model_dir
     system = " ".join(["the cat sat on the mat and then it was a very good day"] * 3)
     answers = {}
     for mb in (0, 64):

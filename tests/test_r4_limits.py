@@ -15,7 +15,7 @@ import pytest
 from hdcli.engine.text import prompts, templates
 from hdcli.errors import HdError
 
-from conftest import require_bundled, save_tiny_model, word_tokenizer
+from conftest import require_bundled, word_tokenizer
 from test_cli import run
 from test_reliability import hd_proc, one_line_error
 
@@ -190,10 +190,10 @@ def test_prompts_near_the_context_are_counted_exactly(tiny_lm):
 # ---------------------------------------------------------------------------------- hd serve
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(serve_model_dir):
     pytest.importorskip("openai")
     from test_serve import Running, config
-    r = Running(config(save_tiny_model(tmp_path_factory.mktemp("r4-serve"), hidden=64)), max_batch=8)
+    r = Running(config(serve_model_dir), max_batch=8)
     yield r
     r.stop()
 
@@ -300,8 +300,8 @@ def test_a_connection_answered_mid_body_lingers_instead_of_resetting(served, mon
 # ---------------------------------------------------------------------------------- shutdown
 
 @pytest.fixture(scope="module")
-def serve_model(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("r4-stop"), hidden=64)
+def serve_model(serve_model_dir):
+    return serve_model_dir
 
 
 def start(model_dir, *args):

@@ -25,8 +25,6 @@ import pytest
 from hdcli import api
 from hdcli.serve.server import Server
 
-from conftest import save_tiny_model
-
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["the cat sat on", "a dog is very", "hello world", "one two three", "red blue green",
@@ -34,8 +32,8 @@ PROMPTS = ["the cat sat on", "a dog is very", "hello world", "one two three", "r
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("serve-llama"), hidden=64)
+def model_dir(serve_model_dir):
+    return serve_model_dir
 
 
 def config(model_dir, **kw) -> api.DecodingConfig:
