@@ -4,10 +4,19 @@ Each test draws N samples with a fixed seed and runs Pearson's chi-square test a
 distribution computed from the model's logits, rejecting at alpha = 1e-3: with a correct rule a
 run fails with probability 0.1% per test (and, the seed being fixed, either always or never).
 A broken rule (accept with 1.3 p(x), or halve p(x) on rejection instead of zeroing it)
-moves the distribution by far more than these sample sizes resolve; both were checked to fail.
+moves the distribution by far more than these sample sizes resolve; both were checked to fail
+(again with the decode loop's coupled rule: accept_tree walking each node by sample_point_masses
+with either break, every sampled test here and test_tree's failed, p < 1e-5; unbroken, all passed).
+
+Cost: the N generations are a few thousand forwards of a 16-wide model, so they run on hd's own
+forward (conftest.owned_copy: about a third cheaper a forward than transformers' here, the same
+weights, fp32) and on one thread (`one_thread`: ops this small only lose to a second thread's
+start-up, and on a loaded machine each op waits for the other thread: a forward 20-30x slower,
+measured). Neither changes what is drawn or compared.
 """
 from __future__ import annotations
 
+import contextlib
 
 import pytest
 import torch
@@ -76,9 +85,34 @@ def exact_two_token_distribution(model, prompt, s: Sampling) -> dict:
     return probs
 
 
+@contextlib.contextmanager
+def single_thread():
+    """torch on one intra-op thread for the block, the count restored after (see the header)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The whole module on one thread, the models' loads included (the M-invariant mode's records
+    are kept per thread count)."""
+    with single_thread():
+        yield
+
+
+def sampling_llama(folder):
+    """The target of the distribution tests (here, test_tree, test_stack): the tiny llama on hd's
+    own forward, fp32 (the header)."""
+    return owned_copy(tiny_llama(vocab_size=V, seed=3, hidden=16, scale=3.0), folder).model
+
+
 @pytest.fixture(scope="module")
-def model():
-    return tiny_llama(vocab_size=V, seed=3, hidden=16, scale=3.0)
+def model(tmp_path_factory):
+    return sampling_llama(tmp_path_factory.mktemp("sampling-llama-16"))
 
 
 # the third goes through logits processors: a drafted second token is verified on a row penalised

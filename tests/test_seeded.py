@@ -4,7 +4,11 @@ was verified beside them, and which choice of a request they are. And the cheap 
 exactly the distribution of the full one (target_probs), under every truncation.
 
 Controls: randomness keyed by the step (the draws a generation has made) instead of the output
-position breaks the equality; a truncation that drops one token too many breaks the distribution."""
+position breaks the equality; a truncation that drops one token too many breaks the distribution.
+
+Cost: the module runs on one thread (test_sampling.single_thread: a 64-wide model and single rows
+only lose to a second thread's start-up, and on a loaded machine each op waits for the other
+thread, a forward or a chooser call 10-30x slower, measured); it changes no token."""
 from __future__ import annotations
 
 import random
@@ -21,6 +25,7 @@ from hdcli.engine.decode.verify import Sampling, coupled_choice, position_unifor
 from hdcli.engine.model.target import as_target
 
 from conftest import owned_copy, step_together, tiny_llama
+from test_sampling import single_thread
 
 V = 40
 PROMPTS = [[1, 5, 6, 7, 5, 6, 7, 5], [2, 9, 3, 9, 3, 9, 3, 9, 3], [1] + list(range(5, 25))]
@@ -77,6 +82,14 @@ class SampledChain(RandomTree):
         q = torch.softmax(torch.randn(max_len, V, generator=torch.Generator().manual_seed(self.rng.randrange(99))), -1)
         toks = tuple(int(torch.multinomial(q[i], 1)) for i in range(max_len))
         return [Draft(toks, "model", q)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The whole module on one thread, the model's load and its M-invariant calibration included
+    (the mode's records are kept per thread count)."""
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -195,11 +208,14 @@ def test_noise_keyed_by_step_breaks_the_equality(model, monkeypatch):
 # --- the cheap chooser against the full distribution ----------------------------------------------
 
 def exact_law(row: torch.Tensor, s: Sampling, grid: int = 20000) -> torch.Tensor:
-    """coupled_choice's distribution, read off a fine grid of u (it is the inverse CDF at u)."""
-    counts = torch.zeros(row.shape[-1])
-    for j in range(grid):
-        counts[coupled_choice(row, s, (j + 0.5) / grid)] += 1
-    return counts / grid
+    """coupled_choice's distribution, read off a fine grid of u (it is the inverse CDF at u): every
+    grid point a call, counted in a list (a tensor's += was a fifth of the cost) and in inference
+    mode as the decode loop calls it (no autograd bookkeeping a torch op)."""
+    counts = [0] * row.shape[-1]
+    with torch.inference_mode():
+        for j in range(grid):
+            counts[coupled_choice(row, s, (j + 0.5) / grid)] += 1
+    return torch.tensor(counts, dtype=torch.float32) / grid
 
 
 ROWS = {"peaked": torch.cat([torch.tensor([9.0, 8.5, 8.0, 7.0]), torch.randn(396, generator=torch.Generator().manual_seed(0))]),
