@@ -10,7 +10,8 @@ The sdist: $HD_LLAMA_CPP_SDIST, else llama_cpp_python-<version>.tar.gz under .ve
 downloads it there), else None (the tests skip, saying where to put it). Its converter files are
 unpacked once into the cache folder (HD_CACHE_DIR/llama-cpp-converter/<version>).
 
-API: sdist(), converter() -> Path | None, convert(hf_dir, out, outtype), quantize(src, out, ftype).
+API: sdist(), converter() -> Path | None, convert(hf_dir, out, outtype), convert_many(jobs) (several in one
+process), quantize(src, out, ftype).
 """
 from __future__ import annotations
 
@@ -60,29 +61,76 @@ def converter() -> Path | None:
 # of the tokenizer's pre-tokenizer (a hash of known tokenizers' output) answers that name: a tiny
 # test model borrows the bundled SmolLM2 tokenizer, and transformers reads it as Qwen2's where
 # config.json says qwen2 (so its hash is no known one). Nothing else of the converter changes.
-_RUN = """import runpy, sys
+# Several conversions run in one interpreter, one after the other, as the script runs on each
+# (run_path, its argv): what a fresh process would add is the imports (torch, transformers, the
+# converter's modules: ~5 s of a ~6 s conversion of a tiny model on the 2-core EPYC). The gguf-py
+# the converter ships is first on the path, as the script itself puts it.
+_RUN = """import json, runpy, sys
 sys.path.insert(0, {folder!r})
-sys.argv = {argv!r}
-if {pre!r}:
-    import conversion.base as base
-    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
-runpy.run_path({script!r}, run_name="__main__")
+sys.path.insert(1, {gguf_py!r})
+import conversion.base as base
+base_pre = base.TextModel.get_vocab_base_pre
+failed = []
+for i, (argv, pre) in enumerate({jobs!r}):
+    print({mark!r} + str(i), file=sys.stderr, flush=True)
+    sys.argv = argv
+    base.TextModel.get_vocab_base_pre = (lambda self, tokenizer, pre=pre: pre) if pre else base_pre
+    try:
+        runpy.run_path({script!r}, run_name="__main__")
+    except SystemExit as exc:   # the script's own exit: 0 or None is success
+        if exc.code not in (None, 0):
+            failed.append(i)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        failed.append(i)
+    sys.stderr.flush()
+print(json.dumps(failed))
 """
+_MARK = "@@hd-conversion "
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer: str | None = None) -> Path:
-    """llama.cpp's converter on a transformers folder; RuntimeError with its last lines if it fails."""
+def convert_many(jobs) -> list[Path | RuntimeError]:
+    """llama.cpp's converter on several (hf_dir, out, outtype, pre_tokenizer) in one process, in
+    order: for each, its out Path, or the RuntimeError convert() would raise (the others are
+    converted all the same)."""
+    import json
     folder = converter()
     if folder is None:
         raise RuntimeError("llama.cpp's converter is not here: put the llama-cpp-python sdist at "
                            f".venv/sdist/ or set HD_LLAMA_CPP_SDIST")
+    jobs = [(Path(hf_dir), Path(out), outtype, pre) for hf_dir, out, outtype, pre in jobs]
     script = str(folder / "convert_hf_to_gguf.py")
-    argv = [script, str(hf_dir), "--outfile", str(out), "--outtype", outtype]
-    code = _RUN.format(folder=str(folder), argv=argv, pre=pre_tokenizer or "", script=script)
+    argvs = [([script, str(hf_dir), "--outfile", str(out), "--outtype", outtype], pre or "")
+             for hf_dir, out, outtype, pre in jobs]
+    code = _RUN.format(folder=str(folder), gguf_py=str(folder / "gguf-py"), jobs=argvs, script=script, mark=_MARK)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}: " + " | ".join(proc.stderr.strip().splitlines()[-4:]))
+    errs = {}   # each conversion's stderr: what follows its mark
+    for part in proc.stderr.split(_MARK)[1:]:
+        i, _, text = part.partition("\n")
+        errs[int(i)] = text
+    try:
+        failed = set(json.loads(proc.stdout.strip().splitlines()[-1]))
+    except (IndexError, ValueError):   # the process died: in the conversion it was in, and the later ones
+        died = max(errs, default=0)
+        failed = set(range(died, len(jobs)))
+        errs.update({i: "not run: the converter's process died on an earlier model" for i in range(died + 1, len(jobs))})
+    out = []
+    for i, (hf_dir, path, _, _) in enumerate(jobs):
+        if i in failed or not path.exists():
+            why = " | ".join(errs.get(i, "").strip().splitlines()[-4:])
+            out.append(RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}: {why}"))
+        else:
+            out.append(path)
     return out
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer: str | None = None) -> Path:
+    """llama.cpp's converter on a transformers folder; RuntimeError with its last lines if it fails."""
+    got = convert_many([(hf_dir, out, outtype, pre_tokenizer)])[0]
+    if isinstance(got, RuntimeError):
+        raise got
+    return got
 
 
 def quantize(src: Path, out: Path, ftype: str) -> Path:

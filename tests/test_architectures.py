@@ -13,6 +13,11 @@ benchmarks/llama_cpp_convert.py) to F32 and F16, and quantized by llama.cpp to Q
     activations it rounds to 8 bits, so the logits are close, not equal; 11 of 13 for qwen3).
 Skipped with the reason where llama-cpp-python or its sdist is absent (.ci/run installs both).
 
+Every conversion of the module runs in one converter process (the `files` fixture, convert_many:
+the same files, byte for byte, as a process per conversion, which spent ~5 s of each ~6 s on its
+imports), and llama.cpp runs on one thread (its logits are bit-equal on one and two; on a tiny
+model two threads wait on each other, and on a loaded 2-core machine most of the time).
+
 Notes on the harness (the converter itself is not changed): qwen2's tokenizer is read by
 transformers as Qwen2's (config.json's model_type), whose pre-tokenizer hash the converter does
 not know, so the converter is told it is "smollm" (what the files say); phi3's converter takes a
@@ -59,7 +64,7 @@ def converter():
 @pytest.fixture(scope="module")
 def tokenizer():
     require_bundled()
-    return loader.load("smollm2-135m", quiet=True, invariant="off", dtype="fp32", kernels="torch").tokenizer
+    return loader.load_tokenizer("smollm2-135m")
 
 
 def _config(arch: str, vocab: int, tok):
@@ -97,10 +102,35 @@ def tiny_model(arch: str, folder: Path, tokenizer) -> Path:
     return folder
 
 
+def _pre(arch: str) -> str | None:
+    return "smollm" if arch == "qwen2" else None
+
+
+@pytest.fixture(scope="module")
+def files(converter, tokenizer, tmp_path_factory):
+    """arch -> (its tiny model's folder, {"f32": path, "f16": path}): every conversion of the
+    module by llama.cpp's converter in one process (convert_many: the converter run on each as
+    on its own; a fresh process a conversion would add ~5 s of imports to each of 16). A model
+    the converter fails on holds the RuntimeError convert() raises, raised by its own test."""
+    root = tmp_path_factory.mktemp("archs")
+    folders = {arch: tiny_model(arch, root / f"tiny-{arch}", tokenizer) for arch in ARCHS}
+    jobs = [(folders[arch], root / f"{arch}-{t}.gguf", t, _pre(arch)) for arch in ARCHS for t in ("f32", "f16")]
+    got = iter(llama_cpp_convert.convert_many(jobs))
+    return {arch: (folders[arch], {t: next(got) for t in ("f32", "f16")}) for arch in ARCHS}
+
+
+def _file(files, arch: str, outtype: str = "f32") -> tuple[Path, Path]:
+    """(the tiny model's folder, its GGUF of outtype), raising the converter's failure on it."""
+    hf_dir, paths = files[arch]
+    if isinstance(paths[outtype], Exception):
+        raise paths[outtype]
+    return hf_dir, paths[outtype]
+
+
 def llama_cpp_run(path: Path, n: int) -> tuple[np.ndarray, list[int]]:
     """llama.cpp's prompt logits and n greedy tokens on the file, its KV cache in fp32."""
     f32 = llama_cpp.GGML_TYPE_F32
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False, type_k=f32, type_v=f32)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, logits_all=True, verbose=False, type_k=f32, type_v=f32)
     try:
         llm.eval(IDS)
         logits = np.array(llm.scores[:len(IDS)], dtype=np.float32)
@@ -144,10 +174,8 @@ def same_tokenizer(path: Path, original: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_hd_gives_llama_cpps_and_transformers_tokens(arch, converter, tokenizer, tmp_path):
-    hf_dir = tiny_model(arch, tmp_path / f"tiny-{arch}", tokenizer)
-    pre = "smollm" if arch == "qwen2" else None
-    f32 = llama_cpp_convert.convert(hf_dir, tmp_path / "f32.gguf", "f32", pre_tokenizer=pre)
+def test_hd_gives_llama_cpps_and_transformers_tokens(arch, files, tmp_path):
+    hf_dir, f32 = _file(files, arch, "f32")
     same_tokenizer(f32, hf_dir)
     ours, got = hd_run(f32, NEW, arch)
     theirs, want = llama_cpp_run(f32, NEW)
@@ -161,7 +189,7 @@ def test_hd_gives_llama_cpps_and_transformers_tokens(arch, converter, tokenizer,
     assert float(np.abs(ours - theirs).max()) <= 1e-2 * scale, arch
     assert got == want == ref, (arch, got, want, ref)
 
-    f16 = llama_cpp_convert.convert(hf_dir, tmp_path / "f16.gguf", "f16", pre_tokenizer=pre)
+    _, f16 = _file(files, arch, "f16")
     q8 = llama_cpp_convert.quantize(f16, tmp_path / "q8_0.gguf", "MOSTLY_Q8_0")
     for path in (f16, q8):
         ours, _ = hd_run(path, 1, arch)
@@ -170,24 +198,22 @@ def test_hd_gives_llama_cpps_and_transformers_tokens(arch, converter, tokenizer,
         assert agree >= (len(IDS) if path is f16 else 0.75 * len(IDS)), (arch, path.name, agree)
 
 
-def test_the_token_check_can_fail(converter, tokenizer, tmp_path, monkeypatch):
+def test_the_token_check_can_fail(files, monkeypatch):
     """Negative control: a forward that reads a llama file's q and k rows as halves (Qwen's rope
     layout) instead of llama.cpp's interleaved pairs is caught: its tokens part from llama.cpp's."""
     from hdcli.engine.model import gguf
-    hf_dir = tiny_model("llama", tmp_path / "tiny-llama", tokenizer)
-    path = llama_cpp_convert.convert(hf_dir, tmp_path / "f32.gguf", "f32")
+    _, path = _file(files, "llama")
     _, theirs = llama_cpp_run(path, NEW)
     assert hd_run(path, NEW, "llama")[1] == theirs
     monkeypatch.setattr(gguf, "INTERLEAVED_ROPE", gguf.INTERLEAVED_ROPE - {"llama"})
     assert hd_run(path, NEW, "llama")[1] != theirs
 
 
-def test_granite_without_its_multipliers_is_caught(converter, tokenizer, tmp_path, monkeypatch):
+def test_granite_without_its_multipliers_is_caught(files, monkeypatch):
     """Negative control for Granite: hd's forward ignoring the residual multiplier parts from
     llama.cpp's tokens; ignoring the embedding multiplier, from its logits."""
     from hdcli.engine.model import llama
-    hf_dir = tiny_model("granite", tmp_path / "tiny-granite", tokenizer)
-    path = llama_cpp_convert.convert(hf_dir, tmp_path / "f32.gguf", "f32")
+    _, path = _file(files, "granite")
     theirs, want = llama_cpp_run(path, NEW)
     ours, got = hd_run(path, NEW, "granite")
     assert got == want
@@ -201,15 +227,14 @@ def test_granite_without_its_multipliers_is_caught(converter, tokenizer, tmp_pat
 
 
 @pytest.mark.parametrize("arch", ["phi3", "olmo2", "granite"])
-def test_speculative_greedy_equals_plain(arch, converter, tokenizer, tmp_path):
+def test_speculative_greedy_equals_plain(arch, files):
     """The forwards new in the llama family (Phi-3's fused q/k/v and gate/up; OLMo 2's norms after
     the sublayers and over the whole q and k; Granite's multipliers) in the M-invariant mode: drafted token trees, a
     quarter of their tokens corrupted, verified in one forward, give plain greedy decoding's
     tokens."""
     import random
     from gpu_check import Oracle
-    hf_dir = tiny_model(arch, tmp_path / f"tiny-{arch}", tokenizer)
-    path = llama_cpp_convert.convert(hf_dir, tmp_path / "f32.gguf", "f32")
+    _, path = _file(files, arch)
     lm = loader.load(str(path), dtype="bf16", device="cpu", invariant="on", quiet=True)
     vocab = lm.model.config.vocab_size
     rng = random.Random(1)

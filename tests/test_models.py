@@ -41,12 +41,16 @@ def test_missing_bundled_package_names_the_install(monkeypatch):
 
 
 @pytest.mark.bundled
-def test_owned_weights_are_the_gguf_weights_transformers_reads(bundled_lm):
+def test_owned_weights_are_the_gguf_weights_transformers_reads():
     """hd's own forward of the bundled GGUF (fp32, dense) holds exactly the weights transformers
     dequantizes from it (q and k rows in the file's interleaved order: transformers un-permutes
-    them)."""
+    them). transformers' model built without the work it repeats (gguf_once: its header parsed
+    once, its name map built once)."""
     import numpy as np
     from transformers import AutoModelForCausalLM
+    from conftest import require_bundled
+    from gguf_once import transformers_reads_once
+    require_bundled()
 
     def _llama_qk_rows(n: int, heads: int):
         """transformers' GGUF loader un-permutes llama q/k rows (the GGUF stores rotary halves
@@ -54,8 +58,9 @@ def test_owned_weights_are_the_gguf_weights_transformers_reads(bundled_lm):
         half = n // heads // 2
         return np.arange(n).reshape(heads, half, 2).swapaxes(1, 2).reshape(n)
     gguf = models.resolve("smollm2-135m")[1]
-    direct = AutoModelForCausalLM.from_pretrained(str(models.Path(gguf).parent),
-                                                  gguf_file=models.Path(gguf).name, dtype=torch.float32)
+    with transformers_reads_once():
+        direct = AutoModelForCausalLM.from_pretrained(str(models.Path(gguf).parent),
+                                                      gguf_file=models.Path(gguf).name, dtype=torch.float32)
     own = models.load("smollm2-135m", dtype="fp32", kernels="torch", invariant="off", quiet=True).model
     cfg = direct.config
     for i in (0, cfg.num_hidden_layers - 1):
