@@ -231,12 +231,17 @@ def test_readers_learner_and_merge_at_once(tiny_model_dir, tiny_lm, tmp_path):
         shards.append(s)
     stats = tmp_path / "stats.lmdb"
     statsdb.build(TEXTS, stats, tiny_lm.tokenizer, m, min_count=1)
+    # the learner: one process running six `hd generate --learn` one after the other, each as a
+    # process of its own would (conftest.hd_main: its DB environment closed after each), so the
+    # six interpreter starts of a process per run are paid once
     learner = subprocess.Popen(
         [sys.executable, "-c", f"""
-import json, subprocess, sys
+import sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from conftest import hd_main
 for i in range(6):
-    r = subprocess.run({HD!r} + ["generate", "--model", {m!r}, "-p", "the dog ran up " + str(i), "-n", "12",
-                        "--model-db", {str(mdb)!r}, "--learn", "--json"], capture_output=True, text=True)
+    r = hd_main("generate", "--model", {m!r}, "-p", "the dog ran up " + str(i), "-n", "12",
+                "--model-db", {str(mdb)!r}, "--learn", "--json")
     assert r.returncode == 0, r.stderr
 """])
     merger = subprocess.Popen(HD + ["merge-stats", *map(str, shards), "-o", str(tmp_path / "merged.lmdb"),
