@@ -21,8 +21,10 @@ import pytest
 
 
 @contextlib.contextmanager
-def transformers_reads_once():
-    """Yields {"readers": {(path, mode): GGUFReader}, "name_maps": {(arch, n_blocks): map}}."""
+def transformers_reads_once(tokenizer: bool = True):
+    """Yields {"readers": {(path, mode): GGUFReader}, "name_maps": {(arch, n_blocks): map}}.
+    tokenizer=False: transformers' AutoTokenizer gives None instead of building its tokenizer of
+    the GGUF (~6 s of Gemma 3's 262k tokens on the EPYC), for a test that reads only its model."""
     import gguf
     real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
     made: dict = {"readers": {}, "name_maps": {}}
@@ -40,4 +42,7 @@ def transformers_reads_once():
     with pytest.MonkeyPatch.context() as mp:   # transformers imports both from gguf at each call
         mp.setattr(gguf, "GGUFReader", reader)
         mp.setattr(gguf, "get_tensor_name_map", name_map)
+        if not tokenizer:
+            import transformers
+            mp.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
         yield made

@@ -63,7 +63,7 @@ def _matches_transformers(name: str, family: str, atol: float, tokens: int) -> N
     one-token steps of generate; transformers' model built without the work it repeats
     (gguf_once: the header parsed once, not three times)."""
     from gguf_once import transformers_reads_once
-    with transformers_reads_once() as made:
+    with transformers_reads_once(tokenizer=False) as made:   # hd's tokenizer gives the ids
         ref = models.load_reference(name, "fp32", "cpu")
     assert made["readers"], "transformers no longer reads a GGUF through gguf.GGUFReader: see gguf_once.py"
     own = models.load(name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)

@@ -385,6 +385,9 @@ def _transformers_model(name: str, kind: str, source: str, dtype: str):
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    import warnings   # hd calls its forward with past_key_values, which the pinned transformers takes;
+    # the rename notice is transformers' to its own callers, not the user's (a GGUF's model too)
+    warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
     if kind == "gguf":
         path = Path(source)
         report: list[str] = []
@@ -412,9 +415,6 @@ def _transformers_model(name: str, kind: str, source: str, dtype: str):
     except (ValueError, RuntimeError) as exc:  # e.g. a config transformers cannot build a model from
         raise HdError(f"could not load model from {source}: {_first_line(exc, report)}") from None
     check_loaded(source, model, info)
-    import warnings   # hd calls its forward with past_key_values, which the pinned transformers takes;
-    # the rename notice is transformers' to its own callers, not the user's
-    warnings.filterwarnings("ignore", message=r"`past_key_values` is deprecated", category=FutureWarning)
     return tok, model
 
 
