@@ -18,6 +18,11 @@ WORDS = ("the a cat dog sat on mat and then it was very good bad day night sun m
          "green one two three four five is are we you they run jump eat sleep big small "
          "fast slow up down left right yes no hello world . , ! ?").split()
 SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+# How long a test waits for what must happen (a server's start, a learner's write, a subprocess's
+# exit) before it calls it hung: long, so that a loaded or slow machine (a kernel compiled on first
+# use, another process on the cores) slows a test and never fails it. A bound that is a test's
+# subject (a drain's deadline, a timer) is not this. HD_TEST_PATIENCE overrides (seconds).
+PATIENCE = float(os.environ.get("HD_TEST_PATIENCE", "600"))
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 

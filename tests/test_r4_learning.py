@@ -15,6 +15,7 @@ import time
 import lmdb
 import pytest
 
+from conftest import PATIENCE
 from hdcli import api
 from hdcli.db import statsdb, stores
 from hdcli.errors import HdError
@@ -92,7 +93,7 @@ def test_learning_into_a_replaced_model_db_stops_and_says_so(tok, tmp_path):
     said = []
     learner = Learner(path, on_error=said.append)
     learner.put([1, 2], [20, 21, 22, 23])
-    deadline = time.time() + 20
+    deadline = time.time() + PATIENCE
     while learner.learned < 1:
         assert time.time() < deadline
         time.sleep(0.02)
@@ -235,7 +236,7 @@ def test_a_signalled_build_or_merge_leaves_no_temporary_files(tiny_model_dir, to
         args = [command, str(old), str(model_db(tok, tmp_path / "other.lmdb", answers(2, 3)))]
     before = set(os.listdir(tmp_path))
     p = subprocess.run([sys.executable, "-c", SIGNAL_AT.format(sig=sig, at=at), *args, "-o", str(out),
-                        "--overwrite"], capture_output=True, text=True, timeout=120)
+                        "--overwrite"], capture_output=True, text=True, timeout=PATIENCE)
     assert p.returncode == 130 and "Traceback" not in p.stderr, p.stderr   # as Ctrl-C anywhere
     readers = {"old.lmdb-lock", "other.lmdb-lock"}             # the inputs', as any reader's
     assert set(os.listdir(tmp_path)) - readers == before     # no OUT.tmp-PID-* left

@@ -15,7 +15,7 @@ import pytest
 from hdcli.engine.text import prompts, templates
 from hdcli.errors import HdError
 
-from conftest import require_bundled, word_tokenizer
+from conftest import PATIENCE, require_bundled, word_tokenizer
 from test_cli import run
 from test_reliability import hd_proc, one_line_error
 
@@ -308,7 +308,7 @@ def start(model_dir, *args):
     import os
     from hdcli.serve.spawn import spawn
     p, url, log = spawn(["--model", str(model_dir), "--dtype", "fp32", "--kernels", "torch", *args],
-                        timeout=300, env=os.environ.copy())
+                        timeout=PATIENCE, env=os.environ.copy())
     return p, int(url.rsplit(":", 1)[1].split("/")[0]), log
 
 

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from conftest import PATIENCE
 from hdcli import api
 from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.draft import Draft
@@ -75,7 +76,7 @@ def test_two_keys_never_share_a_name(tmp_path):
 def test_duplicate_key_names_stop_hd_serve_in_one_line(tmp_path, model_dir):
     f = tmp_path / "keys"
     f.write_text("alice K1\nalice K2\n")
-    err = one_line_error(hd_sub("serve", "--model", model_dir, "--api-keys-file", f, timeout=120))
+    err = one_line_error(hd_sub("serve", "--model", model_dir, "--api-keys-file", f, timeout=PATIENCE))
     assert f"{f} line 2" in err and "alice" in err
 
 
@@ -144,7 +145,7 @@ def test_non_finite_serve_options_are_refused(model_dir, option, value):
 
 def test_nan_drain_timeout_stops_hd_serve_in_one_line(model_dir):
     err = one_line_error(hd_sub("serve", "--model", model_dir, "--drain-timeout", "nan", "--port", "0",
-                                 timeout=120))
+                                 timeout=PATIENCE))
     assert "--drain-timeout" in err and "nan" in err
 
 

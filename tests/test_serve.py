@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conftest import PATIENCE
 from hdcli import api
 from hdcli.serve.server import Server
 
@@ -49,7 +50,7 @@ class Running:
         self.uv = self.server.uvicorn_server()
         self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [self.server._sock]}, daemon=True)
         self.thread.start()
-        deadline = time.time() + 30
+        deadline = time.time() + PATIENCE
         while not self.uv.started:
             assert time.time() < deadline, "server did not start"
             time.sleep(0.02)
@@ -211,7 +212,7 @@ def test_a_client_leaving_mid_stream_stops_its_decode_only(served, model_dir, mo
                 break
         stream.close()
         assert other.result() == ref
-    deadline = time.time() + 20
+    deadline = time.time() + PATIENCE
     while not any(j.finish_reason == "cancelled" for j in ended):
         assert time.time() < deadline, [j.finish_reason for j in ended]
         time.sleep(0.05)
@@ -245,7 +246,7 @@ def test_learning_across_requests_rises_and_survives_a_restart(served, model_dir
     r = Running(cfg)
     try:
         first_rate, first = model_acceptance(r.client(), r.server.name, PROMPTS)
-        deadline = time.time() + 20
+        deadline = time.time() + PATIENCE
         while r.server.learner.learned < len(PROMPTS):
             assert time.time() < deadline
             time.sleep(0.05)
@@ -290,7 +291,7 @@ def test_learn_scope_key_keeps_one_keys_teaching_from_another(served, model_dir,
         assert r.server.learn_scope == "key" and os.stat(db).st_mode & 0o077 == 0
         name = r.server.name
         first = hd_layers(r.client("KA"), name, taught)
-        deadline = time.time() + 20
+        deadline = time.time() + PATIENCE
         while r.server.learner.learned < len(taught):
             assert time.time() < deadline
             time.sleep(0.05)
@@ -335,7 +336,7 @@ def test_api_keys_are_checked_and_scopes_named():
 def start_cli(model_dir, *args):
     from hdcli.serve.spawn import spawn
     p, url, seen = spawn(["--model", str(model_dir), "--dtype", "fp32", "--kernels", "torch", *args],
-                         timeout=120, env=os.environ.copy())
+                         timeout=PATIENCE, env=os.environ.copy())
     return p, int(url.rsplit(":", 1)[1].split("/")[0]), seen
 
 
@@ -391,7 +392,7 @@ def test_sigkill_mid_learning_leaves_the_model_db_intact(model_dir, tmp_path):
                                        (["--max-connections", "0"], "--max-connections")])
 def test_bad_options_are_one_line_errors(model_dir, args, says):
     p = subprocess.run([sys.executable, "-m", "hdcli.cli", "serve", "--model", str(model_dir), *args],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=PATIENCE)
     assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
@@ -656,7 +657,7 @@ def test_a_shutdown_that_hangs_still_ends_within_the_bound(model_dir):
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         port = int(p.stdout.readline())
-        deadline = time.time() + 60
+        deadline = time.time() + PATIENCE
         while True:
             try:
                 if http("GET", f"http://127.0.0.1:{port}/health")[0] == 200:

@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import synth_gguf as sg  # noqa: E402
-from conftest import require_bundled  # noqa: E402
+from conftest import PATIENCE, require_bundled  # noqa: E402
 
 pytestmark = pytest.mark.bundled
 EXTRA = 40   # dummy tokens past the bundled vocabulary in the "all" file
@@ -165,7 +165,7 @@ def test_cli(tmp_path):
     out = tmp_path / "c.gguf"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "synth_gguf.py"), "--shape", "tiny",
                         "--mix", "Q4_0", "-o", str(out), "--json"],
-                       capture_output=True, text=True, timeout=120, check=True)
+                       capture_output=True, text=True, timeout=PATIENCE, check=True)
     res = json.loads(p.stdout)
     assert res["path"] == str(out) and res["bytes"] == out.stat().st_size
     assert res["types"] == {"Q4_0": 16, "F32": 5}
