@@ -38,9 +38,9 @@ Invariants
     is packed in the process (and the cache left as it is).
   * One file per GGUF path: writing a new one removes the older ones of the same path, and the
     temporary files of processes that no longer run.
-  * A folder the cache cannot be written to (read-only, a file in its place) is found before the
-    writer starts (`keep` makes its temporary file) and said in one line, once per process and
-    folder; the writer's own failures (a full disk) are one line too, never a traceback.
+  * A folder the cache cannot be written to (read-only) is found before the writer starts (`keep`
+    makes its temporary file) and said in one line, once per process and folder; the writer's own
+    failures (a full disk) are one line too, never a traceback.
 """
 from __future__ import annotations
 
@@ -233,15 +233,14 @@ class LayoutCache:
         writer.start()
 
     def _unwritable(self, folder: Path, exc: OSError) -> None:
-        """The line of a folder that takes no cache (read-only, a file in its place), once per
-        process and folder: why, and what to do."""
+        """The line of a folder that takes no cache (read-only), once per process and folder: why,
+        and what to do. (A file in its place is refused before: environment.check_cache_dir.)"""
         if str(folder) in _UNWRITABLE:
             return
         _UNWRITABLE.add(str(folder))
-        why = "a file is in the way" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror or str(exc)
-        self.warnings.append(f"hd: the layout cache is off for this start: {folder} cannot be written ({why}): later "
-                             "starts repack the weights; make it writable, set HD_CACHE_DIR to a writable folder, "
-                             "or HD_LAYOUT_CACHE=0 to stop trying")
+        self.warnings.append(f"hd: the layout cache is off for this start: {folder} cannot be written "
+                             f"({exc.strerror or exc}): later starts repack the weights; make it writable, set "
+                             "HD_CACHE_DIR to a writable folder, or HD_LAYOUT_CACHE=0 to stop trying")
 
     def _write(self, kernels: list, tmp: Path, out) -> None:
         """The packings, the index and the footer into `tmp` (opened as `out`), then renamed to
