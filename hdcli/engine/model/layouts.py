@@ -17,23 +17,30 @@ The file: <cache>/layouts/<GGUF stem>-<key>.hdl
   * the packings, each at a multiple of ALIGN bytes, as the model holds them (a layer's q, k and
     v joined, its gate and up joined: quants.QLinear.side_by_side), the model's order;
   * the index, JSON: {"format", "key", "source", "entries": {tensor name: [offset, shape, fmt,
-    sample]}}: each of the file's tensors, the joined ones as their parts' ranges (side by side:
+    digest]}}: each of the file's tensors, the joined ones as their parts' ranges (side by side:
     `packing` views them as one again instead of copying);
   * FOOTER bytes: the index's length (uint64, little-endian) and MAGIC.
 Its key is the GGUF's identity (GGUFFile.key(): path, size, modification time), the packing's code
-(quants.module_name(): a hash of qmm.cpp, the CPU, torch and the build flags) and the activations
-the packing is arranged for (bf16, int8). `sample` is a CRC-32 of SAMPLE bytes at every STRIDE of
-the tensor's packing: a hole or a zeroed stretch (a crash, a full disk) fails it without reading
-every byte.
+(quants.module_name(): a hash of qmm.cpp, the CPU, torch and the build flags), the activations the
+packing is arranged for (bf16, int8) and the digests' hash (DIGEST). `digest` (`_digest`) hashes
+every byte of the tensor's packing, begun from its entry's name, offset, shape and fmt: any changed
+stretch of a packing, or two entries swapped (each other's bytes under the wrong name), fails it.
+Every digest is checked as the file is mapped, before the model is built: the answer is computed
+from these bytes, so they are proven whole before use, not sampled (format 1's 256 bytes a MiB let
+a zeroed 4 KiB between its samples, or two same-shape entries swapped, through: wrong tokens, exit 0).
 
 Invariants
   * A file under its final name was written whole: it is written under a temporary name and
-    renamed after its footer. One that does not read back (footer, index, key, sizes, samples) is
-    removed and rebuilt, said in one line; its bytes are never used.
+    renamed after its footer (the digests are in the index, written after every packing). One that
+    does not read back (footer, index, key, sizes, every digest) is removed and rebuilt, said in
+    one line; its bytes are never used.
   * A packing read from the cache is the one pack() made for the same key; a name the index lacks
     is packed in the process (and the cache left as it is).
   * One file per GGUF path: writing a new one removes the older ones of the same path, and the
     temporary files of processes that no longer run.
+  * A folder the cache cannot be written to (read-only) is found before the writer starts (`keep`
+    makes its temporary file) and said in one line, once per process and folder; the writer's own
+    failures (a full disk) are one line too, never a traceback.
 """
 from __future__ import annotations
 
@@ -53,20 +60,40 @@ import torch
 from ..kernels import quants
 
 MAGIC = b"HDLAYT01"        # the footer's last 8 bytes
-FORMAT = 1
+FORMAT = 2                # 2: a digest of every byte per entry (1: samples)
 ALIGN = 64                # each packing's offset: the GEMM's loads are 64-byte aligned at best
 FOOTER = 16               # index length (uint64) + MAGIC
-SAMPLE, STRIDE = 256, 1 << 20   # the checksum's bytes: SAMPLE at each STRIDE of a packing
 FREE_MARGIN = 1 << 30     # disk left free after the cache is written; else it is not written
 _WRITERS: list[tuple[threading.Thread, "LayoutCache"]] = []   # this process's writers still running (`wait`)
+_UNWRITABLE: set[str] = set()   # folders said to take no cache in this process (said once: a draft and its target)
+try:   # datasets, a dependency of hd, requires xxhash
+    from xxhash import xxh3_64 as _xxh3
+    DIGEST = "xxh3_64"
+except ImportError:
+    _xxh3, DIGEST = None, "crc32"
 
 
-def _sample(view: memoryview) -> int:
-    """CRC-32 of SAMPLE bytes at every STRIDE of a packing's bytes (its last SAMPLE too)."""
-    n, crc = len(view), 0
-    for at in list(range(0, n, STRIDE)) + [max(0, n - SAMPLE)]:
-        crc = zlib.crc32(view[at:at + SAMPLE], crc)
-    return crc
+def _digest(name: str, offset: int, shape: list, fmt: str, data) -> int:
+    """A 64-bit hash (xxh3) of every byte of one packing, begun from its index entry (name, offset,
+    shape, fmt; JSON, so where the entry ends is unambiguous): another entry's bytes, or these bytes
+    at another place or under another name, do not match. xxh3 because it is the cheapest complete
+    check measured here: 0.04 s a GB on one core of the 2-core EPYC, against 0.18 for zlib.crc32 and
+    0.9 for blake2b (docs/benchmarks.md); zlib.crc32 where xxhash is missing (DIGEST, in the key)."""
+    entry = json.dumps([name, int(offset), [int(s) for s in shape], fmt]).encode()
+    if _xxh3 is None:
+        return zlib.crc32(data, zlib.crc32(entry))
+    h = _xxh3(entry)
+    h.update(data)
+    return h.intdigest()
+
+
+def _mismatch(view: memoryview, entries: list[tuple]) -> str | None:
+    """The name of the first entry (name, offset, shape, fmt, digest, bytes) whose bytes in `view` do
+    not match its digest, or None. One thread: a second one was no faster on the 2-core EPYC."""
+    for name, offset, shape, fmt, digest, n in entries:
+        if _digest(name, offset, shape, fmt, view[offset:offset + n]) != digest:
+            return name
+    return None
 
 
 class LayoutCache:
@@ -126,16 +153,22 @@ class LayoutCache:
         if not isinstance(entries, dict):
             return "has no index"
         data = len(self._map)
-        view = memoryview(self._map)
+        checks = []
         try:
-            for name, (offset, shape, fmt, sample) in entries.items():
+            for name, (offset, shape, fmt, digest) in entries.items():
                 n = int(torch.Size(shape).numel())
-                if offset % ALIGN or offset + n > data or _sample(view[offset:offset + n]) != sample:
+                if offset % ALIGN or offset < 0 or n < 0 or offset + n > data:
                     return f"does not match its index at {name}"
+                checks.append((name, offset, shape, fmt, digest, n))
+            view = memoryview(self._map)
+            try:
+                wrong = _mismatch(view, checks)
+            finally:
+                view.release()
         except (TypeError, ValueError):
             return "has a damaged index"
-        finally:
-            view.release()
+        if wrong is not None:
+            return f"does not match its digest at {wrong}"
         with warnings.catch_warnings():   # read-only on purpose: nothing writes a packing
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             self.base = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -174,32 +207,48 @@ class LayoutCache:
             return
         size = sum(k.packed.numel() + ALIGN for k in kernels)
         folder = self.path.parent
+        tmp = folder / f".{self.path.name}.tmp-{os.getpid()}"
         try:
             folder.mkdir(parents=True, exist_ok=True)
             _remove_stale(folder)
             free = shutil.disk_usage(folder).free
         except OSError as exc:
-            self.warnings.append(f"hd: the layout cache is off for this start: {folder}: {exc.strerror or exc}")
+            self._unwritable(folder, exc)
             return
         if free < size + FREE_MARGIN:
             self.warnings.append(f"hd: the layout cache is off for this start: {folder} has {free / 1e9:.1f} GB free, "
                                  f"it would take {size / 1e9:.2f} GB (later starts repack the weights)")
             return
-        tmp = folder / f".{self.path.name}.tmp-{os.getpid()}"
+        try:   # made here, not on the writer: a folder that takes no file is one line, not the writer's traceback
+            out = open(tmp, "wb")
+        except OSError as exc:
+            self._unwritable(folder, exc)
+            return
         self.writing = size
         self.note = (f"hd: keeping the weights in the GEMM's layout ({size / 1e9:.2f} GB of disk, as much again as "
                      f"they take in the file) in {self.path}: later starts map them instead of repacking; "
                      "HD_LAYOUT_CACHE=0 turns this off (delete the file to free the space)")
-        writer = threading.Thread(target=self._write, args=(kernels, tmp), name="hd-layout-writer", daemon=False)
+        writer = threading.Thread(target=self._write, args=(kernels, tmp, out), name="hd-layout-writer", daemon=False)
         _WRITERS.append((writer, self))
         writer.start()
 
-    def _write(self, kernels: list, tmp: Path) -> None:
-        """The packings, the index and the footer into `tmp`, then renamed to `path`. A failure
-        leaves nothing (the temporary file removed): later starts repack, and try again."""
+    def _unwritable(self, folder: Path, exc: OSError) -> None:
+        """The line of a folder that takes no cache (read-only), once per process and folder: why,
+        and what to do. (A file in its place is refused before: environment.check_cache_dir.)"""
+        if str(folder) in _UNWRITABLE:
+            return
+        _UNWRITABLE.add(str(folder))
+        self.warnings.append(f"hd: the layout cache is off for this start: {folder} cannot be written "
+                             f"({exc.strerror or exc}): later starts repack the weights; make it writable, set "
+                             "HD_CACHE_DIR to a writable folder, or HD_LAYOUT_CACHE=0 to stop trying")
+
+    def _write(self, kernels: list, tmp: Path, out) -> None:
+        """The packings, the index and the footer into `tmp` (opened as `out`), then renamed to
+        `path`. A failure leaves nothing (the temporary file removed): later starts repack, and try
+        again."""
         entries = {}
         try:
-            with open(tmp, "wb") as out:
+            with out:
                 for kernel in kernels:
                     if self.abandon.is_set():
                         raise _Abandoned
@@ -210,8 +259,9 @@ class LayoutCache:
                     self.written += len(data)
                     block, begin = kernel.packed[0].numel(), 0   # bytes of one column block; a part's first
                     for name, blocks in kernel.names:           # the parts side by side (QLinear.side_by_side)
+                        shape = [blocks, *kernel.packed.shape[1:]]
                         part = data[begin:begin + blocks * block]
-                        entries[name] = [at + begin, [blocks, *kernel.packed.shape[1:]], kernel.fmt, _sample(part)]
+                        entries[name] = [at + begin, shape, kernel.fmt, _digest(name, at + begin, shape, kernel.fmt, part)]
                         begin += blocks * block
                 index = json.dumps({"format": FORMAT, "key": self.key, "source": self.source, "entries": entries}).encode()
                 out.write(index)
@@ -219,9 +269,9 @@ class LayoutCache:
             self._remove_older()
             os.replace(tmp, self.path)
         except _Abandoned:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
             print(f"hd: the layout cache {self.path} could not be written ({exc.strerror or exc}): later starts "
                   "repack the weights", file=sys.stderr, flush=True)
         finally:
@@ -253,6 +303,15 @@ def _side_by_side(packings: list[torch.Tensor]) -> torch.Tensor:
         at += p.numel()
     rows = sum(p.shape[0] for p in packings)
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _discard(tmp: Path) -> None:
+    """A failed write's temporary file removed where the folder lets it be (on a read-only one
+    the removal fails too: nothing was left there)."""
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 class _Abandoned(Exception):
@@ -326,6 +385,6 @@ def for_gguf(gf, folder: Path, int8: bool) -> LayoutCache:
     this process still writing it is waited for)."""
     import hashlib
     wait()
-    key = f"{gf.key()}|{quants.module_name()}|{'int8' if int8 else 'bf16'}|{FORMAT}"
+    key = f"{gf.key()}|{quants.module_name()}|{'int8' if int8 else 'bf16'}|{FORMAT}|{DIGEST}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return LayoutCache(folder / f"{gf.path.stem}-{digest}.hdl", key, str(gf.path.resolve()))
