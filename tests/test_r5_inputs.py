@@ -98,3 +98,41 @@ def test_hd_plan_reads_its_prompts_before_loading_any_model():
     err = one_line_error(hd_main("plan", "--model", "no-such-model", "--draft-models", "self:int8",
                                  "--prompts", "/dev/zero"))
     assert err.startswith("error: --prompts /dev/zero: over 16 MiB; "), err
+
+
+# --- DB paths that are no file ----------------------------------------------------------------
+
+def _loop(tmp_path):
+    a, b = tmp_path / "a.lmdb", tmp_path / "b.lmdb"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    return a
+
+
+def _fifo(tmp_path):
+    f = tmp_path / "f.lmdb"
+    os.mkfifo(f)
+    return f
+
+
+@pytest.mark.parametrize("make,said", [(_loop, "is a symlink loop, not a regular file or folder"),
+                                       (_fifo, "is a FIFO, not a regular file or folder")])
+@pytest.mark.parametrize("command", [["db", "info"], ["db", "verify"], ["db", "query", "--text", "x"],
+                                     ["merge-stats", "-o", "OUT"]])
+def test_a_db_path_that_is_no_file_says_what_it_is(tmp_path, make, said, command):
+    path = make(tmp_path)
+    args = [str(tmp_path / "out.lmdb") if a == "OUT" else a for a in command]
+    err = one_line_error(hd_main(*args[:2], path, *args[2:]) if command[0] == "db" else hd_main(*args, path))
+    assert f"DB {path} {said}" in err and "does not exist" not in err
+
+
+def test_a_db_path_too_long_for_the_file_system_is_one_line(tmp_path):
+    path = tmp_path / ("d" * 300)
+    err = one_line_error(hd_main("db", "info", path))
+    assert "File name too long" in err
+
+def test_a_db_path_that_is_a_broken_symlink_names_its_target(tmp_path):
+    path = tmp_path / "s.lmdb"
+    path.symlink_to(tmp_path / "gone.lmdb")
+    err = one_line_error(hd_main("db", "info", path))
+    assert f"DB {path} is a broken symlink (to {tmp_path / 'gone.lmdb'}, which does not exist)" in err
