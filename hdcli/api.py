@@ -424,9 +424,10 @@ def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Res
 
 def local_models() -> dict:
     """What `hd models` shows: every GGUF in Ollama's and LM Studio's stores
-    (engine/local_models.py), with where hd looked."""
+    (engine/local_models.py), with where hd looked and the entries skipped (each with its problem)."""
     from .engine import local_models as lm_stores
-    return {"searched": lm_stores.searched(), "models": [m.to_dict() for m in lm_stores.list_models()]}
+    found, skipped = lm_stores.list_models()
+    return {"searched": lm_stores.searched(), "models": [m.to_dict() for m in found], "skipped": skipped}
 
 
 # hd costs

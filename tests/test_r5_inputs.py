@@ -136,3 +136,65 @@ def test_a_db_path_that_is_a_broken_symlink_names_its_target(tmp_path):
     path.symlink_to(tmp_path / "gone.lmdb")
     err = one_line_error(hd_main("db", "info", path))
     assert f"DB {path} is a broken symlink (to {tmp_path / 'gone.lmdb'}, which does not exist)" in err
+
+
+# --- model stores -----------------------------------------------------------------------------
+
+BAD_MANIFESTS = {
+    "layers of numbers": {"layers": [1, 2, 3]},
+    "layers a string": {"layers": "abc"},
+    "a 5000-character digest": {"layers": [{"mediaType": local_models.OLLAMA_MODEL_LAYER,
+                                            "digest": "sha256:" + "a" * 5000}]},
+    "the manifest a list": [1],
+}
+
+
+@pytest.mark.parametrize("fault", BAD_MANIFESTS)
+def test_a_malformed_manifest_is_one_line_and_the_rest_are_listed(stores, fault):   # noqa: F811
+    ollama, _, manifest = stores
+    p = manifest("library", "bad", "latest", [])
+    p.write_text(json.dumps(BAD_MANIFESTS[fault]))
+    with pytest.raises(HdError) as err:
+        loader.resolve("ollama:bad")
+    assert str(p) in str(err.value) and "\n" not in str(err.value)
+    assert len(str(err.value)) < 400   # the digest is shown cut
+    out = hd_main("models", "--json")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert len(rep["models"]) == 6 and [s["name"] for s in rep["skipped"]] == ["ollama:bad:latest"]
+    table = hd_main("models")
+    warnings = [line for line in table.stderr.splitlines() if line.strip()]
+    assert table.returncode == 0 and "ollama:smollm2:latest" in table.stdout
+    assert len(warnings) == 1 and warnings[0].startswith("warning: skipped ollama:bad:latest: ollama manifest")
+
+
+@pytest.mark.parametrize("name,said", [
+    ("ollama:" + "n" * 300, "its name 'nnnn"),
+    ("ollama:smollm2:" + "t" * 300, "its tag 'tttt"),
+    ("ollama:" + "s" * 300 + "/smollm2", "its namespace 'ssss"),
+    ("ollama:../../outside", "its registry '..'"),
+    ("ollama:library/../x", "its namespace '..'"),
+    ("lmstudio:" + "p" * 300 + "/x", "is longer than a file name can be (255 bytes)"),
+    ("lmstudio:pub/" + "f" * 300 + ".gguf", "is longer than a file name can be (255 bytes)"),
+    ("lmstudio:/etc/passwd", "expected a name inside the store"),
+    ("lmstudio:../outside/x.gguf", "expected a name inside the store"),
+    ("lmstudio:pub/./one", "expected a name inside the store"),
+    ("lmstudio:pub/one/mmproj-one-f16.gguf", "is a vision projector (mmproj), not a model"),
+    ("lmstudio:two-Q8_?", "not found under"),      # a name, not a glob pattern
+])
+def test_a_store_name_stays_a_name_inside_its_store(stores, tmp_path, name, said):   # noqa: F811
+    ollama, lms, _ = stores
+    outside = tmp_path / "outside"        # what ../ reached: a model, and a manifest of one
+    outside.mkdir()
+    (outside / "x.gguf").symlink_to(lms / "pub" / "one" / "one-Q4_1.gguf")
+    (outside / "latest").write_text(json.dumps({"layers": [{"mediaType": local_models.OLLAMA_MODEL_LAYER,
+                                                            "digest": f"sha256:{HEX}"}]}))
+    with pytest.raises(HdError) as err:
+        loader.resolve(name)
+    line = str(err.value)
+    assert said in line and "\n" not in line and len(line) < 400, line
+
+
+def test_hd_generate_on_a_bad_store_name_is_one_line(stores):   # noqa: F811
+    err = one_line_error(hd_main("generate", "-p", "hi", "--model", "lmstudio:/etc/passwd"))
+    assert "lmstudio:/etc/passwd: expected a name inside the store" in err
