@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import compose
+from . import compose, inputs
 from .bench.baselines import first_difference, hf_generate, stock_model
 from .compose import (DBs, build_drafter, cheap_verification, check_tokenizers, default_min_expected,
                       default_min_n, default_min_prob, make_stack, open_dbs, resolved, warm_up)
@@ -298,10 +298,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt is not None and prompt_file is not None:
         raise HdError("pass either --prompt or --prompt-file, not both")
     if prompt_file is not None:
-        try:
-            return prompt_file.read_text(encoding="utf-8-sig")   # a BOM is no part of the prompt
-        except (OSError, UnicodeDecodeError) as exc:
-            raise HdError(f"cannot read --prompt-file {prompt_file}: {exc}") from None
+        return inputs.read_text(prompt_file, "--prompt-file", inputs.TEXT_BYTES, TEXT_HINT)
     if prompt is None:
         raise HdError("no prompt: pass --prompt TEXT or --prompt-file FILE")
     return prompt
@@ -310,12 +307,14 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 GRAMMAR_SUFFIXES = {".lark": "lark", ".gbnf": "gbnf", ".regex": "regex", ".re": "regex"}
 
 
-def read_text(path: Path, flag: str) -> str:
-    """A file given with `flag`, or a one-line error naming it."""
-    try:
-        return path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HdError(f"cannot read {flag} {path}: {exc}") from None
+# what to do about a file over its bound (inputs.read_text)
+TEXT_HINT = "that is past any model's context: pass a shorter file"
+GRAMMAR_HINT = "a grammar or schema is refused past that: give a smaller one"
+
+
+def read_grammar(path: Path, flag: str) -> str:
+    """A grammar or JSON Schema file, read no further than constrain compiles."""
+    return inputs.read_text(path, flag, constrain.MAX_SOURCE_BYTES, GRAMMAR_HINT)
 
 
 def output_from_files(json_schema: Path | None, json_object: bool, grammar: Path | None,
@@ -329,7 +328,7 @@ def output_from_files(json_schema: Path | None, json_object: bool, grammar: Path
         raise HdError("--grammar-format goes with --grammar FILE")
     kind, source, origin = None, None, "the grammar"
     if json_schema is not None:
-        kind, source, origin = "json_schema", read_text(json_schema, "--json-schema"), f"--json-schema {json_schema}"
+        kind, source, origin = "json_schema", read_grammar(json_schema, "--json-schema"), f"--json-schema {json_schema}"
     elif json_object:
         kind, origin = "json_object", "--json-object"
     elif grammar is not None:
@@ -337,8 +336,8 @@ def output_from_files(json_schema: Path | None, json_object: bool, grammar: Path
         if kind not in ("lark", "gbnf", "regex"):
             raise HdError(f"--grammar {grammar}: say its format with --grammar-format lark|gbnf|regex "
                           f"(its suffix {grammar.suffix or '(none)'!r} does not)")
-        source, origin = read_text(grammar, "--grammar"), f"--grammar {grammar}"
-    text = read_text(prediction, "--prediction") if prediction is not None else None
+        source, origin = read_grammar(grammar, "--grammar"), f"--grammar {grammar}"
+    text = None if prediction is None else inputs.read_text(prediction, "--prediction", inputs.TEXT_BYTES, TEXT_HINT)
     return OutputSpec(kind, source, text, origin, f"--prediction {prediction}")
 
 
@@ -425,9 +424,10 @@ def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Res
 
 def local_models() -> dict:
     """What `hd models` shows: every GGUF in Ollama's and LM Studio's stores
-    (engine/local_models.py), with where hd looked."""
+    (engine/local_models.py), with where hd looked and the entries skipped (each with its problem)."""
     from .engine import local_models as lm_stores
-    return {"searched": lm_stores.searched(), "models": [m.to_dict() for m in lm_stores.list_models()]}
+    found, skipped = lm_stores.list_models()
+    return {"searched": lm_stores.searched(), "models": [m.to_dict() for m in found], "skipped": skipped}
 
 
 # hd costs
@@ -501,16 +501,18 @@ def db_query(path: Path, text: str, model: str | None = None, *, max_len: int = 
 # hd plan
 
 def calibration_prompts(lm: models.LoadedModel, prompts: Path | None, count: int) -> list[list[int]]:
-    """Token ids of the calibration prompts: a jsonl (field prompt, text or turns) or text file
-    (one prompt per blank-line-separated block), else the first question of Spec-Bench's
-    categories (round-robin) when its file is found."""
+    """Token ids of the calibration prompts (calibration_texts)."""
+    return [encode_prompt(lm.tokenizer, t) for t in calibration_texts(prompts, count)]
+
+
+def calibration_texts(prompts: Path | None, count: int) -> list[str]:
+    """The calibration prompts: a jsonl (field prompt, text or turns) or text file (one prompt
+    per blank-line-separated block), else the first question of Spec-Bench's categories
+    (round-robin) when its file is found; read before any model loads."""
     from .bench import specbench
     texts = []
     if prompts is not None:
-        try:
-            raw = Path(prompts).read_text(encoding="utf-8-sig")  # -sig: a BOM is not data
-        except (OSError, UnicodeDecodeError) as exc:
-            raise HdError(f"cannot read --prompts {prompts}: {exc}") from None
+        raw = inputs.read_text(prompts, "--prompts", inputs.TEXT_BYTES, "calibration needs a few prompts: pass fewer")
         if Path(prompts).suffix == ".jsonl":
             for n, line in enumerate(raw.splitlines(), 1):
                 if line.strip():
@@ -526,7 +528,7 @@ def calibration_prompts(lm: models.LoadedModel, prompts: Path | None, count: int
         texts = [q["turns"][0] for q in qs]
     if not texts:
         raise HdError(f"no prompts in {prompts}")
-    return [encode_prompt(lm.tokenizer, t) for t in texts[:count]]
+    return texts[:count]
 
 
 def plan(cfg: DecodingConfig, draft_models: str | Sequence[str], *, prompts: Path | None = None,
@@ -540,6 +542,7 @@ def plan(cfg: DecodingConfig, draft_models: str | Sequence[str], *, prompts: Pat
     if t_max < 1 or count < 1 or tokens < 2:
         raise HdError("--t-max and --count must be >= 1, --tokens >= 2")
     names = draft_model_names(draft_models)
+    texts = calibration_texts(prompts, count)   # a bad prompts file is said before minutes of loading
     dbs = open_dbs(cfg)
     on_status(f"loading {cfg.model} ...")
     lm = load_model_for(cfg)
@@ -549,7 +552,7 @@ def plan(cfg: DecodingConfig, draft_models: str | Sequence[str], *, prompts: Pat
                          candidates=1)
     cheap = cheap_verification(lm)
     db_factory = None if no_db else (lambda: compose.db_hierarchy(db_cfg, dbs, cheap))
-    ids = calibration_prompts(lm, prompts, count)
+    ids = [encode_prompt(lm.tokenizer, t) for t in texts]
     loaded = {}
     for n in names:
         on_status(f"loading draft {n} ...")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
+from . import inputs
 from .drafting import registry
 from .engine.loader import DEFAULT_MODEL
 from .engine.decode.verify import Sampling
@@ -361,11 +362,12 @@ class DecodingConfig:
     def from_file(cls, path) -> "DecodingConfig":
         """A JSON configuration: a bare one, any hd `--json` output or bench summary that records
         one (its "config"), or a plan written by `hd plan --out` (its target, dtype and chain)."""
+        if inputs.kind_of(path) == "missing":
+            raise HdError(f"config {path} not found")
+        text = inputs.read_text(path, "--config", inputs.DOCUMENT_BYTES, "a configuration is a JSON file hd wrote: pass that")
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
-        except FileNotFoundError:
-            raise HdError(f"config {path} not found") from None
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            data = json.loads(text)
+        except ValueError as exc:
             raise HdError(f"cannot read config {path}: {exc}") from None
         if not isinstance(data, dict):
             raise HdError(f"config {path}: a JSON object is needed")

@@ -155,8 +155,11 @@ def generate(out: Console, rep) -> None:
 
 
 def local_models(rep: dict) -> None:
-    """hd models: the GGUFs of the local stores, one row each."""
+    """hd models: the GGUFs of the local stores, one row each; a skipped entry, one line on stderr."""
     con = Console(highlight=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    for bad in rep.get("skipped", []):
+        err.print(Text.assemble(("warning: ", "yellow"), f"skipped {bad['name']}: " + " ".join(bad["problem"].split())))
     if not rep["models"]:
         where = rep["searched"]
         con.print(f"no models found in Ollama's store ({where['ollama']}) or LM Studio's "

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .. import inputs
 from ..errors import HdError
 from . import runner
 from ..engine.text import tools
@@ -109,10 +110,7 @@ def find_folder(given: str | Path | None, flag: str, relative: str, marker: str,
 
 
 def _json_lines(path: Path) -> list[dict]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HdError(f"cannot read {path}: {exc}") from None
+    text = inputs.read_text(path, "benchmark file", inputs.BENCH_BYTES, "pass a smaller data folder")
     out = []
     for n, line in enumerate(text.split("\n"), 1):   # not splitlines: U+2028 inside a string is text
         if line.strip():

@@ -8,6 +8,7 @@ from rich import box
 from rich.table import Table
 
 from ..drafting import registry
+from .. import inputs
 from ..errors import HdError
 from . import specbench
 from .runner import BASELINES
@@ -32,13 +33,14 @@ def short_name(layer: str) -> str:
 def load(run_dir: Path) -> dict:
     """The summary saved by `hd bench spec-bench --out run_dir`."""
     f = run_dir / "summary.json"
+    if inputs.kind_of(f) == "missing":
+        raise HdError(f"{f} not found: pass a folder written by `hd bench spec-bench --out DIR`")
+    text = inputs.read_text(f, "bench summary", inputs.DOCUMENT_BYTES, "pass a folder written by `hd bench spec-bench --out DIR`")
     try:
-        report = json.loads(f.read_text())
+        report = json.loads(text)
         for key in ("model", "dtype", "device", "questions", "max_new_tokens", "methods"):
             report[key]  # a KeyError: not a summary
-    except FileNotFoundError:
-        raise HdError(f"{f} not found: pass a folder written by `hd bench spec-bench --out DIR`") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise HdError(f"{f} is not an hd bench summary ({exc})") from None
     return report
 

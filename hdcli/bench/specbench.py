@@ -12,6 +12,7 @@ import json
 from itertools import zip_longest
 from pathlib import Path
 
+from .. import inputs
 from ..errors import HdError
 
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -45,10 +46,7 @@ def find(data: str | Path | None = None) -> Path:
 def load(path: str | Path) -> list[dict]:
     """Questions in file order, each {question_id, category (mapped), subcategory, turns}."""
     out = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # -sig: a BOM is not data
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HdError(f"cannot read Spec-Bench file {path}: {exc}") from None
+    lines = inputs.read_text(path, "Spec-Bench file", inputs.BENCH_BYTES, "pass a smaller question set").splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

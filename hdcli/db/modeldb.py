@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import statsdb
+from .. import inputs
 from ..engine.model import is_owned
 from ..errors import HdError
 
@@ -53,7 +54,11 @@ def load_prompts(path=None, num_prompts: int | None = None) -> tuple[list[str], 
                       " (the default prompt set ships with hd in hdcli/data/: reinstall hd, or pass --prompts FILE)"))
     prompts = []
     with open(path, encoding="utf-8-sig", errors="replace") as f:  # -sig: a BOM is not data
-        for lineno, line in enumerate(f, 1):
+        # a line read no further than a prompt's bound: a file of zeros has no line end
+        for lineno, line in enumerate(iter(lambda: f.readline(inputs.TEXT_BYTES + 1), ""), 1):
+            if len(line) > inputs.TEXT_BYTES:
+                raise HdError(f"{path}:{lineno}: a line over {inputs.size_text(inputs.TEXT_BYTES)}; "
+                              "that is past any model's context (one prompt a line)")
             if not line.strip():
                 continue
             try:

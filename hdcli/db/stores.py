@@ -57,6 +57,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .. import inputs
 from ..errors import HdError
 
 FORMAT_VERSION = 1
@@ -575,11 +576,15 @@ class Store:
 
     def _open(self, path: str | Path, writable: bool) -> None:
         self.path = Path(path)
-        if self.path.is_dir():
+        kind = inputs.kind_of(self.path)   # a symlink loop or a FIFO is no missing file
+        if kind == "folder":
             raise HdError(f"{self.path} is a folder, not a DB file: pass the .lmdb file itself")
-        if not self.path.is_file():
+        if kind == "missing":
             raise HdError(f"DB {self.path} does not exist (build one with `hd build-stats` or "
                           "`hd build-model-db`)")
+        if kind != "file":
+            what = kind if kind.startswith(("not readable", "a broken symlink")) else f"{kind}, not a regular file or folder"
+            raise HdError(f"DB {self.path} is {what}: pass the .lmdb file itself")
         if writable and not os.access(self.path, os.W_OK):
             raise HdError(f"{self.path} is not writable: --learn needs to write to it")
         self.env = _open_env(self.path, writable)

@@ -17,16 +17,21 @@ Two local stores are read; neither is ever written:
 quantization mix, size, and whether hd owns its forward (engine/model: exact, M-invariant) or runs
 it on transformers' forward.
 
-Invariant: a name resolves to one existing GGUF file or raises HdError in one line naming where
-hd looked and what to do; a blob that is not a GGUF is refused here, before any load.
+Invariant: a name resolves to one existing GGUF file inside its store (its parts are file names,
+checked before any is looked up: never '..', a root or longer than a file name can be) or raises
+HdError in one line naming where hd looked and what to do; a blob that is not a GGUF, or a
+projector named as a model, is refused here, before any load. `hd models` lists every entry it
+can and says each one it cannot in one line.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import inputs
 from ..errors import HdError
 
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
@@ -74,6 +79,18 @@ def _check_gguf(path: Path, what: str) -> Path:
     return path
 
 
+# Ollama's own rules for a name's parts (its types/model/name.go): letters, digits, '_', '-', '.',
+# starting with a letter or digit ('_' too for a tag), 80 characters at most (a registry: a host
+# name, ':' for its port too, and here at most a file name's 255). So a part is one file name
+# inside the store: never '..', never a path, never too long for the file system.
+_OLLAMA_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,79}")
+_OLLAMA_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,79}")
+_OLLAMA_REGISTRY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,254}")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+NAME_MAX = 255              # bytes of one file name (Linux, macOS); longer: ENAMETOOLONG
+MANIFEST_BYTES = 1 << 20    # an Ollama manifest lists a few layers in about 1 KB
+
+
 def _ollama_parts(spec: str) -> tuple[str, str, str, str]:
     """(registry, namespace, name, tag) of `[REGISTRY/][NAMESPACE/]NAME[:TAG]`."""
     path, tag = spec, OLLAMA_TAG
@@ -81,12 +98,23 @@ def _ollama_parts(spec: str) -> tuple[str, str, str, str]:
         path, tag = spec.rsplit(":", 1)
     parts = [p for p in path.split("/") if p]
     if not parts or len(parts) > 3 or not tag:
-        raise HdError(f"--model ollama:{spec}: expected ollama:NAME[:TAG], e.g. ollama:llama3.2:3b")
+        raise HdError(f"--model ollama:{_short(spec)}: expected ollama:NAME[:TAG], e.g. ollama:llama3.2:3b")
     if len(parts) == 1:
         parts = [OLLAMA_REGISTRY, OLLAMA_NAMESPACE] + parts
     elif len(parts) == 2:
         parts = [OLLAMA_REGISTRY] + parts
+    checks = zip(parts + [tag], (_OLLAMA_REGISTRY, _OLLAMA_PART, _OLLAMA_PART, _OLLAMA_TAG),
+                 ("registry", "namespace", "name", "tag"))
+    for part, rule, what in checks:
+        if not rule.fullmatch(part):
+            raise HdError(f"--model ollama:{_short(spec)}: its {what} {_short(part)!r} is not an Ollama name "
+                          "(letters, digits, '_', '-', '.'; 80 characters at most); see `hd models`")
     return parts[0], parts[1], parts[2], tag
+
+
+def _short(text: str, most: int = 60) -> str:
+    """A name as an error line shows it: a 5,000-character one cut to its start."""
+    return text if len(text) <= most else text[:most] + f"... ({len(text)} characters)"
 
 
 def _ollama(spec: str) -> Path:
@@ -97,19 +125,22 @@ def _ollama(spec: str) -> Path:
         where = "$OLLAMA_MODELS" if os.environ.get("OLLAMA_MODELS") else "the default folder (set $OLLAMA_MODELS to move it)"
         raise HdError(f"ollama model {spec} not found: no manifest {manifest} (looked in {where}); "
                       "`ollama pull` it, or see `hd models`")
+    text = inputs.read_text(manifest, "ollama manifest", MANIFEST_BYTES, "the store is damaged; `ollama pull` the model again")
     try:
-        doc = json.loads(manifest.read_text())
-        layers = doc["layers"]
-        digest = next(l["digest"] for l in layers if l.get("mediaType") == OLLAMA_MODEL_LAYER)
-    except (ValueError, UnicodeDecodeError):
+        doc = json.loads(text)
+    except ValueError:
         raise HdError(f"ollama manifest {manifest} is not JSON: the store is damaged; `ollama pull` the model again") from None
-    except (KeyError, TypeError, StopIteration):
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    digests = [l.get("digest") for l in layers if isinstance(l, dict) and l.get("mediaType") == OLLAMA_MODEL_LAYER] \
+        if isinstance(layers, list) else []
+    if not digests:
         raise HdError(f"ollama manifest {manifest} names no layer of media type {OLLAMA_MODEL_LAYER}: "
-                      "not a model hd can run, or the store is damaged") from None
+                      "not a model hd can run, or the store is damaged")
+    digest = digests[0]
     algo, _, hexdigest = str(digest).partition(":")
-    if algo != "sha256" or not hexdigest or not all(c in "0123456789abcdef" for c in hexdigest):
-        raise HdError(f"ollama manifest {manifest}: model layer digest {digest!r} is not sha256:HEX; "
-                      "the store is damaged")
+    if algo != "sha256" or not _SHA256_HEX.fullmatch(hexdigest):   # a blob's name: never a path, never too long
+        raise HdError(f"ollama manifest {manifest}: model layer digest {_short(repr(digest))} is not "
+                      "sha256:<64 hex digits>; the store is damaged")
     blob = root / "blobs" / f"sha256-{hexdigest}"
     if not blob.is_file():
         raise HdError(f"ollama manifest {manifest} points at blob {blob}, which is missing: "
@@ -117,16 +148,38 @@ def _ollama(spec: str) -> Path:
     return _check_gguf(blob, f"ollama model {spec}")
 
 
+def _is_projector(p: Path) -> bool:
+    return p.name.lower().startswith("mmproj")
+
+
 def _is_model_file(p: Path) -> bool:
-    return p.suffix == ".gguf" and p.is_file() and not p.name.lower().startswith("mmproj")
+    return p.suffix == ".gguf" and p.is_file() and not _is_projector(p)
+
+
+def _lmstudio_parts(spec: str) -> tuple[str, ...]:
+    """The file names of `PUBLISHER/NAME[/FILE.gguf]` or `FILE[.gguf]`: each a name inside the
+    store (never '..', '.', a root or empty), and short enough for the file system."""
+    parts = tuple(spec.split("/"))
+    if spec.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise HdError(f"--model lmstudio:{_short(spec)}: expected a name inside the store, "
+                      "lmstudio:PUBLISHER/NAME[/FILE.gguf] or lmstudio:FILE; see `hd models`")
+    long = next((p for p in parts if len(p.encode("utf-8", "replace")) > NAME_MAX), None)
+    if long is not None or len(parts) > 8:
+        raise HdError(f"--model lmstudio:{_short(spec)}: " + (f"{_short(long)!r} is longer than a file name "
+                      f"can be ({NAME_MAX} bytes)" if long is not None else "too many folders") + "; see `hd models`")
+    return parts
 
 
 def _lmstudio(spec: str) -> Path:
+    parts = _lmstudio_parts(spec)
     roots = _present_lmstudio_roots()
     looked = ", ".join(str(r) for r in lmstudio_roots())
     for root in roots:
-        target = root / spec
+        target = root.joinpath(*parts)
         if target.is_file() and target.suffix == ".gguf":
+            if _is_projector(target):
+                raise HdError(f"lmstudio model {spec}: {target.name} is a vision projector (mmproj), not a "
+                              "model: name the model's own .gguf (`hd models` lists them)")
             return _check_gguf(target, f"lmstudio model {spec}")
         if target.is_dir() and spec.count("/") >= 1:
             files = sorted(p for p in target.iterdir() if _is_model_file(p))
@@ -136,8 +189,10 @@ def _lmstudio(spec: str) -> Path:
                 raise HdError(f"lmstudio model {spec} holds {len(files)} GGUF files "
                               f"({', '.join(p.name for p in files)}): name one, e.g. lmstudio:{spec}/{files[0].name}")
     # a file name (with or without .gguf) anywhere in the stores
-    want = spec if spec.endswith(".gguf") else spec + ".gguf"
-    found = sorted(p for root in roots for p in root.rglob(want) if _is_model_file(p))
+    want = parts[:-1] + (parts[-1] if parts[-1].endswith(".gguf") else parts[-1] + ".gguf",)
+    # matched by name, not as a glob pattern: '*' or '[' in a name is a character of it
+    found = sorted(p for root in roots for p in root.rglob("*.gguf")
+                   if p.relative_to(root).parts[-len(want):] == want and _is_model_file(p))
     if len(found) == 1:
         return _check_gguf(found[0], f"lmstudio model {spec}")
     if len(found) > 1:
@@ -176,7 +231,9 @@ def _describe(name: str, path: Path) -> LocalModel:
         gf.release()
 
 
-def _ollama_entries() -> list[tuple[str, Path]]:
+def _ollama_entries(skipped: list[dict]) -> list[tuple[str, Path]]:
+    """(name, blob) of each model manifest; a manifest that names no runnable blob goes to
+    skipped as {"name", "problem"} (the line `hd generate` would say), and the rest are listed."""
     root = ollama_root()
     out = []
     base = root / "manifests"
@@ -193,8 +250,8 @@ def _ollama_entries() -> list[tuple[str, Path]]:
             name = f"{model}:{tag}" if namespace == OLLAMA_NAMESPACE else f"{namespace}/{model}:{tag}"
         try:
             out.append((f"ollama:{name}", _ollama(name)))
-        except HdError:
-            continue   # not a model (an embedding-only or damaged manifest): `hd generate` would say why
+        except HdError as exc:
+            skipped.append({"name": f"ollama:{name}", "problem": str(exc)})
     return out
 
 
@@ -207,9 +264,12 @@ def _lmstudio_entries() -> list[tuple[str, Path]]:
     return out
 
 
-def list_models() -> list[LocalModel]:
-    """Every GGUF model the local stores hold, described (each file's header read once)."""
-    return [_describe(name, path) for name, path in _ollama_entries() + _lmstudio_entries()]
+def list_models() -> tuple[list[LocalModel], list[dict]]:
+    """Every GGUF model the local stores hold, described (each file's header read once), and the
+    entries skipped, each with its problem in one line."""
+    skipped: list[dict] = []
+    found = _ollama_entries(skipped) + _lmstudio_entries()
+    return [_describe(name, path) for name, path in found], skipped
 
 
 def searched() -> dict:

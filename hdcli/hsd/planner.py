@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .. import inputs
 from ..errors import HdError
 from ..engine.decode import costs
 from ..engine.decode.loop import Decoder
@@ -351,13 +352,14 @@ def measured_speed(lm, drafter, prompts: Sequence[list[int]], max_new_tokens: in
 
 def read_plan_file(path) -> dict:
     """The whole document saved by `hd plan --out`, checked to hold a chain."""
+    if inputs.kind_of(path) == "missing":
+        raise HdError(f"plan {path} not found: make one with `hd plan --out {path}`")
+    text = inputs.read_text(path, "--plan", inputs.DOCUMENT_BYTES, "a plan is the JSON file `hd plan --out` wrote")
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+        data = json.loads(text)
         chain = data["chain"]
         chain["bottom"], [(lv["model"], int(lv["T"])) for lv in chain["levels"]]
-    except FileNotFoundError:
-        raise HdError(f"plan {path} not found: make one with `hd plan --out {path}`") from None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         raise HdError(f"{path} is not a plan written by `hd plan`") from None
     bad = [k for k in ("target", "dtype", "kernels") if data.get(k) is not None and not isinstance(data[k], str)]
     if bad:   # read as if the user had typed them: named as the plan's, not as an option

@@ -40,6 +40,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
+from .. import inputs
 from ..errors import HdError
 from ..drafting import RecycledTable
 from ..drafting.answer_index import AnswerIndex
@@ -88,10 +89,8 @@ class Keys:
                  for i, k in enumerate(keys)]
         lines_of: dict[str, int] = {}   # a name of the file -> its line
         if file is not None:
-            try:
-                lines = Path(file).read_text(encoding="utf-8-sig").splitlines()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise HdError(f"cannot read --api-keys-file {file}: {exc}") from None
+            lines = inputs.read_text(file, "--api-keys-file", inputs.KEYS_BYTES,
+                                     "a key a line is far less: pass the keys file itself").splitlines()
             for n, line in enumerate(lines, 1):
                 parts = line.split()
                 if not parts or parts[0].startswith("#"):
