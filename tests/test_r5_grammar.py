@@ -136,3 +136,15 @@ def test_hd_generate_json_logprobs_under_a_grammar_are_json(folder, tmp_path):
     assert lps and any(len(e["top"]) < 4 for e in lps)
 
 
+# --- fields that were a 500 or a traceback ----------------------------------------------------
+
+def test_a_logit_bias_key_of_5000_digits_is_a_400_naming_the_field(served):
+    """Before: a 500 (int() refuses strings over 4300 digits)."""
+    status, text = post(served, messages=ASK, logit_bias={"9" * 5000: 1.0})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == "logit_bias" and "is not a token id" in err["message"], text
+    assert len(err["message"]) < 200
+    status, text = post(served, messages=ASK, logit_bias={"0" * 30 + "13": 1.0})   # leading zeros: id 13, as before
+    assert status == 200, text
+
+

@@ -244,11 +244,14 @@ class Server:
         bias = cfg.logit_bias
         if req.logit_bias is not None:
             vocab = self.lm.model.config.vocab_size
-            # ASCII digits only: str.isdigit takes "²" (int() refuses it) and "٣" (int() reads 3)
+            # ASCII digits only: str.isdigit takes "²" (int() refuses it) and "٣" (int() reads 3); and
+            # no more digits than the vocabulary's size has, before int(): it refuses over 4300
             bad = next((key for key in req.logit_bias
-                        if not (key.isascii() and key.isdigit()) or int(key) >= vocab), None)
+                        if not (key.isascii() and key.isdigit()) or len(key.lstrip("0")) > len(str(vocab))
+                        or int(key) >= vocab), None)
             if bad is not None:
-                raise ApiError(400, f"logit_bias: '{bad}' is not a token id of this model (0..{vocab - 1})",
+                shown = bad if len(bad) <= 24 else f"{bad[:12]}...({len(bad)} characters)"
+                raise ApiError(400, f"logit_bias: '{shown}' is not a token id of this model (0..{vocab - 1})",
                                "logit_bias")
             bias = {int(key): value for key, value in req.logit_bias.items()}
         try:   # the other fields' ranges are the request schema's: only a bias can be out of range here
