@@ -148,3 +148,9 @@ def test_a_logit_bias_key_of_5000_digits_is_a_400_naming_the_field(served):
     assert status == 200, text
 
 
+def test_an_unknown_grammar_format_names_the_known_ones(tmp_path):
+    """Before: "--grammar x.peg: say its format with --grammar-format ..." even with one given."""
+    grammar = tmp_path / "answer.peg"
+    grammar.write_text('start: "yes"')
+    line = one_line_error(hd_main("generate", "-p", "Hi", "--grammar", grammar, "--grammar-format", "peg"))
+    assert "--grammar-format 'peg' is not a grammar format hd reads: give one of lark, gbnf, regex" in line, line
