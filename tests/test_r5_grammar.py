@@ -92,6 +92,90 @@ def post(served, path="/v1/chat/completions", **body):
     return status, text
 
 
+# --- a grammar beyond the engine's limits: refused, and never a silently ended answer ----------
+
+@pytest.mark.parametrize("kind, source", BEYOND, ids=[k for k, _ in BEYOND])
+def test_a_grammar_beyond_the_engines_limits_is_refused_at_compile_time(lm, kind, source):
+    """Before: check and compile took them; generation then failed (plain) or ended empty (drafting)."""
+    for refuse in (lambda: constrain.check(kind, source), lambda: constrain.compile(lm, kind, source)):
+        with pytest.raises(constrain.GrammarError, match="beyond the grammar engine's limits") as err:
+            refuse()
+        assert "\n" not in str(err.value)
+
+
+def test_drafting_and_plain_decoding_agree_where_the_engine_gives_up(lm):
+    """The grammar compiled past the refusal (as before the fix): with drafting it answered ""
+    with stop_reason eos, breaking the grammar, where plain decoding raised GrammarError. The
+    forced text computed on a deep copy runs the lexer both share; the matcher then gave up and its
+    mask allowed only the end of sequence. Now both paths raise the same GrammarError."""
+    from llguidance import LLMatcher
+    llt = constrain._ll_tokenizer(lm)
+    g = constrain.Grammar("regex", LLMatcher.grammar_from_regex(ENDLESS), llt, int(lm.model.config.vocab_size),
+                          tuple(sorted(lm.eos_ids)))
+    prompt = [1, 4093, 314, 2361, 28]
+    said = []
+    for drafter in (None, Hierarchy([ContextDB(1, 4)])):
+        with pytest.raises(constrain.GrammarError, match="gave up") as err:
+            Decoder(lm.model, lm.eos_ids, drafter).generate(prompt, 6, grammar=g)
+        said.append(str(err.value))
+    assert all("too many expressions" in s for s in said), said
+
+
+def test_hd_generate_refuses_an_endless_regex_before_the_model_loads(tmp_path):
+    grammar = tmp_path / "endless.regex"
+    grammar.write_text(ENDLESS)
+    line = one_line_error(hd_main("generate", "--model", tmp_path / "no-such-model", "-p", "Hi", "-n", "4",
+                                  "--grammar", grammar))
+    assert f"--grammar {grammar}: the grammar is beyond the grammar engine's limits" in line, line
+
+
+# --- big schemas: refused at compile time, compiled off the tokenizer lock ---------------------
+
+@pytest.mark.parametrize("schema, where", [(CROWDED, "/"), (NESTED, "/properties/x")])
+def test_an_object_over_the_parsers_row_limit_is_refused_naming_it(lm, schema, where):
+    """Before: compiled; the first token failed ("Current row has 2007 items; max is 2000")."""
+    for refuse in (lambda: constrain.check("json_schema", schema),
+                   lambda: constrain.compile(lm, "json_schema", schema)):
+        with pytest.raises(constrain.GrammarError, match=f"the object at {where} has 500 properties"):
+            refuse()
+    ok = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(400)}}
+    constrain.compile(lm, "json_schema", ok)          # under the limit: as before
+    required = dict(CROWDED, required=list(CROWDED["properties"]))
+    constrain.compile(lm, "json_schema", required)    # required keys come in order: no crowded row
+
+
+def schema_refused(tmp_path, text: str) -> str:
+    path = tmp_path / "schema.json"
+    path.write_text(text)
+    line = one_line_error(hd_main("generate", "--model", tmp_path / "no-such-model", "-p", "Hi", "-n", "4",
+                                  "--json-schema", path))
+    assert line.startswith(f"error: --json-schema {path}: "), line
+    return line
+
+
+def test_hd_generate_refuses_a_big_schema_before_the_model_loads(tmp_path):
+    assert "the object at /properties/x has 500 properties" in schema_refused(tmp_path, json.dumps(NESTED))
+
+
+def test_hd_generate_refuses_a_900_deep_schema_in_one_line(tmp_path):
+    """Before: a RecursionError traceback (exit 1) where hd serve answers 400."""
+    assert "the schema is nested too deeply" in schema_refused(tmp_path, DEEP)
+
+
+def test_serve_refuses_big_schemas_and_endless_patterns_naming_the_field(served):
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": NESTED}}},
+              "response_format.json_schema.schema", "has 500 properties"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": BEYOND[1][1]}}},
+              "response_format.json_schema.schema", "beyond the grammar engine's limits"),
+             ({"tools": [{"type": "function", "function": {"name": "f", "parameters": CROWDED}}]},
+              "tools[0].function.parameters", "has 500 properties")]
+    for extra, param, says in cases:
+        status, text = post(served, messages=ASK, **extra)
+        err = json.loads(text)["error"]
+        assert status == 400 and err["param"] == param and err["message"].startswith(param + ":"), (extra, text)
+        assert says in err["message"], err
+
+
 # --- log-probabilities under a grammar: no -inf, masked tokens left out ------------------------
 
 def test_masked_alternatives_are_left_out_of_logprobs():
