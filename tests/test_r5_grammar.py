@@ -176,6 +176,31 @@ def test_serve_refuses_big_schemas_and_endless_patterns_naming_the_field(served)
         assert says in err["message"], err
 
 
+def test_a_slow_compile_does_not_stall_another_clients_stream(served, monkeypatch):
+    """Before: job_for compiled holding the tokenizer lock that prompts and streamed text take, so
+    a schema compiling for 22 s stalled every other client as long. A compile made slow here
+    waits for the other client's stream to finish: that stream must not need the compile's end."""
+    real = constrain.compile
+    entered, streamed = threading.Event(), threading.Event()
+    order = []
+
+    def slow(lm, kind, source=None):
+        entered.set()
+        streamed.wait(8)   # before the fix: the stream below waits on this thread's lock, then goes on
+        order.append("compiled")
+        return real(lm, kind, source)
+    monkeypatch.setattr(constrain, "compile", slow)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, served, messages=ASK, response_format={"type": "json_object"})
+        assert entered.wait(30)
+        status, text = post(served, messages=[{"role": "user", "content": "Hi"}], stream=True)
+        order.append("streamed")
+        streamed.set()
+        assert first.result()[0] == 200
+    assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
+    assert order == ["streamed", "compiled"]
+
+
 # --- log-probabilities under a grammar: no -inf, masked tokens left out ------------------------
 
 def test_masked_alternatives_are_left_out_of_logprobs():

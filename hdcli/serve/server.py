@@ -205,8 +205,9 @@ class Server:
                            "model", "model_not_found")
         spec = None
         if chat:   # tools, tool messages: checked before the prompt is built from them (serve/structured.py)
-            with self.scheduler.tokenizer_lock:   # compiling a schema may build the grammar engine's tokenizer
-                spec = structured.tool_spec(req, self.lm)
+            # no tokenizer lock: compiling a schema does not touch the tokenizer once constrain.prepare
+            # ran (at start), and a big schema compiles for seconds, which stalled every stream
+            spec = structured.tool_spec(req, self.lm)
             structured.check_tool_messages(req)
         ids, where = self._encode(req, chat, spec)   # takes the tokenizer lock itself (not while a template renders)
         if not ids:
@@ -224,8 +225,8 @@ class Server:
         grammar = prediction = family = None
         if chat:
             family = tools.family(self.lm.tokenizer)
+            grammar = structured.grammar_for(req, self.lm, spec, family, self.scheduler.tokenizer_lock)
             with self.scheduler.tokenizer_lock:
-                grammar = structured.grammar_for(req, self.lm, spec, family)
                 prediction = structured.prediction_ids(req, self.lm, room)
         return Job(prompt_ids=ids, max_tokens=min(limit or cfg.max_new_tokens, room),
                    sampling=self._sampling(req), seed=cfg.seed if req.seed is None else req.seed,

@@ -66,7 +66,10 @@ class GrammarError(HdError):
     """A grammar or schema that cannot be used; the message names no field (callers add it)."""
 
 
-_tokenizers: dict[int, tuple[object, object]] = {}   # id(hf tokenizer) -> (it, its LLTokenizer)
+# id(hf tokenizer) -> (it, its LLTokenizer or the GrammarError building one gave). A failure is kept
+# too: once prepare(lm) has run, compile() never touches lm.tokenizer (hd serve compiles without the
+# lock its decode loop takes to use the tokenizer)
+_tokenizers: dict[int, tuple[object, object]] = {}
 _lock = threading.Lock()
 
 
@@ -82,9 +85,11 @@ def _ll_tokenizer(lm):
                 llt = llguidance.hf.from_tokenizer(lm.tokenizer, n_vocab=int(lm.model.config.vocab_size),
                                                    eos_token=sorted(lm.eos_ids) or None)
             except (ValueError, TypeError) as exc:
-                raise GrammarError(f"this model's tokenizer cannot be used with a grammar: {exc}") from None
+                llt = GrammarError(f"this model's tokenizer cannot be used with a grammar: {exc}")
             got = _tokenizers[key] = (lm.tokenizer, llt)
-        return got[1]
+    if isinstance(got[1], GrammarError):
+        raise GrammarError(str(got[1]))
+    return got[1]
 
 
 _bytes_tokenizer = None
@@ -273,7 +278,8 @@ def check(kind: str, source=None) -> None:
 def compile(lm, kind: str, source=None) -> Grammar:  # noqa: A001 - the module's verb
     """A Grammar of `kind` (KINDS) for lm's tokenizer, or GrammarError saying what is wrong: the
     engine's own message for a schema or grammar it refuses, "admits nothing" for one whose
-    language is empty, "beyond the grammar engine's limits" for one it gives up on (module header)."""
+    language is empty, "beyond the grammar engine's limits" for one it gives up on (module header).
+    After prepare(lm) it does not touch lm.tokenizer: callers need no lock for it."""
     from llguidance import LLMatcher
     text = _grammar_text(kind, source)
     llt = _ll_tokenizer(lm)
