@@ -305,6 +305,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 
 
 GRAMMAR_SUFFIXES = {".lark": "lark", ".gbnf": "gbnf", ".regex": "regex", ".re": "regex"}
+GRAMMAR_FORMATS = ("lark", "gbnf", "regex")   # --grammar-format's values (constrain.KINDS of a file)
 
 
 # what to do about a file over its bound (inputs.read_text)
@@ -324,6 +325,9 @@ def output_from_files(json_schema: Path | None, json_object: bool, grammar: Path
                             ("--grammar", grammar)) if v]
     if len(given) > 1:
         raise HdError(f"pass one of {', '.join(given)}: an answer follows one grammar")
+    if grammar_format is not None and grammar_format not in GRAMMAR_FORMATS:
+        raise HdError(f"--grammar-format {grammar_format!r} is not a grammar format hd reads: give one of "
+                      f"{', '.join(GRAMMAR_FORMATS)}")
     if grammar_format is not None and grammar is None:
         raise HdError("--grammar-format goes with --grammar FILE")
     kind, source, origin = None, None, "the grammar"
@@ -333,7 +337,7 @@ def output_from_files(json_schema: Path | None, json_object: bool, grammar: Path
         kind, origin = "json_object", "--json-object"
     elif grammar is not None:
         kind = grammar_format or GRAMMAR_SUFFIXES.get(grammar.suffix.lower())
-        if kind not in ("lark", "gbnf", "regex"):
+        if kind not in GRAMMAR_FORMATS:
             raise HdError(f"--grammar {grammar}: say its format with --grammar-format lark|gbnf|regex "
                           f"(its suffix {grammar.suffix or '(none)'!r} does not)")
         source, origin = read_grammar(grammar, "--grammar"), f"--grammar {grammar}"

@@ -205,8 +205,9 @@ class Server:
                            "model", "model_not_found")
         spec = None
         if chat:   # tools, tool messages: checked before the prompt is built from them (serve/structured.py)
-            with self.scheduler.tokenizer_lock:   # compiling a schema may build the grammar engine's tokenizer
-                spec = structured.tool_spec(req, self.lm)
+            # no tokenizer lock: compiling a schema does not touch the tokenizer once constrain.prepare
+            # ran (at start), and a big schema compiles for seconds, which stalled every stream
+            spec = structured.tool_spec(req, self.lm)
             structured.check_tool_messages(req)
         ids, where = self._encode(req, chat, spec)   # takes the tokenizer lock itself (not while a template renders)
         if not ids:
@@ -224,8 +225,8 @@ class Server:
         grammar = prediction = family = None
         if chat:
             family = tools.family(self.lm.tokenizer)
+            grammar = structured.grammar_for(req, self.lm, spec, family, self.scheduler.tokenizer_lock)
             with self.scheduler.tokenizer_lock:
-                grammar = structured.grammar_for(req, self.lm, spec, family)
                 prediction = structured.prediction_ids(req, self.lm, room)
         return Job(prompt_ids=ids, max_tokens=min(limit or cfg.max_new_tokens, room),
                    sampling=self._sampling(req), seed=cfg.seed if req.seed is None else req.seed,
@@ -244,11 +245,14 @@ class Server:
         bias = cfg.logit_bias
         if req.logit_bias is not None:
             vocab = self.lm.model.config.vocab_size
-            # ASCII digits only: str.isdigit takes "²" (int() refuses it) and "٣" (int() reads 3)
+            # ASCII digits only: str.isdigit takes "²" (int() refuses it) and "٣" (int() reads 3); and
+            # no more digits than the vocabulary's size has, before int(): it refuses over 4300
             bad = next((key for key in req.logit_bias
-                        if not (key.isascii() and key.isdigit()) or int(key) >= vocab), None)
+                        if not (key.isascii() and key.isdigit()) or len(key.lstrip("0")) > len(str(vocab))
+                        or int(key) >= vocab), None)
             if bad is not None:
-                raise ApiError(400, f"logit_bias: '{bad}' is not a token id of this model (0..{vocab - 1})",
+                shown = bad if len(bad) <= 24 else f"{bad[:12]}...({len(bad)} characters)"
+                raise ApiError(400, f"logit_bias: '{shown}' is not a token id of this model (0..{vocab - 1})",
                                "logit_bias")
             bias = {int(key): value for key, value in req.logit_bias.items()}
         try:   # the other fields' ranges are the request schema's: only a bias can be out of range here

@@ -19,6 +19,7 @@ same: one that does not parse is text. "none" renders the tools but parses nothi
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from ..engine.text import constrain, tools
@@ -97,14 +98,17 @@ def check_tool_messages(req) -> None:
                            "assistant message: give the id of the call it answers", f"messages.{i}.tool_call_id")
 
 
-def grammar_for(req, lm, spec: ToolSpec, family: str) -> constrain.Grammar | None:
-    """The grammar the answer follows: the call grammar, the response_format's, or None."""
+def grammar_for(req, lm, spec: ToolSpec, family: str, lock=contextlib.nullcontext()) -> constrain.Grammar | None:
+    """The grammar the answer follows: the call grammar, the response_format's, or None. lock: held
+    only where lm.tokenizer is used (the call grammar's control token), never while compiling,
+    which may take seconds (constrain.compile needs no lock after constrain.prepare)."""
     fmt = req.response_format
     if spec.constrained:
         if fmt is not None and fmt.type != "text":
             raise ApiError(400, "response_format: cannot be combined with tool_choice 'required' or a named "
                            "function (the answer is then the call): leave one out", "response_format")
-        text = tools.call_grammar(spec.tools, spec.name or "required", spec.parallel, family, lm.tokenizer)
+        with lock:
+            text = tools.call_grammar(spec.tools, spec.name or "required", spec.parallel, family, lm.tokenizer)
         return _compiled(lm, "lark", text, "tools")
     if fmt is None or fmt.type == "text":
         return None

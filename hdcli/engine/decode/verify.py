@@ -115,14 +115,18 @@ def logprobs_of(logits: torch.Tensor, rows: Sequence[int], chosen: Sequence[int]
                 top: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """Per row of `rows`: (log-probability of chosen[i], the `top` best (token, log-probability)),
     from the row's (processed) logits. Each row is computed alone ([1, V] log_softmax and topk),
-    so its numbers are those of plain decoding's one-row forward, whatever else was verified."""
+    so its numbers are those of plain decoding's one-row forward, whatever else was verified.
+    Tokens a grammar forbids (-inf) are no alternatives: left out, as OpenAI leaves out tokens it
+    never offers, so a row may have fewer than `top`, and every number is finite (JSON has no
+    infinity: Python writes -Infinity, which JSON.parse refuses, and Starlette's strict encoder
+    failed the response)."""
     out = []
     for r, tok in zip(rows, chosen):
         lp = torch.log_softmax(logits[r:r + 1].float(), dim=-1)[0]
         best = []
         if top:
             v, i = torch.topk(lp, top)
-            best = list(zip(i.tolist(), v.tolist()))
+            best = [(t, x) for t, x in zip(i.tolist(), v.tolist()) if x != float("-inf")]
         out.append((float(lp[tok]), best))
     return out
 
