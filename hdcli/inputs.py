@@ -1,4 +1,4 @@
-"""Files the user names, read with a bound (issue 61), and what a path that is no file is.
+"""Files the user names, read with a bound, and what a path that is no file is.
 
 Each kind of file has a most bytes, declared below with why; read_text reads at most that many
 plus one, so a file past it (/dev/zero, a FIFO fed forever, a log given by mistake) is refused

@@ -66,7 +66,7 @@ FOOTER = 16               # index length (uint64) + MAGIC
 FREE_MARGIN = 1 << 30     # disk left free after the cache is written; else it is not written
 _WRITERS: list[tuple[threading.Thread, "LayoutCache"]] = []   # this process's writers still running (`wait`)
 _UNWRITABLE: set[str] = set()   # folders said to take no cache in this process (said once: a draft and its target)
-try:   # datasets, a dependency of hd, requires xxhash
+try:   # a dependency of hd (pyproject.toml), and of datasets
     from xxhash import xxh3_64 as _xxh3
     DIGEST = "xxh3_64"
 except ImportError:
