@@ -1,9 +1,9 @@
 """`hd serve` driven by the real clients apps use (issue 61, item 8): the `openai` client and
 langchain-openai, at the versions pinned in pyproject.toml's `test` extra. Chat, streams, the
 two-turn tool flow with the client's own message sent back (the object and its model_dump()),
-streamed tool calls, json_object, json_schema, tools under `required` and a named function,
-`prediction`, and the fields the clients and libraries add (usage details, extra_body's top_k,
-reasoning_effort).
+streamed tool calls, json_object, json_schema (and the SDK's parse() with a pydantic model),
+tools under `required` and a named function, `prediction`, and the fields the clients and
+libraries add (usage details, extra_body's top_k, reasoning_effort).
 
 One served tiny model for the module: a random llama over a byte-level tokenizer (so it can spell
 JSON and tool calls, which the word-level model of conftest cannot), on torch kernels outside the
@@ -305,6 +305,23 @@ def test_json_object_and_json_schema_equal_plain_decoding_under_the_grammar(serv
                            create(served, messages=ASK, response_format=fmt, max_tokens=48, stream=True,
                                   logit_bias=blanks(served)) if c.choices)
         assert streamed == ref.text
+
+
+def test_the_sdks_parse_with_a_pydantic_model(served):
+    """client.chat.completions.parse(response_format=Model): the SDK's strict schema, its answer parsed."""
+    from typing import Literal
+    from pydantic import BaseModel
+
+    class Flag(BaseModel):
+        ok: bool
+        zone: Literal["UTC", "CET"]
+    r = served.client().chat.completions.parse(model=served.server.name, messages=ASK, response_format=Flag,
+                                               temperature=0, max_tokens=48, logit_bias=blanks(served))
+    msg = r.choices[0].message
+    sent = Flag.model_json_schema() | {"additionalProperties": False}   # as the SDK makes it strict
+    ref = plain(served, ASK, constrain.compile(served.server.lm, "json_schema", sent),
+                max_tokens=48, logit_bias=blanks(served))
+    assert msg.content == ref.text and msg.parsed == Flag.model_validate_json(ref.text) and msg.refusal is None
 
 
 def test_a_prediction_leaves_the_answer_and_counts_in_openais_details(served):
