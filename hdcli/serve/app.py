@@ -11,9 +11,11 @@ loop (hdcli/serve/scheduler.py).
 
 Both POST routes take max_tokens, temperature, top_p, seed, stop, stream (server-sent events,
 with stream_options.include_usage), n (1-8 choices, each a job), frequency_penalty, presence_penalty, logit_bias,
-logprobs (chat: with top_logprobs), user (the tenant scope's, serve/tenants.py). A response's
-`usage` has the usual token counts and `hd`: verification steps, mean accepted tokens a step,
-drafted/accepted tokens per layer. Log-probabilities are those of the rows plain decoding
+logprobs (chat: with top_logprobs), top_k, user (the tenant scope's, serve/tenants.py); fields
+taken and not acted on (protocol.IGNORED: reasoning_effort...) are named in the response header
+X-HD-Ignored-Fields. A response's `usage` has the usual token counts (both details objects always,
+as OpenAI's) and `hd`: verification steps, mean accepted tokens a step, drafted/accepted tokens
+per layer. Log-probabilities are those of the rows plain decoding
 computes, after penalties and biases, before temperature and truncation.
 
 Chat also takes response_format (json_object, json_schema: the answer follows the grammar, exact
@@ -45,7 +47,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .protocol import ApiError, ChatRequest, CompletionRequest, parse
+from .protocol import IGNORED_HEADER, ApiError, ChatRequest, CompletionRequest, parse
 from .scheduler import Job
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
@@ -156,10 +158,12 @@ class Routes:
                                   endpoint)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        # the fields taken and not acted on (reasoning_effort...), so that a client can tell
+        ignored = {IGNORED_HEADER: ", ".join(req.ignored())} if req.ignored() else {}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_sse(server, jobs, events, rid, created, chat, include_usage, endpoint),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", **ignored})
         waiter = asyncio.ensure_future(_until_done(events, len(jobs)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait([waiter, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -174,7 +178,7 @@ class Routes:
         if failed is not None:
             return self.error(ApiError(500, f"generation failed: {failed.error}"), endpoint)
         server.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(_answer(server, jobs, rid, created, chat))
+        return JSONResponse(_answer(server, jobs, rid, created, chat), headers=ignored or None)
 
     async def models(self, request: Request) -> Response:
         try:

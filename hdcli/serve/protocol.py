@@ -13,11 +13,16 @@ required, {"type": "function", "function": {"name"}}), `parallel_tool_calls` and
 ({"type": "content", "content": text or text parts}) are implemented by hdcli/serve (grammars:
 engine/text/constrain.py; tools: engine/text/tools.py; predictions: engine/decode/prediction.py); this module
 checks their shape, the server what depends on the model (schemas compiled, tool names, lengths).
-`store`, `metadata`, `service_tier` are taken whatever their value (they change nothing hd
-computes); fields listed in NEUTRAL are taken only at their neutral values (`neutral_problem`).
+`top_k` (vLLM's and llama.cpp's, sent in extra_body) is implemented. `store`, `metadata`,
+`service_tier` (chat also `prompt_cache_key`, `prompt_cache_retention`, `prompt_cache_options`,
+`safety_identifier`) are taken whatever their value (they change nothing hd computes); fields
+listed in IGNORED (`reasoning_effort`, `verbosity`) too, and the answer's IGNORED_HEADER names
+them; fields listed in NEUTRAL are taken only at their neutral values (`neutral_problem`).
 An assistant message's `content: null` (or none) is empty text, its `tool_calls` the calls it
-made; a "tool" message answers one of them by `tool_call_id`; "function" messages (OpenAI's
-deprecated form) are a 400 naming their role.
+made; the rest of what the openai client's `message.model_dump()` sends back (`refusal`,
+`annotations`, a null `audio` and `function_call`) is taken and unused; a "tool" message answers
+one of them by `tool_call_id`; "function" messages (OpenAI's deprecated form) are a 400 naming
+their role.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError
 
 from ..config import MAX_LOGPROBS
+
+# the response header naming the request's fields hd took and did not act on (_Common.IGNORED)
+IGNORED_HEADER = "X-HD-Ignored-Fields"
 
 MAX_STOP = 4
 MAX_CHOICES = 8   # `n`: each choice is a request of its own in the decode loop (--max-batch)
@@ -73,7 +81,12 @@ class Message(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None    # assistant: the calls it made
     tool_call_id: Optional[str] = None             # tool: the call this answers
-    refusal: Optional[str] = None                  # sent back by clients that echo an answer; unused
+    # what the openai client's message.model_dump() sends back with an answer (issue 61): taken, unused
+    refusal: Optional[str] = None
+    annotations: Optional[list] = None             # an answer's citations (web search): not input to the model
+    # OpenAI's audio reply and deprecated function call: hd makes neither, so only null (a value is a 400)
+    audio: Optional[dict] = None
+    function_call: Optional[dict] = None
 
     @model_validator(mode="after")
     def _fields_of_its_role(self):
@@ -83,6 +96,12 @@ class Message(_Strict):
         if self.tool_calls is not None and self.role != "assistant":
             raise PydanticCustomError("misplaced", "{field}: only assistant messages carry tool calls",
                                       {"field": "tool_calls"})
+        if self.audio is not None:
+            raise PydanticCustomError("unsupported", "{field}: hd serve makes no audio, so there is none to refer "
+                                      "to: leave it null", {"field": "audio"})
+        if self.function_call is not None:
+            raise PydanticCustomError("unsupported", "{field}: OpenAI's deprecated function call is not supported: "
+                                      "send the call in tool_calls and leave this null", {"field": "function_call"})
         if (self.tool_call_id is None) == (self.role == "tool"):
             raise PydanticCustomError("misplaced", "{field}: a tool message names the call it answers by "
                                       "tool_call_id; other messages have none", {"field": "tool_call_id"})
@@ -144,10 +163,18 @@ class _Common(_Strict):
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: Optional[str] = None
+    # not OpenAI's, sent by clients of vLLM and llama.cpp (extra_body): implemented; -1 and 0: off
+    top_k: Optional[int] = Field(None, ge=-1, le=2**31 - 1)
 
     # field -> (the values taken besides unset, as the message names them, what is not
     # implemented); a response_format is judged by its type
     NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {}
+    # fields taken at any value and not acted on, named in the answer's IGNORED_HEADER
+    IGNORED: ClassVar[tuple[str, ...]] = ()
+
+    def ignored(self) -> list[str]:
+        """The IGNORED fields this request set."""
+        return [name for name in self.IGNORED if getattr(self, name) is not None]
 
     def neutral_problem(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value hd does not implement, else None."""
@@ -176,6 +203,31 @@ class ChatRequest(_Common):
     tool_choice: Optional[Union[str, dict]] = None    # checked against the tools by the server
     parallel_tool_calls: Optional[bool] = None
     prediction: Optional[Prediction] = None
+    # taken whatever their value: they change nothing hd computes (its prefix cache is --prefix-cache-mb's,
+    # per scope)
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict] = None
+    safety_identifier: Optional[str] = None
+    # hints to OpenAI's reasoning models; hd decodes the served model as it is (IGNORED)
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    # OpenAI's fields for what hd does not make (audio, moderation) or its deprecated functions:
+    # taken at their neutral values only (NEUTRAL)
+    audio: Optional[dict] = None
+    modalities: Optional[list[str]] = None
+    moderation: Optional[dict] = None
+    functions: Optional[list] = None
+    function_call: Optional[Union[str, dict]] = None
+
+    IGNORED: ClassVar[tuple[str, ...]] = ("reasoning_effort", "verbosity")
+    NEUTRAL: ClassVar[dict[str, tuple[tuple, str, str]]] = {
+        "audio": ((), "null", "it makes text only"),
+        "modalities": ((["text"],), "null or [\"text\"]", "it makes text only"),
+        "moderation": ((), "null", "it runs no moderation"),
+        "functions": (([],), "null or []", "OpenAI's deprecated functions: give them in `tools`"),
+        "function_call": (("none",), "null or 'none'", "OpenAI's deprecated functions: use `tool_choice`"),
+    }
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

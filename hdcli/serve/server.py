@@ -255,8 +255,9 @@ class Server:
                 raise ApiError(400, f"logit_bias: '{shown}' is not a token id of this model (0..{vocab - 1})",
                                "logit_bias")
             bias = {int(key): value for key, value in req.logit_bias.items()}
+        top_k = cfg.top_k if req.top_k is None else max(req.top_k, 0)   # -1: off, as vLLM's clients send it
         try:   # the other fields' ranges are the request schema's: only a bias can be out of range here
-            return Sampling(pick("temperature"), cfg.top_k, pick("top_p"), pick("frequency_penalty"),
+            return Sampling(pick("temperature"), top_k, pick("top_p"), pick("frequency_penalty"),
                             pick("presence_penalty"), tuple(bias.items()))
         except ValueError as exc:
             raise ApiError(400, str(exc), "logit_bias") from None
@@ -326,9 +327,8 @@ class Server:
         n = sum(u["completion_tokens"] for u in each)
         out = first | {"completion_tokens": n, "total_tokens": first["prompt_tokens"] + n,
                        "hd": first["hd"] | {"choices": [u["hd"] for u in each]}}
-        if "completion_tokens_details" in first:   # a prediction's counts, summed over the choices
-            out["completion_tokens_details"] = {k: sum(u["completion_tokens_details"][k] for u in each)
-                                                for k in first["completion_tokens_details"]}
+        out["completion_tokens_details"] = {k: sum(u["completion_tokens_details"][k] for u in each)
+                                            for k in first["completion_tokens_details"]}
         return out
 
     def usage(self, job: Job) -> dict:
@@ -343,14 +343,20 @@ class Server:
                   "seconds": round(job.finished - job.submitted, 4),
                   "cached_prompt_tokens": st.cached_tokens, "prefill_seconds": round(st.prefill_seconds, 4)}
         cached = job.stream.stats.cached_tokens if job.stream is not None else 0
-        out = {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n,
-               "total_tokens": len(job.prompt_ids) + n,
-               "prompt_tokens_details": {"cached_tokens": cached}, "hd": hd}
+        # both details objects always, with every count OpenAI sends, as its clients read them
+        # (`usage.completion_tokens_details.reasoning_tokens` raised on a null); hd makes no
+        # reasoning or audio tokens
+        details = {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0,
+                   "rejected_prediction_tokens": 0}
         if job.prediction is not None:   # OpenAI's counts for a predicted output (engine/decode/loop.py)
             counts = job.stream.prediction_usage() if job.stream is not None else None
-            out["completion_tokens_details"] = counts or {"accepted_prediction_tokens": 0,
-                                                          "rejected_prediction_tokens": len(job.prediction)}
-        return out
+            details |= counts or {"rejected_prediction_tokens": len(job.prediction)}
+        # completion_tokens counts the end-of-sequence token where the model made one, as max_tokens
+        # does (docs/serve.md: "Token counts")
+        return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n,
+                "total_tokens": len(job.prompt_ids) + n,
+                "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
+                "completion_tokens_details": details, "hd": hd}
 
     def _finished(self, job: Job) -> None:  # decode thread
         m = self.metrics

@@ -8,6 +8,7 @@ Each is checked here against the served model, and a fault is an ApiError(400) n
   tool_choice                   none | auto | required | {"type": "function", "function": {"name"}};
                                 required or a name needs tools, a name one of theirs. Unset: auto
                                 with tools, else none
+  parallel_tool_calls           unset: one call under a named function, several otherwise (OpenAI's)
   messages.i.tool_call_id       a tool message answers a call of an earlier assistant message
   response_format...schema      compiled for the model (engine/text/constrain.py); not with a call grammar
   prediction                    at most the tokens the context leaves after the prompt
@@ -76,7 +77,12 @@ def tool_spec(req, lm) -> ToolSpec:
             raise ApiError(400, f"tool_choice: no tool is named {_shown(name)} (the tools: {known or 'none'})",
                            "tool_choice")
         mode = "named"
-    return ToolSpec(offered, mode, name, req.parallel_tool_calls is not False)
+    # a named function is one call of it unless the request asks for several (parallel_tool_calls:
+    # true): clients that name one (langchain-openai's bind_tools(tool_choice=NAME)) send no
+    # parallel_tool_calls and run each call, so a small model repeating its call ran the tool twice.
+    # Otherwise OpenAI's default, several.
+    parallel = req.parallel_tool_calls if req.parallel_tool_calls is not None else mode != "named"
+    return ToolSpec(offered, mode, name, parallel)
 
 
 def parses_calls(req, spec: ToolSpec | None) -> bool:
