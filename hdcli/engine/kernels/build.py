@@ -72,7 +72,7 @@ def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
             print(f"hd: compiling {what} (once per machine, ~30 s)...", file=sys.stderr, flush=True)
 
         def build():
-            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=flags(),
+            return cpp_extension.load(name=name, sources=[str(_beside_build(source, folder))], extra_cflags=flags(),
                                       extra_ldflags=["-fopenmp"], verbose=False)
         try:
             module = build()
@@ -95,6 +95,27 @@ def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
         if rebuilt:
             print(f"warning: {what} could not be rebuilt ({why})", file=sys.stderr, flush=True)
         return None, why
+
+
+def _beside_build(source: Path, folder: Path | None) -> Path:
+    """The source as the build reads it: a copy in the extension's own folder (whose name holds the
+    source's hash, so the copy is the same wherever hd is installed). ninja rebuilds where its
+    command changed, and the command names the source's path: two installs of the same hd (two
+    virtual environments, a checkout beside a wheel) built from their own paths rebuilt each
+    other's kernel at every start that alternated, ~30 s each, waiting on each other's lock."""
+    if folder is None:
+        return source
+    copy = folder / source.name
+    text = source.read_bytes()
+    try:
+        if not copy.exists() or copy.read_bytes() != text:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = copy.with_name(f".{copy.name}.{os.getpid()}")
+            tmp.write_bytes(text)
+            os.replace(tmp, copy)   # whole or not at all: a concurrent build reads one or the other
+    except OSError:   # a folder hd cannot write: the build fails there too, and says so
+        return source
+    return copy
 
 
 def _wait_for_build_lock(folder: Path, what: str) -> None:
