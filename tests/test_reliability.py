@@ -604,6 +604,34 @@ def test_an_extension_that_does_not_load_is_rebuilt_once(tmp_path, monkeypatch, 
     assert f"warning: {folder / 'hd_x.so'} does not load (ImportError: " in err and "rebuilding the test kernel" in err
 
 
+def test_two_installs_of_the_same_source_build_one_kernel_from_one_path(tmp_path, monkeypatch):
+    """ninja rebuilds where its command changed, and the command names the source's path: two
+    installs of the same hd (two virtual environments) built the same extension from their own
+    paths and rebuilt each other's kernel at every alternating start. The build reads a copy in
+    the extension's own folder: one path whatever the install, written once."""
+    from torch.utils import cpp_extension
+    from hdcli.engine.kernels import fused
+    folder = tmp_path / "hd_z"
+    installs = []
+    for i in range(2):
+        src = tmp_path / f"venv{i}" / "csrc" / fused.SOURCE.name
+        src.parent.mkdir(parents=True)
+        src.write_bytes(fused.SOURCE.read_bytes())
+        installs.append(src)
+    built_from = []   # (the source path each build read, its mtime)
+
+    def load(name, sources, **kw):
+        built_from.append((sources[0], os.stat(sources[0]).st_mtime_ns))
+        return "module"
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(folder))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    for src in installs + installs:
+        assert build.compile_extension(src, "hd_z", "the test kernel", quiet=True) == ("module", None)
+    assert {p for p, _ in built_from} == {str(folder / fused.SOURCE.name)}
+    assert len({t for _, t in built_from}) == 1   # written once, so ninja sees no change
+    assert (folder / fused.SOURCE.name).read_bytes() == fused.SOURCE.read_bytes()
+
+
 def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, monkeypatch, capsys):
     """A process killed while compiling left torch's `lock` file: every later run waited on it
     forever without a word. A lock older than a build can take is removed, said in one line;
