@@ -179,6 +179,28 @@ def test_a_damaged_cache_is_said_rebuilt_and_never_used(tiny_gguf, tiny_q4_0, ca
     assert again.info["layout_cache"]["hit"] is True and torch.equal(logits, want), "rebuilt whole"
 
 
+def test_a_damaged_cache_that_cannot_be_removed_is_not_said_removed(tiny_gguf, cache, capsys, monkeypatch):
+    """A damaged cache in a folder hd cannot write stays where it is: the line says so and what to
+    do (it said "removed" and came back at every start), and the weights are repacked all the same."""
+    from pathlib import Path
+    kern = _kernels()[0]
+    _, want = _load(tiny_gguf, kern)
+    [file] = cache.glob("*.hdl")
+    _damage(file, "zeroed")
+    real = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self == file:
+            raise PermissionError(13, "Permission denied")
+        return real(self, missing_ok=missing_ok)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    capsys.readouterr()
+    lm, got = _load(tiny_gguf, kern)
+    said = [line for line in capsys.readouterr().err.splitlines() if f"the layout cache {file}" in line]
+    assert len(said) == 1 and "not removed (Permission denied), the weights are repacked; remove it" in said[0], said
+    assert file.exists() and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("how", ["flipped", "zeroed", "swapped"])
 def test_control_a_damaged_cache_used_unchecked_changes_the_logits(tiny_gguf, tiny_q4_0, cache, monkeypatch, how):
     """The damage above matters: with the checks skipped, the file is mapped and the logits are

@@ -126,12 +126,14 @@ class LayoutCache:
             return
         why = self._read()
         if why is not None:
-            self.warnings.append(f"hd: the layout cache {self.path} {why}: removed, the weights are repacked")
             self._drop_map()
             try:
                 self.path.unlink()
-            except OSError:
-                pass
+                done = "removed, the weights are repacked"
+            except OSError as exc:   # a read-only folder: it stays, and is said again at each start
+                done = (f"not removed ({exc.strerror or exc}), the weights are repacked; remove it, or set "
+                        "HD_CACHE_DIR to a writable folder")
+            self.warnings.append(f"hd: the layout cache {self.path} {why}: {done}")
 
     def _read(self) -> str | None:
         """Map the file and check it; why it cannot be used, or None."""
