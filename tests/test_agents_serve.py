@@ -187,14 +187,12 @@ def test_the_official_clients_two_turn_tool_flow(served):
     assert second.usage.prompt_tokens == len(ids)
 
 
-def test_streamed_tool_call_deltas_reassemble_to_the_calls(served):
-    client = served.client()
-    kw = dict(model=served.server.name, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
-              parallel_tool_calls=False, temperature=0, max_tokens=60)
-    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+def reassemble(chunks) -> tuple[str, str | None, dict[int, dict]]:
+    """A streamed chat answer's content, finish reason and tool calls ({index: id, name, arguments}),
+    put together from its chunks' deltas as a client does."""
     calls: dict[int, dict] = {}
     content, finish = "", None
-    for chunk in client.chat.completions.create(stream=True, **kw):
+    for chunk in chunks:
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for d in delta.tool_calls or []:
@@ -203,6 +201,15 @@ def test_streamed_tool_call_deltas_reassemble_to_the_calls(served):
             got["name"] += (d.function.name or "") if d.function else ""
             got["arguments"] += (d.function.arguments or "") if d.function else ""
         finish = chunk.choices[0].finish_reason or finish
+    return content, finish, calls
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_calls(served):
+    client = served.client()
+    kw = dict(model=served.server.name, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+              parallel_tool_calls=False, temperature=0, max_tokens=60)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    content, finish, calls = reassemble(client.chat.completions.create(stream=True, **kw))
     assert content == "" and finish == "tool_calls"   # the call's text is never streamed as content
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
         [(t.function.name, t.function.arguments) for t in whole]

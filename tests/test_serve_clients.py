@@ -25,6 +25,7 @@ from hdcli.engine.text.prompts import encode_messages
 from hdcli.serve import protocol, structured
 
 from conftest import CHAT_TEMPLATE
+from test_agents_serve import reassemble
 from test_serve import Running, http
 
 openai = pytest.importorskip("openai")
@@ -273,17 +274,7 @@ def test_required_and_named_calls_whole_and_streamed_equal_plain(served):
             [(w["function"]["name"], w["function"]["arguments"]) for w in want]
         if choice == NAMED:
             assert len(want) == 1 and want[0]["function"]["name"] == "get_time"
-        calls: dict[int, dict] = {}
-        content, finish = "", None
-        for chunk in create(served, stream=True, **kw):
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            for d in delta.tool_calls or []:
-                got = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
-                got["id"] += d.id or ""
-                got["name"] += (d.function.name or "") if d.function else ""
-                got["arguments"] += (d.function.arguments or "") if d.function else ""
-            finish = chunk.choices[0].finish_reason or finish
+        content, finish, calls = reassemble(create(served, stream=True, **kw))
         assert content == "" and finish == "tool_calls"
         assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
             [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
