@@ -81,7 +81,7 @@ class Message(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None    # assistant: the calls it made
     tool_call_id: Optional[str] = None             # tool: the call this answers
-    # what the openai client's message.model_dump() sends back with an answer (issue 61): taken, unused
+    # what the openai client's message.model_dump() sends back with an answer: taken, unused
     refusal: Optional[str] = None
     annotations: Optional[list] = None             # an answer's citations (web search): not input to the model
     # OpenAI's audio reply and deprecated function call: hd makes neither, so only null (a value is a 400)
