@@ -31,9 +31,13 @@ demo: setup
 	$(BIN)/hd build-stats sample_corpora/assistant_answers.jsonl -o out/sample_stats.lmdb --min-count 1 --overwrite
 	$(BIN)/hd generate --compare --max-new-tokens 200 --prompt-file sample_corpora/demo_prompt.txt --stats-db out/sample_stats.lmdb
 
-# --durations=15: the slowest tests close every run, so a slow one is seen the day it lands
+# The suite on TEST_WORKERS pytest-xdist workers, one a core up to 4 (each worker its share of
+# the cores' threads: tests/conftest.py), a test file to a worker (--dist loadfile: a module's
+# fixtures start once). --durations=15: the slowest tests close every run, so a slow one is seen
+# the day it lands.
+TEST_WORKERS ?= $(shell $(PY) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # What a GPU machine of the `device` tool lacks (Python 3.12, torch and transformers there), as
 # wheels in .whl/ to carry: docs/gpu.md. transformers is pinned to the version CI tests with.

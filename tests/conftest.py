@@ -11,6 +11,14 @@ if os.environ.get("HD_CPU", "").strip().lower() == "avx2":
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
+# make test runs the suite on pytest-xdist workers (Makefile: TEST_WORKERS, one a core up to 4):
+# each worker's torch, and every hd process a test starts (OMP_NUM_THREADS is inherited), gets
+# its share of the cores. Two workers of two threads on two cores made each op wait on a thread
+# the other worker held: tiny-model tests 20x slower, measured. Read before torch loads.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // max(1, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
