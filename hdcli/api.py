@@ -78,8 +78,8 @@ def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
 
 
 def default_layers(stats_dbs: Sequence = (), model_db=None) -> list[str]:
-    """The hierarchy run when no layers are given, most local first (drafting.registry): the
-    context DB, the target's recycled predictions, then the model DB and statistics DBs where given."""
+    """The hierarchy run when no layers are given, most local first (drafting.registry).
+    Default order: context → stats → model → recycle (stats and model where their DBs are given)."""
     return registry.default_layers(registry.LayerInputs(stats_dbs=list(stats_dbs), model_db=model_db))
 
 

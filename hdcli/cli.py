@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -24,6 +23,7 @@ from .bench import agents as bench_agents_mod
 from .bench import report as bench_report
 from .config import DecodingConfig, split_list
 from .db.stores import check_output_path
+from .engine import environment
 from .errors import HdError, disk_error
 from .flags import groups, takes
 from .serve.options import ServeOptions
@@ -105,11 +105,12 @@ def serve(cfg: DecodingConfig, options: ServeOptions,
 
 def _api_keys(given: List[str]) -> List[str]:
     """--api-key values, HD_API_KEY first; set but empty is a mistake, not an open server."""
-    if "HD_API_KEY" not in os.environ:
+    key = environment.api_key()
+    if key is None:
         return list(given)
-    if not os.environ["HD_API_KEY"].strip():
+    if not key.strip():
         raise HdError("HD_API_KEY is set but empty: give a key, or unset it for an open server")
-    return [os.environ["HD_API_KEY"]] + list(given)
+    return [key] + list(given)
 
 
 @app.command("models")

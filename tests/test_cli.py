@@ -129,6 +129,16 @@ def test_version():
     assert "hd " in hd("--version").output
 
 
+def test_serve_takes_hd_api_key_first_and_refuses_it_empty(monkeypatch):
+    monkeypatch.delenv("HD_API_KEY", raising=False)
+    assert cli._api_keys(["k1"]) == ["k1"]
+    monkeypatch.setenv("HD_API_KEY", "env-key")
+    assert cli._api_keys(["k1"]) == ["env-key", "k1"]
+    monkeypatch.setenv("HD_API_KEY", "  ")
+    with pytest.raises(HdError, match="HD_API_KEY is set but empty"):
+        cli._api_keys([])
+
+
 def test_streamed_pieces_make_the_text_and_name_layers(tiny_lm):
     from hdcli import api
     pieces = []

@@ -19,8 +19,16 @@ functions), so that what can change a run from outside its options is listed in 
                       records keyed apart. For testing and measuring that path on a newer CPU; torch's
                       own kernels follow only where ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2
                       are set before torch loads (tests/conftest.py sets them).
+  HD_API_KEY          a key `hd serve` requires, before its --api-key values (set but empty is
+                      refused: cli.py).
+  OLLAMA_MODELS, LMSTUDIO_MODELS
+                      Ollama's and LM Studio's own: where their stores lie, where not the default
+                      folders (engine/local_models.py; set but empty counts as unset).
   HF_HUB_OFFLINE, HF_ENDPOINT
                       Hugging Face's own: whether a hub id may be looked up online, and where.
+
+hd also sets one variable, for the processes it starts: kernels/build.py puts pip's ninja on PATH
+for torch's extension build (tests/test_docs_truth.py lists what may touch os.environ).
 """
 from __future__ import annotations
 
@@ -98,3 +106,18 @@ def hub_offline() -> bool:
 
 def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+
+def api_key() -> str | None:
+    """HD_API_KEY as set ("" where set but empty), None where unset."""
+    return os.environ.get("HD_API_KEY")
+
+
+def ollama_models() -> str | None:
+    """OLLAMA_MODELS, None where unset or empty (Ollama's default folder then)."""
+    return os.environ.get("OLLAMA_MODELS") or None
+
+
+def lmstudio_models() -> str | None:
+    """LMSTUDIO_MODELS, None where unset or empty (LM Studio's default folders then)."""
+    return os.environ.get("LMSTUDIO_MODELS") or None

@@ -324,8 +324,8 @@ def load(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto", k
 
 
 def _owned_source(name: str, kind: str, source: str):
-    """What hd's own forward is built from: the GGUF file (forward.gguf.GGUFFile) or the
-    checkpoint (forward.checkpoint.Checkpoint); else a few words saying why transformers'
+    """What hd's own forward is built from: the GGUF file (model/gguf.GGUFFile) or the
+    checkpoint (model/checkpoint.Checkpoint); else a few words saying why transformers'
     forward runs it."""
     if kind == "gguf":
         gf = GGUFFile(source)
@@ -352,7 +352,7 @@ def _stock(name: str, kind: str, source: str, why: str, dtype: str, device: str,
            invariant: str) -> LoadedModel:
     """transformers' model and its stock forward, the M-invariant mode off (said on stderr, one
     line). kernels "auto"/"torch": torch's Linear layers as transformers ships them; "onednn":
-    prepacked (kernels.pack)."""
+    prepacked (kernels/dense.pack)."""
     if invariant == "on":
         raise HdError(f"--invariant on: {name} runs on transformers' forward ({why}), which has no "
                       "M-invariant mode; use --invariant off or auto")
@@ -541,8 +541,8 @@ def _int8_here() -> bool:
 def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant: str, quiet: bool,
                source: str | None = None, opened_seconds: float = 0.0) -> LoadedModel:
     """A model on hd's own forward (hdcli/engine/model/), built from `src`: an opened GGUF file
-    (forward.gguf.GGUFFile: in the file's own bits, no fp32 copy, no converted copy on disk) or a
-    checkpoint (forward.checkpoint.Checkpoint: its safetensors, cast one tensor at a time).
+    (model/gguf.GGUFFile: in the file's own bits, no fp32 copy, no converted copy on disk) or a
+    checkpoint (model/checkpoint.Checkpoint: its safetensors, cast one tensor at a time).
     dtype: owned_dtype; kernels: owned_kernels; invariant as in load(); source: what the model
     was resolved to (cache keys), by default the file's path; opened_seconds: the time opening
     it took (counted in load_seconds). info["load_phases"]: seconds by phase (open, kernels:

@@ -26,12 +26,12 @@ can and says each one it cannot in one line.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import inputs
+from . import environment
 from ..errors import HdError
 
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
@@ -40,12 +40,12 @@ PREFIXES = ("ollama:", "lmstudio:")
 
 
 def ollama_root() -> Path:
-    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()
+    return Path(environment.ollama_models() or Path.home() / ".ollama" / "models").expanduser()
 
 
 def lmstudio_roots() -> list[Path]:
-    if os.environ.get("LMSTUDIO_MODELS"):
-        return [Path(os.environ["LMSTUDIO_MODELS"]).expanduser()]
+    if environment.lmstudio_models():
+        return [Path(environment.lmstudio_models()).expanduser()]
     home = Path.home()
     return [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
 
@@ -122,7 +122,7 @@ def _ollama(spec: str) -> Path:
     registry, namespace, model, tag = _ollama_parts(spec)
     manifest = root / "manifests" / registry / namespace / model / tag
     if not manifest.is_file():
-        where = "$OLLAMA_MODELS" if os.environ.get("OLLAMA_MODELS") else "the default folder (set $OLLAMA_MODELS to move it)"
+        where = "$OLLAMA_MODELS" if environment.ollama_models() else "the default folder (set $OLLAMA_MODELS to move it)"
         raise HdError(f"ollama model {spec} not found: no manifest {manifest} (looked in {where}); "
                       "`ollama pull` it, or see `hd models`")
     text = inputs.read_text(manifest, "ollama manifest", MANIFEST_BYTES, "the store is damaged; `ollama pull` the model again")

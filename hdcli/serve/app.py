@@ -12,7 +12,7 @@ loop (hdcli/serve/scheduler.py).
 Both POST routes take max_tokens, temperature, top_p, seed, stop, stream (server-sent events,
 with stream_options.include_usage), n (1-8 choices, each a job), frequency_penalty, presence_penalty, logit_bias,
 logprobs (chat: with top_logprobs), top_k, user (the tenant scope's, serve/tenants.py); fields
-taken and not acted on (protocol.IGNORED: reasoning_effort...) are named in the response header
+taken and not acted on (each request class's IGNORED, protocol.py: reasoning_effort...) are named in the response header
 X-HD-Ignored-Fields. A response's `usage` has the usual token counts (both details objects always,
 as OpenAI's) and `hd`: verification steps, mean accepted tokens a step, drafted/accepted tokens
 per layer. Log-probabilities are those of the rows plain decoding

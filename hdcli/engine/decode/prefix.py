@@ -5,7 +5,7 @@ chat, a shared system prompt) restores them instead of computing them again.
 Exact: a restored prefix is torch.equal to what its prefill would write, so answers are
 bit-identical with and without the cache. It rests on the M-invariant mode (invariant.py): a
 row's keys and values depend only on its own tokens, never on how many rows its forward had or
-where a forward began. Every prefill in the M-invariant mode, cache or not (decode.Decoder._prefill),
+where a forward began. Every prefill in the M-invariant mode, cache or not (loop.Decoder._prefill),
 goes through the same path, causal pieces
 of at most invariant.MAX_ROWS rows on the cache so far (`prefill_pieces`), the widths the mode
 calibrates and checks: a prompt wider than that on an empty cache would otherwise take one forward

@@ -57,7 +57,7 @@ from ..environment import fused_attention
 
 CHUNK = 32      # keys per value-chunk GEMM
 MIN_ROWS = 4    # fp32 GEMM rows agree for M >= 4 (measured: M = 1 is a GEMV, 2-3 another kernel)
-MAX_ROWS = 64   # the widest verification forward (decode.Decoder's max_nodes + the root)
+MAX_ROWS = 64   # the widest verification forward (loop.Decoder's max_nodes + the root)
 NAME = "hd_invariant"
 PROBE_ROWS = tuple(range(1, 34)) + (40, 48, 63, 64)
 

@@ -88,7 +88,7 @@ def dequantize(qtype: str, raw, n: int, k: int, dtype: torch.dtype, rows=None) -
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) by one kernel: a quants.QLinear (the file's blocks), a kernels.PackedLinear
+    """y = x W^T (+ b) by one kernel: a quants.QLinear (the file's blocks), a kernels/dense.PackedLinear
     (oneDNN, dense) or an nn.Linear (torch, dense).
 
     min_rows: the least row count the kernel's rows stop depending on the row count from
