@@ -22,6 +22,18 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+def pytest_configure(config):
+    """hd's two kernels (engine/kernels: the GGUF GEMM, the fused attention) compiled once before
+    any test runs (in pytest-xdist's controller, before its workers start; already built: a
+    moment): a build is ~30-40 s on two cores, which the first test to load a model paid (41 s
+    of setup for a 3 s test, measured), or every worker at once waiting on its lock."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from hdcli.engine.kernels import fused, quants
+    quants.GEMM.load(quiet=False)
+    fused.KERNEL.load(quiet=False)
+
+
 WORDS = ("the a cat dog sat on mat and then it was very good bad day night sun moon red blue "
          "green one two three four five is are we you they run jump eat sleep big small "
          "fast slow up down left right yes no hello world . , ! ?").split()
