@@ -66,15 +66,15 @@ def test_penalties_and_logprobs_exact_under_speculation(bundled_lm):
     assert lm.invariant, "the bundled model runs in the M-invariant mode"
     changed = drafted = 0
     for prompt in PROMPTS:
-        ref = api.generate(lm, prompt, max_new_tokens=40, drafter=None, sampling=PENALISED, logprobs=3)
-        got = api.generate(lm, prompt, max_new_tokens=40, sampling=PENALISED, logprobs=3)
+        ref = api.generate(lm, prompt, max_new_tokens=24, drafter=None, sampling=PENALISED, logprobs=3)
+        got = api.generate(lm, prompt, max_new_tokens=24, sampling=PENALISED, logprobs=3)
         assert got.tokens == ref.tokens, api.first_difference(got.tokens, ref.tokens)
         assert got.logprobs == ref.logprobs          # every float, every alternative, exactly
         assert len(got.logprobs) == len(got.tokens)
         assert all(lp <= 0 and len(best) == 3 and best[0][1] >= lp for lp, best in got.logprobs)
         # greedy on processed rows: the chosen token is the best one
         assert all(best[0][1] == lp for lp, best in got.logprobs)
-        unprocessed = api.generate(lm, prompt, max_new_tokens=40, drafter=None)
+        unprocessed = api.generate(lm, prompt, max_new_tokens=24, drafter=None)
         changed += unprocessed.tokens != ref.tokens
         drafted += sum(s.accepted for s in got.stats.layers.values())
     assert changed, "the processors changed no output: the test would not see them ignored"
