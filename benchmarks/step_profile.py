@@ -9,7 +9,12 @@ in one process, interleaved:
   t1         a one-token forward on a 256-token cache, least of --rounds;
   per type   each Linear type's (qkv, o, gate_up, down, head) time inside t1, by timing hooks
              (perf_counter around the call; a few us each), its bytes and the GB/s it streams;
-  outside    t1 less every GEMM: norms, rope, attention, embedding, Python.
+  outside    t1 less every GEMM: norms, rope, attention, embedding, Python;
+  by class   t1 split by operation class, timed around the calls that do it (outermost only):
+             gemm (every Linear but the head), head, attention (the attention call, the cache
+             write inside it), row ops (norms, residual add + norm, heads split, rope: the
+             model's RowOps), embedding, and the rest ("python": the blocks' own elementwise
+             ops (silu * up, residual adds), slicing, the Step's bookkeeping, Python itself).
 Random-weight GGUFs of published shapes (synth_gguf.py) time like real ones.
 
     python benchmarks/step_profile.py --models /tmp/hd-synth-gguf/smollm2-1.7b-Q4_K_M.gguf \
@@ -44,6 +49,68 @@ def read_bandwidth() -> float:
 
 def layer_type(name: str) -> str:
     return name.rsplit(".", 1)[-1]   # blocks.3.gate_up -> gate_up; head
+
+
+class ClassTimer:
+    """Seconds spent inside wrapped calls, per class, the outermost call only (a norm inside the
+    rope's call counts once, as row ops)."""
+
+    def __init__(self):
+        self.spent: dict[str, float] = defaultdict(float)
+        self.depth = 0
+
+    def wrap(self, owner, name: str, cls: str, undo: list) -> None:
+        real = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if self.depth:
+                return real(*args, **kwargs)
+            self.depth += 1
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.spent[cls] += time.perf_counter() - t
+                self.depth -= 1
+        setattr(owner, name, timed)
+        undo.append(lambda: setattr(owner, name, real) if owner.__dict__.get(name) is timed else None)
+
+
+def by_class(model, context: int, rounds: int) -> dict:
+    """A one-token forward's least time and its split by operation class (module docstring), in
+    ms; the wrapping costs ~1 us a call, inside the classes' shares."""
+    from hdcli.engine.model.attention import Step
+    timer, undo = ClassTimer(), []
+    for n, mod in model.named_modules():
+        if type(mod).__name__ == "Linear" and hasattr(mod, "kernel"):
+            timer.wrap(mod, "forward", "head" if n == "head" else "gemm", undo)
+    timer.wrap(model.embed, "forward", "embedding", undo)
+    ops = model.row_ops
+    for name in ("norm", "add_norm", "heads", "rotate", "head_norm"):
+        if hasattr(ops, name):
+            timer.wrap(ops, name, "row ops", undo)
+    timer.wrap(Step, "attend", "attention", undo)
+    cache = model.new_cache()
+    vocab = model.config.vocab_size
+    Decoder(model, ())._prefill([(7 + 13 * i) % vocab for i in range(context)], cache)
+    ids = torch.tensor([[5]])
+    best, split = float("inf"), {}
+    try:
+        with torch.inference_mode():
+            for _ in range(rounds):
+                timer.spent.clear()
+                t = time.perf_counter()
+                model.forward(ids, cache)
+                t1 = time.perf_counter() - t
+                cache.crop(context)
+                if t1 < best:
+                    best, split = t1, dict(timer.spent)
+    finally:
+        for u in reversed(undo):
+            u()
+    out = {k: round(1e3 * v, 3) for k, v in split.items()}
+    out["python"] = round(1e3 * (best - sum(split.values())), 3)
+    return {"t1_ms": round(1e3 * best, 3), "ms": out}
 
 
 def profile(lm, context: int, rounds: int) -> dict:
@@ -110,9 +177,13 @@ def main(argv=None) -> int:
             got["limit_ms"] = 1e3 * got["bytes"] / bw
             got["share_of_limit"] = got["limit_ms"] / got["t1_ms"]
             got["numerics"] = lm.info.get("numerics", {}).get("layers")
+            got["by_class"] = by_class(lm.model, args.context, args.rounds)
             doc["models"].setdefault(Path(path).name, {})[kern] = got
             print(f"{Path(path).name} {kern}: one token {got['t1_ms']:.1f} ms, limit {got['limit_ms']:.1f} ms "
                   f"({100 * got['share_of_limit']:.0f}%), GEMMs {got['gemm_ms']:.1f} ms, outside {got['outside_ms']:.1f} ms")
+            cl = got["by_class"]
+            print(f"    by class (one token {cl['t1_ms']:.1f} ms): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(cl["ms"].items(), key=lambda kv: -kv[1])))
             for kind, row in sorted(got["by_type"].items(), key=lambda kv: -kv[1]["ms"]):
                 print(f"    {kind:8s} x{row['layers']:3d} {row['ms']:7.1f} ms  {row['bytes'] / 1e6:8.1f} MB  "
                       f"{row['GBps'] or 0:5.1f} GB/s")
