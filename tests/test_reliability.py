@@ -810,3 +810,48 @@ def test_a_long_document_counts_exactly_in_pieces(tiny_lm, tmp_path, monkeypatch
     assert list(a.items()) == list(b.items())
     for k in ("documents", "tokens", "keys", "content_digest", "continuations"):
         assert whole.get(k) == split.get(k), k
+
+
+def test_a_first_start_builds_the_fused_attention_beside_the_gemm(monkeypatch):
+    """At a first start (the GEMM not built) the fused attention's build starts in a thread while
+    the GEMM compiles, and the attention's load waits for it and gets its module: the two take
+    the longer one's time, not their sum. Built already, or HD_FUSED_ATTENTION=0: no thread."""
+    import threading
+    from hdcli.engine.kernels import fused, quants
+    built: dict = {}
+    gemm_running = threading.Event()
+
+    def compile_extension(source, name, what, quiet=False):
+        if source == quants.SOURCE:
+            gemm_running.set()
+            assert built["attention"].wait(60), "the attention's build did not run beside the GEMM's"
+            return FakeGemm(), None
+        assert gemm_running.wait(60)
+        built["thread"] = threading.current_thread().name
+        built["attention"].set()
+        return FakeAttention(), None
+
+    class FakeGemm:
+        supported = supported8 = staticmethod(lambda: True)
+
+    class FakeAttention:
+        set_tile = staticmethod(lambda tile: None)
+    for module in (fused, quants.build):
+        monkeypatch.setattr(module, "compile_extension", compile_extension, raising=False)
+    monkeypatch.setattr(quants.build, "is_built", lambda name: False)
+    monkeypatch.setattr(fused, "is_built", lambda name: False)
+    monkeypatch.delenv("HD_FUSED_ATTENTION", raising=False)
+    built["attention"] = threading.Event()
+    attention, gemm = fused.AttentionKernel(), quants.GemmKernel()
+    monkeypatch.setattr(fused, "KERNEL", attention)
+    assert isinstance(gemm.load(), FakeGemm)
+    assert isinstance(attention.load(quiet=True), FakeAttention)
+    assert built["thread"] == "hd-build-fused-attention"
+    # built already, or never to be used: nothing starts
+    for built_already, asked in ((True, None), (False, "0")):
+        monkeypatch.setattr(fused, "is_built", lambda name, b=built_already: b)
+        if asked:
+            monkeypatch.setenv("HD_FUSED_ATTENTION", asked)
+        other = fused.AttentionKernel()
+        other.build_beside()
+        assert other._beside is None

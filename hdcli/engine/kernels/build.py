@@ -46,6 +46,15 @@ def extension_name(source: Path, prefix: str) -> str:
     return prefix + h.hexdigest()[:12]
 
 
+def is_built(name: str) -> bool:
+    """Whether extension `name` is in torch's extensions folder already (it loads in a moment)."""
+    try:
+        from torch.utils import cpp_extension
+        return (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists()
+    except Exception:
+        return False
+
+
 def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
     """(module, None) or (None, why) for a C++ source of csrc/, compiled once per name
     (extension_name) by torch.utils.cpp_extension (g++ and ninja) and cached under torch's

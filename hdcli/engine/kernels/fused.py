@@ -37,12 +37,14 @@ Parameters and invariants
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 from pathlib import Path
 
 import torch
 
-from .build import OnePerProcess, compile_extension, extension_name
-from ..environment import fused_tile
+from .build import OnePerProcess, compile_extension, extension_name, is_built
+from ..environment import fused_attention, fused_tile
 
 SOURCE = Path(__file__).with_name("csrc") / "attend.cpp"
 
@@ -67,9 +69,32 @@ class AttentionKernel(OnePerProcess):
         self.failed: str | None = None
         self.on = False
         self.decision: dict | None = None
+        self._beside: threading.Thread | None = None   # a build started beside another (build_beside)
+
+    def build_beside(self) -> None:
+        """Start building the function in a thread while another kernel compiles (the GGUF GEMM
+        at a first start, quants.GemmKernel.load): g++ compiles one source on one core, so the
+        two builds take the longer one's time, not their sum. A first start on a 2-core AVX2
+        EPYC compiled this for a minute after the GEMM, and then timed it slower than torch ops
+        and did not use it. The decision (invariant.decide) waits for the build, as before."""
+        if self.module is not None or self.failed is not None or self._beside is not None:
+            return
+        if fused_attention() == "0" or is_built(_name()):
+            return
+        self._beside = threading.Thread(target=self._load, kwargs={"quiet": True}, daemon=True,
+                                        name="hd-build-fused-attention")
+        self._beside.start()
 
     def load(self, quiet: bool = False):
         """The compiled module, or None where it cannot be built here (why: `failure()`)."""
+        beside = self._beside
+        if beside is not None and beside is not threading.current_thread():
+            if beside.is_alive() and not quiet:
+                print("hd: waiting for the fused attention's build...", file=sys.stderr, flush=True)
+            beside.join()
+        return self._load(quiet)
+
+    def _load(self, quiet: bool):
         if self.module is not None or self.failed is not None:
             return self.module
         self.module, self.failed = compile_extension(SOURCE, _name(), "the fused attention", quiet)

@@ -85,7 +85,7 @@ import numpy as np
 import torch
 
 from .. import records
-from . import build
+from . import build, fused
 
 # The types read here (unpacked, dequantized bit for bit as gguf-py does); FORMAT: those the GEMM
 # multiplies (Q2_K has no format: a GK of 16 with a low of its own; it is dequantized to bf16).
@@ -126,6 +126,8 @@ class GemmKernel(build.OnePerProcess):
     def load(self, quiet: bool = True):
         """The compiled module, built on first use, or None (why: `failed`)."""
         if self.module is None and self.failed is None:
+            if not build.is_built(module_name()):   # a first start: the fused attention compiles beside
+                fused.KERNEL.build_beside()
             self.compiled, self.failed = build.compile_extension(SOURCE, module_name(), "the GGUF GEMM", quiet)
             self.module = self.compiled
             if self.module is not None and not (self.module.supported() or self.module.supported8()):
