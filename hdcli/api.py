@@ -722,7 +722,7 @@ def build_model_db(out: Path, cfg: DecodingConfig, *, prompts: Path | None = Non
     max_new_tokens) on a prompt set and index what it wrote into a model DB at out (or only
     index a samples file). params: min_n, max_n, top_k, min_count. progress(done, tokens, total)."""
     from .db import modeldb
-    from .db.stores import check_output_path
+    from .db.atomic import check_output_path
     cfg.validate()
     check_output_path(out, overwrite)
     if from_samples is not None:

@@ -22,7 +22,7 @@ from . import __version__, api, bench, show
 from .bench import agents as bench_agents_mod
 from .bench import report as bench_report
 from .config import DecodingConfig, split_list
-from .db.stores import check_output_path
+from .db.atomic import check_output_path
 from .engine import environment
 from .errors import HdError, disk_error
 from .flags import groups, takes

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from hdcli.db import statsdb, stores
+from hdcli.db import atomic, codec, statsdb, stores
+from hdcli.db.header import HEADER_KEY
 from hdcli.errors import HdError
 from hdcli.engine.kernels import build
 
@@ -64,7 +65,7 @@ def test_db_of_another_format_version_is_refused(tiny_lm, tmp_path):
     out = tmp_path / "s.lmdb"
     statsdb.build(TEXTS, out, tiny_lm.tokenizer, "tiny", min_count=1)
     db = stores.Store(out, writable=True)
-    db.update(lambda txn: txn.put(stores.HEADER_KEY, json.dumps({**db.header, "format_version": 99}).encode()))
+    db.update(lambda txn: txn.put(HEADER_KEY, json.dumps({**db.header, "format_version": 99}).encode()))
     pass  # the cached LMDB environment sees every committed write
     r = run("db", "info", str(out))
     assert isinstance(r, HdError) and "format" in str(r)
@@ -428,8 +429,8 @@ def test_merge_refuses_what_would_give_wrong_counts(tiny_model_dir, tiny_lm, tmp
 
 def test_a_build_never_replaces_an_output_that_appeared_meanwhile(tmp_path):
     out = tmp_path / "s.lmdb"
-    first, second = stores.StoreWriter(out), stores.StoreWriter(out)  # both saw no output
-    first.put(stores.encode_key([1]), stores.encode_value(1, [([2], 1)], 1))
+    first, second = atomic.StoreWriter(out), atomic.StoreWriter(out)  # both saw no output
+    first.put(codec.encode_key([1]), codec.encode_value(1, [([2], 1)], 1))
     first.commit({"kind": "stats", "draft_len": 1, "n_range": [1, 1]})
     digest = stores.Store(out).header["content_digest"]
     with pytest.raises(HdError, match="appeared during the build"):
@@ -756,7 +757,7 @@ def test_a_db_value_of_a_wrong_length_is_one_line(tiny_model_dir, tmp_path):
     db = _stats_db(tiny_model_dir, tmp_path)
     env = lmdb.open(str(db), subdir=False, lock=True)
     with env.begin(write=True) as txn:
-        for k in [bytes(k) for k, _ in txn.cursor() if bytes(k) != stores.HEADER_KEY]:
+        for k in [bytes(k) for k, _ in txn.cursor() if bytes(k) != HEADER_KEY]:
             txn.put(k, b"\x01\x02\x03")
     env.close()
     m = str(tiny_model_dir)
