@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -210,8 +212,6 @@ def writing(path: str | Path, overwrite: bool = False) -> Iterator[StoreWriter]:
 
 @contextmanager
 def _sigterm_interrupts():
-    import signal
-    import threading
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield   # only the main thread may set handlers; a handler someone set is theirs
