@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hdcli import api
-from hdcli.db import codec, statsdb, stores
+from hdcli.db import codec, commands, statsdb, stores
 from hdcli.db.header import HEADER_KEY
 from hdcli.errors import HdError
 
@@ -234,15 +234,15 @@ def test_merging_two_builds_of_one_corpus_is_refused(tiny_model_dir, tmp_path):
     write_corpus(corpus, 12)
     m = str(tiny_model_dir)
     a, b, out = tmp_path / "a.lmdb", tmp_path / "b.lmdb", tmp_path / "m.lmdb"
-    api.build_stats([str(corpus)], a, m, min_count=1)
-    api.build_stats([str(corpus)], b, m, min_count=2)   # another build: another digest
+    commands.build_stats([str(corpus)], a, m, min_count=1)
+    commands.build_stats([str(corpus)], b, m, min_count=2)   # another build: another digest
     err = run("merge-stats", str(a), str(b), "-o", str(out))
     assert isinstance(err, HdError) and "corpus.jsonl" in str(err) and "twice" in str(err), err
     assert "--allow-same-sources" in str(err) and not out.exists()
     r = run("merge-stats", str(a), str(b), "-o", str(out), "--allow-same-sources", "--json")
     assert r.exit_code == 0, r.output
     for i in range(2):
-        api.build_stats([str(corpus)], tmp_path / f"s{i}.lmdb", m, shard=(i, 2))
+        commands.build_stats([str(corpus)], tmp_path / f"s{i}.lmdb", m, shard=(i, 2))
     r = run("merge-stats", str(tmp_path / "s0.lmdb"), str(tmp_path / "s1.lmdb"), "-o", str(tmp_path / "sh.lmdb"))
     assert not isinstance(r, HdError) and r.exit_code == 0, r
     err = run("merge-stats", str(tmp_path / "s0.lmdb"), str(a), "-o", str(tmp_path / "x.lmdb"))

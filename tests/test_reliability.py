@@ -697,10 +697,10 @@ def test_a_plan_field_of_the_wrong_type_names_the_plan(tmp_path):
 
 
 def test_a_prompt_file_with_a_bom_is_the_prompt_alone(tmp_path):
-    from hdcli import api
+    from hdcli.generation import read_prompt
     f = tmp_path / "p.txt"
     f.write_text("\ufeffthe cat sat", encoding="utf-8")
-    assert api.read_prompt(None, f) == "the cat sat"
+    assert read_prompt(None, f) == "the cat sat"
 
 
 def test_empty_stop_and_thresholds_out_of_range_are_refused(tiny_model_dir):
@@ -715,17 +715,18 @@ def test_empty_stop_and_thresholds_out_of_range_are_refused(tiny_model_dir):
 
 
 def test_max_new_tokens_past_the_context_is_said(tiny_lm):
-    from hdcli import api
+    from hdcli.config import DecodingConfig
+    from hdcli.generation import generate_report
     said = []
-    cfg = api.DecodingConfig(model=tiny_lm.name, max_new_tokens=10_000, layers=[])
-    rep = api.generate_report(cfg, "the cat sat", lm=tiny_lm, on_status=said.append)
+    cfg = DecodingConfig(model=tiny_lm.name, max_new_tokens=10_000, layers=[])
+    rep = generate_report(cfg, "the cat sat", lm=tiny_lm, on_status=said.append)
     warned = [s for s in said if s.startswith("warning: --max-new-tokens 10000 exceeds the room left in the "
                                               "model's context (")]
     assert len(warned) == 1, said
     room = int(warned[0].rsplit(" ", 1)[1])
     assert 0 < room < tiny_lm.max_context and len(rep.data["tokens"]) <= room
     said.clear()
-    api.generate_report(cfg.replace(max_new_tokens=4), "the cat sat", lm=tiny_lm, on_status=said.append)
+    generate_report(cfg.replace(max_new_tokens=4), "the cat sat", lm=tiny_lm, on_status=said.append)
     assert not [s for s in said if "exceeds" in s]
 
 
