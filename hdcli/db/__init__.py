@@ -10,4 +10,5 @@
     statsdb.py   statistics DBs: count a corpus, prune, merge shards; add counts (--learn)
     modeldb.py   model DBs: sample the target on a prompt set, index what it wrote
     cluster.py   a statistics DB build as a map-reduce on a Dask cluster
+    commands.py  `hd build-stats`, `hd build-model-db`, `hd db info|query` as the CLI calls them
 """

@@ -111,7 +111,7 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
                 field: str = "text", with_prompt: bool = False, strict: bool = False, min_n: int = 1,
                 max_n: int = 4, draft_len: int = 1, top_k: int = 4, min_count: int = 2) -> tuple[dict, dict]:
     """The statistics DB of `corpus` at `out`, counted by the tasks of a Dask cluster. Returns
-    (header, read report) like api.build_stats; the header adds `cluster` (tasks, partitions,
+    (header, read report) like commands.build_stats; the header adds `cluster` (tasks, partitions,
     workers, seconds and peak memory per phase)."""
     atomic.check_output_path(Path(out), overwrite)
     statsdb.check_params(min_n, max_n, draft_len, top_k, min_count)
