@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from hdcli import api
+from hdcli.engine.decode.loop import first_difference
 
 from common import first_per_subcategory, interleaved, load_questions, machine, speedups
 
@@ -36,7 +37,7 @@ def main():
 
     def row(n, q, got):
         plain, spec = got["plain"], got["hd"]
-        diff = api.first_difference(spec.tokens, plain.tokens)
+        diff = first_difference(spec.tokens, plain.tokens)
         rows.append({"category": q["subcategory"], "new_tokens": len(plain.tokens), "first_difference": diff,
                      "plain_tps": plain.stats.tokens_per_second, "hd_tps": spec.stats.tokens_per_second,
                      "speedup": spec.stats.tokens_per_second / plain.stats.tokens_per_second,

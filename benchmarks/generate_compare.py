@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from hdcli import api
+from hdcli.compose import default_min_n
+from hdcli.engine.decode.loop import first_difference
 
 from common import interleaved, machine, speedups
 
@@ -57,7 +59,7 @@ def main():
     results = {"model": args.model, "dtype": lm.dtype, "device": lm.device,
                "machine": machine(), "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
                "draft_len": args.draft_len,
-               "ngram": [args.min_n or api.default_min_n(cheap), args.max_n], "prompts": {}}
+               "ngram": [args.min_n or default_min_n(cheap), args.max_n], "prompts": {}}
 
     def ours(make_drafter):  # prompt ids -> (tokens, tokens/s, mean accepted)
         def one(ids):
@@ -84,9 +86,9 @@ def main():
             ref = toks["hf"] if m == "hf-pld" else toks["plain"]
             row[m] = {**tps[m], "new_tokens": len(toks[m]),
                       "identical_to": "hf" if m == "hf-pld" else "plain",
-                      "first_difference": api.first_difference(toks[m], ref)}
+                      "first_difference": first_difference(toks[m], ref)}
         row["hd"]["mean_accepted_tokens"] = accepted
-        row["hf"]["first_difference_vs_plain"] = api.first_difference(toks["hf"], toks["plain"])
+        row["hf"]["first_difference_vs_plain"] = first_difference(toks["hf"], toks["plain"])
         results["prompts"][Path(path).stem] = row
         print(f"\n{Path(path).stem} ({len(ids)} prompt tokens, {lm.dtype})")
         for m, v in row.items():

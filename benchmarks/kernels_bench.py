@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from hdcli import api
+from hdcli.engine.decode.loop import first_difference
 from hdcli.engine.decode import costs
 from hdcli.bench import specbench
 
@@ -48,8 +49,8 @@ def main():
     def row(n, q, got):
         r = {"category": q["category"], "torch_tps": got["torch"].stats.tokens_per_second,
              "onednn_tps": got["onednn"].stats.tokens_per_second,
-             "onednn_vs_torch_first_difference": api.first_difference(got["onednn"].tokens, got["torch"].tokens),
-             "hd_vs_plain_first_difference": api.first_difference(got["hd"].tokens, got["onednn"].tokens),
+             "onednn_vs_torch_first_difference": first_difference(got["onednn"].tokens, got["torch"].tokens),
+             "hd_vs_plain_first_difference": first_difference(got["hd"].tokens, got["onednn"].tokens),
              "hd_tps": got["hd"].stats.tokens_per_second}
         result["questions"].append(r)
         print(json.dumps(r))

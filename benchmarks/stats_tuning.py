@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from hdcli import api
+from hdcli.compose import default_min_n
 from hdcli.db import stores
 from hdcli.drafting import ContextDB, Hierarchy, StatsDB
 
@@ -45,7 +46,7 @@ def main():
     for dtype in ("fp32", "bf16"):
         lm = api.load_model(dtype=dtype)
         cost = forward_costs(lm, refs[0][0] * 4)
-        min_n = api.default_min_n(dtype != "fp32")  # replay of torch-kernel runs: bf16 cheap, fp32 not
+        min_n = default_min_n(dtype != "fp32")  # replay of torch-kernel runs: bf16 cheap, fp32 not
         base = replay(refs, lambda: Hierarchy([ContextDB(min_n, 4)], draft_len=16), cost, cap=False)
         rows.append({"dtype": dtype, "layers": "context", **base})
         print(dtype, "context only", round(base["predicted_speedup"], 3), round(base["mean_accepted"], 2))

@@ -1,4 +1,5 @@
-"""`hd`: the command line, a thin layer over hdcli.api.
+"""`hd`: the command line, a thin layer over the Python API (hdcli/api.py and each command's function
+in its package).
 
 The decoding options are DecodingConfig's fields (hdcli/config.py) and `hd serve`'s own are
 ServeOptions' (hdcli/serve/options.py): each is declared once there, and a command here names
@@ -18,14 +19,18 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from . import __version__, api, bench, show
+from . import __version__, bench, generation, show
 from .bench import agents as bench_agents_mod
+from .bench import commands as bench_commands
 from .bench import report as bench_report
 from .config import DecodingConfig, split_list
-from .db.stores import check_output_path
-from .engine import environment
+from .db import commands as db_commands
+from .db.atomic import check_output_path
+from .engine import environment, local_models
+from .engine.cost_report import cost_report
 from .errors import HdError, disk_error
 from .flags import groups, takes
+from .hsd import commands as hsd_commands
 from .serve.options import ServeOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -66,15 +71,15 @@ def generate(
     color: bool = typer.Option(True, "--color/--no-color", help="Colour drafted tokens by layer."),
 ):
     """Generate text with lossless speculative decoding and report per-layer statistics."""
-    text = api.read_prompt(prompt, prompt_file)
+    text = generation.read_prompt(prompt, prompt_file)
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
 
     def on_text(piece: str, layer: Optional[str]) -> None:
         out.print(piece, end="", style=show.layer_style(layer), markup=False)
 
-    output = api.output_from_files(json_schema, json_object, grammar, grammar_format, prediction)
-    rep = api.generate_report(cfg, text, compare=compare, on_text=None if as_json else on_text,
-                              on_status=show.status(as_json), output=output)
+    output = generation.output_from_files(json_schema, json_object, grammar, grammar_format, prediction)
+    rep = generation.generate_report(cfg, text, compare=compare, on_text=None if as_json else on_text,
+                                     on_status=show.status(as_json), output=output)
     if as_json:
         typer.echo(json.dumps(rep.data))
     else:
@@ -116,7 +121,7 @@ def _api_keys(given: List[str]) -> List[str]:
 @app.command("models")
 def models_cmd(as_json: bool = typer.Option(False, "--json", help="Write the list as JSON.")):
     """List the GGUF models in Ollama's and LM Studio's stores, by the --model name that runs them."""
-    rep = api.local_models()
+    rep = local_models.report()
     if as_json:
         typer.echo(json.dumps(rep))
     else:
@@ -131,8 +136,8 @@ def costs_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Show the measured forward cost by width (what caps draft trees)."""
-    rep = api.cost_report(cfg.model, dtype=cfg.dtype, device=cfg.device, kernels=cfg.kernels, remeasure=remeasure,
-                          invariant=cfg.invariant)
+    rep = cost_report(cfg.model, dtype=cfg.dtype, device=cfg.device, kernels=cfg.kernels, remeasure=remeasure,
+                      invariant=cfg.invariant)
     if as_json:
         typer.echo(json.dumps(rep))
     else:
@@ -179,9 +184,10 @@ def build_stats(
                                                **params)
     else:
         with show.bar(as_json, unit=" tok", unit_scale=True, desc="counting", mininterval=0.5) as made:
-            header, read = api.build_stats(corpus, out, model, limit=limit, shard=api.parse_shard(shard),
-                                           num_proc=num_proc, chunk_tokens=chunk_tokens,
-                                           progress=show.counted(made), **params)
+            header, read = db_commands.build_stats(corpus, out, model, limit=limit,
+                                                   shard=db_commands.parse_shard(shard),
+                                                   num_proc=num_proc, chunk_tokens=chunk_tokens,
+                                                   progress=show.counted(made), **params)
     if as_json:
         typer.echo(json.dumps({"path": str(out), "header": header, "read": read}))
         return
@@ -245,10 +251,11 @@ def build_model_db(
 ):
     """Sample the target model on a prompt set and index what it wrote into a model DB."""
     with show.bar(as_json or from_samples is not None, unit=" prompts", desc="sampling") as made:
-        result = api.build_model_db(out, cfg, prompts=prompts, num_prompts=num_prompts, batch_size=batch_size,
-                                    samples=samples, resume=resume, from_samples=from_samples,
-                                    overwrite=overwrite, progress=show.sampled(made), min_n=min_n,
-                                    max_n=max_n, top_k=top_k, min_count=min_count)
+        result = db_commands.build_model_db(out, cfg, prompts=prompts, num_prompts=num_prompts,
+                                            batch_size=batch_size, samples=samples, resume=resume,
+                                            from_samples=from_samples, overwrite=overwrite,
+                                            progress=show.sampled(made), min_n=min_n, max_n=max_n,
+                                            top_k=top_k, min_count=min_count)
     if as_json:
         typer.echo(json.dumps(result))
     else:
@@ -264,7 +271,7 @@ def db_info(path: Path, as_json: bool = typer.Option(False, "--json"),
             verify: bool = typer.Option(False, "--verify", help="Also read every record and check "
                                         "the content digest (as `hd db verify`).")):
     """Print a DB's header and size figures (content_digest identifies its counts)."""
-    info = api.db_info(path, verify)
+    info = db_commands.db_info(path, verify)
     if as_json:
         typer.echo(json.dumps(info))
     else:
@@ -300,7 +307,7 @@ def db_query(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Show which key of the text's end matches and what the DB would draft."""
-    result = api.db_query(path, text, model, max_len=max_len, min_prob=min_prob)
+    result = db_commands.db_query(path, text, model, max_len=max_len, min_prob=min_prob)
     if as_json:
         typer.echo(json.dumps(result))
     else:
@@ -328,9 +335,9 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure costs and acceptance, predict every hierarchy's speed, choose the fastest (DP)."""
-    result = api.plan(cfg, draft_models, prompts=prompts, count=count, tokens=tokens, t_max=t_max,
-                      no_db=no_db, measure_top=measure_top, max_new_tokens=max_new_tokens,
-                      out_path=out_path, on_status=show.status(as_json))
+    result = hsd_commands.plan(cfg, draft_models, prompts=prompts, count=count, tokens=tokens, t_max=t_max,
+                               no_db=no_db, measure_top=measure_top, max_new_tokens=max_new_tokens,
+                               out_path=out_path, on_status=show.status(as_json))
     if as_json:
         typer.echo(json.dumps(result))
     else:
@@ -364,9 +371,11 @@ def bench_spec_bench(
 ):
     """Run Spec-Bench with several methods on one model, interleaved, and report speedups."""
     with show.bar(as_json, desc="warming up", unit=" answers", mininterval=1.0) as made:
-        report = api.bench_spec_bench(cfg, split_list(methods) if methods else None, data=data,
-                                      limit=limit, categories=split_list(categories) if categories else None,
-                                      out_dir=out_dir, progress=show.answered(made), on_status=show.status(as_json))
+        report = bench_commands.bench_spec_bench(cfg, split_list(methods) if methods else None, data=data,
+                                                 limit=limit,
+                                                 categories=split_list(categories) if categories else None,
+                                                 out_dir=out_dir, progress=show.answered(made),
+                                                 on_status=show.status(as_json))
     if as_json:
         typer.echo(json.dumps(report))
         return
@@ -397,10 +406,10 @@ def bench_agents(
 ):
     """Tool calls, JSON-schema output and edits: each method under the same constraint, interleaved."""
     with show.answered_lazily(as_json) as progress:
-        report = api.bench_agents(cfg, split_list(methods) if methods else None,
-                                  workloads=split_list(workloads), bfcl=bfcl, corpora=corpora,
-                                  limit=limit, max_new_tokens=max_new_tokens, out=out_dir,
-                                  progress=progress, on_status=show.status(as_json))
+        report = bench_commands.bench_agents(cfg, split_list(methods) if methods else None,
+                                             workloads=split_list(workloads), bfcl=bfcl, corpora=corpora,
+                                             limit=limit, max_new_tokens=max_new_tokens, out=out_dir,
+                                             progress=progress, on_status=show.status(as_json))
     if as_json:
         typer.echo(json.dumps(report))
         return

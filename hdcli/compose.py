@@ -3,6 +3,7 @@
 `build_drafter` is the one place a run's drafter is put together: the database hierarchy
 (hdcli/drafting), a stack of draft models over it (hdcli/hsd), or nothing (plain decoding).
 `hd generate`, `hd bench`, `hd plan` and the Python API all call it; none composes drafters itself.
+A configuration's target is loaded here too (`load_model_for`) and its DBs opened (`open_dbs`).
 
 Defaults that depend on the machine are chosen here, from the target's measured forward cost
 (engine/decode/costs.py): where a verification forward over a draft costs about one token's forward
@@ -13,7 +14,7 @@ configuration a run records.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .config import DecodingConfig
 from .drafting import Hierarchy, LayerInputs, RecycledTable, build_layers, default_layers, registry
@@ -21,7 +22,7 @@ from .engine.decode import costs
 from .engine import loader as models
 from .errors import HdError
 from .db.stores import Store
-from .config import DEFAULT_LEVEL_TOKENS
+from .config import DEFAULT_CANDIDATES, DEFAULT_LEVEL_TOKENS, DEFAULT_POLICY
 from .config import level_problems
 from .engine.decode.verify import Sampling
 from .hsd import draft_models as draftmodels
@@ -29,6 +30,8 @@ from .hsd.stack import ModelStack
 from .engine.kernels import fused
 from .drafting import ContextDB
 from .engine.decode.loop import Decoder
+
+Status = Callable[[str], None]  # progress and warnings for a person; ignored under --json
 
 
 def cheap_verification(lm: models.LoadedModel) -> bool:
@@ -82,6 +85,22 @@ def check_tokenizers(dbs: DBs, lm: models.LoadedModel) -> None:
         db.check_tokenizer(lm.tokenizer, lm.name, embedding_rows=lm.model.config.vocab_size)
 
 
+def load_model_for(cfg: DecodingConfig, quiet: bool = False) -> models.LoadedModel:
+    """The target of a configuration, with its dtype, device and kernels."""
+    return models.load(cfg.model, dtype=cfg.dtype, device=cfg.device, kernels=cfg.kernels,
+                       quiet=quiet, invariant=cfg.invariant, attention=cfg.attention)
+
+
+def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
+                   writable: bool = False) -> list:
+    """Open statistics or model DBs, refusing those built for another tokenizer. writable: for
+    --learn (model DB)."""
+    dbs = [Store(p, writable=writable) for p in paths]
+    if lm is not None:
+        check_tokenizers(DBs(dbs), lm)
+    return dbs
+
+
 def layer_inputs(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool,
                  recycle_table: RecycledTable | None = None, answer_index=None) -> LayerInputs:
     """The drafting settings with the machine's defaults filled in, and the resources."""
@@ -106,6 +125,25 @@ def db_hierarchy(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool, candidates: 
         return None
     return Hierarchy(built, policy=cfg.policy, draft_len=cfg.draft_len,
                      max_candidates=cfg.candidates if candidates is None else candidates)
+
+
+def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str, int] = 16,
+                 min_n: int | None = None, max_n: int = 4, cheap_verify: bool = False,
+                 stats_dbs: Sequence = (), stats_min_prob: float | None = None,
+                 stats_min_expected: float | None = None, model_db=None,
+                 policy: str = DEFAULT_POLICY, candidates: int = DEFAULT_CANDIDATES,
+                 recycle_table: RecycledTable | None = None, answer_index=None) -> Hierarchy | None:
+    """The drafting hierarchy from open DBs, most local layer first (an empty `layers` means
+    plain decoding): a shorthand for db_hierarchy with a DecodingConfig. cheap_verify
+    (see cheap_verification) picks the defaults of min_n, min_prob and min_expected.
+    answer_index: the model DB's answers to draft from (default: the process's own index)."""
+    cfg = DecodingConfig(layers=list(layers), draft_len=draft_len, min_n=min_n, max_n=max_n,
+                         stats_dbs=[str(getattr(db, "path", "db")) for db in stats_dbs],
+                         model_db=None if model_db is None else str(getattr(model_db, "path", "db")),
+                         stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected,
+                         policy=policy, candidates=candidates).validate()
+    return db_hierarchy(cfg, DBs(list(stats_dbs), model_db), cheap_verify, recycle_table=recycle_table,
+                        answer_index=answer_index)
 
 
 def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens: Sequence[int] = (),
@@ -180,6 +218,6 @@ def warm_up(lm: models.LoadedModel) -> None:
     costs.curve_for(lm)
 
 
-__all__ = ["DBs", "build_drafter", "cheap_verification", "db_hierarchy", "default_min_expected",
-           "default_min_n", "default_min_prob", "layer_inputs", "make_stack", "open_dbs", "registry",
-           "resolved", "warm_up"]
+__all__ = ["DBs", "Status", "build_drafter", "cheap_verification", "db_hierarchy", "default_min_expected",
+           "default_min_n", "default_min_prob", "layer_inputs", "load_model_for", "make_drafter", "make_stack",
+           "open_dbs", "open_stats_dbs", "registry", "resolved", "warm_up"]

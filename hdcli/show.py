@@ -1,7 +1,7 @@
 """What the `hd` commands show a person: rich tables and status lines (--json shows none of it).
 
-Each function renders one command's result; hdcli/cli.py parses the options, calls hdcli.api,
-and hands the result here.
+Each function renders one command's result; hdcli/cli.py parses the options, calls the
+command's function (hdcli/api.py, or its package's), and hands the result here.
 """
 from __future__ import annotations
 

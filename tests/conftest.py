@@ -217,10 +217,10 @@ def hd_main(*args, env: dict | None = None, input: str | None = None, cwd=None):
     import sys
     import traceback
     from hdcli import cli
-    from hdcli.db import stores
+    from hdcli.db import envs
     from hdcli.engine.decode import costs
     costs._CURVES.clear()
-    envs_before = set(stores._ENVS)
+    envs_before = set(envs.ENVS)
     argv = ["hd", *map(str, args)]
     out, err = io.StringIO(), io.StringIO()
     mp = pytest.MonkeyPatch()
@@ -245,7 +245,7 @@ def hd_main(*args, env: dict | None = None, input: str | None = None, cwd=None):
                 code = 1
     finally:
         mp.undo()
-        for real in set(stores._ENVS) - envs_before:
-            stores.forget_env(real)
+        for real in set(envs.ENVS) - envs_before:
+            envs.forget_env(real)
         costs._CURVES.clear()
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hdcli import api
-from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.loop import Decoder, first_difference
 from hdcli.drafting import ContextDB, Hierarchy
 
 from conftest import tiny_gemma3, tiny_llama
@@ -156,7 +156,7 @@ def test_bundled_model_greedy_equals_plain(bundled_lm):
     for p in prompts:
         ref = api.generate(bundled_lm, p, max_new_tokens=48, drafter=None)
         got = api.generate(bundled_lm, p, max_new_tokens=48)
-        assert got.tokens == ref.tokens, api.first_difference(got.tokens, ref.tokens)
+        assert got.tokens == ref.tokens, first_difference(got.tokens, ref.tokens)
         hits += got.stats.layers["context"].accepted
     assert hits > 0
 

@@ -105,10 +105,10 @@ def test_cuda_sampling_runs_with_a_device_generator():
 def report_on(device: str, dtype: str, model_dir) -> dict:
     """The whole `hd generate --device D` path: load there, the cost curve measured there, the
     default hierarchy, the comparison with plain decoding and transformers' generate."""
-    from hdcli import api
     from hdcli.config import DecodingConfig
+    from hdcli.generation import generate_report
     cfg = DecodingConfig(model=str(model_dir), device=device, dtype=dtype, max_new_tokens=48)
-    data = api.generate_report(cfg, "the cat sat on the mat and the dog sat on the mat", compare=True).data
+    data = generate_report(cfg, "the cat sat on the mat and the dog sat on the mat", compare=True).data
     assert data["config"]["device"] == device
     return data
 

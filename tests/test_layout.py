@@ -12,16 +12,21 @@ ROOT = Path(__file__).resolve().parent.parent / "hdcli"
 # Studio's folders: paths only) and the loader that puts a model together.
 ENGINE = ["engine.environment", "engine.records", "engine.kernels", "engine.model", "engine.text",
           "engine.decode", "engine.local_models", "engine.loader", "engine"]
-ORDER = ["errors", "inputs", *ENGINE, "db", "drafting", "hsd", "config", "compose", "bench", "api", "serve", "flags", "show",
-         "cli"]
+# a package's commands (the functions `hd build-stats`, `hd plan`, ... call) are units of their own,
+# above the composition they use: the rest of their package sits below it
+COMMANDS = ["db.commands", "hsd.commands"]
+ORDER = ["errors", "inputs", *ENGINE, "db", "drafting", "hsd", "config", "compose", "bench", *COMMANDS,
+         "generation", "api", "serve", "flags", "show", "cli"]
 
 
 def unit(module: str) -> str:
-    """'hdcli.engine.decode.loop' -> 'engine.decode'; 'hdcli.db.stores' -> 'db'; 'hdcli' (the
-    package: __version__) -> 'errors'."""
+    """'hdcli.engine.decode.loop' -> 'engine.decode'; 'hdcli.db.stores' -> 'db'; 'hdcli.db.commands'
+    -> 'db.commands'; 'hdcli' (the package: __version__) -> 'errors'."""
     parts = module.split(".")
     if len(parts) > 2 and parts[1] == "engine" and f"engine.{parts[2]}" in ENGINE:
         return f"engine.{parts[2]}"
+    if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in COMMANDS:
+        return f"{parts[1]}.{parts[2]}"
     return parts[1] if len(parts) > 1 else "errors"
 
 

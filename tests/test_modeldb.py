@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from hdcli import api
-from hdcli.db import modeldb, statsdb, stores
+from hdcli.db import codec, modeldb, statsdb, stores
 
 from test_cli import hd
 from test_statsdb import FREE_FORWARD, db_dict, expected
@@ -219,7 +219,7 @@ def test_learn_keeps_the_answer_and_the_digest(tiny_lm, tmp_path):
     assert mdb.sequence_count == 3 and list(mdb.sequences())[-1].tolist() == [40, 41, 42, 43]
     assert stores.Store(tmp_path / "m.lmdb").verify()["ok"]
     with mdb.env.begin(write=True) as txn:  # a damaged answer record: verify says so
-        txn.put(stores.sequence_key(0), b"\x01\x02\x03")
+        txn.put(codec.sequence_key(0), b"\x01\x02\x03")
     mdb.refresh()
     assert not mdb.verify()["ok"]
 

@@ -310,8 +310,8 @@ def test_the_header_parser_reads_what_gguf_py_reads(tiny_gguf, tmp_path):
 
 
 def test_hd_costs_on_a_gguf_reports_its_own_forward(tiny_gguf):
-    from hdcli import api
-    rep = api.cost_report(str(tiny_gguf), dtype="auto", device="cpu", kernels="auto", quiet=True)
+    from hdcli.engine.cost_report import cost_report
+    rep = cost_report(str(tiny_gguf), dtype="auto", device="cpu", kernels="auto", quiet=True)
     kern = rep["kernels"]
     assert kern in ("gguf", "gguf-int8") and rep["forward"] == "hd (llama)"
     assert rep["curves"][kern]["cost"] and rep["curves"][kern]["one_token_ms"] > 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hdcli import api
-from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.loop import Decoder, first_difference
 from hdcli.engine.decode.tree import Tree, tree_forward
 from hdcli.engine.decode.verify import Sampling, logprobs_of, processed
 
@@ -68,7 +68,7 @@ def test_penalties_and_logprobs_exact_under_speculation(bundled_lm):
     for prompt in PROMPTS:
         ref = api.generate(lm, prompt, max_new_tokens=24, drafter=None, sampling=PENALISED, logprobs=3)
         got = api.generate(lm, prompt, max_new_tokens=24, sampling=PENALISED, logprobs=3)
-        assert got.tokens == ref.tokens, api.first_difference(got.tokens, ref.tokens)
+        assert got.tokens == ref.tokens, first_difference(got.tokens, ref.tokens)
         assert got.logprobs == ref.logprobs          # every float, every alternative, exactly
         assert len(got.logprobs) == len(got.tokens)
         assert all(lp <= 0 and len(best) == 3 and best[0][1] >= lp for lp, best in got.logprobs)

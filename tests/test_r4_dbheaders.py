@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from hdcli import api
-from hdcli.db import statsdb, stores
+from hdcli.db import codec, commands, statsdb, stores
+from hdcli.db.header import HEADER_KEY
 from hdcli.errors import HdError
 
 from conftest import VOCAB
@@ -35,20 +36,20 @@ def _rewrite(path, header=None, record=None):
     (unchanged). The key count and content digest are recomputed, so only the new checks can tell."""
     env = lmdb.open(str(path), subdir=False, lock=False)
     with env.begin(write=True) as txn:
-        h = json.loads(bytes(txn.get(stores.HEADER_KEY)))
+        h = json.loads(bytes(txn.get(HEADER_KEY)))
         total = keys = 0
         for k, v in list(txn.cursor()):
-            if k == stores.HEADER_KEY:
+            if k == HEADER_KEY:
                 continue
             new = record(k, np.frombuffer(v, dtype="<u4").copy()) if record else None
             if new is not None:
                 v = np.asarray(new, dtype="<u4").tobytes()
                 txn.put(k, v)
-            total += stores.record_hash(k, v)
+            total += codec.record_hash(k, v)
             keys += 1
-        h.update(keys=keys, content_digest=stores.digest_hex(total))
+        h.update(keys=keys, content_digest=codec.digest_hex(total))
         new_header = header(h) if header else h
-        txn.put(stores.HEADER_KEY, new_header if isinstance(new_header, bytes) else json.dumps(new_header).encode())
+        txn.put(HEADER_KEY, new_header if isinstance(new_header, bytes) else json.dumps(new_header).encode())
     env.close()
     return path
 
@@ -126,16 +127,16 @@ def test_verify_finds_ids_outside_the_vocabulary(tiny_lm, tmp_path, where):
     db2.write_bytes(db.read_bytes())
 
     def change(k, v):
-        if where == "answer" and stores.is_sequence_key(k):
+        if where == "answer" and codec.is_sequence_key(k):
             v[1] = 4_000_000_000
             return v
-        if where == "continuation" and not stores.is_sequence_key(k) and len(k) == 4:
+        if where == "continuation" and not codec.is_sequence_key(k) and len(k) == 4:
             v[3] = VOCAB + 7
             return v
     if where == "key":   # a key of one id past the vocabulary, with one continuation
         env = lmdb.open(str(db2), subdir=False, lock=False)
         with env.begin(write=True) as txn:
-            txn.put(stores.encode_key([VOCAB + 3]), stores.encode_value(2, [([5], 2)], 1))
+            txn.put(codec.encode_key([VOCAB + 3]), codec.encode_value(2, [([5], 2)], 1))
         env.close()
     _rewrite(db2, record=change)
     report = _verify(db2)
@@ -197,7 +198,7 @@ def test_a_model_db_answer_holding_a_huge_id_is_not_indexed(tiny_lm, tmp_path):
 def _oov_stats_db(tok, path, header=None):
     """A statistics DB every continuation of which is an id past the vocabulary, digest kept."""
     def change(k, v):
-        if not stores.is_sequence_key(k):
+        if not codec.is_sequence_key(k):
             v[3::3] = VOCAB + 11
             return v
     return _rewrite(_build(tok, path), record=change, header=header)
@@ -233,15 +234,15 @@ def test_merging_two_builds_of_one_corpus_is_refused(tiny_model_dir, tmp_path):
     write_corpus(corpus, 12)
     m = str(tiny_model_dir)
     a, b, out = tmp_path / "a.lmdb", tmp_path / "b.lmdb", tmp_path / "m.lmdb"
-    api.build_stats([str(corpus)], a, m, min_count=1)
-    api.build_stats([str(corpus)], b, m, min_count=2)   # another build: another digest
+    commands.build_stats([str(corpus)], a, m, min_count=1)
+    commands.build_stats([str(corpus)], b, m, min_count=2)   # another build: another digest
     err = run("merge-stats", str(a), str(b), "-o", str(out))
     assert isinstance(err, HdError) and "corpus.jsonl" in str(err) and "twice" in str(err), err
     assert "--allow-same-sources" in str(err) and not out.exists()
     r = run("merge-stats", str(a), str(b), "-o", str(out), "--allow-same-sources", "--json")
     assert r.exit_code == 0, r.output
     for i in range(2):
-        api.build_stats([str(corpus)], tmp_path / f"s{i}.lmdb", m, shard=(i, 2))
+        commands.build_stats([str(corpus)], tmp_path / f"s{i}.lmdb", m, shard=(i, 2))
     r = run("merge-stats", str(tmp_path / "s0.lmdb"), str(tmp_path / "s1.lmdb"), "-o", str(tmp_path / "sh.lmdb"))
     assert not isinstance(r, HdError) and r.exit_code == 0, r
     err = run("merge-stats", str(tmp_path / "s0.lmdb"), str(a), "-o", str(tmp_path / "x.lmdb"))

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import PATIENCE
 from hdcli import api
-from hdcli.db import statsdb, stores
+from hdcli.db import atomic, statsdb, stores
+from hdcli.db.header import HEADER_KEY, read_header, write_header
 from hdcli.errors import HdError
 from hdcli.serve.learner import Learner
 
@@ -75,13 +76,13 @@ def test_verify_compares_the_headers_answer_counts_with_the_records(tok, tmp_pat
     assert db.verify()["ok"]
     for field, claimed in (("sequences", 5), ("scoped_sequences", 0)):
         def lie(txn):
-            h = stores.read_header(txn)
+            h = read_header(txn)
             h[field] = claimed
-            stores.write_header(txn, h)    # the header is outside the digest: only a count check sees it
+            write_header(txn, h)    # the header is outside the digest: only a count check sees it
         db.update(lie)
         report = stores.Store(path).verify()
         assert not report["ok"] and any("answer" in p for p in report["problems"]), report
-        db.update(lambda txn: stores.write_header(txn, {**stores.read_header(txn), "sequences": 3,
+        db.update(lambda txn: write_header(txn, {**read_header(txn), "sequences": 3,
                                                           "scoped_sequences": 1}))
     assert stores.Store(path).verify()["ok"]
 
@@ -193,7 +194,7 @@ def test_an_interrupted_write_removes_its_own_temporary_files(tok, tmp_path, mon
 
     def interrupt(*a, **kw):
         raise KeyboardInterrupt
-    monkeypatch.setattr(*{"open": (lmdb, "open"), "copy": (stores, "record_hash")}[where], interrupt)
+    monkeypatch.setattr(*{"open": (lmdb, "open"), "copy": (atomic, "record_hash")}[where], interrupt)
     with pytest.raises(KeyboardInterrupt):
         model_db(tok, out, answers(2, 4), overwrite=True)
     assert leftovers(tmp_path) == [] and out.read_bytes() == before
@@ -206,8 +207,8 @@ import os, signal, sys
 # Python's own Ctrl-C handler, as in a terminal: a process started in the background by a shell
 # without job control (`cmd &`, as some CI runners do) inherits SIGINT ignored, and never sees it
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from hdcli.db import stores
-owner, name = (stores.StoreWriter, "{at}") if hasattr(stores.StoreWriter, "{at}") else (stores, "{at}")
+from hdcli.db import atomic
+owner, name = (atomic.StoreWriter, "{at}") if hasattr(atomic.StoreWriter, "{at}") else (atomic, "{at}")
 def interrupted(*args):
     os.kill(os.getpid(), signal.{sig})
     # the Python handler runs when the main thread next checks for signals: at once as a rule, but
@@ -254,7 +255,7 @@ def refused_files(tmp_path):
         f = tmp_path / name
         env = lmdb.open(str(f), subdir=False, lock=False)
         with env.begin(write=True) as txn:
-            txn.put(stores.HEADER_KEY, raw)
+            txn.put(HEADER_KEY, raw)
         env.close()
         yield f, "JSON" if name == "bad-json.lmdb" else "format version"
     text = tmp_path / "text.lmdb"

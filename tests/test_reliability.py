@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from hdcli.db import statsdb, stores
+from hdcli.db import atomic, codec, statsdb, stores
+from hdcli.db.header import HEADER_KEY
 from hdcli.errors import HdError
 from hdcli.engine.kernels import build
 
@@ -64,7 +65,7 @@ def test_db_of_another_format_version_is_refused(tiny_lm, tmp_path):
     out = tmp_path / "s.lmdb"
     statsdb.build(TEXTS, out, tiny_lm.tokenizer, "tiny", min_count=1)
     db = stores.Store(out, writable=True)
-    db.update(lambda txn: txn.put(stores.HEADER_KEY, json.dumps({**db.header, "format_version": 99}).encode()))
+    db.update(lambda txn: txn.put(HEADER_KEY, json.dumps({**db.header, "format_version": 99}).encode()))
     pass  # the cached LMDB environment sees every committed write
     r = run("db", "info", str(out))
     assert isinstance(r, HdError) and "format" in str(r)
@@ -428,8 +429,8 @@ def test_merge_refuses_what_would_give_wrong_counts(tiny_model_dir, tiny_lm, tmp
 
 def test_a_build_never_replaces_an_output_that_appeared_meanwhile(tmp_path):
     out = tmp_path / "s.lmdb"
-    first, second = stores.StoreWriter(out), stores.StoreWriter(out)  # both saw no output
-    first.put(stores.encode_key([1]), stores.encode_value(1, [([2], 1)], 1))
+    first, second = atomic.StoreWriter(out), atomic.StoreWriter(out)  # both saw no output
+    first.put(codec.encode_key([1]), codec.encode_value(1, [([2], 1)], 1))
     first.commit({"kind": "stats", "draft_len": 1, "n_range": [1, 1]})
     digest = stores.Store(out).header["content_digest"]
     with pytest.raises(HdError, match="appeared during the build"):
@@ -696,10 +697,10 @@ def test_a_plan_field_of_the_wrong_type_names_the_plan(tmp_path):
 
 
 def test_a_prompt_file_with_a_bom_is_the_prompt_alone(tmp_path):
-    from hdcli import api
+    from hdcli.generation import read_prompt
     f = tmp_path / "p.txt"
     f.write_text("\ufeffthe cat sat", encoding="utf-8")
-    assert api.read_prompt(None, f) == "the cat sat"
+    assert read_prompt(None, f) == "the cat sat"
 
 
 def test_empty_stop_and_thresholds_out_of_range_are_refused(tiny_model_dir):
@@ -714,17 +715,18 @@ def test_empty_stop_and_thresholds_out_of_range_are_refused(tiny_model_dir):
 
 
 def test_max_new_tokens_past_the_context_is_said(tiny_lm):
-    from hdcli import api
+    from hdcli.config import DecodingConfig
+    from hdcli.generation import generate_report
     said = []
-    cfg = api.DecodingConfig(model=tiny_lm.name, max_new_tokens=10_000, layers=[])
-    rep = api.generate_report(cfg, "the cat sat", lm=tiny_lm, on_status=said.append)
+    cfg = DecodingConfig(model=tiny_lm.name, max_new_tokens=10_000, layers=[])
+    rep = generate_report(cfg, "the cat sat", lm=tiny_lm, on_status=said.append)
     warned = [s for s in said if s.startswith("warning: --max-new-tokens 10000 exceeds the room left in the "
                                               "model's context (")]
     assert len(warned) == 1, said
     room = int(warned[0].rsplit(" ", 1)[1])
     assert 0 < room < tiny_lm.max_context and len(rep.data["tokens"]) <= room
     said.clear()
-    api.generate_report(cfg.replace(max_new_tokens=4), "the cat sat", lm=tiny_lm, on_status=said.append)
+    generate_report(cfg.replace(max_new_tokens=4), "the cat sat", lm=tiny_lm, on_status=said.append)
     assert not [s for s in said if "exceeds" in s]
 
 
@@ -756,7 +758,7 @@ def test_a_db_value_of_a_wrong_length_is_one_line(tiny_model_dir, tmp_path):
     db = _stats_db(tiny_model_dir, tmp_path)
     env = lmdb.open(str(db), subdir=False, lock=True)
     with env.begin(write=True) as txn:
-        for k in [bytes(k) for k, _ in txn.cursor() if bytes(k) != stores.HEADER_KEY]:
+        for k in [bytes(k) for k, _ in txn.cursor() if bytes(k) != HEADER_KEY]:
             txn.put(k, b"\x01\x02\x03")
     env.close()
     m = str(tiny_model_dir)

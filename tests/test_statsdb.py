@@ -12,7 +12,8 @@ import pytest
 
 from hdcli import api
 from hdcli.engine.decode import costs
-from hdcli.db import statsdb, stores
+from hdcli.db import codec, envs, fingerprint, statsdb, stores
+from hdcli.db.header import FORMAT_VERSION
 from hdcli.drafting import StatsDB
 from hdcli.errors import HdError
 
@@ -39,7 +40,7 @@ def expected(docs_ids, min_n, max_n, draft_len, top_k, min_count):
                 counts[key][cont] = counts[key].get(cont, 0) + 1
     out = {}
     for key, conts in counts.items():
-        pad = lambda c: c + (stores.PAD,) * (draft_len - len(c))
+        pad = lambda c: c + (codec.PAD,) * (draft_len - len(c))
         ranked = sorted(((c, k) for c, k in conts.items() if k >= min_count),
                         key=lambda ck: (-ck[1], pad(ck[0])))
         if top_k:
@@ -91,15 +92,15 @@ def test_header_round_trips(tiny_lm, tmp_path):
     out = tmp_path / "s.lmdb"
     statsdb.build(DOCS, out, tiny_lm.tokenizer, "tiny", max_n=3, extra_header={"sources": [{"path": "x"}]})
     h = stores.Store(out).header
-    assert h["format_version"] == stores.FORMAT_VERSION and h["model"] == "tiny"
+    assert h["format_version"] == FORMAT_VERSION and h["model"] == "tiny"
     assert h["n_range"] == [1, 3] and h["draft_len"] == 1 and h["top_k"] == 4 and h["min_count"] == 2
-    assert h["tokenizer_fingerprint"] == stores.tokenizer_fingerprint(tiny_lm.tokenizer)
+    assert h["tokenizer_fingerprint"] == fingerprint.tokenizer_fingerprint(tiny_lm.tokenizer)
     assert h["documents"] == 4 and h["tokens"] == sum(map(len, tokenize(tiny_lm.tokenizer, DOCS)))
     assert h["sources"] == [{"path": "x"}] and h["tool_version"] and h["built_at"]
 
 
 def test_map_full_grows_instead_of_crashing(tiny_lm, tmp_path, monkeypatch):
-    monkeypatch.setattr(stores, "INITIAL_MAP_SIZE", 32 * 1024)
+    monkeypatch.setattr(envs, "INITIAL_MAP_SIZE", 32 * 1024)
     docs = [" ".join(f"{a} {b} {c}" for a in ("one", "two", "red", "cat") for b in ("sat", "ran", "up")
                      for c in ("the", "a", "mat", "dog", "sun"))] * 3
     statsdb.build(docs, tmp_path / "s.lmdb", tiny_lm.tokenizer, "tiny", min_count=1, top_k=0, max_n=4)

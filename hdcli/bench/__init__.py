@@ -6,6 +6,7 @@
     baselines.py   transformers' own generate() on the stock model: what users run today
     llamacpp.py    llama.cpp on the same GGUF (llama-cpp-python, optional): the CPU yardstick
     agents.py      `hd bench agents`: tool calls, JSON and edits, each method under the same constraint
+    commands.py    `hd bench spec-bench` and `hd bench agents` as the CLI calls them
 """
 from .runner import (METHOD_HELP, METHODS, HfGenerate, Runner, Turn, check_methods, method_help, default_methods,
                      machine, make_runners, method_config, run, run_question, save, summarize)

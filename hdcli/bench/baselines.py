@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..engine import loader as models
-from ..engine.decode.loop import first_difference  # noqa: F401 (re-exported: api, runner)
+from ..engine.decode.loop import first_difference  # noqa: F401 (re-exported: generation, runner)
 from ..engine.decode.verify import Sampling
 from ..engine.model import is_owned
 

@@ -36,7 +36,7 @@ from ..errors import HdError
 from . import corpus as corpus_mod
 from . import statsdb
 from ..engine import loader as models
-from . import stores
+from . import atomic
 
 RETRIES = 2  # a task whose worker died is run again this many times (dask reschedules it)
 
@@ -111,9 +111,9 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
                 field: str = "text", with_prompt: bool = False, strict: bool = False, min_n: int = 1,
                 max_n: int = 4, draft_len: int = 1, top_k: int = 4, min_count: int = 2) -> tuple[dict, dict]:
     """The statistics DB of `corpus` at `out`, counted by the tasks of a Dask cluster. Returns
-    (header, read report) like api.build_stats; the header adds `cluster` (tasks, partitions,
+    (header, read report) like commands.build_stats; the header adds `cluster` (tasks, partitions,
     workers, seconds and peak memory per phase)."""
-    stores.check_output_path(Path(out), overwrite)
+    atomic.check_output_path(Path(out), overwrite)
     statsdb.check_params(min_n, max_n, draft_len, top_k, min_count)
     tok = models.load_tokenizer(model)  # here too: the header's fingerprint, and a bad name fails fast
     t0 = time.time()
@@ -128,7 +128,7 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
         prune = dict(top_k=top_k, min_count=min_count)
         futures = _submit(client, list(corpus), model, n, p, dict(field=field, with_prompt=with_prompt,
                                                                   strict=strict), count_opts, prune)
-        with stores.writing(out, overwrite=overwrite) as writer:
+        with atomic.writing(out, overwrite=overwrite) as writer:
             got = _collect(futures, writer, n, p, workers, draft_len, t0, quiet, f"the cluster at {address}", out)
             done = got["maps"]
             documents = sum(x["documents"] for x in done)

@@ -12,7 +12,7 @@ Built in two separate steps so that each can be re-run alone:
   2. index(): the answers kept whole (what the model layer's suffix index drafts from,
      hdcli/drafting/answer_index.py) and their n-gram continuations, in the same LMDB store format as the
      statistics DB (hdcli/db/stores.py, built by hdcli/db/statsdb.py), with kind "model".
-`hd generate --model-db DB --learn` later adds what the model generated (api.learn).
+`hd generate --model-db DB --learn` later adds what the model generated (learn, below).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -107,7 +107,7 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
     """Generate answers to `prompts` in batches and append them to `samples_path`.
     progress(prompts_done, new_tokens) after each batch. stop_after: stop after that many new
     batches (for tests of resume). drafter_factory: a new drafter per answer on hd's own forward
-    (api.build_model_db passes the default hierarchy: speculative, the same tokens), None for plain
+    (db.commands.build_model_db passes the default hierarchy: speculative, the same tokens), None for plain
     decoding. Returns throughput figures."""
     from ..engine.text.prompts import encode_prompt
     samples_path = Path(samples_path)
@@ -231,3 +231,25 @@ def _decode_each(lm, ids, width: int, pad: int, max_new_tokens: int, temperature
         got = dec.generate(x, max_new_tokens, sampling, seed=seed + i).tokens
         rows.append([pad] * (width - len(x)) + list(x) + got + [pad] * (max_new_tokens - len(got)))
     return torch.tensor(rows)
+
+
+def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int], scope: bytes | None = None) -> int:
+    """Add a generation to the model DB: the answer whole (what the model layer's suffix index
+    drafts from, where the DB keeps answers) and its n-grams (keys may start in the prompt's last
+    tokens, continuations are generated tokens only). Returns keys touched. The running process's
+    index already holds the answer (drafting.answer_index.AnswerLayer adds it as it is accepted).
+    scope: a tenant's tag (hd serve --learn-scope key|user): the answer is kept for that tenant
+    alone, and no n-gram is counted (the n-gram table is shared by every request)."""
+    kind = model_db.header.get("kind")
+    if kind != "model":
+        raise HdError(f"{model_db.path} is a {kind or 'unknown'} DB, not a model DB: --learn writes only "
+                      "into a DB built by `hd build-model-db` (pass a statistics DB with --stats-db)")
+    if scope is not None:
+        return model_db.add_sequences([list(tokens)], scope=scope) if tokens else 0
+    max_n = int(model_db.header["n_range"][1])
+    context = list(prompt_ids[-max_n:]) if prompt_ids else []
+    doc = context + list(tokens)
+    # counting starts where a continuation is generated: drop keys that end before the output;
+    # the answer whole and its n-grams in one transaction
+    return statsdb.add_counts(model_db, [doc], first_end=len(context) - 1,
+                              answers=[list(tokens)] if model_db.sequence_count and tokens else [])

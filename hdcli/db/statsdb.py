@@ -36,7 +36,8 @@ import numpy as np
 
 from .. import __version__
 
-from . import stores
+from . import atomic, codec, fingerprint, stores
+from .header import read_header, write_header
 from ..errors import HdError
 
 DEFAULTS = dict(min_n=1, max_n=4, draft_len=1, top_k=4, min_count=2)
@@ -140,7 +141,7 @@ def _write_rows(writer, hkey, n, key, cont, count, totals, idx, draft_len):
         return
     hk = hkey[idx]
     bounds = np.flatnonzero(np.r_[True, hk[1:] != hk[:-1], True])
-    rows = np.full((len(idx), draft_len + 2), stores.PAD, dtype="<u4")
+    rows = np.full((len(idx), draft_len + 2), codec.PAD, dtype="<u4")
     c = cont[idx]
     rows[:, 0] = count[idx]
     rows[:, 1] = (c >= 0).sum(axis=1)
@@ -155,7 +156,7 @@ class _Spill:
     """Partial counts on disk, partitioned by key hash."""
 
     def __init__(self, parent: Path, partitions: int):
-        stores.sweep_stale(parent, ".hd-spill-")
+        atomic.sweep_stale(parent, ".hd-spill-")
         self.dir = Path(tempfile.mkdtemp(prefix=f".hd-spill-{os.getpid()}-", dir=parent))
         self.partitions, self.chunks = partitions, 0
 
@@ -315,11 +316,11 @@ class _Encoder:
 
 
 def check_params(min_n: int, max_n: int, draft_len: int, top_k: int, min_count: int) -> None:
-    if not 1 <= min_n <= max_n <= stores.MAX_KEY_TOKENS:
-        raise HdError(f"n range needs 1 <= --min-n <= --max-n <= {stores.MAX_KEY_TOKENS}, "
+    if not 1 <= min_n <= max_n <= codec.MAX_KEY_TOKENS:
+        raise HdError(f"n range needs 1 <= --min-n <= --max-n <= {codec.MAX_KEY_TOKENS}, "
                       f"got {min_n}..{max_n}")
-    if draft_len > stores.MAX_DRAFT_LEN:
-        raise HdError(f"--draft-len is at most {stores.MAX_DRAFT_LEN}")
+    if draft_len > codec.MAX_DRAFT_LEN:
+        raise HdError(f"--draft-len is at most {codec.MAX_DRAFT_LEN}")
     if draft_len < 1 or top_k < 0 or min_count < 1:
         raise HdError("--draft-len and --min-count must be >= 1 and --top-k >= 0 (0: keep all)")
 
@@ -332,7 +333,7 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
           kind: str = "stats", sequences: Iterable[list[int]] = ()) -> dict:
     """Count n-gram continuations of `texts` into a new store at `out`; returns its header.
     tokenized: `texts` are token-id lists already (the model DB's samples).
-    sequences: token lists also kept whole (a model DB's answers, stores.SEQ_PREFIX records).
+    sequences: token lists also kept whole (a model DB's answers, codec.SEQ_PREFIX records).
     progress(documents, tokens) is called after every tokenised batch."""
     check_params(min_n, max_n, draft_len, top_k, min_count)
     sharded = shard[1] > 1
@@ -340,7 +341,7 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
         top_k, min_count = 0, 1
     t0 = time.time()
     out = Path(out)
-    with stores.writing(out, overwrite=overwrite) as writer:
+    with atomic.writing(out, overwrite=overwrite) as writer:
         spill = _Spill(out.parent, partitions)
         try:
             tokens = docs = 0
@@ -358,7 +359,7 @@ def build(texts: Iterable[str], out: str | Path, tokenizer, model_name: str, *,
         kept = 0
         for seq in sequences:
             if len(seq):
-                writer.put(stores.sequence_key(kept), np.asarray(seq, dtype="<u4").tobytes())
+                writer.put(codec.sequence_key(kept), np.asarray(seq, dtype="<u4").tobytes())
                 kept += 1
         if kept:
             extra_header = {**(extra_header or {}), "sequences": kept}
@@ -409,8 +410,8 @@ def header_for(*, kind: str, model_name: str, tokenizer, min_n: int, max_n: int,
                continuations: int, seconds: float, extra: dict | None = None) -> dict:
     """The header of a statistics or model DB (what build() and a cluster build store)."""
     return {"kind": kind, "model": model_name,
-            "tokenizer_fingerprint": stores.tokenizer_fingerprint(tokenizer),
-            "vocab_size": stores.tokenizer_vocab_size(tokenizer),
+            "tokenizer_fingerprint": fingerprint.tokenizer_fingerprint(tokenizer),
+            "vocab_size": fingerprint.tokenizer_vocab_size(tokenizer),
             "n_range": [min_n, max_n], "draft_len": draft_len, "top_k": top_k,
             "min_count": min_count, "pruned": shard[1] == 1, "shard": list(shard),
             "documents": documents, "tokens": tokens, "continuations": continuations,
@@ -420,7 +421,7 @@ def header_for(*, kind: str, model_name: str, tokenizer, min_n: int, max_n: int,
 def _prune(counts: dict, top_k: int, min_count: int, draft_len: int) -> list[tuple[list[int], int]]:
     """{continuation: count} -> [(continuation, count)] with count >= min_count, best first, the
     top_k (0: all). Ties by tokens padded with PAD: the order _select gives in a build."""
-    pad = lambda c: tuple(c) + (stores.PAD,) * (draft_len - len(c))
+    pad = lambda c: tuple(c) + (codec.PAD,) * (draft_len - len(c))
     ranked = sorted(((c, k) for c, k in counts.items() if k >= min_count), key=lambda ck: (-ck[1], pad(ck[0])))
     return [(list(c), k) for c, k in (ranked[:top_k] if top_k > 0 else ranked)]
 
@@ -449,7 +450,7 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
                      [DEFAULTS["min_count"]]))
     draft_len = int(h0["draft_len"])
     pairs = 0
-    with stores.writing(out, overwrite=overwrite) as writer:
+    with atomic.writing(out, overwrite=overwrite) as writer:
         # check=True: each input's digest is recomputed as it is read; a damaged input raises
         # before commit, so nothing reaches `out`
         merged = heapq.merge(*(db.items(check=True) for db in dbs), key=lambda kv: kv[0])
@@ -462,7 +463,7 @@ def merge(inputs: list[str | Path], out: str | Path, *, top_k: int | None = None
             ranked = _prune(counts, top_k, min_count, draft_len)
             if ranked:
                 pairs += len(ranked)
-                writer.put(current, stores.encode_value(total, ranked, draft_len))
+                writer.put(current, codec.encode_value(total, ranked, draft_len))
         for key, (tot, entries) in merged:
             if key != current:
                 flush()
@@ -500,7 +501,7 @@ def _merge_answers(dbs: list, writer) -> dict:
                 continue
             seen.add(ident)
             field = "sequences" if scope is None else "scoped_sequences"
-            writer.put(stores.sequence_key(counts[field], scope), tokens)
+            writer.put(codec.sequence_key(counts[field], scope), tokens)
             counts[field] += 1
     fields = {**counts, "learned_tokens": 0, "learned_updates": 0}
     return {f: counts.get(f, sum(db.header.get(f, 0) for db in dbs)) for f in fields
@@ -592,33 +593,33 @@ def add_counts(store: "stores.Store", docs: Iterable[list[int]], first_end: int 
     def write(txn):
         if answers:
             stores.put_sequences(txn, answers)
-        header = stores.read_header(txn)
+        header = read_header(txn)
         digest = int(header.get("content_digest", "0"), 16)  # additive: swap each key's share
         new_keys = 0
         for key, conts in counts.items():
-            kb = stores.encode_key(key)
+            kb = codec.encode_key(key)
             old = txn.get(kb)
             if old is None:
                 total, entries = 0, []
                 new_keys += 1
             else:
-                total, entries = stores.decode_value(old, draft_len)
-                digest -= stores.record_hash(kb, old)
+                total, entries = codec.decode_value(old, draft_len)
+                digest -= codec.record_hash(kb, old)
             merged = {tuple(c): k for c, k in entries}
             for c, k in conts.items():
                 merged[c] = merged.get(c, 0) + k
-            value = stores.encode_value(total + sum(conts.values()),
+            value = codec.encode_value(total + sum(conts.values()),
                                         _prune(merged, top_k, 1, draft_len), draft_len)
             txn.put(kb, value)
-            digest += stores.record_hash(kb, value)
+            digest += codec.record_hash(kb, value)
         if "content_digest" in header:  # DBs built before digests existed get none
-            header["content_digest"] = stores.digest_hex(digest)
+            header["content_digest"] = codec.digest_hex(digest)
         header["keys"] = header.get("keys", 0) + new_keys
         header["learned_tokens"] = header.get("learned_tokens", 0) + learned
         header["learned_updates"] = header.get("learned_updates", 0) + 1
-        stores.write_header(txn, header)
+        write_header(txn, header)
     try:
         store.update(write)
-    except stores.MalformedRecord as exc:   # nothing written: the transaction is aborted
+    except codec.MalformedRecord as exc:   # nothing written: the transaction is aborted
         raise stores.damaged(store.path, exc) from None
     return len(counts)

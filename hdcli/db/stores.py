@@ -45,13 +45,7 @@ A damaged page found while reading raises HdError (one line naming the file and 
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
-import tempfile
-import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -59,48 +53,13 @@ import numpy as np
 
 from .. import inputs
 from ..errors import HdError
+from .codec import (SCOPED_SEQ_PREFIX, SEQ_PREFIX, MalformedRecord, decode_value, digest_hex, encode_key,
+                    is_sequence_key, record_hash, sequence_key)
+from .envs import ENVS, file_identity, forget_env, lmdb_module, open_env
+from .fingerprint import tokenizer_fingerprint, tokenizer_vocab_size
+from .header import FORMAT_VERSION, HEADER_KEY, HeaderError, header_problem, read_header, write_header
 
-FORMAT_VERSION = 1
-HEADER_KEY = b"__hd_header__"   # 13 bytes: never a multiple of 4
-PAD = 0xFFFFFFFF
 VERIFY_BATCH = 4096             # n-gram records whose entries verify checks at once
-INITIAL_MAP_SIZE = 1 << 28     # 256 MiB; doubled whenever LMDB reports the map full
-DIGEST_MOD = 1 << 128
-SEQ_PREFIX = b"__hd_seq__"      # + 8-byte index: 18 bytes, never a multiple of 4
-SCOPED_SEQ_PREFIX = b"__hd_sqs__"   # + 8-byte scope tag + 8-byte index: 26 bytes, never a multiple of 4
-SCOPE_TAG_BYTES = 8
-
-
-def sequence_key(index: int, scope: bytes | None = None) -> bytes:
-    if scope is None:
-        return SEQ_PREFIX + int(index).to_bytes(8, "big")
-    if len(scope) != SCOPE_TAG_BYTES:
-        raise ValueError(f"a scope tag is {SCOPE_TAG_BYTES} bytes")
-    return SCOPED_SEQ_PREFIX + scope + int(index).to_bytes(8, "big")
-
-
-def is_sequence_key(key) -> bool:
-    """An answer kept whole, shared or a tenant's (not an n-gram record)."""
-    head = bytes(key[:len(SEQ_PREFIX)])
-    return ((len(key) == len(SEQ_PREFIX) + 8 and head == SEQ_PREFIX)
-            or (len(key) == len(SCOPED_SEQ_PREFIX) + SCOPE_TAG_BYTES + 8 and head == SCOPED_SEQ_PREFIX))
-
-
-def record_hash(key, value) -> int:
-    """One record's share of the content digest (the key length first: keys have 1..max_n tokens)."""
-    key = bytes(key)
-    return int.from_bytes(hashlib.blake2b(bytes([len(key)]) + key + bytes(value), digest_size=16).digest(),
-                          "little")
-
-
-def digest_hex(total: int) -> str:
-    return f"{total % DIGEST_MOD:032x}"
-
-
-def _umask_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 def damaged(path, exc: Exception) -> HdError:
@@ -108,408 +67,8 @@ def damaged(path, exc: Exception) -> HdError:
                    "then rebuild it or restore a good copy")
 
 
-def check_output_path(path: Path, overwrite: bool) -> None:
-    """One-line errors for an output path that cannot be a new DB file (checked before any work;
-    the commit checks again, atomically, that nothing appeared meanwhile)."""
-    if path.is_dir():
-        raise HdError(f"{path} is a folder: -o takes a file path for the DB (e.g. {path / 'stats.lmdb'})")
-    parent = path.parent
-    if parent.exists() and not parent.is_dir():
-        raise HdError(f"{parent} is a file, not a folder: choose an -o path inside a folder")
-    if not parent.is_dir():
-        raise HdError(f"the output folder {parent} does not exist: create it or choose another -o path")
-    if not os.access(parent, os.W_OK):
-        raise HdError(f"output folder {parent} is not writable")
-    if path.exists() and not overwrite:
-        raise HdError(f"{path} already exists: pass --overwrite to replace it")
-
-
-def tokenizer_vocab_size(tokenizer) -> int:
-    """Ids the tokenizer can give: its largest id + 1 (added tokens included). A DB records it
-    (header `vocab_size`): every id it stores must be below it (`hd db verify`)."""
-    return max(tokenizer.get_vocab().values()) + 1
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the vocabulary and special tokens: a DB is valid only for one tokenization."""
-    h = hashlib.sha256()
-    for tok, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
-        h.update(f"{idx}\t{tok}\n".encode("utf-8", "surrogatepass"))
-    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
-    return h.hexdigest()[:32]
-
-
-def encode_key(tokens) -> bytes:
-    return np.asarray(tokens, dtype="<u4").tobytes()
-
-
-class MalformedRecord(ValueError):
-    """A stored value of a shape no build writes (Store.get/items: `damaged`, naming `hd db verify`)."""
-
-
-def decode_value(buf, draft_len: int) -> tuple[int, list[tuple[list[int], int]]]:
-    """(total, [(continuation tokens, count), ...]) from a stored value; MalformedRecord where its
-    length is not 4 bytes times 1 + k * (draft_len + 2), or an entry claims more than draft_len
-    tokens (it would read the next entry's words as tokens)."""
-    width = draft_len + 2
-    if len(buf) % 4 or not len(buf) or (len(buf) // 4 - 1) % width:
-        raise MalformedRecord(f"a record of {len(buf)} bytes is malformed")
-    arr = np.frombuffer(buf, dtype="<u4")
-    out = []
-    for j in range(1, len(arr), width):
-        count, length = int(arr[j]), int(arr[j + 1])
-        if length > draft_len:
-            raise MalformedRecord(f"an entry of {length} tokens exceeds the header's draft_len {draft_len}")
-        out.append((arr[j + 2:j + 2 + length].tolist(), count))
-    return int(arr[0]), out
-
-
-def encode_value(total: int, entries: list[tuple[list[int], int]], draft_len: int) -> bytes:
-    rows = np.full((len(entries), draft_len + 2), PAD, dtype="<u4")
-    for r, (cont, count) in enumerate(entries):
-        rows[r, 0], rows[r, 1] = count, len(cont)
-        rows[r, 2:2 + len(cont)] = cont
-    return np.concatenate([np.array([total], dtype="<u4"), rows.ravel()]).tobytes()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale(folder: Path, prefix: str) -> None:
-    """Remove `PREFIX<pid>-*` leftovers of builds whose process is gone (a SIGKILLed build
-    cannot clean up after itself; the next build beside it does)."""
-    for p in Path(folder).glob(prefix + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-
-
-def _lmdb():
-    import lmdb
-    return lmdb
-
-
-class StoreWriter:
-    """Writes a new store at a temporary path; `commit()` renames it into place.
-
-    Puts are batched into write transactions; when LMDB reports the map full the map is doubled
-    and the batch is replayed, so a big build never crashes on the map size."""
-
-    def __init__(self, path: str | Path, overwrite: bool = False, batch: int = 20000):
-        lmdb = _lmdb()
-        self.path = Path(path)
-        check_output_path(self.path, overwrite)
-        self.overwrite = overwrite
-        sweep_stale(self.path.parent, self.path.name + ".tmp-")
-        if not self.path.exists():  # the lock file of a DB deleted since is an orphan
-            Path(str(self.path) + "-lock").unlink(missing_ok=True)
-        self.temps: list[Path] = []   # every temporary file made: abort() removes them all
-        self.tmp = self._new_temp()
-        self.map_size = INITIAL_MAP_SIZE
-        try:
-            self.env = lmdb.open(str(self.tmp), subdir=False, map_size=self.map_size, lock=False,
-                                 sync=False, metasync=False, writemap=False, max_dbs=0)
-        except BaseException:   # Ctrl-C or SIGTERM here, before writing() can abort
-            self._remove_temps()
-            raise
-        self.pending: list[tuple[bytes, bytes]] = []
-        self.batch, self.keys, self.done = batch, 0, False
-
-    def _new_temp(self) -> Path:
-        """An empty `OUT.tmp-PID-*` beside the output, recorded before anything can interrupt
-        between its creation and its removal by abort()."""
-        fd, name = tempfile.mkstemp(prefix=f"{self.path.name}.tmp-{os.getpid()}-", dir=self.path.parent)
-        self.temps.append(Path(name))
-        os.close(fd)
-        return Path(name)
-
-    def put(self, key: bytes, value: bytes) -> None:
-        self.pending.append((key, value))
-        if len(self.pending) >= self.batch:
-            self.flush()
-
-    def flush(self) -> None:
-        lmdb = _lmdb()
-        while self.pending:
-            try:
-                with self.env.begin(write=True) as txn:
-                    for k, v in self.pending:
-                        txn.put(k, v)
-                self.keys += len(self.pending)
-                self.pending = []
-            except lmdb.MapFullError:
-                self.map_size *= 2
-                self.env.set_mapsize(self.map_size)
-            except lmdb.Error as exc:
-                raise self._write_error(exc) from None
-
-    def commit(self, header: dict) -> dict:
-        """Write the header last, sync, and move the complete file into place. Returns the
-        header as stored."""
-        self.flush()
-        header = {**header, "format_version": FORMAT_VERSION, "keys": self.keys,
-                  "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        packed = self._packed_copy(header)
-        self.env.close()
-        self.tmp.unlink()
-        self.tmp = packed
-        os.chmod(self.tmp, _umask_mode())  # mkstemp made it 0600
-        self._move_into_place()
-        self.done = True
-        return header
-
-    def _move_into_place(self) -> None:
-        if self.overwrite:
-            if self.path.is_dir():
-                raise HdError(f"{self.path} became a folder during the build: nothing was written")
-            os.replace(self.tmp, self.path)
-            return
-        try:  # a hard link never replaces: atomic "create if absent" for a whole file
-            os.link(self.tmp, self.path)
-        except FileExistsError:
-            raise HdError(f"{self.path} appeared during the build (another build to the same path?): "
-                          "it was left as it is and this build discarded; pass --overwrite to "
-                          "replace it") from None
-        except OSError:  # a filesystem without hard links: check, then rename
-            if self.path.exists():
-                raise HdError(f"{self.path} appeared during the build: it was left as it is; pass "
-                              "--overwrite to replace it") from None
-            os.replace(self.tmp, self.path)
-            return
-        self.tmp.unlink()
-
-    def _write_error(self, exc: Exception) -> HdError:
-        # LMDB reports a full disk or a file-size limit as an I/O error on commit
-        return HdError(f"cannot write {self.path} ({exc}): the disk may be full. Nothing was "
-                       "replaced: free space or choose another output path")
-
-    def _packed_copy(self, header: dict) -> Path:
-        """Copy the store in key order into full pages (MDB_APPEND) beside it, computing the
-        content digest on the way, then add the header (synced and closed; `header` gains the
-        digest). Both files carry the temporary prefix, so a kill here leaves only what
-        sweep_stale removes."""
-        lmdb = _lmdb()
-        name = str(self._new_temp())
-        psize = self.env.stat()["psize"]
-        used = (self.env.info()["last_pgno"] + 8) * psize  # the copy needs no more, header aside
-        dst = lmdb.open(name, subdir=False, map_size=max(used, 1 << 20), lock=False, sync=False,
-                        metasync=False, max_dbs=0)
-        try:
-            total = 0
-            with self.env.begin(buffers=True) as src, dst.begin(write=True) as txn:
-                for k, v in src.cursor():
-                    txn.put(k, v, append=True)
-                    total += record_hash(k, v)
-                header["content_digest"] = digest_hex(total)
-                write_header(txn, header)
-            dst.sync(True)
-        except lmdb.Error as exc:
-            raise self._write_error(exc) from None
-        finally:
-            dst.close()
-        return Path(name)
-
-    def abort(self) -> None:
-        if not self.done:
-            try:
-                self.env.close()
-            except Exception:
-                pass
-            self._remove_temps()
-
-    def _remove_temps(self) -> None:
-        for tmp in self.temps:   # the packed copy too, wherever commit() was interrupted
-            tmp.unlink(missing_ok=True)
-
-
-@contextmanager
-def writing(path: str | Path, overwrite: bool = False) -> Iterator[StoreWriter]:
-    """`with writing(out) as w: w.put(...); w.commit(header)`: nothing reaches `out` unless
-    commit() ran; any exception (Ctrl-C included) removes the temporary files, and so does SIGTERM
-    (raised as KeyboardInterrupt while writing: its default action would end the process with
-    no cleanup)."""
-    with _sigterm_interrupts():
-        w = StoreWriter(path, overwrite=overwrite)
-        try:
-            yield w
-        finally:
-            w.abort()
-
-
-@contextmanager
-def _sigterm_interrupts():
-    import signal
-    import threading
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield   # only the main thread may set handlers; a handler someone set is theirs
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-# realpath -> ((realpath, st_dev, st_ino), lmdb.Environment, writable, whether this process made
-# its lock file): LMDB allows one open per file per process
-_ENVS: dict = {}
-
-
-def _open_env(path: Path, writable: bool):
-    """Readers take LMDB's lock file so a concurrent writer (`--learn`) never reuses pages a
-    reader still sees; where no lock file can be made (read-only filesystem) no writer can exist
-    either, and we read without one."""
-    real = os.path.realpath(path)
-    for _ in range(3):
-        st = os.stat(real)
-        env = _open_env_of(path, real, (real, st.st_dev, st.st_ino), writable, st.st_size)
-        now = os.stat(real)
-        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-            return env
-        forget_env(path)   # replaced while it was opened: the identity must be the mapped file's
-    raise HdError(f"{path} is being replaced again and again (a build writing to it?): try again when it is done")
-
-
-def file_identity(env) -> tuple:
-    """(st_dev, st_ino) of the file an open environment maps."""
-    return next(entry[0][1:] for entry in _ENVS.values() if entry[1] is env)
-
-
-def forget_env(path) -> None:
-    """Close a file's cached environment, and remove its lock file if this process made it (a
-    file refused on open leaves nothing behind)."""
-    real = os.path.realpath(path)
-    entry = _ENVS.pop(real, None)
-    if entry is not None:
-        entry[1].close()
-        if entry[3]:
-            Path(real + "-lock").unlink(missing_ok=True)
-
-
-def _open_env_of(path, real: str, key: tuple, writable: bool, size: int):
-    lmdb = _lmdb()
-    cached = _ENVS.get(real)
-    if cached and cached[0] == key and (cached[2] or not writable):
-        return cached[1]
-    if cached:
-        _ENVS.pop(real)[1].close()
-    had_lock = os.path.exists(real + "-lock")
-
-    def drop_new_lock():  # a file refused here must not leave a lock file we created
-        if not had_lock:
-            Path(real + "-lock").unlink(missing_ok=True)
-    try:
-        if writable:
-            env = lmdb.open(real, subdir=False, map_size=max(INITIAL_MAP_SIZE, 2 * size),
-                            max_readers=512)
-        else:
-            try:
-                env = lmdb.open(real, subdir=False, readonly=True, max_readers=512, readahead=False)
-            except lmdb.Error:
-                env = lmdb.open(real, subdir=False, readonly=True, lock=False, readahead=False)
-    except lmdb.Error as exc:
-        drop_new_lock()
-        why = str(exc).splitlines()[0]
-        if any(k in why for k in ("No space", "too large", "Disk quota")):   # writing its lock file
-            raise HdError(f"cannot open {path} ({why}): the disk may be full or a file-size limit "
-                          "reached: free space and try again") from None
-        raise HdError(f"{path} is not an hd DB ({why})") from None
-    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]  # both read from the meta page
-    size = os.stat(real).st_size
-    if size < need:
-        env.close()
-        drop_new_lock()
-        raise HdError(f"{path} is truncated: {size} bytes, but its pages reach {need} (an interrupted "
-                      "copy or a full disk?): rebuild it or restore a good copy")
-    _ENVS[real] = (key, env, writable, not had_lock and os.path.exists(real + "-lock"))
-    return env
-
-
-MAX_DRAFT_LEN = 1 << 16   # a record's entries are draft_len + 2 words each
-MAX_KEY_TOKENS = 63       # record_hash prefixes a key with its byte length in one byte (4 * 63 = 252)
-
-
-class HeaderError(HdError):
-    """A DB header readers cannot use (header_problem): Store refuses the file in one line (exit 2),
-    `hd db verify` reports it DAMAGED (verify_file)."""
-
-    def __init__(self, path, problem: str):
-        super().__init__(f"{path}: its header {problem}: the DB is damaged or was not written by hd; "
-                         "rebuild it or restore a good copy")
-        self.problem = problem
-
-
-def _is_int(v, low: int = 0, high: int | None = None) -> bool:
-    return (isinstance(v, int) and not isinstance(v, bool)   # JSON true is no count
-            and v >= low and (high is None or v <= high))
-
-
-# Every header field a reader uses: (required, test, what is expected). Checked once, where the
-# header is read (Store), so that no reader meets a field of another type or range.
-HEADER_FIELDS = {
-    "draft_len": (True, lambda v: _is_int(v, 1, MAX_DRAFT_LEN), f"an integer 1..{MAX_DRAFT_LEN}"),
-    "n_range": (True, lambda v: isinstance(v, list) and len(v) == 2 and all(_is_int(x, 1) for x in v)
-                and v[0] <= v[1] <= MAX_KEY_TOKENS,
-                f"[min_n, max_n] with 1 <= min_n <= max_n <= {MAX_KEY_TOKENS}"),
-    "kind": (False, lambda v: v in ("stats", "model"), '"stats" or "model"'),
-    "model": (False, lambda v: isinstance(v, str), "a model name (a string)"),
-    "tokenizer_fingerprint": (False, lambda v: isinstance(v, str) and v != "", "a non-empty string"),
-    "vocab_size": (False, lambda v: _is_int(v, 1, PAD), f"an integer 1..{PAD}"),
-    "top_k": (False, _is_int, "an integer >= 0"),
-    "min_count": (False, lambda v: _is_int(v, 1), "an integer >= 1"),
-    "pruned": (False, lambda v: isinstance(v, bool), "true or false"),
-    "shard": (False, lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_int, v)) and v[0] < v[1],
-              "[i, n] with 0 <= i < n"),
-    "content_digest": (False, lambda v: isinstance(v, str) and len(v) == 32
-                       and all(c in "0123456789abcdef" for c in v), "32 hexadecimal digits"),
-    "sources": (False, lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
-                "a list of objects"),
-    **{f: (False, _is_int, "an integer >= 0") for f in ("keys", "sequences", "scoped_sequences", "documents",
-                                                        "tokens", "continuations", "learned_tokens",
-                                                        "learned_updates")},
-}
-_JSON_TYPES = {dict: "object", list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
-
-
-def header_problem(header) -> str | None:
-    """What is wrong with a DB header, as the end of "its header ...", or None."""
-    if not isinstance(header, dict):
-        return f"is a JSON {_JSON_TYPES.get(type(header), 'null')}, expected an object"
-    for field, (required, ok, expected) in HEADER_FIELDS.items():
-        if field not in header:
-            if required:
-                return f"has no {field} (expected {expected})"
-        elif not ok(header[field]):
-            shown = json.dumps(header[field])
-            return f"{field} is {shown if len(shown) <= 40 else shown[:37] + '...'}, expected {expected}"
-    return None
-
-
 class Replaced(HdError):
     """The file a Store opened is no longer the one at its path (Store.update)."""
-
-
-def read_header(txn) -> dict:
-    raw = txn.get(HEADER_KEY)
-    return None if raw is None else json.loads(bytes(raw))
-
-
-def write_header(txn, header: dict) -> None:
-    txn.put(HEADER_KEY, json.dumps(header).encode())
 
 
 def _outside(token: int, vocab: int) -> str:
@@ -557,11 +116,11 @@ class Store:
 
     def __init__(self, path: str | Path, writable: bool = False):
         self._txn = None
-        shared = _ENVS.get(os.path.realpath(path), (None, None))[1]   # other Stores' environment
+        shared = ENVS.get(os.path.realpath(path), (None, None))[1]   # other Stores' environment
         try:
             self._open(path, writable)
         except HdError:
-            if _ENVS.get(os.path.realpath(path), (None, None))[1] not in (None, shared):
+            if ENVS.get(os.path.realpath(path), (None, None))[1] not in (None, shared):
                 forget_env(path)   # a refused file keeps no environment and leaves no lock file of ours
             raise
         self.identity = file_identity(self.env)
@@ -587,8 +146,8 @@ class Store:
             raise HdError(f"DB {self.path} is {what}: pass the .lmdb file itself")
         if writable and not os.access(self.path, os.W_OK):
             raise HdError(f"{self.path} is not writable: --learn needs to write to it")
-        self.env = _open_env(self.path, writable)
-        lmdb = _lmdb()
+        self.env = open_env(self.path, writable)
+        lmdb = lmdb_module()
         try:
             self.header = read_header(self.txn)
         except ValueError:
@@ -646,7 +205,7 @@ class Store:
         file this Store opened: Replaced where another file is at its path now (rebuilt with
         --overwrite: writing on would land in a file nobody reads); HdError where the commit
         fails (a full disk: nothing was written, the DB keeps its last committed state)."""
-        lmdb = _lmdb()
+        lmdb = lmdb_module()
         self._check_same_file()
         self.env.reader_check()   # the slots of killed readers would pin their pages for good
         while True:
@@ -694,14 +253,14 @@ class Store:
             with self.env.begin(buffers=True) as txn:   # a snapshot of its own: see the class's docstring
                 buf = txn.get(encode_key(key_tokens))
                 return None if buf is None else decode_value(buf, self.draft_len)
-        except (_lmdb().Error, MalformedRecord) as exc:
+        except (lmdb_module().Error, MalformedRecord) as exc:
             raise damaged(self.path, exc) from None
 
     def items(self, check: bool = False) -> Iterator[tuple[bytes, tuple[int, list]]]:
         """All (key bytes, (total, entries)) in key order, header excluded. check: recompute the
         content digest and key count on the way and raise HdError at the end if either differs
         from the header (a consumer must not commit anything before the iterator is exhausted)."""
-        lmdb = _lmdb()
+        lmdb = lmdb_module()
         total = keys = 0
         try:
             with self.env.begin(buffers=True) as txn:
@@ -748,7 +307,7 @@ class Store:
         and that the header has a tokenizer fingerprint. notes: what could not be checked (the
         header of a DB built before hd recorded vocab_size has none: its ids are not checked here,
         and the drafting layers still drop ids outside the model's vocabulary)."""
-        lmdb = _lmdb()
+        lmdb = lmdb_module()
         problems, notes, keys, total = [], [], 0, 0
         if not self.header.get("tokenizer_fingerprint"):
             problems.append("its header has no tokenizer_fingerprint: no model can be known to match "
@@ -851,7 +410,7 @@ class Store:
     def answer_records(self) -> Iterator[tuple[bytes | None, bytes]]:
         """Every answer kept whole, as stored: (scope tag, None for a shared one; its <u4 token
         bytes), the shared ones oldest first, then the tenants', by tag, each oldest first."""
-        lmdb = _lmdb()
+        lmdb = lmdb_module()
         try:
             with self.env.begin() as txn:
                 for prefix in (SEQ_PREFIX, SCOPED_SEQ_PREFIX):
@@ -874,7 +433,7 @@ class Store:
         vocabulary (vocab_limit; a damaged record, found by `hd db verify`) are dropped where
         they are read: the answer is cut there and its pieces kept, so that no index or draft
         ever holds one."""
-        lmdb = _lmdb()
+        lmdb = lmdb_module()
         prefix = SEQ_PREFIX if scope is None else SCOPED_SEQ_PREFIX + scope
         try:
             with self.env.begin(buffers=True) as txn:

@@ -13,7 +13,7 @@ docs/benchmarks.md "The hierarchy, layer by layer"); the index learns in memory,
 The index also grows with every answer generated in this process (each layer adds its request's
 tokens as they are accepted), so what one request taught is drafted for the next, as
 SuffixDecoding's global tree does; `--learn` also writes finished answers into the DB file
-(api.learn) so they are there after a restart.
+(db.modeldb.learn) so they are there after a restart.
 
 Where arctic-inference is not installed, or the DB keeps no answers (built by an older hd), the
 layer is the n-gram table of the same DB (db_layers.StatsDB), as before.

@@ -10,6 +10,7 @@
                     forward costs, the Drafter interface, run statistics
     loader.py       load the target (bundled name, GGUF, folder, Hugging Face id): which forward
                     runs it, dtype, device
+    cost_report.py  what `hd costs` shows: a loaded model's forward-cost curve and kernel choices
 
 Every module is mapped in docs/architecture.md. Nothing here imports from the packages above it
 (db, drafting, hsd, bench).

@@ -275,3 +275,10 @@ def list_models() -> tuple[list[LocalModel], list[dict]]:
 def searched() -> dict:
     """Where list_models looked."""
     return {"ollama": str(ollama_root()), "lmstudio": [str(r) for r in lmstudio_roots()]}
+
+
+def report() -> dict:
+    """What `hd models` shows: every GGUF in the stores, where hd looked, and the entries skipped
+    (each with its problem)."""
+    found, skipped = list_models()
+    return {"searched": searched(), "models": [m.to_dict() for m in found], "skipped": skipped}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..db.fingerprint import tokenizer_fingerprint
 from ..engine.kernels import dense as kernels
 from ..engine import loader as models
 from ..engine.model import is_owned
@@ -91,7 +92,6 @@ def int8(model: TargetModel, target=None) -> TargetModel:
 
 
 def same_tokenizer(a, b) -> bool:
-    from ..db.stores import tokenizer_fingerprint
     return tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
 
 

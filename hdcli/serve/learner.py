@@ -1,7 +1,7 @@
 """`hd serve --learn`: finished generations go into the model DB, off the decode thread.
 
 One writer thread takes (prompt ids, tokens) from a queue and adds each generation's n-grams in
-one LMDB write transaction (api.learn -> statsdb.add_counts), through a Store of its own, so the
+one LMDB write transaction (modeldb.learn -> statsdb.add_counts), through a Store of its own, so the
 decode thread's read snapshot is never aborted under it. Drafting sees what was learned from the
 next request on (the model layer refreshes its snapshot when a request starts).
 
@@ -22,9 +22,8 @@ from __future__ import annotations
 import queue
 import threading
 from typing import Callable
-from ..db.stores import Store
-from .. import api
-from ..db.stores import Replaced
+from ..db.modeldb import learn
+from ..db.stores import Replaced, Store
 
 
 class Learner:
@@ -69,7 +68,7 @@ class Learner:
                 self.failed += 1
                 continue
             try:
-                keys = api.learn(self.store, *item)
+                keys = learn(self.store, *item)
                 self.keys += keys
                 self.learned += 1
                 self.on_learned(keys)

@@ -44,12 +44,14 @@ import threading
 import time
 from typing import Callable
 
-from .. import api, compose
+from .. import compose
+from ..config import DecodingConfig
 from ..engine.text import constrain, tools
 from ..engine.decode import costs, prefix
 from ..engine.text.prompts import PromptTooLong, encode_messages, refuse_too_long
 from ..engine.decode.verify import Sampling
 from ..errors import HdError
+from ..generation import prepare
 from . import structured, tenants
 from .learner import Learner
 from .limits import http_protocol, limit_log
@@ -118,7 +120,7 @@ class Server:
     prefix_cache_mb: MiB of prompts' keys and values kept for later requests of the same scope
     (engine/decode/prefix.py; 0: off; off by itself where the model cannot use it)."""
 
-    def __init__(self, cfg: api.DecodingConfig, lm=None, *, on_status: Callable[[str], None] = lambda m: None,
+    def __init__(self, cfg: DecodingConfig, lm=None, *, on_status: Callable[[str], None] = lambda m: None,
                  **options):
         opts = ServeOptions(**options).validate()   # the keywords: ServeOptions' fields (options.py)
         self.options = opts
@@ -134,7 +136,7 @@ class Server:
         self.max_body, self.drain_timeout, self.say = opts.max_body, opts.drain_timeout, on_status
         self.max_connections, self.keep_alive_timeout = opts.max_connections, opts.keep_alive_timeout
         self.header_timeout, self.body_timeout = opts.header_timeout, opts.body_timeout
-        run = api.prepare(cfg, lm, on_status)
+        run = prepare(cfg, lm, on_status)
         self.config, self.lm, self.dbs = run.config, run.lm, run.dbs
         self.name = opts.name or self.lm.name
         self.created = int(time.time())

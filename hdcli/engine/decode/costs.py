@@ -99,7 +99,7 @@ class CostCurve:
     def verifies_cheaply(self) -> bool:
         """Whether verifying 8 drafted tokens costs at most CHEAP_VERIFY one-token forwards.
         Measured here: fp32 on torch's kernels 1.60 (costly); fp32 on packed oneDNN kernels 1.23 and
-        bf16 ~1.1 (cheap). The drafting defaults (api.default_min_n and its siblings) follow this."""
+        bf16 ~1.1 (cheap). The drafting defaults (compose.default_min_n and its siblings) follow this."""
         return self(8) <= CHEAP_VERIFY
 
     def seconds(self, w: int) -> float | None:

@@ -1,0 +1,88 @@
+"""`hd bench spec-bench` and `hd bench agents` as the CLI and the Python API call them: the
+configuration checked, the questions read, the model loaded and the methods run (runner.py,
+agents.py), the report put together and saved.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..compose import Status, check_tokenizers, load_model_for, open_dbs, resolved
+from ..config import DecodingConfig
+from ..drafting import suffix
+from ..errors import HdError
+from . import agents, runner, specbench
+from .report import chart
+
+
+def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, data: Path | None = None,
+                     limit: int | None = None, categories: Sequence[str] | None = None,
+                     out_dir: Path | None = None, progress=None, on_status: Status = lambda m: None) -> dict:
+    """Spec-Bench with several methods on one model, interleaved (hdcli/bench/runner.py): the
+    summary, with the configuration the methods were built from. progress(method, question,
+    total answers) after each answer; out_dir: summary.json, answers/<method>.jsonl and speedup.png."""
+    cfg.validate()
+    if limit is not None and limit < 1:
+        raise HdError(f"--limit must be >= 1, not {limit}")
+    names = runner.default_methods(cfg) if methods is None else list(methods)
+    runner.check_methods(names)
+    path = specbench.find(data)
+    questions = specbench.select(specbench.load(path), limit, categories)
+    dbs = open_dbs(cfg)
+    on_status(f"loading {cfg.model} ...")
+    lm = load_model_for(cfg.replace(layers=None))
+    check_tokenizers(dbs, lm)
+    runners = runner.make_runners(lm, names, cfg, dbs)
+    results = runner.run(lm, questions, runners, cfg.max_new_tokens, cfg.sampling, cfg.seed,
+                         progress)
+    summary = runner.summarize(results, greedy=cfg.sampling.greedy, seeded=cfg.seed is not None)
+    meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
+            "kernels": lm.kernels, "invariant": lm.invariant, "data": str(path), "questions": len(questions),
+            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+            "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "machine": runner.machine(),
+            "forward": lm.info.get("forward"), "numerics": lm.info.get("numerics"), "methods_run": names,
+            "config": resolved(cfg, lm, dbs).to_dict()}
+    if "suffix" in names:
+        meta["suffix"] = suffix.SuffixDrafter(None).settings()
+    if "llama-cpp" in names:
+        meta["llama_cpp"] = runners["llama-cpp"].llama.settings()
+    if out_dir is not None:
+        runner.save(out_dir, summary, results, meta, lm.name)
+        chart({**meta, "methods": summary}, out_dir / "speedup.png")
+    return {**meta, "methods": summary}
+
+
+def bench_agents(cfg: DecodingConfig, methods: Sequence[str] | None = None, *,
+                 workloads: Sequence[str] | None = None, bfcl=None, corpora=None, limit: int | None = None,
+                 max_new_tokens: int | None = None, out: Path | None = None, progress=None,
+                 on_status: Callable = lambda m: None) -> dict:
+    """hd bench agents: tools, JSON-schema output and edits with a prediction, several methods
+    interleaved on one model (hdcli/bench/agents.py): the report (meta and per method its figures
+    by workload and category); out: where summary.json and each method's answers go."""
+    workloads = list(workloads or agents.WORKLOADS)
+    cfg.validate()
+    if limit is not None and limit < 1:
+        raise HdError(f"--limit must be >= 1, not {limit}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise HdError(f"--max-new-tokens must be >= 1, not {max_new_tokens}")
+    if methods is not None:
+        agents.check_methods(methods)
+    items = agents.load(list(workloads), bfcl, corpora, limit)
+    dbs = open_dbs(cfg)
+    on_status(f"loading {cfg.model} ...")
+    lm = load_model_for(cfg.replace(layers=None))
+    check_tokenizers(dbs, lm)
+    names = agents.default_methods(lm) if methods is None else list(methods)
+    runners = agents.make_runners(lm, names, cfg, dbs)
+    results, checks = agents.run(lm, items, runners, cfg.sampling, cfg.seed, max_new_tokens, progress)
+    report = {"model": lm.name, "source": str(lm.source), "dtype": lm.dtype, "device": lm.device,
+              "kernels": lm.kernels, "workloads": list(workloads), "questions": len(items),
+              "max_new_tokens": max_new_tokens or {w: agents.MAX_NEW_TOKENS[w] for w in workloads},
+              "temperature": cfg.temperature, "seed": cfg.seed, "machine": runner.machine(),
+              "methods_run": names, "config": resolved(cfg, lm, dbs).to_dict(),
+              "methods": agents.summarize(results, checks, cfg.sampling.greedy)}
+    if "llama-cpp" in names:
+        report["llama_cpp"] = runners["llama-cpp"].llama.settings()
+    if out is not None:
+        agents.save(out, report, results, checks, items)
+    return report

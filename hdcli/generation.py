@@ -1,0 +1,311 @@
+"""One generation from a configuration (`generate`, `Result`), everything before its first token
+(`prepare`), and `hd generate`'s report: its prompt and grammar files read (`read_prompt`,
+`output_from_files`), the run, and with --compare plain decoding and transformers' generate
+beside it (`generate_report`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from . import inputs
+from .bench.baselines import first_difference, hf_generate, stock_model
+from .compose import DBs, Status, build_drafter, check_tokenizers, load_model_for, open_dbs, resolved, warm_up
+from .config import DecodingConfig, sampling_fields
+from .db.modeldb import learn
+from .drafting import answer_index as model_layer
+from .engine.text import constrain
+from .engine.decode import costs
+from .engine import loader as models
+from .engine.decode.prediction import prediction_ids
+from .engine.decode.loop import Decoder, Generation
+from .engine.text.prompts import TextStream, cut_at_stop, encode_prompt, stop_checker
+from .engine.decode.verify import Sampling
+from .errors import HdError
+from .hsd.planner import read_plan
+from .hsd.stack import ModelStack
+
+
+@dataclass
+class Result:
+    """One generation: its text and tokens, the layer that drafted each token (None: the target's
+    own), why it stopped (stop_reason) and its RunStats."""
+    text: str
+    tokens: list[int]
+    layers: list[str | None]
+    stop_reason: str
+    stats: object  # RunStats
+    prompt_ids: list[int]
+    # per token where asked: (log-probability, [(token, log-probability) of the best ones])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prediction_usage: dict | None = None   # with a prediction: accepted/rejected_prediction_tokens
+
+    def to_dict(self, tokenizer=None) -> dict:
+        out = {"text": self.text, "tokens": self.tokens, "stop_reason": self.stop_reason,
+               "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            def text(t):
+                return tokenizer.decode([t]) if tokenizer is not None else None
+            out["logprobs"] = [{"token": t, "text": text(t), "logprob": lp,
+                                "top": [{"token": b, "text": text(b), "logprob": blp} for b, blp in best]}
+                               for t, (lp, best) in zip(self.tokens, self.logprobs)]
+        return out
+
+
+def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+             config: DecodingConfig | None = None, drafter="default",
+             on_text: Callable[[str, str | None], None] | None = None,
+             cost: costs.CostCurve | None = None, on_status: Callable[[str], None] | None = None,
+             grammar: constrain.Grammar | None = None, prediction: str | Sequence[int] | None = None,
+             sampling: Sampling | None = None, **options) -> Result:
+    """Generate a completion. config: the generation settings (max_new_tokens, sampling, seed,
+    chat, system, stop, logprobs) and, with drafter "default", the drafter; options: any of its
+    fields by name (e.g. max_new_tokens=30, seed=7), over config's or the defaults; sampling: a
+    Sampling in place of the sampling fields. drafter: a
+    Hierarchy or ModelStack, None for plain decoding, "default" for the configuration's (or the
+    default one: context DB and recycled predictions). cost: the forward-cost curve that caps
+    draft trees (default: measured once for this model and machine, see costs.curve_for).
+    logprobs: None, or k to return each token's log-probability and its k best alternatives
+    (Result.logprobs; plain decoding's numbers exactly, verify.logprobs_of). on_status: told in
+    one line when max_new_tokens is more than the context leaves after the prompt (then cut to it).
+    grammar: constrain.compile(lm, kind, source): the output follows it (engine/text/constrain.py).
+    prediction: text (or token ids) the answer is expected to repeat, drafted by its own layer at
+    the top of the hierarchy (engine/decode/prediction.py); it drafts with drafter None too.
+    Greedy output equals plain greedy decoding (under the same grammar) token for token whatever
+    the drafts."""
+    if sampling is not None:
+        options = {**sampling_fields(sampling), **options}
+    cfg = (config or DecodingConfig()).replace(**options).validate()
+    max_new_tokens, sampling, seed, stop = cfg.max_new_tokens, cfg.sampling, cfg.seed, cfg.stop
+    if prompt_ids is None:
+        prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=cfg.chat, system=cfg.system,
+                                   max_tokens=lm.max_context)
+    room = lm.max_context - len(prompt_ids)
+    if room < 1:
+        raise HdError(f"the prompt is {len(prompt_ids)} tokens but the model's context is "
+                      f"{lm.max_context}: shorten the prompt")
+    if max_new_tokens > room and on_status is not None:
+        on_status(f"warning: --max-new-tokens {max_new_tokens} exceeds the room left in the model's context "
+                  f"({room} tokens after the prompt): generating at most {room}")
+    vocab = lm.model.config.vocab_size
+    outside = [t for t, _ in sampling.logit_bias if t >= vocab]
+    if outside:
+        raise HdError(f"--logit-bias: token {outside[0]} is not in the model's vocabulary (ids 0..{vocab - 1})")
+    predicted = prediction_ids(lm, prediction, room)
+    if isinstance(drafter, str) and drafter == "default":
+        drafter = build_drafter(cfg, lm)
+    if (drafter or predicted) and cost is None:
+        cost = costs.curve_for(lm)
+    decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)
+    stream = TextStream(lm.tokenizer, on_text) if on_text else None
+    g: Generation = decoder.generate(prompt_ids, min(max_new_tokens, room), sampling, seed,
+                                     stop_check=stop_checker(lm.tokenizer, stop), on_tokens=stream,
+                                     logprobs=cfg.logprobs, grammar=grammar, prediction=predicted)
+    text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), stop)
+    return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
+                  stats=g.stats, prompt_ids=list(prompt_ids), logprobs=g.logprobs,
+                  prediction_usage=g.prediction_usage)
+
+
+def compile_grammar(lm: models.LoadedModel, kind: str, source=None) -> constrain.Grammar:
+    """A grammar for lm's tokenizer (constrain.KINDS); GrammarError (an HdError) when unusable."""
+    return constrain.compile(lm, kind, source)
+
+
+@dataclass
+class Prepared:
+    """A configuration made ready to run: plan applied, DBs open, model loaded, drafter built."""
+    config: DecodingConfig
+    lm: models.LoadedModel
+    dbs: DBs
+    drafter: object
+    plan: dict | None = None
+
+
+def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
+            on_status: Status = lambda m: None) -> Prepared:
+    """Everything before the first token: checked in the order that fails fastest (options, plan
+    and DBs before the model loads)."""
+    cfg.validate()
+    cfg, plan = cfg.with_plan()
+    cfg.validate()
+    dbs = open_dbs(cfg)
+    if lm is None:
+        on_status(f"loading {cfg.model} ...")
+        lm = load_model_for(cfg)
+        mode = ", M-invariant: verified rows bit-equal plain decoding's" if lm.invariant else ""
+        on_status(f"loaded {lm.source} ({lm.dtype}, {lm.device}, {lm.kernels} kernels{mode}) in "
+                  f"{lm.load_seconds:.1f}s")
+        why = lm.info.get("invariant", {}).get("off")
+        if why:
+            on_status(f"M-invariant forward off: {why}")
+    check_tokenizers(dbs, lm)
+    if plan is not None:
+        read_plan(cfg.plan, lm)  # made for this target and dtype
+        for db in dbs.all():
+            planned = plan.get("db_digests", {}).get(str(db.path.resolve()))
+            if planned and planned != db.header.get("content_digest"):
+                on_status(f"warning: {db.path} changed since plan {cfg.plan} was measured (learned "
+                          "or rebuilt): its predictions may be off; run `hd plan` again")
+    return Prepared(cfg, lm, dbs, build_drafter(cfg, lm, dbs), plan)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What one output is held to or expected to repeat, given per request like its prompt:
+    a grammar (kind: one of constrain.KINDS; source: its text, a JSON schema, None for
+    json_object) and a predicted output (text). origin names where each came from in messages
+    (a flag and file, or a request field)."""
+    kind: str | None = None
+    source: object = None
+    prediction: str | None = None
+    origin: str = "the grammar"
+    prediction_origin: str = "the prediction"
+
+    def compile(self, lm: models.LoadedModel | None) -> constrain.Grammar | None:
+        """The grammar for lm; with lm None only checked (before a model is loaded)."""
+        if self.kind is None:
+            return None
+        try:
+            if lm is None:
+                constrain.check(self.kind, self.source)
+                return None
+            return constrain.compile(lm, self.kind, self.source)
+        except constrain.GrammarError as exc:
+            raise HdError(f"{self.origin}: {exc}") from None
+
+    def prediction_ids(self, lm: models.LoadedModel, room: int) -> list[int] | None:
+        try:
+            return prediction_ids(lm, self.prediction, room)
+        except HdError as exc:
+            raise HdError(f"{self.prediction_origin}: {exc}") from None
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    """hd generate's prompt: --prompt's text or --prompt-file's (one of them)."""
+    if prompt is not None and prompt_file is not None:
+        raise HdError("pass either --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        return inputs.read_text(prompt_file, "--prompt-file", inputs.TEXT_BYTES, TEXT_HINT)
+    if prompt is None:
+        raise HdError("no prompt: pass --prompt TEXT or --prompt-file FILE")
+    return prompt
+
+
+GRAMMAR_SUFFIXES = {".lark": "lark", ".gbnf": "gbnf", ".regex": "regex", ".re": "regex"}
+GRAMMAR_FORMATS = ("lark", "gbnf", "regex")   # --grammar-format's values (constrain.KINDS of a file)
+
+
+# what to do about a file over its bound (inputs.read_text)
+TEXT_HINT = "that is past any model's context: pass a shorter file"
+GRAMMAR_HINT = "a grammar or schema is refused past that: give a smaller one"
+
+
+def read_grammar(path: Path, flag: str) -> str:
+    """A grammar or JSON Schema file, read no further than constrain compiles."""
+    return inputs.read_text(path, flag, constrain.MAX_SOURCE_BYTES, GRAMMAR_HINT)
+
+
+def output_from_files(json_schema: Path | None, json_object: bool, grammar: Path | None,
+                 grammar_format: str | None, prediction: Path | None) -> OutputSpec:
+    """hd generate's grammar and prediction flags as one OutputSpec (files read here)."""
+    given = [f for f, v in (("--json-schema", json_schema), ("--json-object", json_object),
+                            ("--grammar", grammar)) if v]
+    if len(given) > 1:
+        raise HdError(f"pass one of {', '.join(given)}: an answer follows one grammar")
+    if grammar_format is not None and grammar_format not in GRAMMAR_FORMATS:
+        raise HdError(f"--grammar-format {grammar_format!r} is not a grammar format hd reads: give one of "
+                      f"{', '.join(GRAMMAR_FORMATS)}")
+    if grammar_format is not None and grammar is None:
+        raise HdError("--grammar-format goes with --grammar FILE")
+    kind, source, origin = None, None, "the grammar"
+    if json_schema is not None:
+        kind, source, origin = "json_schema", read_grammar(json_schema, "--json-schema"), f"--json-schema {json_schema}"
+    elif json_object:
+        kind, origin = "json_object", "--json-object"
+    elif grammar is not None:
+        kind = grammar_format or GRAMMAR_SUFFIXES.get(grammar.suffix.lower())
+        if kind not in GRAMMAR_FORMATS:
+            raise HdError(f"--grammar {grammar}: say its format with --grammar-format lark|gbnf|regex "
+                          f"(its suffix {grammar.suffix or '(none)'!r} does not)")
+        source, origin = read_grammar(grammar, "--grammar"), f"--grammar {grammar}"
+    text = None if prediction is None else inputs.read_text(prediction, "--prediction", inputs.TEXT_BYTES, TEXT_HINT)
+    return OutputSpec(kind, source, text, origin, f"--prediction {prediction}")
+
+
+@dataclass
+class GenerateReport:
+    """What `hd generate` shows: data (its --json document) and the RunStats per run."""
+    data: dict
+    runs: dict = field(default_factory=dict)
+
+
+def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
+                    lm: models.LoadedModel | None = None, on_text=None,
+                    on_status: Status = lambda m: None, output: OutputSpec = OutputSpec()) -> GenerateReport:
+    """hd generate: one generation with the configuration's drafter (and, with compare, plain
+    decoding and transformers' generate on the same prompt), as a report. output: a grammar the
+    answer follows and a predicted output (plain decoding in compare follows the same grammar,
+    with no prediction: the baseline a user has)."""
+    if not prompt or not prompt.strip():
+        raise HdError("the prompt is empty: pass --prompt TEXT or --prompt-file FILE")
+    output.compile(None)   # a bad schema or grammar is said before the model loads
+    run = prepare(cfg, lm, on_status)
+    cfg, lm = run.config, run.lm
+    grammar = output.compile(lm)
+    prompt_ids = encode_prompt(lm.tokenizer, prompt, chat=cfg.chat, system=cfg.system, max_tokens=lm.max_context)
+    predicted = output.prediction_ids(lm, lm.max_context - len(prompt_ids))
+    if compare:
+        warm_up(lm)
+    res = generate(lm, prompt_ids=prompt_ids, config=cfg, drafter=run.drafter, on_text=on_text,
+                   on_status=on_status, grammar=grammar, prediction=predicted)
+    used = resolved(cfg, lm, run.dbs)
+    data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
+            "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
+            "load_phases": lm.info.get("load_phases"), "layout_cache": lm.info.get("layout_cache"),
+            "forward": lm.info.get("forward", "transformers"), "numerics": lm.info.get("numerics"),
+            "peak_rss_bytes": models.peak_rss_bytes(),
+            "layers": used.layers,
+            "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
+            "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "plan": cfg.plan,
+            "sampling": vars(cfg.sampling) | {"seed": cfg.seed}, "config": used.to_dict(), **res.to_dict(lm.tokenizer)}
+    if grammar is not None:
+        rows = res.stats.grammar_rows
+        data["grammar"] = {"kind": grammar.kind, "seconds": res.stats.grammar_seconds, "rows": rows,
+                           "ms_per_row": 1e3 * res.stats.grammar_seconds / rows if rows else None}
+    if predicted is not None:
+        data["prediction"] = {"tokens": len(predicted)} | (res.prediction_usage or {})
+    if run.dbs.model is not None:  # what the model layer drafts from (drafting/answer_index.py)
+        data["model_db_index"] = "answers" if model_layer.uses_answers(run.dbs.model) else "ngrams"
+    if isinstance(run.drafter, ModelStack):   # hd's draft models: each level's counts
+        data["levels"] = run.drafter.level_stats()
+    if cfg.learn:   # the answer is shown whatever becomes of learning it (learn_error: why not)
+        try:
+            data["learned_keys"] = learn(run.dbs.model, res.prompt_ids, res.tokens)
+        except HdError as exc:
+            data["learned_keys"], data["learn_error"] = 0, f"the answer was not learned: {exc}"
+    report = GenerateReport(data, {"hd": res.stats})
+    if compare:
+        plain = generate(lm, prompt_ids=prompt_ids, config=cfg, drafter=None, grammar=grammar)
+        report.runs["plain"] = plain.stats
+        data["compare"] = compare_with_baselines(lm, cfg, res, plain)
+    return report
+
+
+def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Result, plain: Result) -> dict:
+    """hd's result against plain decoding (same model, same process) and against transformers'
+    generate on the stock model: speedups and whether the outputs are identical."""
+    stock = stock_model(lm)
+    n = len(plain.tokens)  # transformers' generate makes as many tokens (stop strings aside)
+    hf_generate(stock, res.prompt_ids, 4, cfg.sampling, cfg.seed)  # its first call is not timed
+    hf_tokens, hf_wall = hf_generate(stock, res.prompt_ids, n, cfg.sampling, cfg.seed)
+    hf_tps = len(hf_tokens) / hf_wall if hf_wall else 0.0
+    diff, hf_diff = first_difference(res.tokens, plain.tokens), first_difference(res.tokens, hf_tokens)
+    tps = res.stats.tokens_per_second
+    return {"plain": plain.to_dict(),
+            "speedup": tps / plain.stats.tokens_per_second if plain.stats.tokens_per_second else 0.0,
+            "identical": diff is None, "first_difference": diff,
+            "hf_ar": {"tokens": hf_tokens, "tokens_per_second": hf_tps, "kernels": stock.kernels, "dtype": stock.dtype},
+            "speedup_over_hf_ar": tps / hf_tps if hf_tps else 0.0,
+            "identical_to_hf_ar": hf_diff is None, "first_difference_from_hf_ar": hf_diff}
