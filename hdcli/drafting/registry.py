@@ -55,7 +55,7 @@ class LayerSpec:
     # place in the default hierarchy, lowest first (ties: registration order): context 0, stats 10,
     # model 20, recycle 30. Declared, not taken from import order, which an import in
     # answer_index.py once decided (and which put `stats` second before this was declared: the
-    # ranks keep that order; the issue-38 measurements ran context, model, recycle, stats)
+    # ranks keep that order; docs/benchmarks.md's earlier hierarchy runs had `stats` last)
     rank: int = 100
 
     def missing(self, source) -> str | None:
