@@ -611,6 +611,10 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
         raise HdError(f"--limit must be >= 1, not {limit}")
     names = bench.default_methods(cfg) if methods is None else list(methods)
     bench.check_methods(names)
+    skipped = bench.unavailable(names)   # llama-server methods without their binary: said, not run
+    for why in skipped.values():
+        on_status(f"warning: {why}")
+    names = [n for n in names if n not in skipped]
     path = specbench.find(data)
     questions = specbench.select(specbench.load(path), limit, categories)
     dbs = open_dbs(cfg)
@@ -618,8 +622,11 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
     lm = load_model_for(cfg.replace(layers=None))
     check_tokenizers(dbs, lm)
     runners = bench.make_runners(lm, names, cfg, dbs)
-    results = bench.run(lm, questions, runners, cfg.max_new_tokens, cfg.sampling, cfg.seed,
-                        progress)
+    try:
+        results = bench.run(lm, questions, runners, cfg.max_new_tokens, cfg.sampling, cfg.seed,
+                            progress)
+    finally:
+        bench.close(runners)
     summary = bench.summarize(results, greedy=cfg.sampling.greedy, seeded=cfg.seed is not None)
     meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
             "kernels": lm.kernels, "invariant": lm.invariant, "data": str(path), "questions": len(questions),
@@ -632,6 +639,11 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
         meta["suffix"] = suffix.SuffixDrafter(None).settings()
     if "llama-cpp" in names:
         meta["llama_cpp"] = runners["llama-cpp"].llama.settings()
+    servers = {n: r.server.settings() for n, r in runners.items() if isinstance(r, bench.LlamaServerPeer)}
+    if servers:
+        meta["llama_server"] = servers
+    if skipped:
+        meta["skipped"] = skipped
     if out_dir is not None:
         bench.save(out_dir, summary, results, meta, lm.name)
         report.chart({**meta, "methods": summary}, out_dir / "speedup.png")
