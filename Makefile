@@ -5,7 +5,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test clean gpu-wheels
+.PHONY: setup demo test clean gpu-wheels llama-server
 
 setup: $(STAMP)
 
@@ -38,6 +38,36 @@ demo: setup
 TEST_WORKERS ?= $(shell $(PY) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+# llama.cpp's own server, for the llama-server* methods of `hd bench spec-bench` (llama.cpp's
+# plain decoding and its n-gram --spec-type drafters on the same GGUF): the vendored llama.cpp of
+# the [llama-cpp] extra's pinned sdist, its llama-server target alone, CPU only, -march=native as
+# llama-cpp-python builds it, static (the binary stands alone in .venv/bin, where hd looks; or
+# set HD_LLAMA_SERVER), without curl, OpenSSL or the web UI (nothing downloaded). The server links
+# llama.cpp's multimodal library (mtmd), so that builds too. CMAKE_BUILD_PARALLEL_LEVEL: both cores.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_SDIST := $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
+LLAMA_SERVER_TREE := $(VENV)/sdist/llama-server-build
+CMAKE := $(shell test -x $(BIN)/cmake && echo $(BIN)/cmake || echo cmake)
+
+llama-server: $(BIN)/llama-server
+
+$(BIN)/llama-server:
+	mkdir -p $(VENV)/sdist
+	test -f $(LLAMA_SDIST) || $(BIN)/pip download -q --no-deps --no-binary :all: \
+	  llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(VENV)/sdist
+	rm -rf $(LLAMA_SERVER_TREE) && mkdir -p $(LLAMA_SERVER_TREE)
+	tar xzf $(LLAMA_SDIST) -C $(LLAMA_SERVER_TREE)
+	$(CMAKE) -S $(LLAMA_SERVER_TREE)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp \
+	  -B $(LLAMA_SERVER_TREE)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
+	  -DLLAMA_USE_PREBUILT_UI=OFF > $(LLAMA_SERVER_TREE)/cmake.log || { tail -20 $(LLAMA_SERVER_TREE)/cmake.log; exit 1; }
+	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} \
+	  $(CMAKE) --build $(LLAMA_SERVER_TREE)/build --target llama-server > $(LLAMA_SERVER_TREE)/build.log \
+	  || { tail -20 $(LLAMA_SERVER_TREE)/build.log; exit 1; }
+	cp $(LLAMA_SERVER_TREE)/build/bin/llama-server $@
+	rm -rf $(LLAMA_SERVER_TREE)
 
 # What a GPU machine of the `device` tool lacks (Python 3.12, torch and transformers there), as
 # wheels in .whl/ to carry: docs/gpu.md. transformers is pinned to the version CI tests with.

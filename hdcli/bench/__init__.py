@@ -5,11 +5,14 @@
     report.py      the tables and the speedup chart; a saved run read back
     baselines.py   transformers' own generate() on the stock model: what users run today
     llamacpp.py    llama.cpp on the same GGUF (llama-cpp-python, optional): the CPU yardstick
+    llamaserver.py llama.cpp's llama-server on the same GGUF, plain and with its own n-gram speculation
     agents.py      `hd bench agents`: tool calls, JSON and edits, each method under the same constraint
     commands.py    `hd bench spec-bench` and `hd bench agents` as the CLI calls them
 """
-from .runner import (METHOD_HELP, METHODS, HfGenerate, Runner, Turn, check_methods, method_help, default_methods,
-                     machine, make_runners, method_config, run, run_question, save, summarize)
+from .runner import (METHOD_HELP, METHODS, HfGenerate, LlamaServerPeer, Runner, Turn, check_methods, close,
+                     method_help, default_methods, machine, make_runners, method_config, run, run_question, save,
+                     summarize, unavailable)
 
-__all__ = ["METHOD_HELP", "METHODS", "HfGenerate", "Runner", "Turn", "check_methods", "method_help", "default_methods",
-           "machine", "make_runners", "method_config", "run", "run_question", "save", "summarize"]
+__all__ = ["METHOD_HELP", "METHODS", "HfGenerate", "LlamaServerPeer", "Runner", "Turn", "check_methods", "close",
+           "method_help", "default_methods", "machine", "make_runners", "method_config", "run", "run_question",
+           "save", "summarize", "unavailable"]

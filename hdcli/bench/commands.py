@@ -26,6 +26,10 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
         raise HdError(f"--limit must be >= 1, not {limit}")
     names = runner.default_methods(cfg) if methods is None else list(methods)
     runner.check_methods(names)
+    skipped = runner.unavailable(names)   # llama-server methods without their binary: said, not run
+    for why in skipped.values():
+        on_status(f"warning: {why}")
+    names = [n for n in names if n not in skipped]
     path = specbench.find(data)
     questions = specbench.select(specbench.load(path), limit, categories)
     dbs = open_dbs(cfg)
@@ -33,8 +37,11 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
     lm = load_model_for(cfg.replace(layers=None))
     check_tokenizers(dbs, lm)
     runners = runner.make_runners(lm, names, cfg, dbs)
-    results = runner.run(lm, questions, runners, cfg.max_new_tokens, cfg.sampling, cfg.seed,
-                         progress)
+    try:
+        results = runner.run(lm, questions, runners, cfg.max_new_tokens, cfg.sampling, cfg.seed,
+                             progress)
+    finally:
+        runner.close(runners)
     summary = runner.summarize(results, greedy=cfg.sampling.greedy, seeded=cfg.seed is not None)
     meta = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
             "kernels": lm.kernels, "invariant": lm.invariant, "data": str(path), "questions": len(questions),
@@ -46,6 +53,11 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
         meta["suffix"] = suffix.SuffixDrafter(None).settings()
     if "llama-cpp" in names:
         meta["llama_cpp"] = runners["llama-cpp"].llama.settings()
+    servers = {n: r.server.settings() for n, r in runners.items() if isinstance(r, runner.LlamaServerPeer)}
+    if servers:
+        meta["llama_server"] = servers
+    if skipped:
+        meta["skipped"] = skipped
     if out_dir is not None:
         runner.save(out_dir, summary, results, meta, lm.name)
         chart({**meta, "methods": summary}, out_dir / "speedup.png")

@@ -54,13 +54,15 @@ def tables(report: dict) -> Table:
                     f"{meta['questions']} questions · {meta['max_new_tokens']} new tokens",
               caption="acc: mean accepted tokens per step · out: share of step time outside the "
                       "target's forward · differ: answers unlike ar's"
-                      + (" · lcpp: llama-cpp" if any(b == "llama-cpp" for _, b in bases) else ""),
+                      + (" · lcpp: llama-cpp" if any(b == "llama-cpp" for _, b in bases) else "")
+                      + (f" · not run here: {', '.join(meta['skipped'])} (summary.json: skipped)"
+                         if meta.get("skipped") else ""),
               box=box.SIMPLE_HEAD, pad_edge=False)
     cols = ["method", "vs ar"] + [LABELS[b][0] for _, b in bases] + ["tok/s", "acc", "out", "differ",
                                                                   "accepted by layer"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right",
-                     no_wrap=col == "method")
+                     no_wrap=col != "accepted by layer")   # long method names squeeze the layers, not the figures
     for m, f in methods.items():
         o = f["overall"]
         differ = (f"{o['differ_from_ar']}/{o['questions']}" if "differ_from_ar" in o else "n/a (sampling)")
@@ -75,6 +77,8 @@ def tables(report: dict) -> Table:
     grid.add_row(t)
     if any(len(f["overall"]["layers"]) > 1 for f in methods.values()):
         grid.add_row(layer_table(methods))
+    if any("own_timings" in f["overall"] for f in methods.values()):
+        grid.add_row(own_table(methods))
     for key, base in [("speedup", "ar")] + bases:
         c = Table(title=f"speedup over {base} by category", box=box.SIMPLE_HEAD, pad_edge=False)
         c.add_column("method")
@@ -104,6 +108,26 @@ def layer_table(methods: dict) -> Table:
             t.add_row(m if i == 0 else "", short_name(name), str(v["accepted"]),
                       f"{v['share_of_accepted']:.0%}", str(v["drafted"]), f"{v['acceptance_rate']:.0%}",
                       f"{v.get('ms_per_step', 0.0):.2f}", f"{v.get('share_of_time', 0.0):.1%}")
+    return t
+
+
+def own_table(methods: dict) -> Table:
+    """The peers timed by their own clocks (llama-server's `timings`): prefill and decode speed
+    apart, and their own drafts (--spec-type) with how many were kept."""
+    t = Table(title="tok/s by their own timings (llama-server's)",
+              caption="prefill: prompt tokens per second · decode: tokens after the first per second, as "
+                      "llama-server counts them · drafted, accepted: its own n-gram drafts",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("method", "prefill", "decode", "drafted", "accepted", "kept"):
+        t.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    for m, f in methods.items():
+        own = f["overall"].get("own_timings")
+        if own is None:
+            continue
+        prefill = 1000 * own["prompt_n"] / own["prompt_ms"] if own["prompt_ms"] else 0.0
+        drafted, accepted = own["draft_n"], own["draft_n_accepted"]
+        t.add_row(m, f"{prefill:.0f}", f"{own['predicted_per_second']:.1f}",
+                  *([str(drafted), str(accepted), f"{accepted / drafted:.0%}"] if drafted else ["-"] * 3))
     return t
 
 

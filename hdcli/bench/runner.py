@@ -41,6 +41,8 @@ from .baselines import first_difference, hf_generate, stock_model
 from ..drafting import suffix
 from . import llamacpp
 from .llamacpp import LlamaCppModel
+from . import llamaserver
+from .llamaserver import LlamaServer
 
 def _db_methods() -> dict[str, dict]:
     """hd's methods as changes to the run's DecodingConfig: plain decoding, each registered layer
@@ -56,9 +58,11 @@ def _db_methods() -> dict[str, dict]:
 
 
 DB_METHODS = _db_methods()
-PEERS = ("hf-ar", "hf-pld", "suffix", "llama-cpp")
+PEERS = ("hf-ar", "hf-pld", "suffix", "llama-cpp", *llamaserver.METHODS)
 # baselines every method's speed is also given against, where they ran: summary key suffix
 BASELINES = {"hf-ar": "hf_ar", "llama-cpp": "llama_cpp"}
+# the peers that sample with their own randomness: their sampled answers are not compared with ar's
+OWN_SAMPLERS = ("hf-ar", "hf-pld", "llama-cpp", *llamaserver.METHODS)
 METHODS = tuple(DB_METHODS) + PEERS
 METHOD_HELP = {
     "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
@@ -77,6 +81,10 @@ METHOD_HELP = {
     "hf-pld": "transformers' generate(prompt_lookup_num_tokens=10) on the stock model",
     "suffix": "SuffixDecoding (arctic-inference, vLLM's suffix method) drafts, verified by hd",
     "llama-cpp": "llama.cpp (llama-cpp-python, optional) on the same GGUF, plain greedy, same prompt ids",
+    "llama-server": "llama.cpp's llama-server (make llama-server, optional) on the same GGUF, plain greedy, "
+                    "same prompt ids, its own timings",
+    **{m: f"llama-server with its own --spec-type {t} (n-gram drafts, llama.cpp's defaults)"
+       for m, t in llamaserver.METHODS.items() if t},
 }
 
 
@@ -99,6 +107,7 @@ class Turn:
     overhead_seconds: float = 0.0
     grammar_seconds: float = 0.0     # masking and cutting under a grammar, and the rows masked
     grammar_rows: int = 0
+    timings: dict = field(default_factory=dict)  # a peer's own timings of the answer (llama-server's)
 
 
 class Runner:
@@ -128,6 +137,9 @@ class Runner:
         return Turn(text=self.lm.tokenizer.decode(tokens, skip_special_tokens=True), tokens=tokens,
                     wall_time=wall, accept_lengths=[])
 
+    def close(self) -> None:
+        """Release what the method holds beyond this process (a server); nothing for most."""
+
 
 class HfGenerate(Runner):
     """transformers' own generate() on the stock model (torch's kernels), greedy or with its
@@ -151,6 +163,43 @@ class LlamaCpp(Runner):
 
     def answer(self, prompt_ids, max_new_tokens, sampling, seed):
         return self.turn(*self.llama.answer(prompt_ids, max_new_tokens, sampling, seed))
+
+
+class LlamaServerPeer(Runner):
+    """llama-server on the same GGUF, plain or with one --spec-type (hdcli/bench/llamaserver.py):
+    one server for the run; its speed by its own timings, its drafts and their acceptance as a layer."""
+
+    TIMINGS = ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second",
+               "draft_n", "draft_n_accepted")
+
+    def __init__(self, name: str, lm):
+        super().__init__(name, lm)
+        self.server = LlamaServer(name, lm)
+
+    def answer(self, prompt_ids, max_new_tokens, sampling, seed):
+        tokens, wall, timings = self.server.answer(prompt_ids, max_new_tokens, sampling, seed)
+        turn = self.turn(tokens, wall)
+        turn.timings = {k: timings[k] for k in self.TIMINGS if k in timings}
+        if self.server.spec:
+            turn.layers = {self.server.spec: {"drafted": timings.get("draft_n", 0),
+                                              "accepted": timings.get("draft_n_accepted", 0)}}
+        return turn
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def unavailable(names) -> dict[str, str]:
+    """The methods of `names` that cannot run here, each with its one-line reason (llama-server's
+    without the binary, or without the --spec-type); the rest run."""
+    reasons = {n: llamaserver.unavailable(n) for n in names if n in llamaserver.METHODS}
+    return {n: why for n, why in reasons.items() if why}
+
+
+def close(runners: dict[str, Runner]) -> None:
+    """Every method's close(), the servers stopped."""
+    for r in runners.values():
+        r.close()
 
 
 def check_methods(names, known: tuple[str, ...] = METHODS) -> None:
@@ -190,6 +239,8 @@ def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
             runners[name] = Runner(name, lm, lambda cache=cache: suffix.SuffixDrafter(cache), capped=False)
         elif name == "llama-cpp":
             runners[name] = LlamaCpp(name, lm)
+        elif name in llamaserver.METHODS:
+            runners[name] = None  # started last, once every other method is known to build
         elif name == "ar":
             runners[name] = Runner(name, lm)
         else:
@@ -202,6 +253,12 @@ def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
             index = AnswerIndex(dbs.model.sequences()) if drafts_answers else None
             runners[name] = Runner(name, lm, lambda m=method, t=table, i=index:
                                    build_drafter(m, lm, dbs, recycle_table=t, answer_index=i))
+    try:
+        for name in [n for n in names if n in llamaserver.METHODS]:
+            runners[name] = LlamaServerPeer(name, lm)
+    except BaseException:  # the servers already started are stopped
+        close({n: r for n, r in runners.items() if r is not None})
+        raise
     return runners
 
 
@@ -295,7 +352,10 @@ def summarize(results: dict, greedy: bool = True, seeded: bool = False) -> dict:
                "new_tokens": sum(len(t.tokens) for _, turns in rows for t in turns),
                "overhead_share": over / (over + fwd) if fwd else None,
                "layers": layers}
-        if greedy or (seeded and method not in BASELINES):
+        timed = [t.timings for _, turns in rows for t in turns if t.timings]
+        if timed:
+            out["own_timings"] = own_timings(timed)
+        if greedy or (seeded and method not in OWN_SAMPLERS):
             out["differ_from_ar"] = sum(d is not None for d in diffs)
             out["first_differences"] = [d for d in diffs if d is not None]
         for b, rows_b in bases.items():
@@ -313,6 +373,16 @@ def summarize(results: dict, greedy: bool = True, seeded: bool = False) -> dict:
         summary[m] = {"overall": figures(m, lambda q: True),
                       "categories": {c: figures(m, lambda q, c=c: q["category"] == c) for c in cats}}
     return summary
+
+
+def own_timings(timed: list[dict]) -> dict:
+    """A peer's own timings summed over its answers; predicted_per_second its decode speed over them
+    (as llama-server counts it per answer: tokens after the first, which prefill yields, per second)."""
+    total = {k: sum(t.get(k, 0) for t in timed) for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms",
+                                                           "draft_n", "draft_n_accepted")}
+    steps = sum(max(t.get("predicted_n", 0) - 1, 0) for t in timed)
+    total["predicted_per_second"] = 1000 * steps / total["predicted_ms"] if total["predicted_ms"] else 0.0
+    return total
 
 
 def machine() -> dict:

@@ -24,6 +24,9 @@ functions), so that what can change a run from outside its options is listed in 
   OLLAMA_MODELS, LMSTUDIO_MODELS
                       Ollama's and LM Studio's own: where their stores lie, where not the default
                       folders (engine/local_models.py; set but empty counts as unset).
+  HD_LLAMA_SERVER     the llama-server binary the `llama-server*` methods of `hd bench spec-bench`
+                      run (bench/llamaserver.py); unset or empty: the one `make llama-server` puts
+                      beside hd's Python (.venv/bin/llama-server).
   HF_HUB_OFFLINE, HF_ENDPOINT
                       Hugging Face's own: whether a hub id may be looked up online, and where.
 
@@ -98,6 +101,11 @@ def fused_tile() -> int:
 def cpu_cap() -> str | None:
     """"avx2" where HD_CPU asks hd to run as on an AVX2-only CPU, else None (this CPU as it is)."""
     return "avx2" if os.environ.get("HD_CPU", "").strip().lower() == "avx2" else None
+
+
+def llama_server() -> str | None:
+    """The llama-server binary HD_LLAMA_SERVER names, None where it names none."""
+    return os.environ.get("HD_LLAMA_SERVER", "").strip() or None
 
 
 def hub_offline() -> bool:
