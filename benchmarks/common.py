@@ -11,10 +11,11 @@ the plain output at that point (for a tree: the path that matches it), so a draf
 without running the model again: record the plain outputs once (fp32, exact: `record`), measure
 the target's forward cost by number of input tokens once (`forward_costs`, or a measured
 costs.CostCurve), then replay any drafter setting in milliseconds (`replay`, with the decoder's
-own tree builder and cost cap, hdcli.engine.decode.tree.build_tree). Used by context_tuning.py,
-stats_tuning.py and tree_tuning.py.
+own tree builder and cost cap, hdcli.engine.decode.tree.build_tree). Used by the tunings in tuning/
+(context_tuning.py, stats_tuning.py, tree_tuning.py, match_length.py, hierarchy_replay.py).
 
-Scripts run as `python benchmarks/NAME.py`, so `from common import ...` finds this file.
+Scripts run as `python benchmarks/NAME.py`, so `from common import ...` finds this file; those in
+tuning/ (one-off tunings, their results recorded in the docs) put this folder on sys.path first.
 """
 from __future__ import annotations
 

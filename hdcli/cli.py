@@ -370,12 +370,11 @@ def bench_spec_bench(
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
 ):
     """Run Spec-Bench with several methods on one model, interleaved, and report speedups."""
-    with show.bar(as_json, desc="warming up", unit=" answers", mininterval=1.0) as made:
+    with show.answered(lambda q: q["category"]) as progress:   # on stderr under --json too
         report = bench_commands.bench_spec_bench(cfg, split_list(methods) if methods else None, data=data,
                                                  limit=limit,
                                                  categories=split_list(categories) if categories else None,
-                                                 out_dir=out_dir, progress=show.answered(made),
-                                                 on_status=show.status(as_json))
+                                                 out_dir=out_dir, progress=progress, on_status=show.status(as_json))
     if as_json:
         typer.echo(json.dumps(report))
         return
@@ -405,7 +404,7 @@ def bench_agents(
     as_json: bool = typer.Option(False, "--json", help="Write the report as JSON to stdout."),
 ):
     """Tool calls, JSON-schema output and edits: each method under the same constraint, interleaved."""
-    with show.answered_lazily(as_json) as progress:
+    with show.answered(lambda item: item.category) as progress:   # on stderr under --json too
         report = bench_commands.bench_agents(cfg, split_list(methods) if methods else None,
                                              workloads=split_list(workloads), bfcl=bfcl, corpora=corpora,
                                              limit=limit, max_new_tokens=max_new_tokens, out=out_dir,

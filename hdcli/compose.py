@@ -43,7 +43,7 @@ def cheap_verification(lm: models.LoadedModel) -> bool:
 def default_min_n(cheap_verify: bool) -> int:
     """Shortest context-DB key. Where a verification forward costs ~1.65x one token, unigram
     matches are accepted too rarely to pay for it; where it costs ~1.1x, even unigram drafts pay
-    (benchmarks/context_tuning.py)."""
+    (benchmarks/tuning/context_tuning.py)."""
     return 1 if cheap_verify else 2
 
 
@@ -55,8 +55,9 @@ def default_min_prob(cheap_verify: bool) -> float:
 def default_min_expected(cheap_verify: bool) -> float:
     """Least expected accepted tokens for a DB draft to be worth a verification forward: ~1 where
     a forward over a draft costs ~1.65 plain steps, 0 where it costs about one. Both defaults come
-    from replaying Spec-Bench outputs (benchmarks/stats_tuning.py, docs/stats-db.md); on packed fp32
-    kernels the cheap defaults raised hd from 1.64x to 1.72x over plain (docs/benchmarks.md)."""
+    from replaying Spec-Bench outputs (benchmarks/tuning/stats_tuning.py, docs/stats-db.md); on
+    packed fp32 kernels the cheap defaults raised hd from 1.64x to 1.72x over plain
+    (docs/benchmarks.md)."""
     return 0.0 if cheap_verify else 1.0
 
 

@@ -1,4 +1,5 @@
-"""What the `hd` commands show a person: rich tables and status lines (--json shows none of it).
+"""What the `hd` commands show a person: rich tables and status lines (--json shows none of it;
+hd bench's progress, on stderr, shows all the same).
 
 Each function renders one command's result; hdcli/cli.py parses the options, calls the
 command's function (hdcli/api.py, or its package's), and hands the result here.
@@ -55,32 +56,54 @@ def counted(made):
     return progress
 
 
-def answered(made):
-    """progress(method, question, total answers) for hd bench spec-bench's bar."""
-    def progress(method: str, q: dict, total: int) -> None:
-        made.total = total
-        made.set_description(f"{q['category']} · {method}")
-        made.update()
-    return progress
+# where stderr is not a terminal (a file, a pipe, a CI log), hd bench's plain progress lines
+# come at most this often, besides the first answer and the last
+LINE_SECONDS = 10.0
+
+
+class Answered:
+    """progress(method, question, total answers) for the hd bench commands, on stderr whatever
+    --json says: a run takes minutes, and stdout holds the report alone. On a terminal a tqdm
+    bar, as the builds show, made at the first answer so that an error before it stays one line;
+    elsewhere plain lines, not a bar's carriage returns. Elapsed counts from the command's start
+    (the model's load and each method's warm-up included)."""
+
+    def __init__(self, category_of, err=None):
+        self.category_of = category_of          # a question -> its category
+        self.err = err if err is not None else sys.stderr
+        self.started = time.time()
+        self.done = 0
+        self.bar = None
+        self.said_at = 0.0
+
+    def __call__(self, method: str, question, total: int) -> None:
+        from tqdm import tqdm
+        self.done += 1
+        where = f"{self.category_of(question)} · {method}"
+        if self.err.isatty():
+            if self.bar is None:
+                self.bar = tqdm(total=total, unit=" answers", file=self.err, mininterval=1.0)
+                self.bar.start_t = self.started
+            self.bar.set_description(where)
+            self.bar.update()
+        elif self.done in (1, total) or time.time() - self.said_at >= LINE_SECONDS:
+            elapsed = tqdm.format_interval(time.time() - self.started)
+            print(f"{self.done}/{total} answers · {where} · {elapsed} elapsed", file=self.err, flush=True)
+            self.said_at = time.time()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @contextlib.contextmanager
-def answered_lazily(quiet: bool):
-    """progress(method, item, total) for hd bench agents: its bar is made at the first answer, so an
-    error before it stays one line on stderr."""
-    from tqdm import tqdm
-    bars = []
-
-    def progress(method: str, item, total: int) -> None:
-        if not bars:
-            bars.append(tqdm(total=total, unit=" answers", file=sys.stderr, disable=quiet, mininterval=1.0))
-        bars[0].set_description(f"{item.category} · {method}")
-        bars[0].update()
+def answered(category_of):
+    """An Answered for one hd bench run, its bar closed at the end."""
+    progress = Answered(category_of)
     try:
         yield progress
     finally:
-        for made in bars:
-            made.close()
+        progress.close()
 
 
 def status(as_json: bool):

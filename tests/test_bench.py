@@ -1,6 +1,8 @@
-"""`hd bench spec-bench` end to end on the tiny model, and its arithmetic on recorded timings."""
+"""`hd bench spec-bench` end to end on the tiny model, its progress on stderr, and its arithmetic on
+recorded timings."""
 from __future__ import annotations
 
+import io
 import json
 import statistics
 from pathlib import Path
@@ -79,6 +81,50 @@ def test_spec_bench_end_to_end(tiny_model_dir, spec_file, stats_db, tmp_path):
     # the saved run renders again, over both baselines
     shown = hd("bench", "report", str(out)).output
     assert "speedup over ar by category" in shown and "speedup over hf-ar by category" in shown
+
+
+def test_progress_shows_on_stderr_under_json_and_stdout_keeps_the_report(tiny_model_dir, spec_file):
+    """A ten-minute run said nothing under --json: now stderr shows answers done of all, the
+    question's category and method, and the time elapsed, as plain lines where stderr is not a
+    terminal (here: a file), while stdout holds the JSON document alone."""
+    from conftest import hd_main
+    r = hd_main("bench", "spec-bench", "--data", spec_file, "--model", tiny_model_dir, "--methods", "ar,context",
+                "-n", "4", "--dtype", "fp32", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["questions"] == 6
+    # each a line of its own (the load's and the cost measurement's bars, cleared with a \r, may
+    # share its start)
+    lines = [line.rsplit("\r", 1)[-1] for line in r.stderr.split("\n") if " answers · " in line]
+    assert lines[0].startswith("1/12 answers · ") and lines[0].endswith(" elapsed"), r.stderr
+    assert lines[-1].startswith("12/12 answers · ") and " · context · " in lines[-1], r.stderr
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
+    from hdcli import show
+    monkeypatch.setattr(show, "LINE_SECONDS", float("inf"))   # the first answer and the last alone
+    questions = [{"category": c} for c in ("qa", "math", "rag")]
+    bar, log = Terminal(), io.StringIO()
+    for err in (bar, log):
+        progress = show.Answered(lambda q: q["category"], err=err)
+        for q in questions:
+            for method in ("ar", "hd"):
+                progress(method, q, 6)
+        progress.close()
+    assert "\r" in bar.getvalue() and "6/6" in bar.getvalue() and "rag · hd" in bar.getvalue()
+    # elsewhere: plain lines, the first answer's and the last's (and one each LINE_SECONDS)
+    assert [line.split(" · ")[:3] for line in log.getvalue().splitlines()] == [["1/6 answers", "qa", "ar"],
+                                                                               ["6/6 answers", "rag", "hd"]]
+    monkeypatch.setattr(show, "LINE_SECONDS", 0.0)
+    every = io.StringIO()
+    progress = show.Answered(lambda q: q["category"], err=every)
+    for i in range(4):
+        progress("ar", questions[0], 4)
+    assert [line.split(" · ")[0] for line in every.getvalue().splitlines()] == [f"{i}/4 answers" for i in range(1, 5)]
 
 
 def test_suffix_without_its_package_is_refused_in_one_line(tiny_model_dir, spec_file, monkeypatch):

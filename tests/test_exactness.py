@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hdcli import api
+from hdcli.engine.decode.draft import Drafter
 from hdcli.engine.decode.loop import Decoder, first_difference
 from hdcli.drafting import ContextDB, Hierarchy
 
@@ -241,3 +242,87 @@ def test_a_tenants_scoped_answers_draft_and_equal_plain_greedy():
     assert b.propose(seen, 8, 4) == AnswerIndex([refs[tuple(PROMPTS[0])]]).propose(seen, 8, 4)
     g = Decoder(m, (), Hierarchy([AnswerLayer(b)], draft_len=8)).generate(p, max_new_tokens=40)
     assert g.tokens == refs[tuple(p)]
+
+
+# --- a drafter that drafts past max_len ----------------------------------------------------------
+
+class Oracle(Drafter):
+    """A custom Drafter (engine/decode/draft.py) that ignores max_len: it proposes the next 12 tokens of
+    the reference output, whatever room is left."""
+
+    def __init__(self, prompt_len: int, ref: list[int]):
+        self.prompt_len, self.ref = prompt_len, ref
+
+    def reset(self, tokens):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+    def propose(self, history, max_len, stats=None):
+        from hdcli.engine.decode.draft import Draft
+        done = len(history) - self.prompt_len
+        return [Draft(tuple(self.ref[done:done + 12]), "oracle")] if done < len(self.ref) else []
+
+    def rate(self, layer, depth=1, first_child=True):
+        return 0.9
+
+    def observe(self, tested, accepted):
+        pass
+
+
+class OracleLayer(Oracle):
+    """The same as a drafting layer (drafting/hierarchy.Layer) inside the hierarchy."""
+    name = "oracle"
+
+    def propose(self, history, max_len, max_candidates):
+        done = len(history) - self.prompt_len
+        return [self.ref[done:done + 12]]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("kind", ["drafter", "layer"])
+def test_drafts_past_max_len_never_lengthen_the_output(n, kind):
+    """A custom Drafter (or layer) returning more tokens than max_len made the output longer than
+    -n (every drafted token was accepted, plus the target's own)."""
+    from conftest import tiny_llama
+    from hdcli.drafting.hierarchy import Hierarchy
+    from hdcli.engine.decode.loop import Decoder
+    model = tiny_llama(vocab_size=50, seed=1, scale=4.0)
+    prompt = [1, 5, 6, 7, 8, 9]
+    ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=20).tokens
+    drafter = Oracle(len(prompt), ref) if kind == "drafter" else Hierarchy([OracleLayer(len(prompt), ref)], draft_len=16)
+    g = Decoder(model, (), drafter).generate(prompt, max_new_tokens=n)
+    assert g.tokens == ref[:n]
+    s = Decoder(model, (), drafter).stream(prompt, max_new_tokens=n)   # the steps hd serve takes
+    tree = s.propose()
+    assert tree.size() <= n - 1
+
+
+class OutOfVocabulary(Oracle):
+    """A drafter of another model: its drafts hold ids past this model's embedding."""
+
+    def propose(self, history, max_len, stats=None):
+        from hdcli.engine.decode.draft import Draft
+        done = len(history) - self.prompt_len
+        right = tuple(self.ref[done:done + 3])
+        return [Draft(right + (50, 7), "oracle"), Draft((10**9,) + right, "oracle")] if done < len(self.ref) else []
+
+
+def test_drafted_ids_outside_the_vocabulary_never_reach_the_embedding():
+    """A drafter naming ids past the embedding (a damaged DB, a drafter of another tokenizer) made
+    the verification forward raise IndexError; now each draft is cut before its first such id and
+    the output is plain greedy decoding's (control: uncut, the forward raises)."""
+    from conftest import tiny_llama
+    from hdcli.engine.decode.loop import Decoder
+    from hdcli.engine.decode.draft import Draft, clamped
+    model = tiny_llama(vocab_size=50, seed=1, scale=4.0)
+    prompt = [1, 5, 6, 7, 8, 9]
+    ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=12).tokens
+    g = Decoder(model, (), OutOfVocabulary(len(prompt), ref)).generate(prompt, max_new_tokens=12)
+    assert g.tokens == ref and g.stats.layer("oracle").accepted > 0   # the cut drafts still paid
+    assert [d.tokens for d in clamped([Draft((3, 50, 4), "x")], 8, vocab=50)] == [(3,)]
+    import torch
+    with pytest.raises(IndexError):
+        model(torch.tensor([[3, 50]]))
+

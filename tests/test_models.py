@@ -1,11 +1,25 @@
-"""Model resolution, default dtypes, and the owned forward's weights against transformers'."""
+"""Model resolution, default dtypes, and the owned forward's weights against transformers'.
+
+Hostile model files: GGUF files whose header, metadata or tensors lie are refused when they are
+opened, in one line naming the file, the field or tensor and what was expected (exit 2), before
+any kernel or allocation sees them; so are checkpoints contradicting their config, and
+architectures hd cannot decode. Those files are tiny llamas written with gguf-py (F32 weights, a
+48-token byte-level vocabulary), each with one thing wrong."""
 from __future__ import annotations
 
+import math
+import os
+import struct
+
+import numpy as np
 import pytest
 import torch
 
 from hdcli.engine import loader as models
 from hdcli.errors import HdError
+
+from test_cli import run
+from test_reliability import hd_proc, one_line_error
 
 
 def test_resolve_kinds(tiny_model_dir, tmp_path):
@@ -113,3 +127,282 @@ def test_a_load_says_where_its_time_goes():
     assert set(phases) == {"open", "kernels", "tokenizer", "weights", "invariant"}
     assert all(v >= 0 for v in phases.values()) and phases["open"] > 0 and phases["weights"] > 0
     assert abs(sum(phases.values()) - lm.load_seconds) < 0.05 + 0.01 * lm.load_seconds
+
+
+# --- hostile model files ----------------------------------------------------------------------
+
+gguf = pytest.importorskip("gguf")
+GT = gguf.GGUFValueType
+VOCAB, HIDDEN, HEADS, KV, LAYERS, FF = 48, 32, 4, 2, 2, 64
+
+
+def tokens(n: int = VOCAB) -> list[str]:
+    base = ["<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)] + ["Ġ", "Ġa", "Ġb"]
+    return (base + [f"x{i}" for i in range(n)])[:n]
+
+
+def metadata(arch: str = "llama") -> dict:
+    """key -> (value, type) of a tiny llama's metadata."""
+    u32, f32 = GT.UINT32, GT.FLOAT32
+    return {f"{arch}.block_count": (LAYERS, u32), f"{arch}.context_length": (128, u32),
+            f"{arch}.embedding_length": (HIDDEN, u32), f"{arch}.feed_forward_length": (FF, u32),
+            f"{arch}.attention.head_count": (HEADS, u32), f"{arch}.attention.head_count_kv": (KV, u32),
+            f"{arch}.rope.freq_base": (10000.0, f32), f"{arch}.attention.layer_norm_rms_epsilon": (1e-5, f32),
+            "tokenizer.ggml.model": ("gpt2", GT.STRING), "tokenizer.ggml.tokens": (tokens(), GT.ARRAY),
+            "tokenizer.ggml.token_type": ([1] * VOCAB, GT.ARRAY), "tokenizer.ggml.merges": (["Ġ a", "Ġ b"], GT.ARRAY),
+            "tokenizer.ggml.bos_token_id": (0, u32), "tokenizer.ggml.eos_token_id": (1, u32)}
+
+
+def weights(vocab: int = VOCAB) -> dict:
+    """GGUF name -> numpy array (torch order) of a tiny llama's tensors."""
+    rng = np.random.default_rng(0)
+    d = HIDDEN // HEADS
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32) if len(shape) > 1 else np.ones(shape, np.float32)
+    out = {"token_embd.weight": w(vocab, HIDDEN)}
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        out.update({b + "attn_norm.weight": w(HIDDEN), b + "attn_q.weight": w(HEADS * d, HIDDEN),
+                    b + "attn_k.weight": w(KV * d, HIDDEN), b + "attn_v.weight": w(KV * d, HIDDEN),
+                    b + "attn_output.weight": w(HIDDEN, HEADS * d), b + "ffn_norm.weight": w(HIDDEN),
+                    b + "ffn_gate.weight": w(FF, HIDDEN), b + "ffn_up.weight": w(FF, HIDDEN),
+                    b + "ffn_down.weight": w(HIDDEN, FF)})
+    out.update({"output_norm.weight": w(HIDDEN), "output.weight": w(vocab, HIDDEN)})
+    return out
+
+
+def write_gguf(path, arch: str = "llama", meta: dict | None = None, tensors: dict | None = None):
+    """A tiny GGUF: metadata(arch) updated by meta (a value None drops the key), weights() updated
+    by tensors (None drops a tensor; (shape, type name) claims that shape and type over zeros)."""
+    kv = metadata(arch)
+    kv.update(meta or {})
+    ts = weights()
+    ts.update(tensors or {})
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, v in kv.items():
+        if v is not None:
+            value, vtype = v
+            sub = None
+            if vtype == GT.ARRAY:
+                sub = GT.STRING if isinstance(value[0], str) else GT.INT32
+            w.add_key_value(key, value, vtype, sub_type=sub)
+    for name, t in ts.items():
+        if t is None:
+            continue
+        if isinstance(t, tuple):   # a claimed shape and type: zero bytes, rounded up to whole blocks
+            shape, qtype = t
+            block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+            n = math.prod(shape[:-1]) * -(-shape[-1] // block) * nbytes
+            w.add_tensor(name, np.zeros(n, np.int8), raw_shape=shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def patch_tensor_info(path, name: str, part: str, value: int) -> None:
+    """Overwrite one tensor's data offset ("offset") in the file's tensor infos."""
+    r = gguf.GGUFReader(str(path))
+    t = next(t for t in r.tensors if t.name == name)
+    at = t.field.offset + sum(p.nbytes for p in t.field.parts[:-1])
+    del r
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(struct.pack("<Q", value))
+
+
+def offset_of(path, name: str) -> int:
+    return int(next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == name).field.parts[-1][0])
+
+
+U32, U64, F32, STR = GT.UINT32, GT.UINT64, GT.FLOAT32, GT.STRING
+NAN = float("nan")
+
+# (id, meta, tensors, what the line must name)
+CASES = [
+    ("head_count_kv 0", {"llama.attention.head_count_kv": (0, U32)}, None,
+     ["llama.attention.head_count_kv is 0", "positive integer"]),
+    ("heads not a multiple of kv heads", {"llama.attention.head_count_kv": (3, U32)}, None,
+     ["llama.attention.head_count 4 is not a multiple of llama.attention.head_count_kv 3"]),
+    ("hidden not a multiple of heads", {"llama.attention.head_count": (5, U32)}, None,
+     ["llama.embedding_length 32 is not a multiple of llama.attention.head_count 5"]),
+    ("head count a string", {"llama.attention.head_count": ("4", STR)}, None,
+     ["llama.attention.head_count is '4'"]),
+    ("kv heads differ between layers", {"llama.attention.head_count_kv": ([2, 1], GT.ARRAY)}, None,
+     ["llama.attention.head_count_kv differs between layers"]),
+    ("block_count 0", {"llama.block_count": (0, U32)}, None, ["llama.block_count is 0"]),
+    ("block_count missing", {"llama.block_count": None}, None, ["llama.block_count missing"]),
+    ("key length 2**62", {"llama.attention.key_length": (2**62, U64)}, None,
+     ["llama.attention.key_length is 4611686018427387904", "below 2**31"]),
+    ("key length contradicts q", {"llama.attention.key_length": (16, U32)}, None,
+     ["tensor blk.0.attn_q.weight has shape [32, 32]", "implies [64, 32]", "4 heads of 16"]),
+    ("q rows", None, {"blk.0.attn_q.weight": np.ones((40, HIDDEN), np.float32)},
+     ["tensor blk.0.attn_q.weight has shape [40, 32]", "implies [32, 32]"]),
+    ("k rows", None, {"blk.1.attn_k.weight": np.ones((8, HIDDEN), np.float32)},
+     ["tensor blk.1.attn_k.weight has shape [8, 32]", "implies [16, 32]"]),
+    ("v columns", None, {"blk.0.attn_v.weight": np.ones((16, 24), np.float32)},
+     ["tensor blk.0.attn_v.weight has shape [16, 24]"]),
+    ("norm length", None, {"blk.0.attn_norm.weight": np.ones(16, np.float32)},
+     ["tensor blk.0.attn_norm.weight has shape [16]", "implies [32]"]),
+    ("embedding width", None, {"token_embd.weight": np.ones((VOCAB, 16), np.float32)},
+     ["tensor token_embd.weight has shape [48, 16]", "implies [48, 32]"]),
+    ("output rows", None, {"output.weight": np.ones((VOCAB + 8, HIDDEN), np.float32)},
+     ["tensor output.weight has shape [56, 32]", "implies [48, 32]"]),
+    ("ffn up rows", None, {"blk.0.ffn_up.weight": np.ones((FF // 2, HIDDEN), np.float32)},
+     ["tensor blk.0.ffn_up.weight has shape [32, 32]", "implies [64, 32]"]),
+    ("missing tensor", None, {"blk.1.ffn_down.weight": None},
+     ["tensor blk.1.ffn_down.weight is missing"]),
+    ("row not a block multiple", None, {"blk.0.attn_q.weight": ((HIDDEN, 40), "Q8_0")},
+     ["tensor blk.0.attn_q.weight: its row length 40 is not a multiple of Q8_0's block of 32"]),
+    ("zero-row tensor", None, {"blk.0.attn_k.weight": np.ones((0, HIDDEN), np.float32)},
+     ["tensor blk.0.attn_k.weight has shape [32, 0]", "none of them 0"]),
+    ("an integer weight", None, {"blk.0.ffn_gate.weight": np.ones((FF, HIDDEN), np.int32)},
+     ["tensor blk.0.ffn_gate.weight is of type I32"]),
+    ("NaN rope base", {"llama.rope.freq_base": (NAN, F32)}, None, ["llama.rope.freq_base is nan", "finite"]),
+    ("negative epsilon", {"llama.attention.layer_norm_rms_epsilon": (-0.5, F32)}, None,
+     ["llama.attention.layer_norm_rms_epsilon is -0.5", "above 0"]),
+    ("NaN epsilon", {"llama.attention.layer_norm_rms_epsilon": (NAN, F32)}, None,
+     ["llama.attention.layer_norm_rms_epsilon is nan"]),
+    ("vocab_size past the embedding", {"llama.vocab_size": (64, U32)}, None,
+     ["llama.vocab_size is 64 but token_embd.weight has 48 rows"]),
+    ("fewer embedding rows than token ids", None,
+     {"token_embd.weight": np.ones((40, HIDDEN), np.float32), "output.weight": np.ones((40, HIDDEN), np.float32)},
+     ["the tokenizer has 48 ids but the embedding has 40 rows"]),
+    ("bos outside the vocabulary", {"tokenizer.ggml.bos_token_id": (99, U32)}, None,
+     ["tokenizer.ggml.bos_token_id is 99", "0..47"]),
+    ("eos outside the vocabulary", {"tokenizer.ggml.eos_token_id": (VOCAB, U32)}, None,
+     ["tokenizer.ggml.eos_token_id is 48"]),
+]
+
+
+@pytest.mark.parametrize("meta,tensors,want", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_hostile_gguf_is_refused_at_open_in_one_line(tmp_path, meta, tensors, want):
+    from hdcli.engine.model.gguf import GGUFFile
+    path = write_gguf(tmp_path / "bad.gguf", meta=meta, tensors=tensors)
+    with pytest.raises(HdError) as exc:
+        GGUFFile(path)
+    line = str(exc.value)
+    assert "\n" not in line and line.startswith(f"{path}:"), line
+    for w in want:
+        assert w in line, line
+    got = run("generate", "--model", str(path), "-p", "a b", "-n", "4", "--dtype", "fp32")   # the CLI says the same
+    assert isinstance(got, HdError) and str(got) == line
+
+
+def test_the_tiny_file_itself_opens(tmp_path):
+    """The writer above makes a file hd reads (so each case fails for its one defect)."""
+    from hdcli.engine.model.gguf import GGUFFile
+    cfg = GGUFFile(write_gguf(tmp_path / "good.gguf")).config()
+    assert (cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (VOCAB, HEADS, KV, 8)
+
+
+def test_a_header_counting_2_63_tensors_is_refused_before_reading(tmp_path):
+    path = write_gguf(tmp_path / "count.gguf")
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<Q", 2**63))
+    err = one_line_error(hd_proc("generate", "--model", path, "-p", "hi", env={**os.environ, "HF_HUB_OFFLINE": "1"}))
+    assert f"{path}: the header says 9223372036854775808 tensors, more than the file's" in err
+
+
+def test_overlapping_tensor_data_is_refused(tmp_path):
+    from hdcli.engine.model.gguf import GGUFFile
+    path = write_gguf(tmp_path / "overlap.gguf")
+    patch_tensor_info(path, "blk.0.attn_k.weight", "offset", offset_of(path, "blk.0.attn_q.weight") + 32)
+    with pytest.raises(HdError) as exc:
+        GGUFFile(path)
+    assert "tensors blk.0.attn_q.weight and blk.0.attn_k.weight overlap" in str(exc.value)
+
+
+
+# --- architectures hd has no forward for: transformers runs them, or one line says why not ---------
+
+@pytest.mark.parametrize("k_rows,want", [
+    (KV * HIDDEN // HEADS, "(14 in all): missing model.layers.{0, 1}.mlp.experts.down_proj, "),
+    (8, "(15 in all): missing model.layers.{0, 1}.mlp.experts.down_proj, model.layers.{0, 1}.mlp.experts.gate_up_proj, "
+        "model.layers.{0, 1}.mlp.gate.weight; of another shape model.layers.0.self_attn.k_proj.weight "
+        "(file [8, 32], model [16, 32])")], ids=["missing experts", "and a k of another shape"])
+def test_a_file_transformers_loads_with_missing_weights_is_refused(tmp_path, k_rows, want):
+    """A qwen2moe file without its expert tensors ran on randomly initialised experts, exit 0; with
+    a k projection of another shape too, the error said "look at the above report", which hd hides."""
+    arch = "qwen2moe"
+    meta = {f"{arch}.expert_count": (4, U32), f"{arch}.expert_used_count": (2, U32),
+            f"{arch}.expert_feed_forward_length": (32, U32), f"{arch}.expert_shared_feed_forward_length": (32, U32)}
+    tensors = {k: None for k in weights() if k.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down")}
+    tensors.update({f"blk.{i}.attn_{x}.bias": np.zeros(32 if x == "q" else 16, np.float32) for i in range(LAYERS) for x in "qkv"})
+    tensors["blk.0.attn_k.weight"] = np.zeros((k_rows, HIDDEN), np.float32)
+    path = write_gguf(tmp_path / "moe.gguf", arch=arch, meta=meta, tensors=tensors)
+    got = run("generate", "--model", str(path), "-p", "a b", "-n", "4", "--dtype", "fp32")
+    assert isinstance(got, HdError), got
+    line = str(got)
+    assert "\n" not in line and line.startswith(f"{path}: transformers' Qwen2MoeForCausalLM would run with "
+                                                "randomly initialised weights "), line
+    assert want in line, line
+
+
+def test_a_state_space_model_is_refused_in_one_line(tmp_path):
+    """mamba: transformers loads it, and hd's decode loop failed on its cache (a traceback)."""
+    vocab, di, ds, dc, r = VOCAB, 64, 8, 4, 4
+    meta = {k: None for k in metadata("mamba") if k.startswith("mamba.")}
+    meta.update({"mamba.block_count": (LAYERS, U32), "mamba.context_length": (128, U32),
+                 "mamba.embedding_length": (HIDDEN, U32), "mamba.ssm.conv_kernel": (dc, U32),
+                 "mamba.ssm.inner_size": (di, U32), "mamba.ssm.state_size": (ds, U32),
+                 "mamba.ssm.time_step_rank": (r, U32), "mamba.attention.layer_norm_rms_epsilon": (1e-5, F32)})
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    tensors = {k: None for k in weights() if k.startswith("blk.") or k == "output.weight"}
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        tensors.update({b + "attn_norm.weight": w(HIDDEN), b + "ssm_in.weight": w(2 * di, HIDDEN),
+                        b + "ssm_conv1d.weight": w(di, dc), b + "ssm_conv1d.bias": w(di), b + "ssm_x.weight": w(r + 2 * ds, di),
+                        b + "ssm_dt.weight": w(di, r), b + "ssm_dt.bias": w(di), b + "ssm_a": -np.abs(w(di, ds)), b + "ssm_d": w(di),
+                        b + "ssm_out.weight": w(HIDDEN, di)})
+    path = write_gguf(tmp_path / "mamba.gguf", arch="mamba", meta=meta, tensors=tensors)
+    got = run("generate", "--model", str(path), "-p", "a b", "-n", "4", "--dtype", "fp32")
+    assert isinstance(got, HdError), got
+    err = str(got)
+    assert f"{path}: mamba (MambaForCausalLM) keeps a recurrent state" in err
+    from hdcli.engine.model import FAMILIES
+    assert f"hd runs attention models ({', '.join(FAMILIES)} on its own forward" in err
+
+
+# --- the same checks for a safetensors checkpoint --------------------------------------------------
+
+@pytest.mark.parametrize("change,want", [
+    ({"config": {"num_key_value_heads": 3}},
+     "config.json: num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"config": {"rms_norm_eps": -1.0}}, "config.json: rms_norm_eps is -1.0; expected a finite number above 0"),
+    ({"tensor": ("model.layers.1.self_attn.k_proj.weight", (8, 32))},
+     "tensor model.layers.1.self_attn.k_proj.weight has shape [8, 32]; the configuration implies [16, 32]"),
+    ({"tensor": ("model.embed_tokens.weight", (54, 16))}, "tensor model.embed_tokens.weight has shape [54, 16]"),
+    ({"tensor": ("model.layers.0.mlp.down_proj.weight", None)}, "tensor model.layers.0.mlp.down_proj.weight is missing"),
+], ids=["kv heads", "epsilon", "k rows", "embedding width", "missing"])
+def test_a_checkpoint_contradicting_its_config_is_refused(tiny_model_dir, tmp_path, change, want):
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, folder)
+    if "config" in change:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(change["config"])
+        (folder / "config.json").write_text(json.dumps(cfg))
+    else:
+        key, shape = change["tensor"]
+        [f] = folder.glob("*.safetensors")
+        ts = load_file(str(f))
+        if shape is None:
+            del ts[key]
+        else:
+            ts[key] = np.zeros(shape, np.float32)
+        save_file(ts, str(f), metadata={"format": "pt"})
+    got = run("generate", "--model", str(folder), "-p", "the cat", "-n", "4", "--dtype", "fp32")
+    assert isinstance(got, HdError), got
+    assert "\n" not in str(got) and want in str(got), str(got)

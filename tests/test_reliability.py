@@ -732,7 +732,7 @@ def test_max_new_tokens_past_the_context_is_said(tiny_lm):
 
 def _tiny_gguf(path):
     """A whole tiny llama (a file of two tensors alone is refused at open: its metadata is missing)."""
-    from test_r4_models import write_gguf
+    from test_models import write_gguf
     return write_gguf(path)
 
 

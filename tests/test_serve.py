@@ -2,7 +2,9 @@
 chat and completions, streamed and not, equal to `hd generate`; exact under concurrent load;
 API key; bad input answered in OpenAI's error schema; a client that disconnects mid-stream; the
 model DB learned across requests and kept across a restart; SIGTERM drains, SIGKILL mid-learning
-leaves the DB intact.
+leaves the DB intact; streams cut by a shutdown end with their last chunk and [DONE], a second
+signal stops at once; templates render off the event loop and bounded, huge prompts are refused
+before they are tokenized, a trickled body gets 408.
 
 The served model is a tiny llama with head_dim 16, which holds the M-invariant mode in fp32
 (test_invariant.py), so requests are verified together in one forward."""
@@ -12,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +27,10 @@ import pytest
 
 from conftest import PATIENCE
 from hdcli import api
+from hdcli.engine.text import prompts, templates
 from hdcli.serve.server import Server
+
+from test_prompts import LOOPS, Spy
 
 openai = pytest.importorskip("openai")
 
@@ -387,6 +393,93 @@ def test_sigkill_mid_learning_leaves_the_model_db_intact(model_dir, tmp_path):
         p.wait(60)
 
 
+def stream(port: int, started: threading.Event, out: list, accepted: threading.Event | None = None):
+    """A long streamed completion read to its end (or to where its body breaks). `accepted` is set
+    when its headers come (the server answers them once the job is queued), `started` at its first
+    line."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": "the cat sat on", "max_tokens": 240,
+                                                       "stream": True, "temperature": 1.0}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if accepted is not None:
+        accepted.set()
+    body = b""
+    try:
+        body += resp.readline()
+        started.set()
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            body += line
+    except Exception as exc:  # noqa: BLE001 - a cut body (IncompleteRead): what the test looks for
+        body += f"<<{type(exc).__name__}>>".encode()
+    out.append(body.decode())
+
+
+def finish_reasons(body: str) -> list:
+    docs = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    return [c["finish_reason"] for d in docs for c in d.get("choices", []) if c.get("finish_reason")]
+
+
+def test_streams_cut_by_a_shutdown_end_with_a_last_chunk_and_done(model_dir):
+    """Issue: SIGTERM with --drain-timeout and three long streams: two clients got a truncated
+    chunked body (no last chunk, no [DONE]) and a CancelledError traceback was logged."""
+    p, port, log = start_cli(model_dir, "--served-model-name", "m", "--drain-timeout", "0", "--max-batch", "1")
+    try:
+        bodies: list = []
+        started = [threading.Event() for _ in range(3)]
+        accepted = [threading.Event() for _ in range(3)]
+        threads = [threading.Thread(target=stream, args=(port, e, bodies, a), daemon=True)
+                   for e, a in zip(started, accepted)]
+        for t in threads:
+            t.start()
+        # all three queued before the signal: a request that comes after it is refused whole (503),
+        # rightly, and is not a stream that the shutdown cut (on a loaded machine one came late)
+        assert all(a.wait(PATIENCE) for a in accepted) and started[0].wait(PATIENCE)
+        p.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        p.wait(60)
+        assert len(bodies) == 3
+        for body in bodies:
+            assert body.endswith("data: [DONE]\n\n"), body[-300:]
+            assert finish_reasons(body), body[-300:]
+        assert "cancelled" in sum((finish_reasons(b) for b in bodies), []), bodies   # they were cut
+        text = "".join(log)
+        assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
+        assert p.returncode == 0
+    finally:
+        p.kill()
+
+
+def test_a_second_signal_stops_at_once(model_dir):
+    """Issue: a double SIGINT with a long drain timeout never exited. A held request (a body still
+    arriving) keeps the first signal's drain waiting; the second ends it at once: exit 130, one line."""
+    p, port, log = start_cli(model_dir, "--drain-timeout", "600", "--body-timeout", "600")
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert p.poll() is None   # still draining
+        p.send_signal(signal.SIGINT)
+        start_at = time.time()
+        p.wait(30)
+        assert time.time() - start_at < 15
+        time.sleep(0.2)
+        text = "".join(log)
+        assert p.returncode == 130, text[-3000:]
+        assert "Traceback" not in text and "stopped at once by a second signal" in text, text[-3000:]
+    finally:
+        sock.close()
+        p.kill()
+
+
 @pytest.mark.parametrize("args,says", [(["--port", "99999"], "--port 99999"), (["--max-batch", "0"], "--max-batch"),
                                        (["--learn"], "--learn"), (["--api-key", " "], "--api-key"),
                                        (["--max-connections", "0"], "--max-connections")])
@@ -733,3 +826,103 @@ def test_the_official_client_with_every_neutral_field_gets_the_plain_answer(serv
             "temperature": 0, **neutral}
     status, text = http("POST", served.url + "/v1/chat/completions", json.dumps(body).encode())
     assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == plain
+
+
+# --- limits: templates, huge prompts, trickled bodies -----------------------------------------
+
+def post(url: str, body: dict, timeout: float = 60):
+    return http("POST", url, json.dumps(body).encode())
+
+
+def get(url: str, timeout: float):
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=timeout) as f:
+        return f.status
+
+
+def test_serve_renders_templates_off_the_event_loop_and_bounded(served, monkeypatch):
+    """Issue: a template that never returns blocked the event loop (health and every other request
+    timed out). Now /health answers while it renders, and the request gets a 400 naming the limit."""
+    s = served.server
+    monkeypatch.setattr(templates, "TEMPLATE_SECONDS", 3.0)
+    monkeypatch.setattr(s.lm.tokenizer, "chat_template", LOOPS)
+    body = {"model": s.name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+    answer = {}
+    t = threading.Thread(target=lambda: answer.update(r=post(served.url + "/v1/chat/completions", body)), daemon=True)
+    t.start()
+    time.sleep(0.5)
+    assert get(served.url + "/health", timeout=2) == 200   # before: timed out
+    t.join(60)
+    status, text = answer["r"]
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == "messages", text
+    assert "time limit of 3 s" in err["message"] or "loop iterations" in err["message"], text
+    monkeypatch.undo()
+    assert post(served.url + "/v1/chat/completions", body)[0] == 200
+
+
+def test_serve_refuses_a_huge_prompt_before_tokenizing_it(served):
+    s = served.server
+    spy = Spy(s.lm.tokenizer)
+    s.lm.tokenizer = spy
+    try:
+        for route, body in [("chat/completions", {"messages": [{"role": "user", "content": "the cat " * 100_000}]}),
+                            ("completions", {"prompt": "the cat " * 100_000})]:
+            status, text = post(f"{served.url}/v1/{route}", {"model": s.name, **body})
+            err = json.loads(text)["error"]
+            assert status == 400 and err["code"] == "context_length_exceeded", text
+            assert "longer than the model's context of 256 tokens" in err["message"], text
+        assert max(spy.lengths) <= prompts.CHARS_PER_TOKEN * s.lm.max_context
+    finally:
+        s.lm.tokenizer = spy.tok
+
+
+def test_a_trickled_body_gets_408_and_its_connection_closes(served, monkeypatch):
+    """Issue: a body trickled a byte every 2 s held its connection indefinitely."""
+    monkeypatch.setattr(served.server, "body_timeout", 1.0)
+    sock = socket.create_connection(("127.0.0.1", served.port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        sock.settimeout(0.3)
+        answer, start = b"", time.time()
+        while time.time() - start < 10:
+            try:
+                sock.sendall(b" ")   # a byte now and then, never the whole body
+            except OSError:
+                break
+            try:
+                got = sock.recv(4096)
+            except socket.timeout:
+                continue
+            if not got:
+                break
+            answer += got
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"body_timeout" in answer and time.time() - start < 10
+    finally:
+        sock.close()
+
+
+def test_a_connection_answered_mid_body_lingers_instead_of_resetting(served, monkeypatch):
+    """CI: the 408 to a trickled body arrived as "Connection reset by peer": the server closed its
+    socket while the client still sent, and a closed socket answers bytes with a reset, which can
+    reach the client before it reads the answer. Now the server shuts its write side and reads on
+    (limits.LingeringClose): the client reads the whole answer, then EOF, and what it sends after
+    is taken, not reset (a socket closed at once resets the second send below: the control)."""
+    from hdcli.serve import limits
+    monkeypatch.setattr(served.server, "body_timeout", 0.5)
+    sock = socket.create_connection(("127.0.0.1", served.port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000\r\n\r\n{")
+        sock.settimeout(limits.LINGER_SECONDS + 5)
+        answer = b""
+        while got := sock.recv(65536):   # the answer, then the server's EOF
+            answer += got
+        assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer, answer
+        for _ in range(2):               # the body goes on: read and dropped while the server lingers
+            sock.sendall(b" " * 4096)
+            time.sleep(0.3)
+    finally:
+        sock.close()

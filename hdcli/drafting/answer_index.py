@@ -7,7 +7,7 @@ is matched, and the tree of what followed it, weighted by how often, is drafted.
 seen once is strong evidence: the target's greedy answer to a similar request continues the way
 it did before, so a single observation of a 20-token match drafts with probability 1, where the
 n-gram tables (keys of at most 4 tokens) discount it (db_layers.StatsDB). On unseen questions the
-two draft within noise of each other from the same answers (benchmarks/hierarchy_replay.py,
+two draft within noise of each other from the same answers (benchmarks/tuning/hierarchy_replay.py,
 docs/benchmarks.md "The hierarchy, layer by layer"); the index learns in memory, with no DB write.
 
 The index also grows with every answer generated in this process (each layer adds its request's

@@ -16,7 +16,7 @@ class ContextDB:
       len_per_key    a match on an n-token key (n < max_n) drafts at most len_per_key * n tokens;
                      a match on the longest key drafts up to max_len. Short keys predict short
                      runs: on Spec-Bench-like prompts this beat a fixed length for every cost
-                     profile we measured (benchmarks/context_tuning.py).
+                     profile we measured (benchmarks/tuning/context_tuning.py).
       max_scan       most occurrences of one key examined per query (bounds the query time).
       match_factor   None: a match on the longest key drafts up to max_len. A number: it drafts
                      match_factor x the match's length (how far back the history agrees with the

@@ -64,7 +64,7 @@ class LayerSpec:
 
 
 LAYERS: dict[str, LayerSpec] = {}           # by rank: the default order too
-PRIOR_RATES: dict[str, tuple] = {}          # name -> prior (benchmarks/recycle_tuning.py varies it)
+PRIOR_RATES: dict[str, tuple] = {}          # name -> prior (benchmarks/tuning/recycle_tuning.py varies it)
 
 
 def register(spec: LayerSpec) -> None:

@@ -6,13 +6,14 @@ the idea): this replays every policy, C and L with the very tree builder and cos
 decoder (hdcli.engine.decode.tree.build_tree), for the measured cost curves of fp32 and bf16
 (benchmarks/results/tree_cost_*.json), on Spec-Bench questions (5 per category by default).
 
-    python benchmarks/tree_tuning.py --stats-db stats.lmdb --model-db model.lmdb \
+    python benchmarks/tuning/tree_tuning.py --stats-db stats.lmdb --model-db model.lmdb \
         --out benchmarks/results/tree_tuning.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from hdcli import api
@@ -21,7 +22,9 @@ from hdcli.engine.decode.costs import CostCurve
 from hdcli.drafting import Hierarchy
 from hdcli.db.stores import Store
 
-from common import load_questions, record, replay
+BENCHMARKS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCHMARKS))   # common.py, one folder up
+from common import load_questions, record, replay  # noqa: E402
 
 
 def main():
@@ -37,7 +40,7 @@ def main():
     questions = specbench.select(load_questions(args.data), args.limit)
     refs = record([q["turns"][0] for q in questions], args.max_new_tokens, cache=args.refs)
     stats, model = Store(args.stats_db), Store(args.model_db)
-    results_dir = Path(__file__).parent / "results"
+    results_dir = BENCHMARKS / "results"
     rows = []
     for dtype in ("fp32", "bf16"):
         data = json.loads((results_dir / f"tree_cost_{dtype}.json").read_text())

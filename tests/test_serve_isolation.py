@@ -1,6 +1,6 @@
-"""Issue 47 (reliability, round four), `hd serve`: tenants never cross (structured scopes, unique
-key names, /metrics behind an admin key), no 500 for bad input, bad options refused at start, and
-one request's fault fails that request only: the decode loop goes on, other requests' tokens stay
+"""`hd serve` keeps tenants and requests apart: tenants never cross (structured scopes, unique key
+names, /metrics behind an admin key), no 500 for bad input, bad options refused at start, and one
+request's fault fails that request only: the decode loop goes on, other requests' tokens stay
 plain decoding's."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ forward cost (sum of accepted lengths / sum of cost(1 + tree size) with this mac
 deterministic for greedy decoding, so small differences are real) and the measured decode tok/s
 (noisy). Greedy outputs are identical across variants.
 
-    python benchmarks/recycle_tuning.py --stats-db stats.lmdb --limit 2
+    python benchmarks/tuning/recycle_tuning.py --stats-db stats.lmdb --limit 2
 """
 import argparse
 

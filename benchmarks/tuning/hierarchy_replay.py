@@ -11,12 +11,13 @@ one built with --max-n 6 or from one category's corpus). The recycle layer needs
 forward and is not replayed (`hd bench spec-bench` measures it). Mean accepted tokens and the
 predicted speedup are deterministic; the answers are cached in --refs (common.record).
 
-    python benchmarks/hierarchy_replay.py --model-db model.lmdb --stats-db stats.lmdb \
+    python benchmarks/tuning/hierarchy_replay.py --model-db model.lmdb --stats-db stats.lmdb \
         --stats-db stats_n6.lmdb --out benchmarks/results/model_db/replay.json
 """
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hdcli import api
@@ -26,9 +27,11 @@ from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, Stats
 from hdcli.drafting.suffix import SuffixDrafter, new_cache
 from hdcli.engine.decode import costs
 
-from common import command_line, machine, record, replay, write_result
+BENCHMARKS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCHMARKS))   # common.py, one folder up
+from common import command_line, machine, record, replay, write_result  # noqa: E402
 
-USER = Path(__file__).resolve().parent / "prompts" / "user_questions.jsonl"
+USER = BENCHMARKS / "prompts" / "user_questions.jsonl"
 
 
 def main():
@@ -92,7 +95,7 @@ def main():
                          "share_of_accepted": {k: v["accepted"] / total for k, v in r["layers"].items()}})
             print(f"{set_name:10s} {label:54s} MAT {r['mean_accepted']:.2f} predicted {r['predicted_speedup']:.3f} "
                   + " ".join(f"{k} {v:.0%}" for k, v in rows[-1]["share_of_accepted"].items()), flush=True)
-    write_result(args.out, {"command": command_line("hierarchy_replay.py", args), "machine": machine(),
+    write_result(args.out, {"command": command_line("tuning/hierarchy_replay.py", args), "machine": machine(),
                             "model": lm.name, "dtype": lm.dtype, "kernels": lm.kernels,
                             "model_db": {k: mdb.header.get(k) for k in ("sequences", "tokens", "prompts", "samples")},
                             "rows": rows})

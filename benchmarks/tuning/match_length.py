@@ -15,12 +15,13 @@ replayed under two cost curves: this machine's (`hd costs`) and, labelled so, th
 recorded for the 1.7B Q4_K_M shape (benchmarks/results/gguf/projection.json). Mean accepted tokens
 and predicted speedup are deterministic (no timing: the layers' own time is not counted).
 
-    python benchmarks/match_length.py --stats-db stats.lmdb --refs /tmp/refs.json --out results/match_length.json
+    python benchmarks/tuning/match_length.py --stats-db stats.lmdb --refs /tmp/refs.json --out results/match_length.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from hdcli import api
@@ -30,10 +31,11 @@ from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, Stats
 from hdcli.drafting.suffix import SuffixDrafter, new_cache
 from hdcli.engine.decode import costs
 
-from common import command_line, machine, record, replay, write_result
+BENCHMARKS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCHMARKS))   # common.py, one folder up
+from common import command_line, machine, record, replay, write_result  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-ZEN5 = HERE / "results" / "gguf" / "projection.json"
+ZEN5 = BENCHMARKS / "results" / "gguf" / "projection.json"
 
 
 def main():
@@ -80,7 +82,7 @@ def main():
             rows.append({"curve": curve_name, "drafter": label, **r})
             print(f"{curve_name:38s} {label:18s} MAT {r['mean_accepted']:.3f} predicted {r['predicted_speedup']:.3f} "
                   f"tree {r['mean_tree']:.2f}", flush=True)
-    write_result(args.out, {"command": command_line("match_length.py", args), "machine": machine(),
+    write_result(args.out, {"command": command_line("tuning/match_length.py", args), "machine": machine(),
                             "model": lm.name, "dtype": lm.dtype, "kernels": lm.kernels,
                             "questions": len(refs), "rows": rows})
 

@@ -1,24 +1,25 @@
 """How the context DB's settings trade drafted against accepted tokens, per dtype.
 
 Measures the target's forward cost by input length in the given dtype, records plain greedy
-outputs for the two prompts in prompts/ and the first questions of every Spec-Bench category, and
-replays each setting (common.py: replay; chains, every drafted token sent). Prints the best
-settings by predicted speedup.
+outputs for the two prompts in benchmarks/prompts/ and the first questions of every Spec-Bench
+category, and replays each setting (common.py: replay; chains, every drafted token sent). Prints
+the best settings by predicted speedup.
 
-    python benchmarks/context_tuning.py --dtype bf16
+    python benchmarks/tuning/context_tuning.py --dtype bf16
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from hdcli import api
 from hdcli.drafting import ContextDB, Hierarchy
 
-from common import first_per_subcategory, forward_costs, load_questions, machine, record, replay
-
-HERE = Path(__file__).parent
+BENCHMARKS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCHMARKS))   # common.py, one folder up
+from common import first_per_subcategory, forward_costs, load_questions, machine, record, replay  # noqa: E402
 
 
 def main():
@@ -29,7 +30,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--out")
     args = ap.parse_args()
-    texts = [(HERE / "prompts/summarize.txt").read_text(), (HERE / "prompts/code_edit.txt").read_text()]
+    texts = [(BENCHMARKS / "prompts/summarize.txt").read_text(), (BENCHMARKS / "prompts/code_edit.txt").read_text()]
     texts += [q["turns"][0] for q in first_per_subcategory(load_questions(args.spec_bench), args.per_category)]
     lm = api.load_model(dtype=args.dtype)
     cost = forward_costs(lm, api.encode_prompt(lm.tokenizer, texts[0]))

@@ -5,7 +5,7 @@ Builds (or takes) two DBs from the same corpus, one storing 8-token continuation
 replays context+stats against recorded plain outputs of Spec-Bench questions (common.py: replay) for
 several min_prob thresholds, with the forward-cost profile of each dtype measured here.
 
-    python benchmarks/stats_tuning.py --corpora ../shared/corpora --out benchmarks/results/stats_tuning.json
+    python benchmarks/tuning/stats_tuning.py --corpora ../shared/corpora --out benchmarks/results/stats_tuning.json
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from hdcli.compose import default_min_n
 from hdcli.db import stores
 from hdcli.drafting import ContextDB, Hierarchy, StatsDB
 
-from common import first_per_subcategory, forward_costs, load_questions, record, replay
+BENCHMARKS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCHMARKS))   # common.py, one folder up
+from common import first_per_subcategory, forward_costs, load_questions, record, replay  # noqa: E402
 
 
 def main():
