@@ -268,9 +268,14 @@ def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int
     encode = _as_lists if tokenizer is None else _Encoder(tokenizer)  # None: texts are token lists
     pool = None
     if num_proc > 1 and tokenizer is not None:
+        # forkserver, not fork: a fork copies a process whose other threads (the tokenizer's Rust
+        # pool, torch's OpenMP, a progress bar's monitor, pytest-xdist's) may hold a lock, and a
+        # worker hung on one (seen once in the suite). The tokenizer goes to each worker once.
         import multiprocessing as mp
-        pool = mp.get_context("fork").Pool(num_proc)
-        encoded = pool.imap(encode, batches())
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        pool = ctx.Pool(num_proc, initializer=_start_encoder, initargs=(tokenizer,))
+        encoded = pool.imap(_encode_in_worker, batches())
     else:
         encoded = map(encode, batches())
 
@@ -304,6 +309,18 @@ def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int
 
 def _as_lists(batch):
     return list(batch[0]), batch[1]
+
+
+_WORKER_ENCODER = None   # a tokenizing worker's _Encoder (_start_encoder)
+
+
+def _start_encoder(tokenizer) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = _Encoder(tokenizer)
+
+
+def _encode_in_worker(batch):
+    return _WORKER_ENCODER(batch)
 
 
 class _Encoder:
