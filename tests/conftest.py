@@ -22,6 +22,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+
 def pytest_configure(config):
     """hd's two kernels (engine/kernels: the GGUF GEMM, the fused attention) compiled once before
     any test runs (in pytest-xdist's controller, before its workers start; already built: a

@@ -265,7 +265,6 @@ def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int
         if buf:
             yield buf, joins
 
-    encode = _as_lists if tokenizer is None else _Encoder(tokenizer)  # None: texts are token lists
     pool = None
     if num_proc > 1 and tokenizer is not None:
         # forkserver, not fork: a fork copies a process whose other threads (the tokenizer's Rust
@@ -276,8 +275,8 @@ def _token_chunks(texts: Iterable[str], tokenizer, chunk_tokens: int, batch: int
         ctx.set_forkserver_preload([__name__])
         pool = ctx.Pool(num_proc, initializer=_start_encoder, initargs=(tokenizer,))
         encoded = pool.imap(_encode_in_worker, batches())
-    else:
-        encoded = map(encode, batches())
+    else:   # tokenizer None: the texts are token lists already
+        encoded = map(_as_lists if tokenizer is None else _Encoder(tokenizer), batches())
 
     def docs():
         pending: list = []   # the pieces of the document being read

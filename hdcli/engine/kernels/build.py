@@ -46,13 +46,19 @@ def extension_name(source: Path, prefix: str) -> str:
     return prefix + h.hexdigest()[:12]
 
 
-def is_built(name: str) -> bool:
-    """Whether extension `name` is in torch's extensions folder already (it loads in a moment)."""
+def _build_folder(name: str) -> Path | None:
+    """Extension `name`'s folder in torch's extensions folder, None where torch cannot say."""
     try:
         from torch.utils import cpp_extension
-        return (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists()
+        return Path(cpp_extension._get_build_directory(name, False))
     except Exception:
-        return False
+        return None
+
+
+def is_built(name: str) -> bool:
+    """Whether extension `name` is in torch's extensions folder already (it loads in a moment)."""
+    folder = _build_folder(name)
+    return folder is not None and (folder / f"{name}.so").exists()
 
 
 def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
@@ -69,11 +75,8 @@ def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             except (ImportError, AttributeError):
                 pass
-        try:   # a build already there loads in a moment: say "compiling" only when it compiles
-            folder = Path(cpp_extension._get_build_directory(name, False))
-            built = (folder / f"{name}.so").exists()
-        except Exception:
-            folder, built = None, False
+        # a build already there loads in a moment: say "compiling" only when it compiles
+        folder, built = _build_folder(name), is_built(name)
         if folder is not None:
             _wait_for_build_lock(folder, what)
         t0 = time.perf_counter()
