@@ -282,14 +282,15 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
 
 
 def test_fused_attention_kernel_on_odd_head_sizes():
-    """The compiled function alone, on head sizes with a scalar tail (8, 24), without (80) and those
-    it is compiled for (64, 128, 256): the softmax attention within float rounding, and each row
-    alone torch.equal to it among others."""
+    """The compiled function alone, on head sizes with a scalar tail past whole vectors (12, 100 at
+    either vector width; 8 and 24 with 16-float vectors), without (80), wider than a chunk of
+    value sums (200) and those it is compiled for (64, 128, 256): the softmax attention within
+    float rounding, and each row alone torch.equal to it among others."""
     from hdcli.engine.kernels import fused
     if fused.load(quiet=True) is None:
         pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
     gen = torch.Generator().manual_seed(0)
-    for d in (8, 24, 64, 80, 128, 256):
+    for d in (8, 12, 24, 64, 80, 100, 128, 200, 256):
         q, k = torch.randn(5, 4, d, generator=gen), torch.randn(2, 40, d, generator=gen)
         v1 = torch.randn(2, 40, d + 1, generator=gen)
         v1[..., d] = 1
@@ -302,6 +303,54 @@ def test_fused_attention_kernel_on_odd_head_sizes():
         assert torch.allclose(out, ref, atol=1e-5), d
         for r in range(5):
             assert torch.equal(fused.KERNEL.attend(q[r:r + 1].contiguous(), k, v1, vis[r:r + 1].contiguous(), 0.3)[0], out[r])
+
+
+_CROSS_BUILD = """
+import sys, torch
+from hdcli.engine.kernels import fused
+assert fused.load(quiet=True) is not None, fused.failure()
+gen = torch.Generator().manual_seed(3)
+outs = []
+for d, hq, hkv, m, n in ((64, 9, 3, 1, 300), (64, 9, 3, 4, 300), (64, 32, 32, 2, 100), (128, 32, 8, 3, 90), (100, 4, 2, 5, 40)):
+    q = torch.randn(m, hq, d, generator=gen)
+    k = torch.randn(hkv, n, d, generator=gen).bfloat16()
+    v1 = torch.cat([torch.randn(hkv, n, d, generator=gen), torch.ones(hkv, n, 1)], -1).bfloat16()
+    vis = torch.ones(m, n, dtype=torch.bool).tril(n - m)
+    outs.append(fused.KERNEL.attend(q, k, v1, vis, 0.125))
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_fused_attention_avx2_build_gives_the_native_bits(tmp_path):
+    """The attention built for AVX2 (HD_CPU=avx2: -march=x86-64-v3, 8-float vectors) and for an
+    AVX-512 machine itself (16-float vectors) give the same bits on the bundled model's, a 1.7B's
+    and an 8B's head shapes and a head with a scalar tail: the vector width is how a row's sums
+    are laid out, never their order. Runs where the machine has AVX-512 (elsewhere both builds are
+    AVX2); the negative control is the reference's own: fp32 keys give other bits than bf16 ones."""
+    import os
+    import subprocess
+    from hdcli.engine.kernels import fused
+    if "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX-512: its own build is the AVX2 one")
+    outs = {}
+    for tag, env in (("native", {}), ("avx2", {"HD_CPU": "avx2"})):
+        path = tmp_path / f"{tag}.pt"
+        run = subprocess.run([sys.executable, "-c", _CROSS_BUILD, str(path)], capture_output=True, text=True,
+                             env={**os.environ, "HD_CPU": "", **env}, timeout=600)
+        if run.returncode != 0 and "does not compile" in run.stderr + run.stdout:
+            pytest.skip(f"the fused attention does not compile here: {run.stderr[-300:]}")
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs[tag] = torch.load(path)
+    assert len(outs["native"]) == 5
+    for a, b in zip(outs["native"], outs["avx2"]):
+        assert torch.equal(a, b)
+    if fused.load(quiet=True) is not None:   # the same inputs as fp32 keys: other bits, so equal means equal
+        gen = torch.Generator().manual_seed(3)
+        q = torch.randn(1, 9, 64, generator=gen)
+        k = torch.randn(3, 300, 64, generator=gen)
+        v1 = torch.cat([torch.randn(3, 300, 64, generator=gen), torch.ones(3, 300, 1)], -1)
+        vis = torch.ones(1, 300, dtype=torch.bool)
+        assert not torch.equal(fused.KERNEL.attend(q, k, v1, vis, 0.125), outs["native"][0])
 
 
 def test_fused_attention_rows_do_not_depend_on_tiles_or_neighbours(monkeypatch):

@@ -186,6 +186,6 @@ def name() -> str:
     return KERNEL.name()
 
 
-MAX_HEAD = 271       # csrc/attend.cpp: 16 vectors of 16 and a scalar tail
+MAX_HEAD = 271       # csrc/attend.cpp MAX_D: its scores scratch and a scalar tail past whole vectors
 
 

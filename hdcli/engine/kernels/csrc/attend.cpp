@@ -15,8 +15,14 @@
 //
 // Built with -ffp-contract=off and no -ffast-math: a product and a sum round separately, in
 // vector and scalar code alike, and no sum is reordered. Vectors are GCC/Clang vector extensions
-// (16 floats), which the compiler maps to what -march=native has: one AVX-512 register, two AVX
-// ones, four SSE ones; the arithmetic per element is the same in each.
+// of VW floats: 16 (one AVX-512 register) where the build has AVX-512, else 8 (one AVX2
+// register). The width is chosen at compile time because GCC lowers a vector wider than the
+// machine's registers to memory: built for AVX2 (-march=x86-64-v3), 16-float vectors made this
+// kernel 7.7x slower than its AVX-512 build (986 stack accesses in one tile against 128; 135M,
+// as AVX2 on a Zen 5). A key block stays 16 keys (the cache's transposed layout, KB), scored as
+// KB / VW vectors; the sums over the values run over the head in chunks of columns that fit the
+// registers (REGS accumulators), every chunk over all keys in key order. Each element's
+// arithmetic is the same at either width and in any chunk: both builds give the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -26,12 +32,20 @@
 #include <cstring>
 #include <vector>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef uint8_t vb16 __attribute__((vector_size(16)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
-constexpr int KB = 16;       // keys a block
-constexpr int MAX_DV = 16;   // head size up to 16 * 16 + 15 = 271 (fused.py falls back above)
+#if defined(__AVX512F__)
+constexpr int VW = 16;       // floats a vector
+constexpr int REGS = 24;     // value accumulators a tile keeps in registers (32 zmm)
+#else
+constexpr int VW = 8;
+constexpr int REGS = 12;     // of 16 ymm: the rest hold the values being read and p_j
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+constexpr int KB = 16;       // keys a block (the transposed keys' layout: kvcache.InvariantLayer.transposed)
+constexpr int NV = KB / VW;  // vectors of scores a block
+constexpr int MAX_D = 271;   // head size (fused.MAX_HEAD: fused.py falls back above)
 
 // exp(x) for x <= 0 (a score minus the row's max): 2^k * e^r, k = round(x / ln 2), |r| <= ln 2 / 2,
 // e^r by its Taylor polynomial of degree 7 (relative error < 1e-8 there); 0 below -87 (under
@@ -64,17 +78,17 @@ static inline float exp_nonpositive(float x) {
 // Stored keys and values: float, or bf16 as its 16 bits (uint16_t). Widening bf16 to fp32 is
 // exact (the bits move up 16 places); narrowing rounds to nearest even, as torch does, and is
 // exact for values that came from bf16.
-static inline v16 load16(const float* p) {
-  v16 x;
-  std::memcpy(&x, p, sizeof(v16));
+static inline vf loadv(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof(vf));
   return x;
 }
-static inline v16 load16(const uint16_t* p) {
-  vh16 h;
-  std::memcpy(&h, p, sizeof(vh16));
-  const vi16 w = __builtin_convertvector(h, vi16) << 16;
-  v16 x;
-  std::memcpy(&x, &w, sizeof(v16));
+static inline vf loadv(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(vh));
+  const vi w = __builtin_convertvector(h, vi) << 16;
+  vf x;
+  std::memcpy(&x, &w, sizeof(vf));
   return x;
 }
 static inline float widen(float x) { return x; }
@@ -100,11 +114,41 @@ struct Args {
   float scale;
 };
 
+// Columns c0 * VW .. (c0 + W) * VW - 1 of a tile's outputs: for each of its rows, the sum over
+// the keys jlo .. jhi - 1 in key order of p_j * v_j, over the sum of p (total). SUM: the first
+// call also sums p, in the same key order, into total (one pass less over p).
+template <int TR, int W, bool SUM, typename S>
+static inline void values(const Args& A, int64_t kv, int64_t c0, int64_t jlo, int64_t jhi, const float* p,
+                          float* total, float* const* orow, int64_t tr) {
+  const int64_t nbk = A.nb * KB;
+  vf o[TR][W];
+  float t[TR];
+  for (int a = 0; a < TR; ++a) {
+    t[a] = 0.0f;
+    for (int c = 0; c < W; ++c) o[a][c] = vf{};
+  }
+  for (int64_t j = jlo; j < jhi; ++j) {
+    const S* vj = static_cast<const S*>(A.v) + kv * A.vs0 + j * A.vs1 + c0 * VW;
+    vf vv[W];
+    for (int c = 0; c < W; ++c) vv[c] = loadv(vj + c * VW);
+    for (int a = 0; a < TR; ++a) {
+      const float pj = p[a * nbk + j];
+      if constexpr (SUM) t[a] += pj;
+      for (int c = 0; c < W; ++c) o[a][c] += pj * vv[c];
+    }
+  }
+  if constexpr (SUM)
+    for (int a = 0; a < TR; ++a) total[a] = t[a];
+  for (int a = 0; a < tr; ++a)
+    for (int c = 0; c < W; ++c)
+      for (int l = 0; l < VW; ++l) orow[a][(c0 + c) * VW + l] = o[a][c][l] / total[a];
+}
+
 // Query rows x0 .. x0 + TR - 1 of kv head kv (row x: token x / g, head kv * g + x % g); rows past
 // `rows` repeat the last one and are not written. p: TR * nb * KB floats of scratch. DV: the head
-// size in vectors of 16 where it is known at compile time (64, 128, 256), 0 for any other: with
-// it the TR x DV sums over the values stay in registers (without, they went through memory and
-// the call took 1.4-1.8x as long: 4 requests of 4 tokens, 72 against 123 us a layer, AMD EPYC).
+// size in vectors where it is known at compile time (64, 128, 256), 0 for any other: with it the
+// sums over the values stay in registers (without, they went through memory and the call took
+// 1.4-1.8x as long: 4 requests of 4 tokens, 72 against 123 us a layer, AMD EPYC, AVX-512).
 template <int TR, int DV, typename S>
 static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) {
   const int64_t tr = rows - x0 < TR ? rows - x0 : TR;
@@ -119,23 +163,24 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
     orow[a] = A.out + ((A.row0 + r) * A.hq + h) * d;
   }
   float mx[TR];
-  const v16 neg_inf = v16{} - INFINITY;
-  v16 vmx[TR];                                       // the max over whole blocks, lane by lane
-  for (int a = 0; a < TR; ++a) mx[a] = -INFINITY, vmx[a] = neg_inf;
+  const vf neg_inf = vf{} - INFINITY;
+  vf vmx[TR][NV];                                    // the max over whole blocks, lane by lane
+  for (int a = 0; a < TR; ++a) {
+    mx[a] = -INFINITY;
+    for (int u = 0; u < NV; ++u) vmx[a][u] = neg_inf;
+  }
   int64_t jlo = n, jhi = 0;                          // the keys any row of the tile sees
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * KB, hi = lo + KB < n ? lo + KB : n;
     bool any = false;
     if (hi - lo == KB) {
-      vb16 seen = vb16{};
+      uint64_t seen = 0;
       for (int a = 0; a < TR; ++a) {
-        vb16 r;
-        std::memcpy(&r, vr[a] + lo, sizeof(vb16));
-        seen |= r;
+        uint64_t w[2];
+        std::memcpy(w, vr[a] + lo, sizeof(w));
+        seen |= w[0] | w[1];
       }
-      uint64_t w[2];
-      std::memcpy(w, &seen, sizeof(w));
-      any = (w[0] | w[1]) != 0;
+      any = seen != 0;
     } else {
       for (int a = 0; a < TR; ++a)
         for (int64_t j = lo; j < hi; ++j) any |= vr[a][j];
@@ -149,59 +194,78 @@ static void tile(const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) 
     jlo = lo < jlo ? lo : jlo;
     jhi = hi;
     const S* kb = static_cast<const S*>(A.kt) + kv * A.kts0 + b * d * KB;
-    v16 acc[TR];
-    for (int a = 0; a < TR; ++a) acc[a] = v16{};
-    for (int64_t i = 0; i < (DV ? DV * 16 : d); ++i) {   // each score: its d products summed in order
-      const v16 kv16 = load16(kb + i * KB);
-      for (int a = 0; a < TR; ++a) acc[a] += qr[a][i] * kv16;
+    vf acc[TR][NV];
+    for (int a = 0; a < TR; ++a)
+      for (int u = 0; u < NV; ++u) acc[a][u] = vf{};
+    for (int64_t i = 0; i < (DV ? DV * VW : d); ++i) {   // each score: its d products summed in order
+      vf kv_[NV];
+      for (int u = 0; u < NV; ++u) kv_[u] = loadv(kb + i * KB + u * VW);
+      for (int a = 0; a < TR; ++a) {
+        const float qi = qr[a][i];
+        for (int u = 0; u < NV; ++u) acc[a][u] += qi * kv_[u];
+      }
     }
     if (hi - lo == KB) {                             // a whole block: its 16 scores in vector ops
-      for (int a = 0; a < TR; ++a) {
-        vb16 seen;
-        std::memcpy(&seen, vr[a] + lo, sizeof(vb16));
-        const v16 s = __builtin_convertvector(seen, vi16) != 0 ? acc[a] * A.scale : neg_inf;
-        std::memcpy(p + a * nb * KB + lo, &s, sizeof(v16));
-        vmx[a] = s > vmx[a] ? s : vmx[a];
-      }
+      for (int a = 0; a < TR; ++a)
+        for (int u = 0; u < NV; ++u) {
+          vb seen;
+          std::memcpy(&seen, vr[a] + lo + u * VW, sizeof(vb));
+          const vf s = __builtin_convertvector(seen, vi) != 0 ? acc[a][u] * A.scale : neg_inf;
+          std::memcpy(p + a * nb * KB + lo + u * VW, &s, sizeof(vf));
+          vmx[a][u] = s > vmx[a][u] ? s : vmx[a][u];
+        }
     } else {
       for (int a = 0; a < TR; ++a)
         for (int64_t j = lo; j < hi; ++j) {
-          const float s = vr[a][j] ? acc[a][j - lo] * A.scale : -INFINITY;
+          const int64_t l = j - lo;
+          const float s = vr[a][j] ? acc[a][l / VW][l % VW] * A.scale : -INFINITY;
           p[a * nb * KB + j] = s;
           mx[a] = s > mx[a] ? s : mx[a];
         }
     }
   }
   for (int a = 0; a < TR; ++a)                      // a max is the same in any order
-    for (int l = 0; l < KB; ++l) mx[a] = vmx[a][l] > mx[a] ? vmx[a][l] : mx[a];
+    for (int u = 0; u < NV; ++u)
+      for (int l = 0; l < VW; ++l) mx[a] = vmx[a][u][l] > mx[a] ? vmx[a][u][l] : mx[a];
   for (int a = 0; a < TR; ++a) {
     float* pa = p + a * nb * KB;
     for (int64_t j = jlo; j < jhi; ++j) pa[j] = exp_nonpositive(pa[j] - mx[a]);   // unseen: -inf -> 0
   }
-  const int64_t dv = DV ? DV : d / 16, dt = DV ? 0 : d - dv * 16;   // whole vectors, then a scalar tail
-  v16 o[TR][DV ? DV : MAX_DV];
-  float ot[TR][16];
-  float total[TR];
-  for (int a = 0; a < TR; ++a) {
-    total[a] = 0.0f;
-    for (int64_t c = 0; c < dv; ++c) o[a][c] = v16{};
-    for (int64_t i = 0; i < dt; ++i) ot[a][i] = 0.0f;
-  }
-  for (int64_t j = jlo; j < jhi; ++j) {              // values in key order, the sum of p alike
-    const S* vj = static_cast<const S*>(A.v) + kv * A.vs0 + j * A.vs1;
-    v16 vv[DV ? DV : MAX_DV];
-    for (int64_t c = 0; c < dv; ++c) vv[c] = load16(vj + c * 16);
-    const S* vt = vj + dv * 16;
+  // the values: out[c] = sum over j in key order of p_j * v_j[c], W vectors of columns at a time
+  // (their TR x W sums in registers): chunks of CH, as wide as the registers allow and as even as
+  // the head allows (a chunk wider than the head did W - DV vectors of work for nothing: 1.6x the
+  // time at 1.7B, one row a tile), what is left in chunks of 8, 4, 2, 1, then the scalar tail
+  constexpr int CHR = REGS / TR < 1 ? 1 : REGS / TR;
+  constexpr int CH = DV ? DV / ((DV + CHR - 1) / CHR) : CHR;
+  const int64_t dv = DV ? DV : d / VW, dt = DV ? 0 : d - dv * VW;
+  float total[TR];                                   // the sum of p in key order, by the first chunk
+  int64_t c0 = 0;
+  if (dv >= CH) values<TR, CH, true, S>(A, kv, 0, jlo, jhi, p, total, orow, tr), c0 = CH;
+  else {                                             // a head narrower than a chunk (no DV)
     for (int a = 0; a < TR; ++a) {
-      const float pj = p[a * nb * KB + j];
-      total[a] += pj;
-      for (int64_t c = 0; c < dv; ++c) o[a][c] += pj * vv[c];
-      for (int64_t i = 0; i < dt; ++i) ot[a][i] += pj * widen(vt[i]);
+      float t = 0.0f;
+      for (int64_t j = jlo; j < jhi; ++j) t += p[a * nb * KB + j];
+      total[a] = t;
     }
   }
-  for (int a = 0; a < tr; ++a) {
-    for (int64_t i = 0; i < dv * 16; ++i) orow[a][i] = o[a][i / 16][i % 16] / total[a];
-    for (int64_t i = 0; i < dt; ++i) orow[a][dv * 16 + i] = ot[a][i] / total[a];
+  for (; c0 + CH <= dv; c0 += CH) values<TR, CH, false, S>(A, kv, c0, jlo, jhi, p, total, orow, tr);
+  if constexpr (CH > 8) for (; c0 + 8 <= dv; c0 += 8) values<TR, 8, false, S>(A, kv, c0, jlo, jhi, p, total, orow, tr);
+  if constexpr (CH > 4) if (c0 + 4 <= dv) values<TR, 4, false, S>(A, kv, c0, jlo, jhi, p, total, orow, tr), c0 += 4;
+  if constexpr (CH > 2) if (c0 + 2 <= dv) values<TR, 2, false, S>(A, kv, c0, jlo, jhi, p, total, orow, tr), c0 += 2;
+  if constexpr (CH > 1) if (c0 + 1 <= dv) values<TR, 1, false, S>(A, kv, c0, jlo, jhi, p, total, orow, tr), c0 += 1;
+  if (dt > 0) {
+    float ot[TR][VW];
+    for (int a = 0; a < TR; ++a)
+      for (int64_t i = 0; i < dt; ++i) ot[a][i] = 0.0f;
+    for (int64_t j = jlo; j < jhi; ++j) {
+      const S* vt = static_cast<const S*>(A.v) + kv * A.vs0 + j * A.vs1 + dv * VW;
+      for (int a = 0; a < TR; ++a) {
+        const float pj = p[a * nb * KB + j];
+        for (int64_t i = 0; i < dt; ++i) ot[a][i] += pj * widen(vt[i]);
+      }
+    }
+    for (int a = 0; a < tr; ++a)
+      for (int64_t i = 0; i < dt; ++i) orow[a][dv * VW + i] = ot[a][i] / total[a];
   }
 }
 
@@ -216,9 +280,9 @@ static void run(int tr, const Args& A, int64_t kv, int64_t x0, int64_t rows, flo
 
 template <typename S>
 static void run_any(int tr, const Args& A, int64_t kv, int64_t x0, int64_t rows, float* p) {
-  if (A.d == 64) run<4, S>(tr, A, kv, x0, rows, p);
-  else if (A.d == 128) run<8, S>(tr, A, kv, x0, rows, p);
-  else if (A.d == 256) run<16, S>(tr, A, kv, x0, rows, p);
+  if (A.d == 64) run<64 / VW, S>(tr, A, kv, x0, rows, p);
+  else if (A.d == 128) run<128 / VW, S>(tr, A, kv, x0, rows, p);
+  else if (A.d == 256) run<256 / VW, S>(tr, A, kv, x0, rows, p);
   else run<0, S>(tr, A, kv, x0, rows, p);
 }
 
@@ -244,7 +308,7 @@ void set_tile(int64_t tr) { forced_tile = static_cast<int>(tr); }
 
 static torch::Tensor attend_seqs(const torch::Tensor& q, std::vector<Args>& seqs) {
   const int64_t hq = q.size(1), d = q.size(2);
-  TORCH_CHECK(d <= 16 * MAX_DV + 15, "fused attention: head size above 271");
+  TORCH_CHECK(d <= MAX_D, "fused attention: head size above 271");
   auto out = torch::empty_like(q);
   struct Job { int64_t s, kv, b; };                 // a block of keys to transpose
   std::vector<Job> moves;
