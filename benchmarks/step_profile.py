@@ -6,7 +6,10 @@ in one process, interleaved:
              least of 7): the limit a decode step is held to;
   limit      the bytes of every weight one token reads (each GEMM's packing once, the embedding
              row negligible) over that bandwidth: the fastest a one-token forward can be;
-  t1         a one-token forward on a 256-token cache, least of --rounds;
+  t1         a one-token forward on a 256-token cache, least of --rounds, through the Python
+             blocks (the per-type and per-class splits time their calls);
+  compiled   the same forward with the decoder layers in one compiled call (model/compiled.py;
+             null where the model's layers do not fit it), interleaved with the blocks' in one loop;
   per type   each Linear type's (qkv, o, gate_up, down, head) time inside t1, by timing hooks
              (perf_counter around the call; a few us each), its bytes and the GB/s it streams;
   outside    t1 less every GEMM: norms, rope, attention, embedding, Python;
@@ -90,6 +93,8 @@ def by_class(model, context: int, rounds: int) -> dict:
         if hasattr(ops, name):
             timer.wrap(ops, name, "row ops", undo)
     timer.wrap(Step, "attend", "attention", undo)
+    model.compiled_layers = False   # the timers wrap the blocks' calls
+    undo.append(lambda: setattr(model, "compiled_layers", True))
     cache = model.new_cache()
     vocab = model.config.vocab_size
     Decoder(model, ())._prefill([(7 + 13 * i) % vocab for i in range(context)], cache)
@@ -113,8 +118,32 @@ def by_class(model, context: int, rounds: int) -> dict:
     return {"t1_ms": round(1e3 * best, 3), "ms": out}
 
 
+def blocks_and_compiled(model, context: int, rounds: int) -> dict:
+    """A one-token forward's least time through the blocks and through the compiled layers, the
+    two interleaved round by round, in ms (compiled: None where the layers do not fit it)."""
+    from hdcli.engine.model import compiled
+    cache = model.new_cache()
+    vocab = model.config.vocab_size
+    Decoder(model, ())._prefill([(7 + 13 * i) % vocab for i in range(context)], cache)
+    ids = torch.tensor([[5]])
+    ways = [False] + ([True] if compiled.layers_of(model) is not None else [])
+    best = {w: float("inf") for w in ways}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for way in ways:
+                model.compiled_layers = way
+                t = time.perf_counter()
+                model.forward(ids, cache)
+                best[way] = min(best[way], time.perf_counter() - t)
+                cache.crop(context)
+    model.compiled_layers = True
+    return {"blocks_ms": round(1e3 * best[False], 3), "compiled_ms": round(1e3 * best[True], 3) if True in best else None,
+            "why_not": compiled.why_not(model)}
+
+
 def profile(lm, context: int, rounds: int) -> dict:
     model = lm.model
+    model.compiled_layers = False   # the hooks time the blocks' calls
     used = {n: m for n, m in model.named_modules() if type(m).__name__ == "Linear" and hasattr(m, "kernel")}
     spent: dict[str, float] = defaultdict(float)
     starts: dict[str, float] = {}
@@ -141,6 +170,7 @@ def profile(lm, context: int, rounds: int) -> dict:
                 best_t1, best_split = t1, dict(spent)
     for h in hooks:
         h.remove()
+    model.compiled_layers = True
     by_type: dict[str, dict] = {}
     for name in called:   # the layers a forward calls (joined q/k/v and gate/up, not their parts)
         kind = layer_type(name)
@@ -178,9 +208,13 @@ def main(argv=None) -> int:
             got["share_of_limit"] = got["limit_ms"] / got["t1_ms"]
             got["numerics"] = lm.info.get("numerics", {}).get("layers")
             got["by_class"] = by_class(lm.model, args.context, args.rounds)
+            got["one_call"] = blocks_and_compiled(lm.model, args.context, args.rounds)
             doc["models"].setdefault(Path(path).name, {})[kern] = got
             print(f"{Path(path).name} {kern}: one token {got['t1_ms']:.1f} ms, limit {got['limit_ms']:.1f} ms "
                   f"({100 * got['share_of_limit']:.0f}%), GEMMs {got['gemm_ms']:.1f} ms, outside {got['outside_ms']:.1f} ms")
+            oc = got["one_call"]
+            print(f"    blocks {oc['blocks_ms']:.2f} ms, the layers in one compiled call "
+                  + (f"{oc['compiled_ms']:.2f} ms ({oc['blocks_ms'] / oc['compiled_ms']:.2f}x)" if oc["compiled_ms"] else f"not run: {oc['why_not']}"))
             cl = got["by_class"]
             print(f"    by class (one token {cl['t1_ms']:.1f} ms): " + ", ".join(
                 f"{k} {v:.1f}" for k, v in sorted(cl["ms"].items(), key=lambda kv: -kv[1])))

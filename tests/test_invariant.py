@@ -258,6 +258,7 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
     for f in real:   # on invariant caches the attention appends the keys too (append_attend_many)
         monkeypatch.setattr(fused.KERNEL, f, lambda *a, f=f: calls.append(f) or real[f](*a))
     model = build(name, dtype, kern)
+    model.compiled_layers = False   # the blocks' calls (the compiled layers': test_compiled_layers_*)
     with invariant.pinned("fused"):
         info = calibrate.enable(model)
         assert fused.name().startswith("fused-") and info["self_check"][0] == info["self_check"][1]
@@ -279,6 +280,106 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
         prefix = [rng.randrange(3, V) for _ in range(75)]
         assert not all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix))
     calibrate.disable(model)
+
+
+def _compiled_model(kern: str, mix: str = "Q4_K_M"):
+    """A tiny GGUF of a real mix (Q4_K_M: q/k and v of other types in some layers, so q/k/v join
+    in some layers only), the fused attention, the mode on: a model the compiled layers run."""
+    from hdcli.engine.kernels import fused
+    from hdcli.engine.model import compiled
+    if fused.load(quiet=True) is None:
+        pytest.skip(f"the fused attention does not compile here: {fused.failure()}")
+    if kern == "gguf" and not quants.bf16_available():
+        pytest.skip("hd's bf16-activation GEMM needs AVX512-BF16")
+    if kern == "gguf-int8" and not quants.int8_available():
+        pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI or AVX2")
+    import synth_gguf
+    folder = Path(_FOLDERS.name) / f"compiled-{next(_SEQ)}"
+    folder.mkdir()
+    synth_gguf.write(folder / "tiny.gguf", "tiny", mix, seed=0)
+    with invariant.pinned("fused"):
+        model = models.load(str(folder / "tiny.gguf"), dtype="bf16", device="cpu", kernels=kern, invariant="on",
+                            quiet=True).model
+    assert compiled.why_not(model) is None, compiled.why_not(model)
+    blocks = model.blocks
+    assert any(b.qkv is None for b in blocks) and any(b.qkv is not None for b in blocks)   # both spellings
+    return model
+
+
+def _forwards(model, rng) -> tuple[list, list]:
+    """Logits of a prompt, single tokens, a chain, a tree and a batch of three parts (one a tree),
+    then a keys-only prefill; and every cache's stored keys, values and transposed keys after."""
+    from hdcli.engine.decode import batch
+    caches, logits = [model.new_cache() for _ in range(3)], []
+    for c in caches:
+        logits.append(model.forward(torch.tensor([[rng.randrange(3, V) for _ in range(21)]]), c))
+    for _ in range(3):
+        logits.append(model.forward(torch.tensor([[int(logits[-1][-1].argmax())]]), caches[0]))
+    logits.append(model.forward(torch.tensor([[rng.randrange(3, V) for _ in range(5)]]), caches[0]))
+    trees = [chain([rng.randrange(3, V) for _ in range(3)]), branchy(rng, 9), chain([])]
+    logits += batch.forward_many(model, [(t, 7, c) for t, c in zip(trees, caches)])
+    model.prefill(torch.tensor([[rng.randrange(3, V) for _ in range(9)]]), caches[1])
+    logits.append(model.forward(torch.tensor([[5]]), caches[1]))
+    stored = [t[:, :, :layer.length] if t is not layer.ktbuf else t.clone()
+              for c in caches for layer in c.layers for t in (layer.kbuf, layer.vbuf)]
+    return logits, stored
+
+
+@pytest.mark.parametrize("kern", ["gguf", "gguf-int8"])
+def test_compiled_layers_equal_the_blocks(kern, tmp_path, monkeypatch):
+    """The decoder layers in one compiled call (engine/model/compiled.py, csrc/qmm.cpp's Layers)
+    against the Python blocks on the same model: prompt, single tokens, a chain, a token tree and a
+    batch of three parts, and a keys-only prefill give torch.equal logits and caches, with the
+    compiled call taken for each. And the comparison can fail: a handle built with another norm
+    epsilon than the blocks' gives other logits."""
+    from hdcli.engine.model import compiled
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    model = _compiled_model(kern)
+    runs = []
+    real = compiled.CompiledLayers.run
+    monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, *a: runs.append(a[-1]) or real(self, *a))
+    with invariant.pinned("fused"):
+        got = {}
+        for flag in (True, False):
+            model.compiled_layers = flag
+            got[flag] = _forwards(model, random.Random(3))
+        assert len(runs) == 10 and runs[-2] == len(model.blocks) - 1   # every forward; the prefill's last layer alone
+        for a, b in zip(got[True][0] + got[True][1], got[False][0] + got[False][1]):
+            assert torch.equal(a, b)
+        model.compiled_layers = True
+        monkeypatch.setattr(model.config, "rms_norm_eps", model.config.rms_norm_eps * 4 + 1e-3)
+        model.__dict__.pop("_compiled")   # rebuilt with the other epsilon
+        off = _forwards(model, random.Random(3))[0]
+        assert not all(torch.equal(a, b) for a, b in zip(off, got[False][0]))
+
+
+def test_compiled_layers_rows_equal_one_token_rows(tmp_path, monkeypatch):
+    """M-invariance through the compiled layers: chain and tree rows torch.equal their one-token
+    forwards (both through the compiled call) and greedy trees equal plain decoding; with the
+    call's result nudged where it has more than one row, rows differ."""
+    from hdcli.engine.model import compiled
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    model = _compiled_model("gguf-int8" if quants.int8_available() else "gguf")
+    runs = []
+    real = compiled.CompiledLayers.run
+    monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, x, *a: runs.append(1) or real(self, x, *a))
+    with invariant.pinned("fused"):
+        rng = random.Random(5)
+        for k in (1, 4, 16):
+            prefix = [rng.randrange(3, V) for _ in range(75)]
+            assert all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(k - 1)]), prefix)), k
+        for nodes in (6, 17):
+            prefix = [rng.randrange(3, V) for _ in range(40)]
+            assert all(rows_vs_one_token(model, branchy(rng, nodes), prefix)), nodes
+        prompt = [rng.randrange(3, V) for _ in range(30)]
+        ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=40).tokens
+        oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=0)
+        assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
+        assert len(runs) > 50
+        monkeypatch.setattr(compiled.CompiledLayers, "run",
+                            lambda self, x, *a: real(self, x, *a) * (1 + 1e-2 * (x.shape[0] > 1)))
+        prefix = [rng.randrange(3, V) for _ in range(75)]
+        assert not all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix))
 
 
 def test_fused_attention_kernel_on_odd_head_sizes():

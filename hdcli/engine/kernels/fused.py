@@ -139,7 +139,7 @@ class AttentionKernel(OnePerProcess):
             froms.append(valid)
         out = self.module.attend_many(q, [k for k, _ in kvs], kts, froms, [v for _, v in kvs], list(viss),
                                       float(scaling))
-        _transposed_now(kept, viss)
+        transposed_now(kept, viss)
         return out
 
     def append_attend_many(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, owners, viss,
@@ -154,11 +154,11 @@ class AttentionKernel(OnePerProcess):
         out = self.module.append_attend_many(query, key, value, starts, [o.kbuf for o in owners],
                                              [o.ktbuf for o in owners], [o.kt_len for o in owners],
                                              [o.vbuf for o in owners], viss, float(scaling))
-        _transposed_now(owners, viss)
+        transposed_now(owners, viss)
         return out
 
 
-def _transposed_now(owners, viss) -> None:
+def transposed_now(owners, viss) -> None:
     """After a call: each owner's transposed copy holds the keys its sequence read (a layout
     pads one key to two: that second key is not written yet)."""
     for owner, vis in zip(owners, viss):

@@ -53,7 +53,8 @@ from torch import nn
 
 from ..kernels import fused, invariant
 from . import kvcache
-from .attention import Step
+from .attention import FUSED, Step
+from .compiled import layers_of
 from .layers import Embedding, Linear, RowOps, row_ops
 from .numerics import Numerics
 from .rope import Rope
@@ -157,6 +158,7 @@ class LlamaForward(nn.Module):
 
     family = "llama"
     block_class = Block
+    compiled_layers = True   # the decoder layers in one compiled call where they fit (compiled.py); False: the blocks
 
     def __init__(self, gf, cfg, num: Numerics, progress=None):
         super().__init__()
@@ -284,7 +286,13 @@ class LlamaForward(nn.Module):
         ctx = Step(self, parts)
         x = self.embed_rows(ctx.ids)
         last = len(self.blocks) - 1
-        for i, blk in enumerate(self.blocks):
+        start = 0
+        compiled = layers_of(self) if self.compiled_layers and ctx.attention is FUSED else None
+        if compiled is not None and last + (not keys_only) > 0:   # the layers in one call (compiled.py)
+            start = last + (not keys_only)
+            x = compiled.run(x, ctx, start)
+        for i in range(start, last + 1):
+            blk = self.blocks[i]
             if keys_only and i == last:
                 blk.keys_only(x, ctx)
                 return []

@@ -513,4 +513,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "M-invariant attention of one sequence: fixed arithmetic per (row, head)", py::call_guard<py::gil_scoped_release>());
   m.def("attend_many", &attend_many, "M-invariant attention of several sequences in one call", py::call_guard<py::gil_scoped_release>());
   m.def("append_attend_many", &append_attend_many, "attend_many after appending new keys and values", py::call_guard<py::gil_scoped_release>());
+  m.def("append_attend_many_address", [] { return reinterpret_cast<int64_t>(&append_attend_many); },
+        "append_attend_many's address, for compiled code that calls it (csrc/qmm.cpp's Layers)");
 }

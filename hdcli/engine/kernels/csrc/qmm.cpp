@@ -1291,6 +1291,97 @@ torch::Tensor rope(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_
   return out;
 }
 
+// ---------------------------------------------------------------- the decoder layers in one call
+// A llama-family forward's decoder layers (hdcli/engine/model/compiled.py): per layer
+//   h = norm(x); y = qkv(h); q, k = rope(y's q, k columns); a = attention(q, k, v) (appending k, v);
+//   x, h = x + o(a), norm(x + o(a)); x = x + down(silu(gate(h)) * up(h))
+// with the functions and torch ops the Python blocks call (add_rms_norm, rope, mm / mm8, at::silu,
+// the bf16 multiply and add), in their order on the same tensors: every layer's output is
+// torch.equal to the Python path's (tests/test_invariant.py), the Python and dispatch between
+// them gone (a dozen calls a layer from Python, 2-2.5 ms of a bundled-model forward).
+// The attention is the fused one (csrc/attend.cpp, its own extension): called through the address
+// of its append_attend_many (attend.cpp: append_attend_many_address), a plain C++ call; a torch
+// op registered by name would be registered once a process, and a benchmark loads several builds.
+typedef torch::Tensor (*AppendAttendMany)(torch::Tensor, torch::Tensor, torch::Tensor, std::vector<int64_t>,
+                                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
+                                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, double);
+
+struct Gemm {                // a QLinear: its packing, format and activations
+  torch::Tensor packed;
+  std::string fmt;
+  bool int8;
+  torch::Tensor operator()(const torch::Tensor& x) const { return int8 ? mm8(x, packed, fmt) : mm(x, packed, fmt); }
+};
+
+class Layers {
+ public:
+  // per layer i: norms[2i], norms[2i + 1] = attn_norm, ffn_norm; GEMM slots [7i .. 7i + 6] = q, k,
+  // v, o, gate, up, down (packed, fmts, int8 alike), where q holds q, k and v side by side when
+  // the file's three join (one type: QLinear.side_by_side) and k, v are then empty (fmt ""), and
+  // gate holds gate and up alike; heads hq and hkv of size d; the attention's address.
+  Layers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed, std::vector<std::string> fmts,
+         std::vector<bool> int8, int64_t hq, int64_t hkv, int64_t d, double eps, bool interleaved, int64_t attend)
+      : norms_(std::move(norms)), hq_(hq), hkv_(hkv), d_(d), eps_(eps), interleaved_(interleaved),
+        attend_(reinterpret_cast<AppendAttendMany>(attend)) {
+    TORCH_CHECK(packed.size() == 7 * norms_.size() / 2 && norms_.size() % 2 == 0 && fmts.size() == packed.size()
+                && int8.size() == packed.size() && attend, "Layers: 2 norms and 7 GEMM slots a layer, and the attention");
+    for (size_t j = 0; j < packed.size(); ++j) gemms_.push_back({packed[j], fmts[j], int8[j]});
+  }
+
+  int64_t size() const { return static_cast<int64_t>(norms_.size() / 2); }
+
+  // x [M, D] bf16 (every part's rows, in order) through layers 0 .. n - 1; cos, sin [M, d] bf16;
+  // per layer i and part s (index i * P + s): start, k, kt, kt_len, v1 as attend.cpp's
+  // append_attend_many takes them; vis [P] (one visibility a part, every layer's); scale.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n, std::vector<int64_t> start,
+                        std::vector<torch::Tensor> k, std::vector<torch::Tensor> kt, std::vector<int64_t> kt_len,
+                        std::vector<torch::Tensor> v1, std::vector<torch::Tensor> vis, double scale) const {
+    const int64_t P = static_cast<int64_t>(vis.size());
+    TORCH_CHECK(n >= 1 && n <= size() && (int64_t)start.size() == n * P && (int64_t)k.size() == n * P
+                && (int64_t)kt.size() == n * P && (int64_t)kt_len.size() == n * P && (int64_t)v1.size() == n * P,
+                "Layers.forward: a cache layer a part a layer");
+    const int64_t m = x.size(0), nq = hq_ * d_, nk = hkv_ * d_;
+    torch::Tensor h = std::get<1>(add_rms_norm(x, c10::nullopt, norms_[0], eps_));
+    for (int64_t i = 0; i < n; ++i) {
+      const Gemm* g = &gemms_[7 * i];
+      torch::Tensor yq, yk, yv;
+      if (g[1].fmt.empty()) {                        // q, k, v in one GEMM: their columns
+        const torch::Tensor y = g[0](h);
+        yq = y.narrow(1, 0, nq), yk = y.narrow(1, nq, nk), yv = y.narrow(1, nq + nk, nk);
+      } else {
+        yq = g[0](h), yk = g[1](h), yv = g[2](h);
+      }
+      const torch::Tensor q = rope(yq, cos, sin, hq_, interleaved_).unsqueeze(0);
+      const torch::Tensor kn = rope(yk, cos, sin, hkv_, interleaved_).unsqueeze(0);
+      const torch::Tensor vn = yv.reshape({m, hkv_, d_}).transpose(0, 1).unsqueeze(0);
+      const auto from = [&](const auto& all) { return std::vector<typename std::decay_t<decltype(all)>::value_type>(
+                                                   all.begin() + i * P, all.begin() + (i + 1) * P); };
+      const torch::Tensor a = attend_(q, kn, vn, from(start), from(k), from(kt), from(kt_len), from(v1), vis, scale)
+                                  .reshape({m, -1});
+      auto [x2, h2] = add_rms_norm(x, g[3](a), norms_[2 * i + 1], eps_);
+      torch::Tensor gate, up;
+      if (g[5].fmt.empty()) {                        // gate and up in one GEMM: its halves
+        const torch::Tensor gu = g[4](h2);
+        const int64_t half = gu.size(1) / 2;
+        gate = gu.narrow(1, 0, half), up = gu.narrow(1, half, half);
+      } else {
+        gate = g[4](h2), up = g[5](h2);
+      }
+      x = x2 + g[6](at::silu(gate) * up);
+      if (i + 1 < n) h = std::get<1>(add_rms_norm(x, c10::nullopt, norms_[2 * (i + 1)], eps_));
+    }
+    return x;
+  }
+
+ private:
+  std::vector<torch::Tensor> norms_;
+  std::vector<Gemm> gemms_;
+  int64_t hq_, hkv_, d_;
+  double eps_;
+  bool interleaved_;
+  AppendAttendMany attend_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "weight-only GEMM on GGUF-quantized weights with bf16 dot products, the same arithmetic for any row count",
         py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
@@ -1306,4 +1397,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported8", &supported8, "whether this CPU's build has the int8-activation GEMM (AVX512-VNNI or AVX2)");
   m.def("isa8", &isa8, "the instructions the int8-activation GEMM is built on: AVX512-VNNI, AVX2 or empty");
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
+  py::class_<Layers>(m, "Layers", "a llama-family forward's decoder layers in one call (model/compiled.py)")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<std::string>, std::vector<bool>,
+                    int64_t, int64_t, int64_t, double, bool, int64_t>())
+      .def("size", &Layers::size)
+      .def("forward", &Layers::forward, py::call_guard<py::gil_scoped_release>());
 }
+

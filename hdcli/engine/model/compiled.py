@@ -1,0 +1,107 @@
+"""A llama-family forward's decoder layers in one compiled call (csrc/qmm.cpp's Layers).
+
+The Python blocks (llama.Block) make a dozen calls a layer into torch or hd's kernels: at the
+bundled model's size that Python and dispatch was 2-2.5 ms of an 8.4 ms one-token forward (as
+AVX2, docs/benchmarks.md). CompiledLayers hands every layer of a forward to one C++ call that
+runs the same functions and torch ops the blocks call, in their order, on the same tensors: the
+hidden state after each layer is torch.equal to the Python path's (tests/test_invariant.py), so
+whatever the blocks guarantee (M-invariant rows, exactness) holds through it unchanged.
+
+Where it runs (`why_not` says why not, else None): every block the plain llama one (pre-norms, no
+per-head or post-sublayer norms, no residual multiplier, full attention) on bf16 GGUF GEMMs
+(quants.QLinear, no bias, no row padding; q/k/v and gate/up joined into one GEMM where the file's
+types allow, as the blocks have them), the compiled
+row ops and the fused attention (Step.attention FUSED). Elsewhere (fp32, dense kernels, Qwen2's
+biases, Qwen3 and OLMo 2 norms, Granite, Gemma 3, sliding windows, the torch ops' attention) the
+blocks run as before. Its keys and values go where the Python path's go: each part's
+kvcache.InvariantLayer, claimed here before the call, written and attended inside it.
+
+A model's handle is built at its first forward and rebuilt when its blocks change (subset,
+truncated share the weights, not the handle). `LlamaForward.compiled_layers = False` runs the
+Python blocks (tests and benchmarks compare the two).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import fused, quants
+from .layers import CompiledRowOps
+
+
+def why_not(model) -> str | None:
+    """Why the model's layers cannot run as one compiled call, or None where they can."""
+    if model.family != "llama" or model.numerics.dtype != "bf16" or model.numerics.device != "cpu":
+        return "not a bf16 llama-family model on the CPU"
+    if not isinstance(model.row_ops, CompiledRowOps):
+        return "the row ops are torch's"
+    module = quants.gemm_module()
+    if module is None or not hasattr(module, "Layers"):
+        return "the GGUF GEMM's extension has no Layers"
+    if fused.KERNEL.module is None or not hasattr(fused.KERNEL.module, "append_attend_many_address"):
+        return "the fused attention is not loaded"
+    for blk in model.blocks:
+        if (blk.kind != "full" or blk.post_attn_norm is not None or blk.q_norm is not None or blk.k_norm is not None
+                or blk.attn_norm is None or blk.ffn_norm is None or blk.residual_scale != 1.0):
+            return f"layer {blk.index} is not the plain llama block"
+        for lin in _slots(blk):
+            if lin is not None and (lin.kind != "gguf" or lin.min_rows != 1 or lin.kernel.bias is not None):
+                return f"layer {blk.index} has a linear layer off the GGUF GEMM ({lin.kind}, {lin.qtype})"
+        if (blk.qkv is None and blk.q is None) or (blk.gate_up is None and blk.gate is None):
+            return f"layer {blk.index} is not the plain llama block"
+    return None
+
+
+def _slots(blk) -> list:
+    """A block's Linear layers in Layers' seven slots: q (or q, k, v joined), k, v, o, gate (or
+    gate and up joined), up, down; None for a slot a joined layer covers."""
+    q, k, v = (blk.qkv, None, None) if blk.qkv is not None else (blk.q, blk.k, blk.v)
+    gate, up = (blk.gate_up, None) if blk.gate_up is not None else (blk.gate, blk.up)
+    return [q, k, v, blk.o, gate, up, blk.down]
+
+
+class CompiledLayers:
+    """The handle of one model's blocks (csrc/qmm.cpp's Layers: their norms and packings, the
+    attention's address) and the per-forward bookkeeping around its call."""
+
+    def __init__(self, model):
+        self.blocks = tuple(model.blocks)
+        norms, packed, fmts, int8 = [], [], [], []
+        for blk in self.blocks:
+            norms += [blk.attn_norm.data, blk.ffn_norm.data]
+            for lin in _slots(blk):
+                packed.append(torch.empty(0, dtype=torch.uint8) if lin is None else lin.kernel.packed)
+                fmts.append("" if lin is None else lin.kernel.fmt)
+                int8.append(lin is not None and lin.kernel.activations == "int8")
+        cfg, blk = model.config, self.blocks[0]
+        self.hkv, self.d = blk.hkv, blk.d
+        self.handle = quants.gemm_module().Layers(
+            norms, packed, fmts, int8, blk.hq, blk.hkv, blk.d, float(cfg.rms_norm_eps), bool(model.rope.interleaved),
+            int(fused.KERNEL.module.append_attend_many_address()))
+        self.like = torch.empty(1, blk.hkv, 0, blk.d, dtype=model.dtype)   # what a new cache layer is made for
+
+    def run(self, x: torch.Tensor, step, n: int) -> torch.Tensor:
+        """x [M, D] (the embedded rows of every part) through layers 0 .. n - 1, each part's keys
+        and values appended to its cache layers as the blocks append them."""
+        _, cos, sin = step.rope("full")
+        viss = [lay.vis for lay in step.lays("full")]
+        starts, ks, kts, kt_lens, vs = [], [], [], [], []
+        for i in range(n):
+            for layer, vis in zip(step.layers(i), viss):
+                starts.append(layer.claim(vis.shape[0], self.like, vis.shape[1]))
+                ks.append(layer.kbuf), kts.append(layer.ktbuf), kt_lens.append(layer.kt_len), vs.append(layer.vbuf)
+        x = self.handle.forward(x, cos, sin, n, starts, ks, kts, kt_lens, vs, viss, float(step.model.scaling))
+        for i in range(n):
+            fused.transposed_now(step.layers(i), viss)
+        return x
+
+
+def layers_of(model) -> CompiledLayers | None:
+    """The model's compiled layers where they run (why_not), else None: decided once per state of
+    what why_not reads that can change after a model is built (its blocks, the calibration's
+    min_rows record, the attention kernel's module), kept on the model."""
+    key = (model.blocks, model.numerics.min_rows, fused.KERNEL.module)
+    held = model.__dict__.get("_compiled")
+    if held is None or any(a is not b for a, b in zip(held[0], key)):
+        held = (key, CompiledLayers(model) if why_not(model) is None else None)
+        model.__dict__["_compiled"] = held
+    return held[1]
