@@ -345,6 +345,7 @@ def test_the_self_check_runs_the_blocks_that_cover_every_kind_of_layer(tmp_path,
     assert down not in kinds([model.blocks[0], model.blocks[7]]), "a kind only middle blocks hold"
     real = Linear.forward
     monkeypatch.setattr(Linear, "forward", lambda self, x: real(self, x) + (0.5 if self.shape_key() == down and x.shape[0] > 1 else 0))
+    model.compiled_layers = False   # the break is in the blocks' Linear calls (the compiled layers call the kernels)
     equal, rows = calibrate.self_check(model)
     assert equal < rows
     monkeypatch.setattr(calibrate, "covering_blocks", lambda m: [0, 7])
