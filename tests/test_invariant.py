@@ -328,13 +328,17 @@ def _forwards(model, rng) -> tuple[list, list]:
 @pytest.mark.parametrize("kern", ["gguf", "gguf-int8"])
 def test_compiled_layers_equal_the_blocks(kern, tmp_path, monkeypatch):
     """The decoder layers in one compiled call (engine/model/compiled.py, csrc/qmm.cpp's Layers)
-    against the Python blocks on the same model: prompt, single tokens, a chain, a token tree and a
+    against the Python blocks on the same model (q/k/v biases in two layers, as Qwen2's): prompt, single tokens, a chain, a token tree and a
     batch of three parts, and a keys-only prefill give torch.equal logits and caches, with the
     compiled call taken for each. And the comparison can fail: a handle built with another norm
     epsilon than the blocks' gives other logits."""
     from hdcli.engine.model import compiled
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     model = _compiled_model(kern)
+    gen = torch.Generator().manual_seed(0)
+    for lin in (model.blocks[0].qkv or model.blocks[0].q, model.blocks[1].k):   # Qwen2's biases, joined and alone
+        if lin is not None:
+            lin.kernel.bias = torch.randn(lin.out_features, generator=gen).bfloat16()
     runs = []
     real = compiled.CompiledLayers.run
     monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, *a: runs.append(a[-1]) or real(self, *a))

@@ -9,12 +9,12 @@ whatever the blocks guarantee (M-invariant rows, exactness) holds through it unc
 
 Where it runs (`why_not` says why not, else None): every block the plain llama one (pre-norms, no
 per-head or post-sublayer norms, no residual multiplier, full attention) on bf16 GGUF GEMMs
-(quants.QLinear, no bias, no row padding; q/k/v and gate/up joined into one GEMM where the file's
-types allow, as the blocks have them), the compiled
-row ops and the fused attention (Step.attention FUSED). Elsewhere (fp32, dense kernels, Qwen2's
-biases, Qwen3 and OLMo 2 norms, Granite, Gemma 3, sliding windows, the torch ops' attention) the
-blocks run as before. Its keys and values go where the Python path's go: each part's
-kvcache.InvariantLayer, claimed here before the call, written and attended inside it.
+(quants.QLinear, no row padding, Qwen2's biases or none; q/k/v and gate/up joined into one GEMM
+where the file's types allow, as the blocks have them), the compiled row ops and the fused
+attention (Step.attention FUSED). Elsewhere (fp32, dense kernels, Qwen3's and OLMo 2's norms,
+Granite, Gemma 3, sliding windows, the torch ops' attention) the blocks run as before. Its keys
+and values go where the Python path's go: each part's kvcache.InvariantLayer, claimed here
+before the call, written and attended inside it.
 
 A model's handle is built at its first forward and rebuilt when its blocks change (subset,
 truncated share the weights, not the handle). `LlamaForward.compiled_layers = False` runs the
@@ -44,7 +44,7 @@ def why_not(model) -> str | None:
                 or blk.attn_norm is None or blk.ffn_norm is None or blk.residual_scale != 1.0):
             return f"layer {blk.index} is not the plain llama block"
         for lin in _slots(blk):
-            if lin is not None and (lin.kind != "gguf" or lin.min_rows != 1 or lin.kernel.bias is not None):
+            if lin is not None and (lin.kind != "gguf" or lin.min_rows != 1):
                 return f"layer {blk.index} has a linear layer off the GGUF GEMM ({lin.kind}, {lin.qtype})"
         if (blk.qkv is None and blk.q is None) or (blk.gate_up is None and blk.gate is None):
             return f"layer {blk.index} is not the plain llama block"
@@ -65,17 +65,18 @@ class CompiledLayers:
 
     def __init__(self, model):
         self.blocks = tuple(model.blocks)
-        norms, packed, fmts, int8 = [], [], [], []
+        norms, packed, fmts, int8, biases = [], [], [], [], []
         for blk in self.blocks:
             norms += [blk.attn_norm.data, blk.ffn_norm.data]
             for lin in _slots(blk):
                 packed.append(torch.empty(0, dtype=torch.uint8) if lin is None else lin.kernel.packed)
                 fmts.append("" if lin is None else lin.kernel.fmt)
                 int8.append(lin is not None and lin.kernel.activations == "int8")
+                biases.append(None if lin is None else lin.kernel.bias)
         cfg, blk = model.config, self.blocks[0]
         self.hkv, self.d = blk.hkv, blk.d
         self.handle = quants.gemm_module().Layers(
-            norms, packed, fmts, int8, blk.hq, blk.hkv, blk.d, float(cfg.rms_norm_eps), bool(model.rope.interleaved),
+            norms, packed, fmts, int8, biases, blk.hq, blk.hkv, blk.d, float(cfg.rms_norm_eps), bool(model.rope.interleaved),
             int(fused.KERNEL.module.append_attend_many_address()))
         self.like = torch.empty(1, blk.hkv, 0, blk.d, dtype=model.dtype)   # what a new cache layer is made for
 

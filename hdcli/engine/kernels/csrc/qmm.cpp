@@ -1306,11 +1306,15 @@ typedef torch::Tensor (*AppendAttendMany)(torch::Tensor, torch::Tensor, torch::T
                                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, double);
 
-struct Gemm {                // a QLinear: its packing, format and activations
+struct Gemm {                // a QLinear: its packing, format, activations and bias (Qwen2's q/k/v)
   torch::Tensor packed;
   std::string fmt;
   bool int8;
-  torch::Tensor operator()(const torch::Tensor& x) const { return int8 ? mm8(x, packed, fmt) : mm(x, packed, fmt); }
+  c10::optional<torch::Tensor> bias;
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y = int8 ? mm8(x, packed, fmt) : mm(x, packed, fmt);
+    return bias.has_value() ? y + *bias : y;
+  }
 };
 
 class Layers {
@@ -1318,14 +1322,17 @@ class Layers {
   // per layer i: norms[2i], norms[2i + 1] = attn_norm, ffn_norm; GEMM slots [7i .. 7i + 6] = q, k,
   // v, o, gate, up, down (packed, fmts, int8 alike), where q holds q, k and v side by side when
   // the file's three join (one type: QLinear.side_by_side) and k, v are then empty (fmt ""), and
-  // gate holds gate and up alike; heads hq and hkv of size d; the attention's address.
+  // gate holds gate and up alike (biases: each slot's, None for none); heads hq and hkv of size d;
+  // the attention's address.
   Layers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed, std::vector<std::string> fmts,
-         std::vector<bool> int8, int64_t hq, int64_t hkv, int64_t d, double eps, bool interleaved, int64_t attend)
+         std::vector<bool> int8, std::vector<c10::optional<torch::Tensor>> biases, int64_t hq, int64_t hkv, int64_t d,
+         double eps, bool interleaved, int64_t attend)
       : norms_(std::move(norms)), hq_(hq), hkv_(hkv), d_(d), eps_(eps), interleaved_(interleaved),
         attend_(reinterpret_cast<AppendAttendMany>(attend)) {
     TORCH_CHECK(packed.size() == 7 * norms_.size() / 2 && norms_.size() % 2 == 0 && fmts.size() == packed.size()
-                && int8.size() == packed.size() && attend, "Layers: 2 norms and 7 GEMM slots a layer, and the attention");
-    for (size_t j = 0; j < packed.size(); ++j) gemms_.push_back({packed[j], fmts[j], int8[j]});
+                && int8.size() == packed.size() && biases.size() == packed.size() && attend,
+                "Layers: 2 norms and 7 GEMM slots a layer, and the attention");
+    for (size_t j = 0; j < packed.size(); ++j) gemms_.push_back({packed[j], fmts[j], int8[j], biases[j]});
   }
 
   int64_t size() const { return static_cast<int64_t>(norms_.size() / 2); }
@@ -1399,7 +1406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
   py::class_<Layers>(m, "Layers", "a llama-family forward's decoder layers in one call (model/compiled.py)")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<std::string>, std::vector<bool>,
-                    int64_t, int64_t, int64_t, double, bool, int64_t>())
+                    std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t, int64_t, double, bool, int64_t>())
       .def("size", &Layers::size)
       .def("forward", &Layers::forward, py::call_guard<py::gil_scoped_release>());
 }
