@@ -328,7 +328,8 @@ def _forwards(model, rng) -> tuple[list, list]:
 @pytest.mark.parametrize("kern", ["gguf", "gguf-int8"])
 def test_compiled_layers_equal_the_blocks(kern, tmp_path, monkeypatch):
     """The decoder layers in one compiled call (engine/model/compiled.py, csrc/qmm.cpp's Layers)
-    against the Python blocks on the same model (q/k/v biases in two layers, as Qwen2's): prompt, single tokens, a chain, a token tree and a
+    against the Python blocks on the same model (q/k/v biases in two layers, as Qwen2's, and per-head
+    q/k norms in one, as Qwen3's): prompt, single tokens, a chain, a token tree and a
     batch of three parts, and a keys-only prefill give torch.equal logits and caches, with the
     compiled call taken for each. And the comparison can fail: a handle built with another norm
     epsilon than the blocks' gives other logits."""
@@ -339,6 +340,9 @@ def test_compiled_layers_equal_the_blocks(kern, tmp_path, monkeypatch):
     for lin in (model.blocks[0].qkv or model.blocks[0].q, model.blocks[1].k):   # Qwen2's biases, joined and alone
         if lin is not None:
             lin.kernel.bias = torch.randn(lin.out_features, generator=gen).bfloat16()
+    blk = model.blocks[1]   # Qwen3's per-head q and k norms, in one layer
+    blk.q_norm, blk.k_norm = (torch.nn.Parameter(1 + torch.rand(blk.d, generator=gen).bfloat16(), requires_grad=False)
+                              for _ in range(2))
     runs = []
     real = compiled.CompiledLayers.run
     monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, *a: runs.append(a[-1]) or real(self, *a))

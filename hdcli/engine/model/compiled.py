@@ -7,13 +7,13 @@ runs the same functions and torch ops the blocks call, in their order, on the sa
 hidden state after each layer is torch.equal to the Python path's (tests/test_invariant.py), so
 whatever the blocks guarantee (M-invariant rows, exactness) holds through it unchanged.
 
-Where it runs (`why_not` says why not, else None): every block the plain llama one (pre-norms, no
-per-head or post-sublayer norms, no residual multiplier, full attention) on bf16 GGUF GEMMs
-(quants.QLinear, no row padding, Qwen2's biases or none; q/k/v and gate/up joined into one GEMM
-where the file's types allow, as the blocks have them), the compiled row ops and the fused
-attention (Step.attention FUSED). Elsewhere (fp32, dense kernels, Qwen3's and OLMo 2's norms,
-Granite, Gemma 3, sliding windows, the torch ops' attention) the blocks run as before. Its keys
-and values go where the Python path's go: each part's kvcache.InvariantLayer, claimed here
+Where it runs (`why_not` says why not, else None): every block the plain llama one (pre-norms,
+Qwen3's per-head q/k norms or none, no post-sublayer norms, no residual multiplier, full
+attention) on bf16 GGUF GEMMs (quants.QLinear, no row padding, Qwen2's biases or none; q/k/v and
+gate/up joined into one GEMM where the file's types allow, as the blocks have them), the compiled
+row ops and the fused attention (Step.attention FUSED). Elsewhere (fp32, dense kernels, OLMo 2's
+norms, Granite, Gemma 3, sliding windows, the torch ops' attention) the blocks run as before. Its
+keys and values go where the Python path's go: each part's kvcache.InvariantLayer, claimed here
 before the call, written and attended inside it.
 
 A model's handle is built at its first forward and rebuilt when its blocks change (subset,
@@ -40,7 +40,7 @@ def why_not(model) -> str | None:
     if fused.KERNEL.module is None or not hasattr(fused.KERNEL.module, "append_attend_many_address"):
         return "the fused attention is not loaded"
     for blk in model.blocks:
-        if (blk.kind != "full" or blk.post_attn_norm is not None or blk.q_norm is not None or blk.k_norm is not None
+        if (blk.kind != "full" or blk.post_attn_norm is not None or blk.wide_qk_norm
                 or blk.attn_norm is None or blk.ffn_norm is None or blk.residual_scale != 1.0):
             return f"layer {blk.index} is not the plain llama block"
         for lin in _slots(blk):
@@ -65,9 +65,10 @@ class CompiledLayers:
 
     def __init__(self, model):
         self.blocks = tuple(model.blocks)
-        norms, packed, fmts, int8, biases = [], [], [], [], []
+        norms, packed, fmts, int8, biases, head_norms = [], [], [], [], [], []
         for blk in self.blocks:
             norms += [blk.attn_norm.data, blk.ffn_norm.data]
+            head_norms += [None if n is None else n.data for n in (blk.q_norm, blk.k_norm)]
             for lin in _slots(blk):
                 packed.append(torch.empty(0, dtype=torch.uint8) if lin is None else lin.kernel.packed)
                 fmts.append("" if lin is None else lin.kernel.fmt)
@@ -76,7 +77,7 @@ class CompiledLayers:
         cfg, blk = model.config, self.blocks[0]
         self.hkv, self.d = blk.hkv, blk.d
         self.handle = quants.gemm_module().Layers(
-            norms, packed, fmts, int8, biases, blk.hq, blk.hkv, blk.d, float(cfg.rms_norm_eps), bool(model.rope.interleaved),
+            norms, packed, fmts, int8, biases, head_norms, blk.hq, blk.hkv, blk.d, float(cfg.rms_norm_eps), bool(model.rope.interleaved),
             int(fused.KERNEL.module.append_attend_many_address()))
         self.like = torch.empty(1, blk.hkv, 0, blk.d, dtype=model.dtype)   # what a new cache layer is made for
 

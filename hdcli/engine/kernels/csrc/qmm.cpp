@@ -1322,15 +1322,17 @@ class Layers {
   // per layer i: norms[2i], norms[2i + 1] = attn_norm, ffn_norm; GEMM slots [7i .. 7i + 6] = q, k,
   // v, o, gate, up, down (packed, fmts, int8 alike), where q holds q, k and v side by side when
   // the file's three join (one type: QLinear.side_by_side) and k, v are then empty (fmt ""), and
-  // gate holds gate and up alike (biases: each slot's, None for none); heads hq and hkv of size d;
-  // the attention's address.
+  // gate holds gate and up alike (biases: each slot's, None for none); head_norms[2i], [2i + 1]:
+  // Qwen3's q and k norm of each head (None for none); heads hq and hkv of size d; the attention's
+  // address.
   Layers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed, std::vector<std::string> fmts,
-         std::vector<bool> int8, std::vector<c10::optional<torch::Tensor>> biases, int64_t hq, int64_t hkv, int64_t d,
-         double eps, bool interleaved, int64_t attend)
-      : norms_(std::move(norms)), hq_(hq), hkv_(hkv), d_(d), eps_(eps), interleaved_(interleaved),
+         std::vector<bool> int8, std::vector<c10::optional<torch::Tensor>> biases,
+         std::vector<c10::optional<torch::Tensor>> head_norms, int64_t hq, int64_t hkv, int64_t d, double eps,
+         bool interleaved, int64_t attend)
+      : norms_(std::move(norms)), head_norms_(std::move(head_norms)), hq_(hq), hkv_(hkv), d_(d), eps_(eps), interleaved_(interleaved),
         attend_(reinterpret_cast<AppendAttendMany>(attend)) {
     TORCH_CHECK(packed.size() == 7 * norms_.size() / 2 && norms_.size() % 2 == 0 && fmts.size() == packed.size()
-                && int8.size() == packed.size() && biases.size() == packed.size() && attend,
+                && int8.size() == packed.size() && biases.size() == packed.size() && head_norms_.size() == norms_.size() && attend,
                 "Layers: 2 norms and 7 GEMM slots a layer, and the attention");
     for (size_t j = 0; j < packed.size(); ++j) gemms_.push_back({packed[j], fmts[j], int8[j], biases[j]});
   }
@@ -1358,8 +1360,8 @@ class Layers {
       } else {
         yq = g[0](h), yk = g[1](h), yv = g[2](h);
       }
-      const torch::Tensor q = rope(yq, cos, sin, hq_, interleaved_).unsqueeze(0);
-      const torch::Tensor kn = rope(yk, cos, sin, hkv_, interleaved_).unsqueeze(0);
+      const torch::Tensor q = rotate(yq, head_norms_[2 * i], hq_, cos, sin).unsqueeze(0);
+      const torch::Tensor kn = rotate(yk, head_norms_[2 * i + 1], hkv_, cos, sin).unsqueeze(0);
       const torch::Tensor vn = yv.reshape({m, hkv_, d_}).transpose(0, 1).unsqueeze(0);
       const auto from = [&](const auto& all) { return std::vector<typename std::decay_t<decltype(all)>::value_type>(
                                                    all.begin() + i * P, all.begin() + (i + 1) * P); };
@@ -1381,7 +1383,22 @@ class Layers {
   }
 
  private:
+  // A q or k projection [m, heads * d] as rotated heads [heads, m, d]; with a head norm first
+  // (Qwen3), that norm in the torch ops the blocks run it in (layers.rms_norm: fp32, the mean of
+  // squares, rsqrt, back to bf16, times the weight), then the same rotation (rope is bit-equal to
+  // rope.py's torch ops, elementwise).
+  torch::Tensor rotate(const torch::Tensor& y, const c10::optional<torch::Tensor>& norm, int64_t heads,
+                       const torch::Tensor& cos, const torch::Tensor& sin) const {
+    if (!norm.has_value()) return rope(y, cos, sin, heads, interleaved_);
+    const int64_t m = y.size(0);
+    torch::Tensor h = y.view({m, heads, d_}).to(torch::kFloat);
+    h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps_);
+    const torch::Tensor normed = *norm * h.to(y.scalar_type());
+    return rope(normed.reshape({m, heads * d_}), cos, sin, heads, interleaved_);
+  }
+
   std::vector<torch::Tensor> norms_;
+  std::vector<c10::optional<torch::Tensor>> head_norms_;
   std::vector<Gemm> gemms_;
   int64_t hq_, hkv_, d_;
   double eps_;
@@ -1406,7 +1423,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
   py::class_<Layers>(m, "Layers", "a llama-family forward's decoder layers in one call (model/compiled.py)")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<std::string>, std::vector<bool>,
-                    std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t, int64_t, double, bool, int64_t>())
+                    std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t,
+                    int64_t, double, bool, int64_t>())
       .def("size", &Layers::size)
       .def("forward", &Layers::forward, py::call_guard<py::gil_scoped_release>());
 }
