@@ -231,6 +231,49 @@ def test_gemma3_rows_past_the_sliding_window_equal_one_token_rows():
     assert max(got.stats.tree_sizes) > 4
 
 
+def test_gemma3_compiled_layers_equal_the_blocks(tmp_path, monkeypatch):
+    """Gemma 3 270M's layers in one compiled call (engine/model/compiled.py: (1 + w) norms before
+    and after each sublayer, q/k norms, GELU, sliding and full layers with their two ropes)
+    against its Python blocks, on the covering blocks (both kinds), a window of 16 so a prompt,
+    single tokens past it and a batched token tree of two streams cross it: torch.equal logits and
+    keys, the compiled call taken; with the call's result nudged, the logits differ."""
+    _gemma_or_skip()
+    from hdcli.engine.decode import calibrate
+    from hdcli.engine.kernels import fused, invariant
+    from hdcli.engine.model import compiled
+    if fused.load(quiet=True) is None or not quants.kernel_available():
+        pytest.skip("the fused attention or the GGUF GEMM does not build here")
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    with invariant.pinned("fused"):
+        lm = models.load("gemma3-270m", dtype="bf16", device="cpu", invariant="on", quiet=True)
+        model = lm.model.subset(calibrate.covering_blocks(lm.model), head_blocks=calibrate.HEAD_BLOCKS)
+        model.config.sliding_window = 16
+        assert {b.kind for b in model.blocks} == {"sliding", "full"}
+        assert compiled.why_not(model) is None, compiled.why_not(model)
+
+        def run():
+            cache, other = model.new_cache(), model.new_cache()
+            logits = [model.forward(torch.tensor([[7 + 13 * i for i in range(30)]]), cache)]
+            for _ in range(6):
+                logits.append(model.forward(torch.tensor([[int(logits[-1][-1].argmax())]]), cache))
+            model.forward(torch.tensor([[5 + 11 * i for i in range(20)]]), other)
+            tree = Tree()
+            tree.add_candidate([3, 4, 5], "x")
+            tree.add(0, 8, "x")
+            logits += batch.forward_many(model, [(tree, 7, cache), (tree, 9, other)])
+            return logits + [layer.kbuf[:, :, :layer.length] for layer in cache.layers]
+        model.compiled_layers = True
+        assert compiled.layers_of(model) is not None
+        fast = run()
+        model.compiled_layers = False
+        slow = run()
+        assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+        model.compiled_layers = True
+        real = compiled.CompiledLayers.run
+        monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, x, *a: real(self, x, *a) * 1.01)
+        assert not all(torch.equal(a, b) for a, b in zip(run(), slow))
+
+
 def test_a_recorded_run_repeats_its_tokens_when_the_timed_choice_flips(serve_model_dir, tmp_path, monkeypatch):
     """The attention is chosen by timing (fused or torch ops) and changes the numbers: a run's
     JSON records it, and `--config` of that JSON gives the same tokens in a process whose own

@@ -1292,13 +1292,20 @@ torch::Tensor rope(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_
 }
 
 // ---------------------------------------------------------------- the decoder layers in one call
-// A llama-family forward's decoder layers (hdcli/engine/model/compiled.py): per layer
-//   h = norm(x); y = qkv(h); q, k = rope(y's q, k columns); a = attention(q, k, v) (appending k, v);
-//   x, h = x + o(a), norm(x + o(a)); x = x + down(silu(gate(h)) * up(h))
-// with the functions and torch ops the Python blocks call (add_rms_norm, rope, mm / mm8, at::silu,
-// the bf16 multiply and add), in their order on the same tensors: every layer's output is
-// torch.equal to the Python path's (tests/test_invariant.py), the Python and dispatch between
-// them gone (a dozen calls a layer from Python, 2-2.5 ms of a bundled-model forward).
+// A forward's decoder layers (hdcli/engine/model/compiled.py), the llama family's and Gemma 3's.
+// Per layer, llama:
+//   h = norm(x); q, k, v = qkv(h), q and k rotated (Qwen3: each head normed first);
+//   a = attention(q, k, v) (appending k, v); x, h = x + o(a), norm(x + o(a));
+//   x = x + down(silu(gate(h)) * up(h))
+// Gemma 3 (gemma): every norm Gemma3RMSNorm ((1 + w), in fp32), q and k heads normed, a norm after
+// each sublayer as well, GELU (tanh), and a layer's kind (sliding or full) picks its rope and
+// visibility:
+//   h = norm(x); ...; x = x + norm(o(a)); x = x + norm(down(gelu(gate(norm(x))) * up(norm(x))))
+// with the functions and torch ops the Python blocks call (add_rms_norm, rope, mm / mm8, the
+// torch norms, at::silu / at::gelu, the bf16 multiply and add), in their order on the same
+// tensors: every layer's output is torch.equal to the Python path's (tests/test_invariant.py), the
+// Python and dispatch between them gone (a dozen calls a layer from Python, 2-2.5 ms of a
+// bundled-model forward).
 // The attention is the fused one (csrc/attend.cpp, its own extension): called through the address
 // of its append_attend_many (attend.cpp: append_attend_many_address), a plain C++ call; a torch
 // op registered by name would be registered once a process, and a benchmark loads several builds.
@@ -1317,42 +1324,52 @@ struct Gemm {                // a QLinear: its packing, format, activations and 
   }
 };
 
+typedef c10::optional<torch::Tensor> Maybe;
+
 class Layers {
  public:
-  // per layer i: norms[2i], norms[2i + 1] = attn_norm, ffn_norm; GEMM slots [7i .. 7i + 6] = q, k,
-  // v, o, gate, up, down (packed, fmts, int8 alike), where q holds q, k and v side by side when
-  // the file's three join (one type: QLinear.side_by_side) and k, v are then empty (fmt ""), and
-  // gate holds gate and up alike (biases: each slot's, None for none); head_norms[2i], [2i + 1]:
-  // Qwen3's q and k norm of each head (None for none); heads hq and hkv of size d; the attention's
-  // address.
-  Layers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> packed, std::vector<std::string> fmts,
-         std::vector<bool> int8, std::vector<c10::optional<torch::Tensor>> biases,
-         std::vector<c10::optional<torch::Tensor>> head_norms, int64_t hq, int64_t hkv, int64_t d, double eps,
-         bool interleaved, int64_t attend)
-      : norms_(std::move(norms)), head_norms_(std::move(head_norms)), hq_(hq), hkv_(hkv), d_(d), eps_(eps), interleaved_(interleaved),
-        attend_(reinterpret_cast<AppendAttendMany>(attend)) {
-    TORCH_CHECK(packed.size() == 7 * norms_.size() / 2 && norms_.size() % 2 == 0 && fmts.size() == packed.size()
-                && int8.size() == packed.size() && biases.size() == packed.size() && head_norms_.size() == norms_.size() && attend,
-                "Layers: 2 norms and 7 GEMM slots a layer, and the attention");
+  // per layer i: norms[6i .. 6i + 5] = attn_norm, ffn_norm, post-attention norm, post-MLP norm
+  // (Gemma), q and k head norms (Qwen3, Gemma), None where the layer has none; GEMM slots
+  // [7i .. 7i + 6] = q, k, v, o, gate, up, down (packed, fmts, int8, biases alike), where q holds
+  // q, k and v side by side when the file's three join (one type: QLinear.side_by_side) and k, v
+  // are then empty (fmt ""), and gate holds gate and up alike; kinds[i]: which rope and
+  // visibility the layer takes (0 full, 1 sliding); heads hq and hkv of size d; gemma: Gemma 3's
+  // norms and GELU; the attention's address.
+  Layers(std::vector<Maybe> norms, std::vector<torch::Tensor> packed, std::vector<std::string> fmts,
+         std::vector<bool> int8, std::vector<Maybe> biases, std::vector<int64_t> kinds, int64_t hq, int64_t hkv,
+         int64_t d, double eps, bool interleaved, bool gemma, int64_t attend)
+      : norms_(std::move(norms)), kinds_(std::move(kinds)), hq_(hq), hkv_(hkv), d_(d), eps_(eps),
+        interleaved_(interleaved), gemma_(gemma), attend_(reinterpret_cast<AppendAttendMany>(attend)) {
+    const size_t n = kinds_.size();
+    TORCH_CHECK(norms_.size() == 6 * n && packed.size() == 7 * n && fmts.size() == packed.size()
+                && int8.size() == packed.size() && biases.size() == packed.size() && attend,
+                "Layers: 6 norm slots and 7 GEMM slots a layer, and the attention");
+    for (size_t i = 0; i < n; ++i) TORCH_CHECK(norms_[6 * i].has_value() && norms_[6 * i + 1].has_value(), "Layers: pre-norms");
     for (size_t j = 0; j < packed.size(); ++j) gemms_.push_back({packed[j], fmts[j], int8[j], biases[j]});
   }
 
-  int64_t size() const { return static_cast<int64_t>(norms_.size() / 2); }
+  int64_t size() const { return static_cast<int64_t>(kinds_.size()); }
 
-  // x [M, D] bf16 (every part's rows, in order) through layers 0 .. n - 1; cos, sin [M, d] bf16;
-  // per layer i and part s (index i * P + s): start, k, kt, kt_len, v1 as attend.cpp's
-  // append_attend_many takes them; vis [P] (one visibility a part, every layer's); scale.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n, std::vector<int64_t> start,
-                        std::vector<torch::Tensor> k, std::vector<torch::Tensor> kt, std::vector<int64_t> kt_len,
-                        std::vector<torch::Tensor> v1, std::vector<torch::Tensor> vis, double scale) const {
-    const int64_t P = static_cast<int64_t>(vis.size());
+  // x [M, D] bf16 (every part's rows, in order) through layers 0 .. n - 1; cos[kind], sin[kind]
+  // [M, d] bf16; per layer i and part s (index i * P + s): start, k, kt, kt_len, v1 as
+  // attend.cpp's append_attend_many takes them; vis[kind * P + s]: part s's visibility in a layer
+  // of that kind; scale.
+  torch::Tensor forward(torch::Tensor x, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, int64_t n,
+                        std::vector<int64_t> start, std::vector<torch::Tensor> k, std::vector<torch::Tensor> kt,
+                        std::vector<int64_t> kt_len, std::vector<torch::Tensor> v1, std::vector<torch::Tensor> vis,
+                        double scale) const {
+    const int64_t P = static_cast<int64_t>(start.size()) / (n > 0 ? n : 1);
     TORCH_CHECK(n >= 1 && n <= size() && (int64_t)start.size() == n * P && (int64_t)k.size() == n * P
-                && (int64_t)kt.size() == n * P && (int64_t)kt_len.size() == n * P && (int64_t)v1.size() == n * P,
-                "Layers.forward: a cache layer a part a layer");
+                && (int64_t)kt.size() == n * P && (int64_t)kt_len.size() == n * P && (int64_t)v1.size() == n * P
+                && cos.size() == sin.size() && (int64_t)vis.size() == (int64_t)cos.size() * P,
+                "Layers.forward: a cache layer a part a layer, a visibility a part a kind");
     const int64_t m = x.size(0), nq = hq_ * d_, nk = hkv_ * d_;
-    torch::Tensor h = std::get<1>(add_rms_norm(x, c10::nullopt, norms_[0], eps_));
+    torch::Tensor h = norm(x, *norms_[0]);
     for (int64_t i = 0; i < n; ++i) {
       const Gemm* g = &gemms_[7 * i];
+      const Maybe* w = &norms_[6 * i];
+      const int64_t kind = kinds_[i];
+      TORCH_CHECK(kind >= 0 && kind < (int64_t)cos.size(), "Layers.forward: no rope for layer ", i, "'s kind");
       torch::Tensor yq, yk, yv;
       if (g[1].fmt.empty()) {                        // q, k, v in one GEMM: their columns
         const torch::Tensor y = g[0](h);
@@ -1360,49 +1377,72 @@ class Layers {
       } else {
         yq = g[0](h), yk = g[1](h), yv = g[2](h);
       }
-      const torch::Tensor q = rotate(yq, head_norms_[2 * i], hq_, cos, sin).unsqueeze(0);
-      const torch::Tensor kn = rotate(yk, head_norms_[2 * i + 1], hkv_, cos, sin).unsqueeze(0);
+      const torch::Tensor q = rotate(yq, w[4], hq_, cos[kind], sin[kind]).unsqueeze(0);
+      const torch::Tensor kn = rotate(yk, w[5], hkv_, cos[kind], sin[kind]).unsqueeze(0);
       const torch::Tensor vn = yv.reshape({m, hkv_, d_}).transpose(0, 1).unsqueeze(0);
-      const auto from = [&](const auto& all) { return std::vector<typename std::decay_t<decltype(all)>::value_type>(
-                                                   all.begin() + i * P, all.begin() + (i + 1) * P); };
-      const torch::Tensor a = attend_(q, kn, vn, from(start), from(k), from(kt), from(kt_len), from(v1), vis, scale)
-                                  .reshape({m, -1});
-      auto [x2, h2] = add_rms_norm(x, g[3](a), norms_[2 * i + 1], eps_);
+      const auto from = [&](const auto& all, int64_t at) {
+        return std::vector<typename std::decay_t<decltype(all)>::value_type>(all.begin() + at * P, all.begin() + (at + 1) * P);
+      };
+      const torch::Tensor a = attend_(q, kn, vn, from(start, i), from(k, i), from(kt, i), from(kt_len, i), from(v1, i),
+                                      from(vis, kind), scale).reshape({m, -1});
       torch::Tensor gate, up;
+      if (gemma_) {
+        x = x + norm(g[3](a), *w[2]);
+        h = norm(x, *w[1]);
+      } else {
+        std::tie(x, h) = add_rms_norm(x, g[3](a), *w[1], eps_);
+      }
       if (g[5].fmt.empty()) {                        // gate and up in one GEMM: its halves
-        const torch::Tensor gu = g[4](h2);
+        const torch::Tensor gu = g[4](h);
         const int64_t half = gu.size(1) / 2;
         gate = gu.narrow(1, 0, half), up = gu.narrow(1, half, half);
       } else {
-        gate = g[4](h2), up = g[5](h2);
+        gate = g[4](h), up = g[5](h);
       }
-      x = x2 + g[6](at::silu(gate) * up);
-      if (i + 1 < n) h = std::get<1>(add_rms_norm(x, c10::nullopt, norms_[2 * (i + 1)], eps_));
+      if (gemma_) x = x + norm(g[6](at::gelu(gate, "tanh") * up), *w[3]);
+      else x = x + g[6](at::silu(gate) * up);
+      if (i + 1 < n) h = norm(x, *norms_[6 * (i + 1)]);
     }
     return x;
   }
 
  private:
-  // A q or k projection [m, heads * d] as rotated heads [heads, m, d]; with a head norm first
-  // (Qwen3), that norm in the torch ops the blocks run it in (layers.rms_norm: fp32, the mean of
-  // squares, rsqrt, back to bf16, times the weight), then the same rotation (rope is bit-equal to
-  // rope.py's torch ops, elementwise).
-  torch::Tensor rotate(const torch::Tensor& y, const c10::optional<torch::Tensor>& norm, int64_t heads,
-                       const torch::Tensor& cos, const torch::Tensor& sin) const {
-    if (!norm.has_value()) return rope(y, cos, sin, heads, interleaved_);
-    const int64_t m = y.size(0);
-    torch::Tensor h = y.view({m, heads, d_}).to(torch::kFloat);
+  // A row norm as the blocks compute it: add_rms_norm (layers.CompiledRowOps) for the llama
+  // family; Gemma3RMSNorm in torch ops (gemma3.gemma_norm: fp32, the mean of squares, rsqrt,
+  // times 1 + w, back to the dtype).
+  torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w) const {
+    if (!gemma_) return std::get<1>(add_rms_norm(x, c10::nullopt, w, eps_));
+    torch::Tensor h = x.to(torch::kFloat);
     h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps_);
-    const torch::Tensor normed = *norm * h.to(y.scalar_type());
+    return (h * (w.to(torch::kFloat) + 1.0)).to(x.scalar_type());
+  }
+
+  // A q or k projection [m, heads * d] as rotated heads [heads, m, d]; with a head norm first
+  // (Qwen3, Gemma), that norm in the torch ops the blocks run it in (layers.rms_norm: fp32, the
+  // mean of squares, rsqrt, back to bf16, times the weight; Gemma's as norm above), then the same
+  // rotation (rope is bit-equal to rope.py's torch ops, elementwise).
+  torch::Tensor rotate(const torch::Tensor& y, const Maybe& w, int64_t heads, const torch::Tensor& cos,
+                       const torch::Tensor& sin) const {
+    if (!w.has_value()) return rope(y, cos, sin, heads, interleaved_);
+    const int64_t m = y.size(0);
+    const torch::Tensor yh = y.view({m, heads, d_});
+    torch::Tensor normed;
+    if (gemma_) {
+      normed = norm(yh, *w);
+    } else {
+      torch::Tensor h = yh.to(torch::kFloat);
+      h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps_);
+      normed = *w * h.to(y.scalar_type());
+    }
     return rope(normed.reshape({m, heads * d_}), cos, sin, heads, interleaved_);
   }
 
-  std::vector<torch::Tensor> norms_;
-  std::vector<c10::optional<torch::Tensor>> head_norms_;
+  std::vector<Maybe> norms_;
   std::vector<Gemm> gemms_;
+  std::vector<int64_t> kinds_;
   int64_t hq_, hkv_, d_;
   double eps_;
-  bool interleaved_;
+  bool interleaved_, gemma_;
   AppendAttendMany attend_;
 };
 
@@ -1421,10 +1461,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported8", &supported8, "whether this CPU's build has the int8-activation GEMM (AVX512-VNNI or AVX2)");
   m.def("isa8", &isa8, "the instructions the int8-activation GEMM is built on: AVX512-VNNI, AVX2 or empty");
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
-  py::class_<Layers>(m, "Layers", "a llama-family forward's decoder layers in one call (model/compiled.py)")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<std::string>, std::vector<bool>,
-                    std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t,
-                    int64_t, double, bool, int64_t>())
+  py::class_<Layers>(m, "Layers", "a forward's decoder layers in one call (model/compiled.py)")
+      .def(py::init<std::vector<Maybe>, std::vector<torch::Tensor>, std::vector<std::string>, std::vector<bool>,
+                    std::vector<Maybe>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, bool, bool, int64_t>())
       .def("size", &Layers::size)
       .def("forward", &Layers::forward, py::call_guard<py::gil_scoped_release>());
 }
