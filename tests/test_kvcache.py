@@ -1,15 +1,15 @@
 """The invariant KV cache (hdcli/engine/model/kvcache.py): it holds what transformers' DynamicCache
-holds, through appends, tree crops (keep_path) and growth past its capacity, rows past its length
-stay zero, and hd's forward gives the same logits whether its cache grew on the way or had room
-from the start."""
+holds (hdcli/engine/model/transformers_cache.py: the same KVCache interface over it), through
+appends, tree crops (keep_path) and growth past its capacity, rows past its length stay zero, and
+hd's forward gives the same logits whether its cache grew on the way or had room from the start."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from hdcli.engine.kernels import invariant
 from hdcli.engine.model import kvcache
+from hdcli.engine.model.transformers_cache import TransformersCache
 from hdcli.engine.decode.tree import Tree, keep_path, tree_forward
 from hdcli.engine.decode import calibrate
 
@@ -21,7 +21,7 @@ V = 64
 @torch.inference_mode()
 def test_layer_holds_what_a_dynamic_cache_holds_and_zeros_past_its_length():
     g = torch.Generator().manual_seed(0)
-    plain = DynamicCache()
+    plain = TransformersCache()
     ours = kvcache.Cache(1)
     layer = ours.layers[0]
     for step in range(60):   # grows past _MIN_CAPACITY (256 rows) and doubles

@@ -2,10 +2,11 @@
 forwards batched into one (hdcli/engine/decode/batch.py).
 
 Each loop turn: admit queued requests up to max_batch (each is prefilled alone, so its cache is
-what `hd generate` would build); every running request proposes its draft tree, with the
+what `hd generate` would build); then one speculative step of every running request, the step
+`hd generate` takes (engine/decode/loop.speculative_steps): each proposes its draft tree, with the
 forward's rows shared among them (invariant.MAX_ROWS in all, the widest forward the M-invariant
-mode is calibrated for); one forward verifies all trees; each request accepts its tokens and
-hands the new text to its client. A finished request goes to the learner (hdcli/serve/learner.py)
+mode is calibrated for), one forward verifies all trees, each accepts its tokens; each hands the
+new text to its client. A finished request goes to the learner (hdcli/serve/learner.py)
 when the server learns. A job's grammar and predicted output go to its decode stream (engine/decode/loop.py);
 a job parsed for tool calls holds back the text that may still become one (engine/text/tools.held) and
 ends with its calls in Job.calls.
@@ -44,11 +45,9 @@ from typing import Callable
 import torch
 
 from ..engine.decode import batch
-from ..engine.kernels import invariant
 from ..engine.text import tools
 from ..engine.text.constrain import Grammar
-from ..engine.decode.loop import Decoder, Stream
-from ..engine.decode.tree import cap_jointly
+from ..engine.decode.loop import Decoder, Stream, speculative_steps
 from ..engine.text.prompts import cut_at_stop, stop_checker
 from ..engine.decode.verify import Sampling
 from .limits import RateLimited
@@ -214,27 +213,24 @@ class Scheduler:
         for job in admit:
             self._admit(job)
         self._admitting = []
-        t1 = time.perf_counter()
-        self.times["prefill"] += t1 - t0
+        self.times["prefill"] += time.perf_counter() - t0
         for job in [j for j in self.running if j.cancelled]:
             self.running.remove(job)
             self._end(job, "cancelled")
         if not self.running:
             self.times["busy"] += time.perf_counter() - t0
             return True
-        jobs = self._propose(list(self.running))
-        t2 = time.perf_counter()
-        logits = self._forward(jobs)
-        t3 = time.perf_counter()
+        jobs = list(self.running)
+        new = speculative_steps(self.lm.model, [j.stream for j in jobs], self._failing(jobs), self.times)
+        t1 = time.perf_counter()
         stepped, counts = [], []
-        for job, rows in zip(jobs, logits):
-            if rows is None:
+        for job, tokens in zip(jobs, new):
+            if tokens is None:   # its step failed: it has ended (_fail)
                 continue
+            stepped.append(job)
+            counts.append(len(tokens))
             try:
-                new = job.stream.accept(rows)
-                stepped.append(job)
-                counts.append(len(new))
-                if new and not job.first_token:
+                if tokens and not job.first_token:
                     job.first_token = time.perf_counter()
                 if job.streamed:
                     self._send_text(job)
@@ -245,61 +241,18 @@ class Scheduler:
                 self.running.remove(job)
                 self._end(job, job.stream.stop_reason)
         self._quietly(self.on_step, stepped, counts)
-        t4 = time.perf_counter()
-        self.times["draft"] += t2 - t1
-        self.times["forward"] += t3 - t2
-        self.times["accept"] += t4 - t3
-        self.times["busy"] += t4 - t0
+        t2 = time.perf_counter()
+        self.times["accept"] += t2 - t1   # besides the step's own accepting (speculative_steps)
+        self.times["busy"] += t2 - t0
         return True
 
-    def _propose(self, jobs: list[Job]) -> list[Job]:
-        """Each job's tree for this step, in job.stream.tree; returns the jobs that have one (a job
-        whose drafting fails is ended). Batched: one forward for all, the nodes worth its cost
-        chosen over all trees together."""
-        joint = self.batched and len(jobs) > 1 and self.cost is not None
-        proposed = []
-        for job in jobs:
-            try:   # Stream.propose already cuts drafts before an id outside the vocabulary
-                if joint:
-                    job.stream.propose(invariant.MAX_ROWS - len(jobs), capped=False)
-                else:
-                    job.stream.propose()
-                proposed.append(job)
-            except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
-                self._fail(job, exc)
-        if joint and proposed:
-            try:
-                keep = cap_jointly([j.stream.tree for j in proposed], [j.stream.estimates for j in proposed],
-                                   self.cost, invariant.MAX_ROWS)
-                for job, k in zip(proposed, keep):
-                    job.stream.restrict(k)
-            except Exception as exc:  # noqa: BLE001 - no cache touched yet; but whose fault is unknown
-                for job in proposed:
-                    self._fail(job, exc)
-                return []
-        return proposed
-
-    def _forward(self, jobs: list[Job]) -> list:
-        """Each job's logits over its tree (each cache grows by its tree), None for a job whose
-        forward failed (it is ended). A forward shared by several jobs that fails ends them all:
-        any of their caches may hold part of it."""
-        items = [(j.stream.tree, j.stream.history[-1], j.stream.cache) for j in jobs]
-        if self.batched and len(jobs) > 1:
-            try:
-                return batch.forward_many(self.lm.model, items)
-            except Exception as exc:  # noqa: BLE001 - module header
-                for job in jobs:
-                    self._fail(job, exc, f"the verification forward it shared with {len(jobs) - 1} other "
-                                         "request(s) failed")
-                return [None] * len(jobs)
-        out = []
-        for job, item in zip(jobs, items):   # a forward each (what forward_many does here)
-            try:
-                out.append(batch.forward_many(self.lm.model, [item])[0])
-            except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
-                self._fail(job, exc)
-                out.append(None)
-        return out
+    def _failing(self, jobs: list[Job]):
+        """speculative_steps' on_fault for these jobs: the job whose step failed ends (_fail); one
+        that failed in a forward shared with others is told so."""
+        def fault(i: int, exc: Exception, shared: int) -> None:
+            why = f"the verification forward it shared with {shared} other request(s) failed" if shared else ""
+            self._fail(jobs[i], exc, why)
+        return fault
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:

@@ -1,6 +1,7 @@
 """The decode loop: draft, verify every drafted token in one target forward, accept, repeat.
 
-    loop.py        Decoder, Stream and Generation: the loop itself (one speculative step: speculative_step)
+    loop.py        Decoder, Stream and Generation: the loop itself (one step of one or several
+                   streams: speculative_steps; of one: speculative_step)
     draft.py       the Drafter interface the loop asks, and the Draft it gets back
     prediction.py  predicted outputs (OpenAI's `prediction`) as the top drafting layer
     tree.py        candidates merged into a token tree, cut to what pays; the tree forward

@@ -3,7 +3,8 @@ one forward, each on its own KV cache.
 
 Why: a decode step of a small model is bound by reading the weights and by per-forward overhead,
 not by arithmetic; k streams' rows through one forward cost far less than k forwards (the cost
-curve, hdcli/engine/decode/costs.py). A server (hdcli/serve) steps its requests through here.
+curve, hdcli/engine/decode/costs.py). One step of several streams (loop.speculative_steps, each
+turn of `hd serve`) verifies them through here.
 
 Exactness: in the M-invariant mode (hdcli/engine/kernels/invariant.py) every row-wise op (embedding,
 norms, rotary, Linear layers, head) gives each row the value it has in any forward of any width

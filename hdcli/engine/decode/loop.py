@@ -10,9 +10,9 @@ the tree. After the forward the cache holds history + every tree node; keep_path
 accepted path's entries next to `last` and drops the rest, so a rejected token or branch never
 stays in the cache. The target's own next token becomes `last` for the next step.
 
-One step reads top to bottom in `speculative_step` (propose, build and cap the tree, forward,
-accept, commit to the cache, update the layers); hd serve runs the same pieces with one forward
-shared by several streams (Stream.propose, batch.forward_many, Stream.accept).
+One step reads top to bottom in `speculative_steps` (propose: draft, build and cap the tree;
+forward; accept: verify, commit to the cache, update the layers), over several streams whose trees
+share one forward (`hd serve`'s every turn) or over one (`speculative_step`, `hd generate`).
 
 With no drafter this is plain autoregressive decoding with the same model and cache (the `ar`
 baseline every speedup is measured against).
@@ -33,7 +33,8 @@ from .stats import RunStats
 from ..text.constrain import FORCED_RATE, Grammar
 from .costs import CostCurve
 from .prediction import Prediction
-from .tree import Tree, build_tree, keep_path, node_estimates, reached, supports_trees, tree_forward
+from . import batch
+from .tree import Tree, build_tree, cap_jointly, keep_path, node_estimates, reached
 from .verify import (Sampling, accept_chain_q, accept_tree, logprobs_of, processed, sampling_key, top_probs,
                      top_tokens)
 
@@ -141,10 +142,10 @@ class Stream:
     """One generation between steps: its cache, history, drafter and output.
 
     Each step is propose() (draft, then plan: merge the candidates into a tree capped by cost and
-    by max_nodes), a forward over the tree that the caller runs (alone: speculative_step; with
-    other streams: batch.forward_many), then accept(logits) (verify, keep_path, advance). Rows of
-    a forward depend only on their own path in the M-invariant mode, so a stream's tokens are the
-    same whatever is verified beside it."""
+    by max_nodes), a forward over the tree (speculative_steps runs it, shared with other streams
+    where the model batches: batch.forward_many), then accept(logits) (verify, keep_path,
+    advance). Rows of a forward depend only on their own path in the M-invariant mode, so a
+    stream's tokens are the same whatever is verified beside it."""
 
     @torch.inference_mode()
     def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -177,7 +178,7 @@ class Stream:
         self.stats.prefill_seconds = time.perf_counter() - self.t_start
         if drafter is not None:
             drafter.reset(self.history)
-        self.trees_ok = supports_trees(self.cache)
+        self.trees_ok = self.cache.supports_trees()
         self.out: list[int] = []
         self.out_layers: list[str | None] = []
         self.logprobs = logprobs
@@ -435,14 +436,99 @@ class Verified(NamedTuple):
     top_probs: list | None = None  # under sampling, the probabilities of `top` (verify.top_probs)
 
 
-@torch.inference_mode()
+# on_fault(i, exc, shared): stream i's step raised exc and ends there (speculative_steps);
+# shared: how many other streams' rows were in the forward that failed with it (0: its own step)
+FaultHandler = Callable[[int, Exception, int], None]
+
+
+def _raise(i: int, exc: Exception, shared: int) -> None:
+    raise exc
+
+
 def speculative_step(model: TargetModel, s: Stream) -> list[int]:
-    """One step of speculative decoding of one stream, top to bottom (batched serving runs the
-    same pieces, the forward shared by several streams: hdcli/serve/scheduler.py). Returns the
-    tokens added to the output."""
-    drafts = s.draft()                                          # propose: the drafting layers' candidates
-    tree = s.plan(drafts)                                       # build the token tree, capped by cost
-    logits = tree_forward(model, tree, s.history[-1], s.cache)  # forward: every node verified at once
-    v = s.verify(logits)                                        # accept: the target's rule walks the tree
-    keep_path(s.cache, len(s.history) - 1, v.path)              # commit: only the accepted path stays cached
-    return s.advance(v)                                         # update: output, stops, the drafting layers
+    """One step of speculative decoding of one stream (`hd generate`): speculative_steps over a
+    batch of one, a fault raised. Returns the tokens added to the output."""
+    return speculative_steps(model, [s])[0]
+
+
+@torch.inference_mode()
+def speculative_steps(model: TargetModel, streams: Sequence[Stream], on_fault: FaultHandler | None = None,
+                      times: dict | None = None) -> list[list[int] | None]:
+    """One step of speculative decoding of several streams on one model, top to bottom, their
+    trees verified in one forward where the model batches them (batch.forward_many): each turn of
+    `hd serve`'s decode loop (hdcli/serve/scheduler.py); `hd generate` steps a batch of one.
+    Returns per stream the tokens added to its output, None where its step failed.
+
+    Faults stay with their stream: an exception while stream i drafts, runs its forward alone or
+    accepts ends its step only, told to on_fault(i, exc, 0) (None: raised). A failed forward shared
+    by k streams may have written into any of their caches: each of them is told (shared k - 1).
+    times: the seconds spent drafting, in the forward and accepting are added to its "draft",
+    "forward" and "accept" entries."""
+    fault = on_fault or _raise
+    t0 = time.perf_counter()
+    live = _propose(model, streams, fault)       # propose: each stream's tree, capped by cost
+    t1 = time.perf_counter()
+    rows = _forward(model, streams, live, fault)  # forward: every node of every tree verified at once
+    t2 = time.perf_counter()
+    new: list[list[int] | None] = [None] * len(streams)
+    for i, logits in zip(live, rows):
+        if logits is not None:
+            try:   # accept: the target's rule walks the tree, only the accepted path stays cached,
+                new[i] = streams[i].accept(logits)   # the output, stops and drafting layers move on
+            except Exception as exc:  # noqa: BLE001 - this stream's fault (docstring)
+                fault(i, exc, 0)
+    if times is not None:
+        times["draft"] += t1 - t0
+        times["forward"] += t2 - t1
+        times["accept"] += time.perf_counter() - t2
+    return new
+
+
+def _propose(model: TargetModel, streams: Sequence[Stream], fault: FaultHandler) -> list[int]:
+    """Each stream's tree for this step (in stream.tree); returns the indices of the streams that
+    have one. Several streams sharing one forward: the nodes worth its cost are chosen over all
+    their trees together (tree.cap_jointly, by the streams' decoder's cost curve)."""
+    cost = streams[0].decoder.cost if streams else None
+    joint = batch.can_batch(model) and len(streams) > 1 and cost is not None
+    live = []
+    for i, s in enumerate(streams):
+        try:   # Stream.propose already cuts drafts before an id outside the vocabulary
+            if joint:
+                s.propose(invariant.MAX_ROWS - len(streams), capped=False)
+            else:
+                s.propose()
+            live.append(i)
+        except Exception as exc:  # noqa: BLE001 - this stream's fault (speculative_steps)
+            fault(i, exc, 0)
+    if joint and live:
+        try:
+            keep = cap_jointly([streams[i].tree for i in live], [streams[i].estimates for i in live],
+                               cost, invariant.MAX_ROWS)
+            for i, k in zip(live, keep):
+                streams[i].restrict(k)
+        except Exception as exc:  # noqa: BLE001 - no cache touched yet; but whose fault is unknown
+            for i in live:
+                fault(i, exc, 0)
+            return []
+    return live
+
+
+def _forward(model: TargetModel, streams: Sequence[Stream], live: Sequence[int], fault: FaultHandler) -> list:
+    """The logits over each live stream's tree (each cache grows by its tree), None for one whose
+    forward failed (fault heard it); one forward for all where the model batches."""
+    items = [(streams[i].tree, streams[i].history[-1], streams[i].cache) for i in live]
+    if len(items) > 1 and batch.can_batch(model):
+        try:
+            return batch.forward_many(model, items)
+        except Exception as exc:  # noqa: BLE001 - any of their caches may hold part of it
+            for i in live:
+                fault(i, exc, len(items) - 1)
+            return [None] * len(items)
+    out = []
+    for i, item in zip(live, items):   # a forward each (what forward_many does for this model)
+        try:
+            out.append(batch.forward_many(model, [item])[0])
+        except Exception as exc:  # noqa: BLE001 - this stream's fault
+            fault(i, exc, 0)
+            out.append(None)
+    return out

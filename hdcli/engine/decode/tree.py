@@ -10,8 +10,10 @@ The forward over a tree feeds every node at once, at position (cache length + de
 attention mask that lets a node see the whole cache, its ancestors and itself, nothing else. Each
 node's logits are then the logits of its path run alone (tests/test_tree.py checks this).
 Sliding-window layers (Gemma 2/3, Mistral) get their own mask: a node at position p sees only the
-keys at positions > p - window, cached ones and its own ancestors alike, as it would in a chain; models mixing both kinds of layers
-take the two masks as a dict keyed by layer type, the form transformers' own mask mapping has.
+keys at positions > p - window, cached ones and its own ancestors alike, as it would in a chain,
+where the cache asks for it (KVCache.sliding_windows, engine/model/target.py); models mixing both
+kinds of layers take the two masks as a dict keyed by layer type, the form transformers' own mask
+mapping has.
 
 Cost cap. Each node gets an estimate of the probability that the target accepts it: along a
 candidate, the product of its layer's per-token acceptance estimate; for the j-th child of a
@@ -29,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from .draft import bucket
-from ..model.kvcache import InvariantLayer
+from ..model.target import KVCache
 
 
 class Tree:
@@ -282,24 +284,16 @@ def sliding_tree_mask(tree: Tree, past: int, window: int, dtype: torch.dtype, de
     return mask[None, None]
 
 
-def _sliding_layers(cache) -> list:
-    return [layer for layer in getattr(cache, "layers", []) if getattr(layer, "is_sliding", False)]
-
-
-def supports_trees(cache) -> bool:
-    """Tree forwards need each sliding-window layer to keep its past until the step's crop
-    (`activate_past_recording`), so that rejected branches can be removed from it."""
-    return all(getattr(layer, "record_past", False) for layer in _sliding_layers(cache))
-
-
-def attention_mask(model, tree: Tree, past: int, cache):
-    """The mask (or the dict of masks by layer type) for a forward over `tree` on `cache`."""
+def attention_mask(model, tree: Tree, past: int, cache: KVCache):
+    """The mask (or the dict of masks by layer type) for a forward over `tree` on `cache`: the
+    sliding-window mask for the layers whose window the cache asks the mask to apply."""
     full = tree_mask(tree, past, model.dtype, model.device)
-    sliding = _sliding_layers(cache)
+    windows = cache.sliding_windows()
+    sliding = [w for w in windows if w is not None]
     if not sliding:
         return full
-    sw = sliding_tree_mask(tree, past, sliding[0].sliding_window, model.dtype, model.device)
-    if len(sliding) == len(cache.layers):
+    sw = sliding_tree_mask(tree, past, sliding[0], model.dtype, model.device)
+    if len(sliding) == len(windows):
         return sw
     return {"full_attention": full, "sliding_attention": sw}
 
@@ -321,28 +315,8 @@ def tree_forward(model, tree: Tree, root_token: int, cache) -> torch.Tensor:
     return model.forward(*tree_rows(model, tree, root_token, cache))
 
 
-def keep_path(cache, past: int, path: Sequence[int]) -> None:
-    """After a forward over a tree (or chain), keep the root and the accepted path's entries in
-    the cache, in order, and crop the rest.
-
-    Each layer holds its earlier entries, then one per tree node: `past` of them in a full layer,
-    fewer in a sliding-window layer, so the nodes are found from the end. Path nodes already at
-    their final place (the first candidate's chain) are not moved."""
-    want = [0] + list(path)
-    nodes = cache.get_seq_length() - past
-    if want != list(range(len(want))):
-        rel = torch.tensor(want, dtype=torch.long, device=cache.layers[0].keys.device)  # one copy per step
-        for layer in cache.layers:
-            base = layer.keys.shape[-2] - nodes
-            idx = rel + base
-            layer.keys[..., base:base + len(want), :] = layer.keys.index_select(-2, idx)
-            layer.values[..., base:base + len(want), :] = layer.values.index_select(-2, idx)
-            if isinstance(layer, InvariantLayer):   # hd's cache: copies of its keys are stale
-                layer.rewritten(base)
-    remove = nodes - len(want)
-    assert remove >= 0
-    if remove:
-        cache.crop(-remove)
-    for layer in _sliding_layers(cache):  # back to window - 1 entries (recording keeps them all)
-        if layer.get_seq_length() >= layer.sliding_window and layer.keys.shape[-2] >= layer.sliding_window:
-            layer.crop(0)
+def keep_path(cache: KVCache, past: int, path: Sequence[int]) -> None:
+    """After a forward over a tree (or chain) on a cache of `past` tokens, keep the root and the
+    accepted path's entries in the cache, in order, and crop the rest (KVCache.keep_path). Path
+    nodes already at their final place (the first candidate's chain) are not moved."""
+    cache.keep_path(past, path)

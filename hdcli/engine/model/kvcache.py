@@ -25,9 +25,10 @@ so the first ceil(n / CHUNK) * CHUNK rows are the zero-padded keys and [V | 1] o
 cache, as the attention wants them, without a copy (padded()).
 
 Invariants
-  * Cache holds one InvariantLayer per decoder layer, and the few methods the decode loop, the
-    cost measurement and tree.keep_path use (get_seq_length, crop, layers[i].keys and .values,
-    the latter views of the live rows). Nothing here is transformers': hd's forwards own it.
+  * Cache holds one InvariantLayer per decoder layer, and the methods of target.KVCache, the
+    interface the decode loop, tree verification and the cost measurement call (get_seq_length,
+    append, crop, keep_path, ...); layers[i].keys and .values are views of the live rows. Nothing
+    here is transformers': hd's forwards own it.
   * Rows past the length are zero wherever they are read: padded() and claim() zero what crop
     left (crop only lowers the length: `dirty` marks how far rows may be stale); growth copies
     into zeros.
@@ -36,7 +37,7 @@ Invariants
   * Capacity grows by doubling (whole chunks), so a generation copies its cache O(log n) times.
   * The fused attention keeps the keys transposed by blocks in ktbuf, valid for the first kt_len
     keys; it writes the rest itself on each call. crop and rewritten() lower kt_len: whoever
-    writes rows through the views (tree.keep_path) calls rewritten(), else the fused attention
+    writes rows through the views (Cache.keep_path) calls rewritten(), else the fused attention
     reads stale keys.
   * With the fused attention the forward appends nothing itself: claim() counts the new rows
     and the compiled call writes them (fused.append_attend_many), one call a layer for all
@@ -45,6 +46,8 @@ Invariants
     in Python had been a sixth of the 4-request forward.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -176,7 +179,7 @@ class InvariantLayer:
         return self.ktbuf, self.kt_len
 
     def rewritten(self, start: int) -> None:
-        """Rows from `start` on were written through the views (tree.keep_path): the transposed
+        """Rows from `start` on were written through the views (Cache.keep_path): the transposed
         copy holds them no longer."""
         self.kt_len = min(self.kt_len, start)
 
@@ -199,15 +202,34 @@ class InvariantLayer:
         self.kt_len = min(self.kt_len, n)
 
 
+def keep_rows(layers, nodes: int, want: Sequence[int]) -> None:
+    """Within each layer's last `nodes` rows (a tree's, node 0 first), copy rows `want` (node ids,
+    increasing) to the first len(want) places, in order; the rest are left for a crop. Rows already
+    in place (the first candidate's chain) are not moved. layers: anything whose keys and values
+    are [b, h, rows, d] tensors written in place (InvariantLayer's views, transformers' layers)."""
+    if list(want) == list(range(len(want))):
+        return
+    rel = torch.tensor(want, dtype=torch.long, device=layers[0].keys.device)  # one copy per step
+    for layer in layers:
+        base = layer.keys.shape[-2] - nodes
+        idx = rel + base
+        layer.keys[..., base:base + len(want), :] = layer.keys.index_select(-2, idx)
+        layer.values[..., base:base + len(want), :] = layer.values.index_select(-2, idx)
+
+
 class Cache:
-    """hd's own cache for an owned forward (hdcli/engine/model/): one InvariantLayer a decoder layer, and
-    the few methods the decode loop and tree.keep_path use (get_seq_length, crop, layers)."""
+    """hd's own cache for an owned forward (hdcli/engine/model/): one InvariantLayer a decoder
+    layer, and target.KVCache's methods for the decode loop. Every layer keeps every row, a
+    sliding-window layer's too: the owned attention applies the window itself (attention.Step)."""
 
     def __init__(self, n_layers: int):
         self.layers = [InvariantLayer() for _ in range(n_layers)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.layers[layer].append(keys, values)
 
     def crop(self, max_length: int) -> None:
         """As DynamicCache.crop: to max_length tokens, or remove -max_length tokens when negative."""
@@ -216,3 +238,24 @@ class Cache:
         if remove > 0:
             for layer in self.layers:
                 layer.crop(-remove)
+
+    @torch.inference_mode()
+    def keep_path(self, past: int, path: Sequence[int]) -> None:
+        """target.KVCache.keep_path: the rows are moved through the layers' views, so the fused
+        attention's transposed copies of them are stale from the tree's first row on (rewritten)."""
+        want = [0, *path]
+        nodes = self.get_seq_length() - past
+        if want != list(range(len(want))):
+            keep_rows(self.layers, nodes, want)
+            for layer in self.layers:
+                layer.rewritten(layer.length - nodes)
+        remove = nodes - len(want)
+        assert remove >= 0
+        if remove:   # (crop(0) would empty it)
+            self.crop(-remove)
+
+    def sliding_windows(self) -> list[int | None]:
+        return [None] * len(self.layers)   # the attention applies its windows (class docstring)
+
+    def supports_trees(self) -> bool:
+        return True
