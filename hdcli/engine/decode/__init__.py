@@ -1,5 +1,6 @@
 """The decode loop: draft, verify every drafted token in one target forward, accept, repeat.
 
+    request.py     Request: what one generation asks for (prompt, max new tokens, sampling, ...)
     loop.py        Decoder, Stream and Generation: the loop itself (one speculative step: speculative_step)
     draft.py       the Drafter interface the loop asks, and the Draft it gets back
     prediction.py  predicted outputs (OpenAI's `prediction`) as the top drafting layer
