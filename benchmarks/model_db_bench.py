@@ -48,7 +48,7 @@ def decode(args) -> dict:
 
     def run(layers):
         def one(ids):
-            d = api.make_drafter(layers, cheap_verify=cheap, model_db=mdb, stats_dbs=sdbs) if layers else None
+            d = api.make_drafter(layers, cheap_verify=cheap, model_db=mdb, stats_stores=sdbs) if layers else None
             return api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d)
         return one
     qs = round_robin(load_questions(args.spec_bench), args.questions, key="subcategory")

@@ -61,7 +61,7 @@ def main():
     loaded = {n: draftmodels.load(n, lm) for n in args.draft_models.split(",")}
 
     def drafter(chain):
-        base = api.make_drafter(layers, cheap_verify=cheap, stats_dbs=dbs, model_db=mdb, candidates=1) \
+        base = api.make_drafter(layers, cheap_verify=cheap, stats_stores=dbs, model_db=mdb, candidates=1) \
             if chain["bottom"] == "db" else None
         if not chain["levels"]:
             return base
@@ -74,7 +74,7 @@ def main():
                          order=specbench.CATEGORIES)
 
     def run(chain):
-        return lambda ids: Decoder(lm.model, lm.eos_ids, drafter(chain)).generate(ids, args.max_new_tokens)
+        return lambda ids: Decoder(lm.model, lm.eos_ids, drafter(chain)).generate(ids, max_new_tokens=args.max_new_tokens)
     runs = interleaved([api.encode_prompt(lm.tokenizer, q["turns"][0]) for q in picked],
                        {r["hierarchy"]: run(r["chain"]) for r in chosen},
                        on_item=lambda n, *_: print(f"{n}/{len(picked)}", flush=True))

@@ -81,7 +81,7 @@ def prompts(args) -> list[dict]:
 
 def record(lm, drafter, ids: list[int], new_tokens: int, max_nodes: int) -> tuple[list[int], list[dict]]:
     """Exact hd with every step's whole uncapped tree verified: (output, steps)."""
-    s = Decoder(lm.model, lm.eos_ids, drafter, max_nodes=max_nodes).stream(ids, new_tokens)
+    s = Decoder(lm.model, lm.eos_ids, drafter, max_nodes=max_nodes).stream(ids, max_new_tokens=new_tokens)
     steps = []
     with torch.inference_mode():
         while not s.done:
@@ -170,8 +170,8 @@ def replay(lm, steps: list[dict], curve, args, overhead: float) -> dict:
 def hd_plain(lm, n: int) -> float:
     """hd's plain decoding of n tokens, prefill excluded (no EOS: random weights may emit one)."""
     ids, dec = encode_prompt(lm.tokenizer, PLAIN_PROMPT), Decoder(lm.model, ())
-    dec.generate(ids, 2)   # its first call is not timed
-    st = dec.generate(ids, n).stats
+    dec.generate(ids, max_new_tokens=2)   # its first call is not timed
+    st = dec.generate(ids, max_new_tokens=n).stats
     return st.new_tokens / (st.wall_seconds - st.prefill_seconds)
 
 
@@ -261,10 +261,10 @@ def main(argv=None) -> int:
     def hd(it):
         drafter = build_drafter(method, lm, dbs, recycle_table=tables["hd"])
         return Decoder(lm.model, lm.eos_ids, drafter, cost=curve, max_nodes=args.max_nodes).generate(
-            it["ids"], args.new_tokens)
+            it["ids"], max_new_tokens=args.new_tokens)
 
     def plain(it):
-        return Decoder(lm.model, lm.eos_ids).generate(it["ids"], args.new_tokens)
+        return Decoder(lm.model, lm.eos_ids).generate(it["ids"], max_new_tokens=args.new_tokens)
 
     def check(n, it, got):
         if n == 1 and got["record"] != got["plain"].tokens:   # lossless whatever is verified

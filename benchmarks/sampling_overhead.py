@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     dec = Decoder(lm.model, ())
     rows = {}
     for name, s in SETTINGS.items():
-        dec.generate(ids, 8, s, seed=0)   # warm
+        dec.generate(ids, max_new_tokens=8, sampling=s, seed=0)   # warm
         runs = []
         for rep in range(args.repeats):
-            st = dec.generate(ids, args.tokens, s, seed=rep).stats
+            st = dec.generate(ids, max_new_tokens=args.tokens, sampling=s, seed=rep).stats
             runs.append({"overhead_share": st.overhead_share,
                          "outside_ms_per_step": 1e3 * (st.draft_seconds + st.bookkeeping_seconds) / st.steps,
                          "forward_ms_per_step": 1e3 * st.forward_seconds / st.steps})

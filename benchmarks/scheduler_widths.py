@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hdcli import api
 from hdcli.engine.text.prompts import encode_messages
-from hdcli.engine.decode.verify import Sampling
+from hdcli.engine.decode.request import Request
 from hdcli.serve.server import Server
 from hdcli.serve.scheduler import Job
 
@@ -27,7 +27,7 @@ def one_pass(cfg, lm, prompts, width: int, n: int) -> dict:
     server = Server(cfg, lm, port=0, max_batch=width)
     done: list[Job] = []
     for p in prompts:
-        server.scheduler.submit(Job(list(p), n, Sampling(), None, [],
+        server.scheduler.submit(Job(Request(p, n),
                                     emit=lambda e: done.append(e[1]) if e[0] == "done" else None))
     t0 = time.perf_counter()
     server.scheduler.stop(drain=True)

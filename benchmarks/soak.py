@@ -59,7 +59,7 @@ def main():
     for i in range(args.generations):
         ids = api.encode_prompt(lm.tokenizer, qs[(i * 37) % len(qs)]["turns"][0])
         plain = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=None)
-        d = api.make_drafter(["context", "model", "stats"], cheap_verify=cheap, stats_dbs=sdb, model_db=mdb)
+        d = api.make_drafter(["context", "model", "stats"], cheap_verify=cheap, stats_stores=sdb, model_db=mdb)
         got = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d)
         differ += got.tokens != plain.tokens
         api.learn(mdb, ids, got.tokens)

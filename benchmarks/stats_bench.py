@@ -95,7 +95,7 @@ def main():
     dbs = api.open_stats_dbs([str(db_path)], lm)
     methods = {"plain": lambda: None,
                "context": lambda: api.make_drafter(["context"], cheap_verify=cheap),
-               "context+stats": lambda: api.make_drafter(["context", "stats"], cheap_verify=cheap, stats_dbs=dbs)}
+               "context+stats": lambda: api.make_drafter(["context", "stats"], cheap_verify=cheap, stats_stores=dbs)}
 
     def run(make):
         return lambda ids: api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=make())

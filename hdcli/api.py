@@ -12,18 +12,20 @@ them:
 
   configuration   DecodingConfig: everything a run is built from, validated in one place;
                   Sampling: how each next token is chosen (temperature 0: greedy; top_k,
-                  top_p, penalties, logit_bias), what generate's sampling= takes;
+                  top_p, penalties, logit_bias; generate takes them as the configuration's
+                  fields, and as sampling= too, its older form);
                   HdError: every error a user can fix, one line
   models, text    load_model(name, dtype=, device=, kernels=): a target by bundled name, GGUF,
                   folder or hub id; load_model_for(cfg): the configuration's;
                   encode_prompt / encode_messages: a prompt or chat messages as token ids
-  generation      generate(lm, prompt, config=, drafter=, grammar=, prediction=, ...) -> Result
+  generation      generate(lm, prompt, config=, drafter=, grammar=, prediction=, **fields) -> Result
                   (text, tokens, the layer of each token, stop_reason, stats), greedy output equal
                   to plain decoding's; compile_grammar(lm, kind, source): a grammar the answer
                   follows; prepare(cfg): plan applied, DBs open, model loaded, drafter built
   drafters        build_drafter(cfg, lm): the configuration's drafter (the one place drafters are
-                  put together); make_drafter(layers, ...): a DB hierarchy from open DBs;
-                  make_stack(lm, draft_models, ...): draft models over one; default_layers: the
+                  put together); make_drafter(layers, stats_stores=, model_db=, ...): a DB
+                  hierarchy from open DBs; make_stack(lm, draft_models, ...): draft models over
+                  one; default_layers: the
                   hierarchy run when none is given; open_stats_dbs(paths, lm): open DBs checked
                   against lm's tokenizer; cheap_verification(lm): whether verification is nearly
                   free here (it picks the drafting defaults); warm_up(lm): before timing a run
@@ -64,4 +66,4 @@ load_model = models.load
 def default_layers(stats_dbs: Sequence = (), model_db=None) -> list[str]:
     """The hierarchy run when no layers are given, most local first (drafting.registry).
     Default order: context → stats → model → recycle (stats and model where their DBs are given)."""
-    return registry.default_layers(registry.LayerInputs(stats_dbs=list(stats_dbs), model_db=model_db))
+    return registry.default_layers(registry.LayerInputs(stats_stores=list(stats_dbs), model_db=model_db))

@@ -26,6 +26,7 @@ from .bench import report as bench_report
 from .config import DecodingConfig, split_list
 from .db import commands as db_commands
 from .db.atomic import check_output_path
+from .db.modeldb import SAMPLE_TOP_P
 from .engine import environment, local_models
 from .engine.cost_report import cost_report
 from .errors import HdError, disk_error
@@ -224,7 +225,7 @@ def merge_stats(
 @app.command("build-model-db")
 @takes(DecodingConfig, ["model", "max_new_tokens", "temperature", "top_p", "seed", *MODEL[1:]], into="cfg",
        temperature={"help": "0 = greedy (the default: a greedy run verifies the target's greedy answers); > 0 samples."},
-       top_p={"default": 0.95}, seed={"default": 0, "cli": int, "help": None},
+       top_p={"default": SAMPLE_TOP_P}, seed={"default": 0, "cli": int, "help": None},
        dtype={"help": "The dtype you decode with (auto, as `hd generate`): the DB then holds exactly the answers "
                       "your runs will verify."}, device={"help": None})
 def build_model_db(

@@ -110,7 +110,7 @@ def layer_inputs(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool,
         min_prob=default_min_prob(cheap_verify) if cfg.stats_min_prob is None else cfg.stats_min_prob,
         min_expected=(default_min_expected(cheap_verify) if cfg.stats_min_expected is None
                       else cfg.stats_min_expected),
-        stats_dbs=dbs.stats, model_db=dbs.model, recycle_table=recycle_table, answer_index=answer_index)
+        stats_stores=dbs.stats, model_db=dbs.model, recycle_table=recycle_table, answer_index=answer_index)
 
 
 def db_hierarchy(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool, candidates: int | None = None,
@@ -130,20 +130,21 @@ def db_hierarchy(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool, candidates: 
 
 def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str, int] = 16,
                  min_n: int | None = None, max_n: int = 4, cheap_verify: bool = False,
-                 stats_dbs: Sequence = (), stats_min_prob: float | None = None,
+                 stats_stores: Sequence = (), stats_min_prob: float | None = None,
                  stats_min_expected: float | None = None, model_db=None,
                  policy: str = DEFAULT_POLICY, candidates: int = DEFAULT_CANDIDATES,
                  recycle_table: RecycledTable | None = None, answer_index=None) -> Hierarchy | None:
-    """The drafting hierarchy from open DBs, most local layer first (an empty `layers` means
-    plain decoding): a shorthand for db_hierarchy with a DecodingConfig. cheap_verify
+    """The drafting hierarchy from open DBs (stats_stores: open statistics DBs, open_stats_dbs;
+    model_db: an open model DB), most local layer first (an empty `layers` means plain decoding):
+    a shorthand for db_hierarchy with a DecodingConfig. cheap_verify
     (see cheap_verification) picks the defaults of min_n, min_prob and min_expected.
     answer_index: the model DB's answers to draft from (default: the process's own index)."""
     cfg = DecodingConfig(layers=list(layers), draft_len=draft_len, min_n=min_n, max_n=max_n,
-                         stats_dbs=[str(getattr(db, "path", "db")) for db in stats_dbs],
+                         stats_dbs=[str(getattr(db, "path", "db")) for db in stats_stores],
                          model_db=None if model_db is None else str(getattr(model_db, "path", "db")),
                          stats_min_prob=stats_min_prob, stats_min_expected=stats_min_expected,
                          policy=policy, candidates=candidates).validate()
-    return db_hierarchy(cfg, DBs(list(stats_dbs), model_db), cheap_verify, recycle_table=recycle_table,
+    return db_hierarchy(cfg, DBs(list(stats_stores), model_db), cheap_verify, recycle_table=recycle_table,
                         answer_index=answer_index)
 
 

@@ -34,7 +34,8 @@ from typing import Any, Callable, List, Optional, Sequence
 from . import inputs
 from .drafting import registry
 from .engine.loader import DEFAULT_MODEL
-from .engine.decode.verify import Sampling
+from .engine.decode.request import Request
+from .engine.decode.verify import SAMPLING_RANGES, Range, Sampling
 from .errors import HdError
 
 DEFAULT_POLICY = "fill-tracked"  # measured: docs/engine.md, "Drafting policies"
@@ -44,6 +45,7 @@ DEFAULT_LEVEL_TOKENS = 4
 POLICIES = ("first-hit", "fill", "fill-tracked", "adaptive")
 SEED_RANGE = (0, 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20               # alternatives a token's log-probability comes with (OpenAI's most)
+SAMPLING_DEFAULTS = Sampling()  # each sampling field's default is Sampling's (greedy, no truncation)
 
 
 # What a field takes (a JSON configuration, the CLI's parsed options, Python): from_dict refuses
@@ -104,8 +106,10 @@ def option(default, *flags: str, help: str | None = None, kind: Kind = STR, grou
     long one; `--on/--off` for a switch) and help, what it takes (kind: checked by from_dict, parsed
     as kind.cli by the command line, or cli["cli"]), and its group (model, drafting, sampling,
     output). cli may also hold cli_default (the option's default where it is not the field's, as
-    a comma-separated list option's None) and typer's envvar. The command line's options
-    (hdcli/flags.py) and FIELD_TYPES are made from these."""
+    a comma-separated list option's None), typer's envvar, range (a number's verify.Range: what
+    problems() and Sampling take) and served (where hd serve's request schema takes less: OpenAI's
+    range; served_bounds). The command line's options (hdcli/flags.py) and FIELD_TYPES are made
+    from these."""
     meta = {"flags": flags, "help": help, "kind": kind, "group": group, **cli}
     if isinstance(default, (list, dict)):   # a fresh empty one per object
         return field(default_factory=type(default), metadata=meta)
@@ -183,14 +187,21 @@ class DecodingConfig:
     plan: str | None = option(None, "--plan", kind=OPT_PATH, group=DRAFTING,
                               help="Use the hierarchy chosen by `hd plan`.")
     # generation; logits processors (OpenAI's) over the generated tokens
-    max_new_tokens: int = option(256, "--max-new-tokens", "-n", kind=INT, group=SAMPLING)
-    temperature: float = option(0.0, "--temperature", kind=NUMBER, group=SAMPLING, help="0 = greedy.")
-    top_p: float = option(1.0, "--top-p", kind=NUMBER, group=SAMPLING)
-    top_k: int = option(0, "--top-k", kind=INT, group=SAMPLING, help="0 = no top-k truncation.")
-    frequency_penalty: float = option(0.0, "--frequency-penalty", kind=NUMBER, group=SAMPLING,
+    max_new_tokens: int = option(256, "--max-new-tokens", "-n", kind=INT, group=SAMPLING, range=Range(1))
+    # OpenAI's API takes temperatures up to 2 (hd serve with it); hd generate any
+    temperature: float = option(SAMPLING_DEFAULTS.temperature, "--temperature", kind=NUMBER, group=SAMPLING,
+                                help="0 = greedy.", range=SAMPLING_RANGES["temperature"], served=Range(0.0, 2.0))
+    top_p: float = option(SAMPLING_DEFAULTS.top_p, "--top-p", kind=NUMBER, group=SAMPLING,
+                          range=SAMPLING_RANGES["top_p"])
+    # hd serve also takes -1 (off, as vLLM's clients send it), and at most an int32 (theirs)
+    top_k: int = option(SAMPLING_DEFAULTS.top_k, "--top-k", kind=INT, group=SAMPLING, help="0 = no top-k "
+                        "truncation.", range=SAMPLING_RANGES["top_k"], served=Range(-1, 2 ** 31 - 1))
+    frequency_penalty: float = option(SAMPLING_DEFAULTS.frequency_penalty, "--frequency-penalty", kind=NUMBER,
+                                      group=SAMPLING, range=SAMPLING_RANGES["frequency_penalty"],
                                       help="OpenAI's, -2..2: lowers a token's logit by this times its "
                                       "count in the output so far.")
-    presence_penalty: float = option(0.0, "--presence-penalty", kind=NUMBER, group=SAMPLING,
+    presence_penalty: float = option(SAMPLING_DEFAULTS.presence_penalty, "--presence-penalty", kind=NUMBER,
+                                     group=SAMPLING, range=SAMPLING_RANGES["presence_penalty"],
                                      help="OpenAI's, -2..2: lowers the logit of every token already in "
                                      "the output by this.")
     logit_bias: dict[int, float] = option({}, "--logit-bias", group=SAMPLING, cli=List[str], cli_default=[], kind=Kind(
@@ -198,8 +209,11 @@ class DecodingConfig:
         "{token id: number}"), help="TOKEN_ID=BIAS added to that token's logit (-100..100; repeatable).")
     # what the answer comes with (logprobs), and how the prompt is built
     logprobs: int | None = option(None, "--logprobs", kind=OPT_INT, group=OUTPUT, help="With --json: each "
-                                  "token's log-probability and this many best alternatives (0-20).")
-    seed: int | None = option(None, "--seed", kind=OPT_INT, group=SAMPLING, help="Seed for sampling.")
+                                  "token's log-probability and this many best alternatives (0-20).",
+                                  range=Range(0, MAX_LOGPROBS))
+    # hd serve takes OpenAI's seeds: a signed 64-bit integer's
+    seed: int | None = option(None, "--seed", kind=OPT_INT, group=SAMPLING, help="Seed for sampling.",
+                              range=Range(*SEED_RANGE), served=Range(0, 2 ** 63 - 1))
     chat: bool = option(True, "--chat/--raw", kind=BOOL, group=OUTPUT,
                         help="Apply the model's chat template or not.")
     system: str | None = option(None, "--system", kind=OPT_STR, group=OUTPUT,
@@ -236,8 +250,8 @@ class DecodingConfig:
     def problems(self) -> list[str]:
         """Every bad field, one message each naming its option (nothing is loaded)."""
         out = []
-        if self.max_new_tokens < 1:
-            out.append(f"--max-new-tokens must be >= 1, not {self.max_new_tokens}")
+        if not RANGES["max_new_tokens"].holds(self.max_new_tokens):
+            out.append(f"--max-new-tokens must be >= {RANGES['max_new_tokens'].low}, not {self.max_new_tokens}")
         try:
             self.sampling
         except ValueError as exc:
@@ -249,9 +263,10 @@ class DecodingConfig:
         if self.stats_min_expected is not None and not (math.isfinite(self.stats_min_expected)
                                                         and self.stats_min_expected >= 0):
             out.append(f"--stats-min-expected must be a finite number >= 0, not {self.stats_min_expected}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            out.append(f"--logprobs must be in 0..{MAX_LOGPROBS}, not {self.logprobs}")
-        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+        lp = RANGES["logprobs"]
+        if self.logprobs is not None and not lp.holds(self.logprobs):
+            out.append(f"--logprobs must be in {lp.low}..{lp.high}, not {self.logprobs}")
+        if self.seed is not None and not RANGES["seed"].holds(self.seed):
             out.append(f"--seed must be between 0 and 2**64 - 1, not {self.seed}")
         known = registry.names()
         unknown = [n for n in self.layers or [] if n not in known]
@@ -303,6 +318,16 @@ class DecodingConfig:
         return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                         frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                         logit_bias=tuple(self.logit_bias.items()))
+
+    def request(self, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, grammar=None,
+                prediction: Sequence[int] | None = None) -> Request:
+        """What one generation of this configuration asks for (engine/decode/request.py): the
+        prompt's ids with its max_new_tokens (or fewer: the room the context leaves), sampling,
+        seed, stop strings and logprobs; grammar (constrain.Grammar) and prediction (token ids)
+        are the prompt's own. The one place the API and the CLI make a Request."""
+        return Request(prompt_ids, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                       self.sampling, self.seed, stop=tuple(self.stop), logprobs=self.logprobs,
+                       grammar=grammar, prediction=prediction)
 
     @property
     def drafting(self) -> bool:
@@ -388,6 +413,15 @@ class DecodingConfig:
 # What each field takes, from its declaration (from_dict checks it; hsd/planner reads plans by it)
 FIELD_TYPES = {f.name: (f.metadata["kind"].check, f.metadata["kind"].what)
                for f in dataclasses.fields(DecodingConfig) if "kind" in f.metadata}
+# the numbers each number field takes, and hd serve's where OpenAI's API takes fewer
+RANGES = {f.name: f.metadata["range"] for f in dataclasses.fields(DecodingConfig) if "range" in f.metadata}
+SERVED_RANGES = {**RANGES, **{f.name: f.metadata["served"] for f in dataclasses.fields(DecodingConfig)
+                             if "served" in f.metadata}}
+
+
+def served_bounds(name: str) -> dict:
+    """A field's range in hd serve's request schema, as pydantic's Field takes it (ge/gt, le)."""
+    return SERVED_RANGES[name].bounds()
 
 
 def sampling_fields(sampling: Sampling) -> dict[str, Any]:

@@ -61,8 +61,9 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
              sampling: Sampling | None = None, **options) -> Result:
     """Generate a completion. config: the generation settings (max_new_tokens, sampling, seed,
     chat, system, stop, logprobs) and, with drafter "default", the drafter; options: any of its
-    fields by name (e.g. max_new_tokens=30, seed=7), over config's or the defaults; sampling: a
-    Sampling in place of the sampling fields. drafter: a
+    fields by name (e.g. max_new_tokens=30, temperature=0.7, seed=7), over config's or the
+    defaults: the one way sampling is given (sampling=, a Sampling, is its older form, taken as
+    those fields). The request decoded is config.request's (engine/decode/request.py). drafter: a
     Hierarchy or ModelStack, None for plain decoding, "default" for the configuration's (or the
     default one: context DB and recycled predictions). cost: the forward-cost curve that caps
     draft trees (default: measured once for this model and machine, see costs.curve_for).
@@ -74,10 +75,10 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     the top of the hierarchy (engine/decode/prediction.py); it drafts with drafter None too.
     Greedy output equals plain greedy decoding (under the same grammar) token for token whatever
     the drafts."""
-    if sampling is not None:
+    if sampling is not None:   # the older form of the sampling fields: taken as them
         options = {**sampling_fields(sampling), **options}
     cfg = (config or DecodingConfig()).replace(**options).validate()
-    max_new_tokens, sampling, seed, stop = cfg.max_new_tokens, cfg.sampling, cfg.seed, cfg.stop
+    max_new_tokens = cfg.max_new_tokens
     if prompt_ids is None:
         prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=cfg.chat, system=cfg.system,
                                    max_tokens=lm.max_context)
@@ -89,7 +90,7 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
         on_status(f"warning: --max-new-tokens {max_new_tokens} exceeds the room left in the model's context "
                   f"({room} tokens after the prompt): generating at most {room}")
     vocab = lm.model.config.vocab_size
-    outside = [t for t, _ in sampling.logit_bias if t >= vocab]
+    outside = [t for t, _ in cfg.sampling.logit_bias if t >= vocab]
     if outside:
         raise HdError(f"--logit-bias: token {outside[0]} is not in the model's vocabulary (ids 0..{vocab - 1})")
     predicted = prediction_ids(lm, prediction, room)
@@ -97,12 +98,13 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
         drafter = build_drafter(cfg, lm)
     if (drafter or predicted) and cost is None:
         cost = costs.curve_for(lm)
+    request = cfg.request(prompt_ids, max_new_tokens=min(max_new_tokens, room), grammar=grammar,
+                          prediction=predicted)
     decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)
     stream = TextStream(lm.tokenizer, on_text) if on_text else None
-    g: Generation = decoder.generate(prompt_ids, min(max_new_tokens, room), sampling, seed,
-                                     stop_check=stop_checker(lm.tokenizer, stop), on_tokens=stream,
-                                     logprobs=cfg.logprobs, grammar=grammar, prediction=predicted)
-    text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), stop)
+    g: Generation = decoder.generate(request, stop_check=stop_checker(lm.tokenizer, request.stop),
+                                     on_tokens=stream)
+    text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), request.stop)
     return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
                   stats=g.stats, prompt_ids=list(prompt_ids), logprobs=g.logprobs,
                   prediction_usage=g.prediction_usage)

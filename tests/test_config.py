@@ -132,3 +132,34 @@ def test_the_default_order_is_declared_not_the_import_order():
     finally:
         for name in ("early", "late"):
             registry.LAYERS.pop(name, None), registry.PRIOR_RATES.pop(name, None)
+
+
+def test_a_configuration_makes_the_request_of_one_generation():
+    """DecodingConfig.request: the API's and the CLI's one place a Request is made."""
+    from hdcli.engine.decode.request import Request
+    cfg = DecodingConfig(max_new_tokens=9, temperature=0.5, top_k=3, seed=7, stop=["\n"], logprobs=2)
+    r = cfg.request([1, 2, 3], prediction=[4, 5])
+    assert r == Request((1, 2, 3), 9, cfg.sampling, 7, stop=("\n",), logprobs=2, prediction=(4, 5))
+    assert cfg.request([1], max_new_tokens=4).max_new_tokens == 4       # the room the context leaves
+    assert Request.of([1, 2], max_new_tokens=3) == Request((1, 2), 3)   # the decode loop's shorthand
+    assert Request.of(r, choice=1) == r.replace(choice=1) and r.choice == 0
+
+
+def test_serve_takes_each_range_from_the_configuration():
+    """One declaration per option: hd serve's request schema reads the configuration's ranges, and
+    takes less only where OpenAI's API does (temperature up to 2, top_k -1 as off)."""
+    from hdcli.serve.protocol import ApiError, CompletionRequest, parse
+
+    def refused(**fields) -> bool:
+        try:
+            parse(CompletionRequest, {"model": "m", "prompt": "x", **fields})
+            return False
+        except ApiError:
+            return True
+    assert refused(temperature=-0.5) and refused(temperature=2.5) and not refused(temperature=2.0)
+    assert DecodingConfig(temperature=2.5).problems() == []
+    assert refused(top_p=0.0) and not refused(top_p=1.0) and refused(frequency_penalty=2.5)
+    assert refused(max_tokens=0) and not refused(top_k=-1) and refused(top_k=-2)
+    assert refused(seed=2 ** 63) and DecodingConfig(seed=2 ** 63).problems() == []
+    assert any("--frequency-penalty" in p or "frequency_penalty" in p
+               for p in DecodingConfig(frequency_penalty=2.5).problems())

@@ -21,7 +21,7 @@ HISTORY = ["docs/benchmarks.md"]
 
 def code_order() -> list[str]:
     """The default hierarchy with every DB given, as the registry builds it (LayerSpec.rank)."""
-    return registry.default_layers(registry.LayerInputs(stats_dbs=["stats"], model_db="model"))
+    return registry.default_layers(registry.LayerInputs(stats_stores=["stats"], model_db="model"))
 
 
 def stated_orders(text: str) -> list[list[str]]:

@@ -116,7 +116,7 @@ def test_drafting_and_plain_decoding_agree_where_the_engine_gives_up(lm):
     said = []
     for drafter in (None, Hierarchy([ContextDB(1, 4)])):
         with pytest.raises(constrain.GrammarError, match="gave up") as err:
-            Decoder(lm.model, lm.eos_ids, drafter).generate(prompt, 6, grammar=g)
+            Decoder(lm.model, lm.eos_ids, drafter).generate(prompt, max_new_tokens=6, grammar=g)
         said.append(str(err.value))
     assert all("too many expressions" in s for s in said), said
 

@@ -120,7 +120,7 @@ def test_greedy_with_context_model_and_stats_equals_plain(tiny_lm, tmp_path):
     for p in PROMPTS:
         ref = api.generate(tiny_lm, p, max_new_tokens=30, drafter=None)
         for layers in (["model"], ["context", "model", "stats"]):
-            d = api.make_drafter(layers, model_db=mdb, stats_dbs=sdb, stats_min_prob=0.0, stats_min_expected=0.0)
+            d = api.make_drafter(layers, model_db=mdb, stats_stores=sdb, stats_min_prob=0.0, stats_min_expected=0.0)
             got = api.generate(tiny_lm, p, max_new_tokens=30, drafter=d, cost=FREE_FORWARD)
             assert got.tokens == ref.tokens
             accepted += got.stats.layers["model"].accepted if "model" in got.stats.layers else 0

@@ -106,7 +106,7 @@ def test_a_generations_cache_equals_the_prefill_of_its_history(bundled):
     plain = Decoder(m, bundled.eos_ids).generate(ids, max_new_tokens=40)
     oracle = Oracle(plain.tokens, len(ids), k=8, corrupt=0.25, branches=3, vocab=m.config.vocab_size, seed=1)
     dec = Decoder(m, bundled.eos_ids, drafter=oracle, prefix=prefix.PrefixCache(0))
-    s = dec.stream(ids, 40)
+    s = dec.stream(ids, max_new_tokens=40)
     with torch.inference_mode():
         while not s.done:
             s.accept(tree_forward(m, s.propose(), s.history[-1], s.cache))
@@ -151,7 +151,7 @@ def test_a_restored_prefix_gives_the_same_generation(bundled):
     p1 = corpus_ids(bundled, 120)
 
     def run(dec, ids, scope=""):
-        s = dec.stream(ids, 30, scope=scope)
+        s = dec.stream(ids, max_new_tokens=30, scope=scope)
         with torch.inference_mode():
             while not s.done:
                 s.accept(tree_forward(m, s.propose(), s.history[-1], s.cache))

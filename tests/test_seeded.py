@@ -21,6 +21,7 @@ from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, Recyc
 from hdcli.engine.decode import loop, verify
 from hdcli.engine.decode.draft import Draft, Drafter
 from hdcli.engine.decode.loop import Decoder
+from hdcli.engine.decode.request import Request
 from hdcli.engine.decode.verify import Sampling, coupled_choice, position_uniform, sampling_key, target_probs
 from hdcli.engine.model.target import as_target
 
@@ -119,12 +120,12 @@ def test_seeded_speculation_is_plain_seeded_sampling_token_for_token(model, s):
     kept = 0
     for prompt in PROMPTS:
         for seed in (0, 7):
-            ref = Decoder(model, ()).generate(prompt, 24, s, seed=seed).tokens
+            ref = Decoder(model, ()).generate(prompt, max_new_tokens=24, sampling=s, seed=seed).tokens
             for name, drafter in drafters(prompt, ref).items():
-                g = Decoder(model, (), drafter).generate(prompt, 24, s, seed=seed)
+                g = Decoder(model, (), drafter).generate(prompt, max_new_tokens=24, sampling=s, seed=seed)
                 assert g.tokens == ref, (name, prompt, seed)
                 kept += sum(ls.accepted for ls in g.stats.layers.values())
-            pred = Decoder(model, ()).generate(prompt, 24, s, seed=seed, prediction=ref[:10] + [3, 3] + ref[12:])
+            pred = Decoder(model, ()).generate(prompt, max_new_tokens=24, sampling=s, seed=seed, prediction=ref[:10] + [3, 3] + ref[12:])
             assert pred.tokens == ref
     assert kept > 100   # drafts were really kept, not only rejected
 
@@ -149,14 +150,14 @@ def test_priced_recycle_trees_keep_plain_output(model, s):
     token, and greedy output too (the table warmed by sampled answers first)."""
     table = RecycledTable(top_k=3)
     for prompt in PROMPTS:   # warm: sampled records, so greedy streams meet priced drafts too
-        Decoder(model, (), Hierarchy([RecycledLayer(table)])).generate(prompt, 24, SAMPLINGS[0], seed=1)
+        Decoder(model, (), Hierarchy([RecycledLayer(table)])).generate(prompt, max_new_tokens=24, sampling=SAMPLINGS[0], seed=1)
     priced = kept = 0
     for prompt in PROMPTS:
         for seed in (0, 7, 9):
-            ref = Decoder(model, ()).generate(prompt, 24, s, seed=seed).tokens
+            ref = Decoder(model, ()).generate(prompt, max_new_tokens=24, sampling=s, seed=seed).tokens
             layer = CountingRecycled(table)
             g = Decoder(model, (), Hierarchy([ContextDB(1, 3), layer], draft_len=5, max_candidates=4)).generate(
-                prompt, 24, s, seed=seed)
+                prompt, max_new_tokens=24, sampling=s, seed=seed)
             assert g.tokens == ref, (prompt, seed)
             priced += layer.priced_drafts
             kept += g.stats.layers["recycle"].accepted if "recycle" in g.stats.layers else 0
@@ -166,18 +167,19 @@ def test_priced_recycle_trees_keep_plain_output(model, s):
 def test_seeded_choices_differ_and_repeat(model):
     s = Sampling(temperature=1.0)
     prompt = PROMPTS[0]
-    a = [Decoder(model, ()).generate(prompt, 16, s, seed=3, choice=c).tokens for c in range(3)]
-    b = [Decoder(model, (), RandomTree()).generate(prompt, 16, s, seed=3, choice=c).tokens for c in range(3)]
+    a = [Decoder(model, ()).generate(prompt, max_new_tokens=16, sampling=s, seed=3, choice=c).tokens for c in range(3)]
+    b = [Decoder(model, (), RandomTree()).generate(prompt, max_new_tokens=16, sampling=s, seed=3, choice=c).tokens for c in range(3)]
     assert a == b and len({tuple(x) for x in a}) == 3
-    assert Decoder(model, ()).generate(prompt, 16, s, seed=4).tokens != a[0]
+    assert Decoder(model, ()).generate(prompt, max_new_tokens=16, sampling=s, seed=4).tokens != a[0]
 
 
 def test_seeded_stream_beside_another_in_one_forward(model):
     """hd serve's path: the seeded stream's tokens are its plain ones, whatever shares the forward."""
     s = Sampling(temperature=1.0, top_p=0.9)
-    ref = Decoder(model, ()).generate(PROMPTS[0], 20, s, seed=11).tokens
-    a = Decoder(model, (), RandomTree(1)).stream(PROMPTS[0], 20, s, 11)
-    b = Decoder(model, (), Hierarchy([ContextDB(1, 3)], draft_len=4)).stream(PROMPTS[2], 30, Sampling(temperature=0.9), 5)
+    ref = Decoder(model, ()).generate(PROMPTS[0], max_new_tokens=20, sampling=s, seed=11).tokens
+    a = Decoder(model, (), RandomTree(1)).stream(Request(PROMPTS[0], 20, s, seed=11))
+    b = Decoder(model, (), Hierarchy([ContextDB(1, 3)], draft_len=4)).stream(
+        Request(PROMPTS[2], 30, Sampling(temperature=0.9), seed=5))
     while not a.done:
         step_together(as_target(model), [a, b])
     assert a.result().tokens == ref
@@ -198,9 +200,9 @@ def test_noise_keyed_by_step_breaks_the_equality(model, monkeypatch):
     differ = 0
     for seed in range(4):
         steps["n"] = 0
-        ref = Decoder(model, ()).generate(PROMPTS[0], 24, s, seed=seed).tokens
+        ref = Decoder(model, ()).generate(PROMPTS[0], max_new_tokens=24, sampling=s, seed=seed).tokens
         steps["n"] = 0
-        got = Decoder(model, (), Oracle(len(PROMPTS[0]), ref)).generate(PROMPTS[0], 24, s, seed=seed).tokens
+        got = Decoder(model, (), Oracle(len(PROMPTS[0]), ref)).generate(PROMPTS[0], max_new_tokens=24, sampling=s, seed=seed).tokens
         differ += got != ref
     assert differ > 0
 

@@ -797,14 +797,14 @@ def test_a_cancelled_lifespan_still_closes_the_server():
 def test_a_failing_decode_loop_ends_the_job_it_was_admitting(served):
     """A fault while a request is being admitted (here its drafter cannot be built) fails that
     request with an error, and the loop goes on (issue 47): no client waits forever."""
-    from hdcli.engine.decode.verify import Sampling
+    from hdcli.engine.decode.request import Request
     from hdcli.serve.scheduler import Job, Scheduler
 
     def broken(scope):
         raise ZeroDivisionError("no drafter")
     sched = Scheduler(served.server.lm, broken)
     ended = threading.Event()
-    job = Job(prompt_ids=[1, 2, 3], max_tokens=4, sampling=Sampling(), seed=None, stop=[],
+    job = Job(Request([1, 2, 3], max_new_tokens=4),
               emit=lambda ev: ended.set() if ev[0] == "done" else None)
     assert sched.submit(job)
     sched.start()

@@ -15,7 +15,7 @@ from conftest import PATIENCE
 from hdcli import api
 from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.draft import Draft
-from hdcli.engine.decode.verify import Sampling
+from hdcli.engine.decode.request import Request
 from hdcli.errors import HdError
 from hdcli.serve.server import Server, listening_socket
 from hdcli.serve import tenants
@@ -198,7 +198,7 @@ def plain(server, ids, n):
 def run_jobs(sched: Scheduler, prompts: list[list[int]], n: int = 24) -> list[Job]:
     """Jobs submitted before the loop starts, so that its first turn admits them all together."""
     left = threading.Semaphore(0)
-    jobs = [Job(prompt_ids=p, max_tokens=n, sampling=Sampling(), seed=None, stop=[],
+    jobs = [Job(Request(p, max_new_tokens=n),
                 emit=lambda ev: left.release() if ev[0] == "done" else None) for p in prompts]
     for job in jobs:
         assert sched.submit(job)
@@ -230,7 +230,7 @@ def test_a_fault_in_one_batched_request_leaves_the_others_exact(served, fault):
         else:
             assert jobs[2].finish_reason == "error" and "IndexError: index 99" in jobs[2].error
         for job in jobs[:2] + jobs[3:]:
-            assert job.finish_reason in ("eos", "length") and job.stream.out == plain(s, job.prompt_ids, 24)
+            assert job.finish_reason in ("eos", "length") and job.stream.out == plain(s, list(job.request.prompt_ids), 24)
         assert sched.failed is None and sched.alive()
         again = run_jobs(sched, [prompts[0], prompts[3]])
         assert [j.stream.out for j in again] == [plain(s, p, 24) for p in (prompts[0], prompts[3])]

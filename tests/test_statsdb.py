@@ -266,7 +266,7 @@ def test_greedy_with_context_and_stats_equals_plain(tiny_lm, tmp_path):
     accepted = 0
     for p in prompts:
         for layers in (["stats"], ["context", "stats"]):
-            d = api.make_drafter(layers, stats_dbs=dbs, stats_min_prob=0.0, stats_min_expected=0.0)
+            d = api.make_drafter(layers, stats_stores=dbs, stats_min_prob=0.0, stats_min_expected=0.0)
             got = api.generate(tiny_lm, p, max_new_tokens=40, drafter=d, cost=FREE_FORWARD)
             assert got.tokens == refs[p].tokens
             accepted += got.stats.layers.get("stats").accepted if "stats" in got.stats.layers else 0
@@ -280,7 +280,7 @@ def test_bundled_model_with_stats_equals_plain(bundled_lm, tmp_path):
     texts, _ = corpus.read_corpus([str(Path(__file__).parents[1] / "sample_corpora" / "assistant_answers.jsonl")])
     out = tmp_path / "s.lmdb"
     statsdb.build(texts, out, bundled_lm.tokenizer, "smollm2-135m", min_count=1)
-    d = api.make_drafter(["context", "stats"], stats_dbs=api.open_stats_dbs([str(out)], bundled_lm),
+    d = api.make_drafter(["context", "stats"], stats_stores=api.open_stats_dbs([str(out)], bundled_lm),
                          stats_min_prob=0.0, stats_min_expected=0.0)
     for p in ["Write a Python function that returns the sum of a list.", "What is photosynthesis?"]:
         ref = api.generate(bundled_lm, p, max_new_tokens=40, drafter=None)
@@ -490,7 +490,7 @@ def test_out_of_vocabulary_drafts_never_reach_the_model(tiny_lm, tiny_model_dir,
     db = _oov_stats_db(tiny_lm.tokenizer, tmp_path / "s.lmdb", None if vocab_in_header else _without("vocab_size"))
     sdb = api.open_stats_dbs([str(db)], tiny_lm)
     ref = api.generate(tiny_lm, PROMPT, max_new_tokens=16, drafter=None)
-    d = api.make_drafter(["stats"], stats_dbs=sdb, stats_min_prob=0.0, stats_min_expected=0.0)
+    d = api.make_drafter(["stats"], stats_stores=sdb, stats_min_prob=0.0, stats_min_expected=0.0)
     got = api.generate(tiny_lm, PROMPT, max_new_tokens=16, drafter=d, cost=FREE_FORWARD)
     assert got.tokens == ref.tokens
     m = str(tiny_model_dir)

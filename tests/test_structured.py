@@ -72,7 +72,7 @@ class Echo:
 
 
 def _decode(lm, drafter=None, grammar=None, prediction=None, n=40):
-    return Decoder(lm.model, lm.eos_ids, drafter).generate(PROMPT, n, grammar=grammar, prediction=prediction)
+    return Decoder(lm.model, lm.eos_ids, drafter).generate(PROMPT, max_new_tokens=n, grammar=grammar, prediction=prediction)
 
 
 def _hierarchy(reference):

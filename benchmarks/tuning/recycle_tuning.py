@@ -45,9 +45,9 @@ for name, (layers, prior, kw) in VARIANTS.items():
     accepted = spent = decode_s = 0.0
     tokens = 0
     for p in prompts:
-        d = api.make_drafter(layers, cheap_verify=cost.verifies_cheaply(), stats_dbs=dbs,
+        d = api.make_drafter(layers, cheap_verify=cost.verifies_cheaply(), stats_stores=dbs,
                              recycle_table=table, **kw)
-        g = Decoder(lm.model, lm.eos_ids, d, cost=cost).generate(p, 128)
+        g = Decoder(lm.model, lm.eos_ids, d, cost=cost).generate(p, max_new_tokens=128)
         accepted += sum(g.stats.accept_lengths)
         spent += sum(cost(1 + t) for t in g.stats.tree_sizes)
         decode_s += g.stats.wall_seconds - g.stats.prefill_seconds

@@ -51,7 +51,7 @@ def main():
                     def make():
                         return api.make_drafter(["context", "model", "stats"], draft_len=L,
                                                 cheap_verify=cost.verifies_cheaply(),
-                                                stats_dbs=[stats], model_db=model, policy=policy,
+                                                stats_stores=[stats], model_db=model, policy=policy,
                                                 candidates=C)
                     r = replay(refs, make, cost)
                     rows.append({"dtype": dtype, "policy": policy, "candidates": C, "draft_len": L, **r})

@@ -33,6 +33,7 @@ from ..drafting import answer_index as model_layer
 from ..engine import records
 from ..engine.decode import costs
 from ..engine.decode.loop import Decoder
+from ..engine.decode.request import Request
 from ..engine.text.prompts import encode_messages, encode_prompt
 from ..engine.decode.verify import Sampling
 from ..errors import HdError
@@ -123,7 +124,8 @@ class Runner:
         """grammar (constrain.Grammar), prediction (token ids): as Decoder.generate takes them."""
         drafter = self.factory() if self.factory else None
         dec = Decoder(self.lm.model, self.lm.eos_ids, drafter, cost=self.cost)
-        g = dec.generate(prompt_ids, max_new_tokens, sampling, seed, grammar=grammar, prediction=prediction)
+        g = dec.generate(Request(prompt_ids, max_new_tokens, sampling, seed, grammar=grammar,
+                                 prediction=prediction))
         s = g.stats
         return Turn(text=self.lm.tokenizer.decode(g.tokens, skip_special_tokens=True), tokens=g.tokens,
                     wall_time=s.wall_seconds, accept_lengths=list(s.accept_lengths),

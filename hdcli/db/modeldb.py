@@ -26,12 +26,14 @@ import torch
 
 from . import statsdb
 from .. import inputs
+from ..engine.decode.verify import Sampling
 from ..engine.model import is_owned
 from ..errors import HdError
 
 # 320 prompts we wrote (code, math, summaries, explanations, writing, advice, extraction, translation),
 # shipped as package data so that `hd build-model-db -o model.lmdb` works from an installed wheel
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "model_db_prompts.jsonl"
+SAMPLE_TOP_P = 0.95   # hd build-model-db's --top-p: where it samples, the answers' nucleus
 
 
 def load_prompts(path=None, num_prompts: int | None = None) -> tuple[list[str], str]:
@@ -101,10 +103,12 @@ def _read_samples(path: Path) -> list[dict]:
 
 
 def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: int = 256,
-           temperature: float = 0.8, top_p: float = 0.95, batch_size: int = 8, seed: int = 0,
+           temperature: float = Sampling().temperature, top_p: float = SAMPLE_TOP_P, batch_size: int = 8, seed: int = 0,
            resume: bool = False, progress: Callable[[int, int], None] | None = None,
            stop_after: int | None = None, drafter_factory: Callable | None = None) -> dict:
-    """Generate answers to `prompts` in batches and append them to `samples_path`.
+    """Generate answers to `prompts` in batches and append them to `samples_path`, greedy by
+    default (temperature: the declaration's, hd build-model-db's: a greedy run verifies the
+    target's greedy answers; top_p where it samples: SAMPLE_TOP_P, hd build-model-db's --top-p).
     progress(prompts_done, new_tokens) after each batch. stop_after: stop after that many new
     batches (for tests of resume). drafter_factory: a new drafter per answer on hd's own forward
     (db.commands.build_model_db passes the default hierarchy: speculative, the same tokens), None for plain
@@ -222,13 +226,12 @@ def _decode_each(lm, ids, width: int, pad: int, max_new_tokens: int, temperature
     its tokens (greedy) or of their distribution (sampled) changes."""
     from ..engine.decode import costs
     from ..engine.decode.loop import Decoder
-    from ..engine.decode.verify import Sampling
     sampling = Sampling(temperature=temperature, top_p=top_p) if temperature > 0 else Sampling()
     cost = costs.curve_for(lm) if drafter_factory else None
     rows = []
     for i, x in enumerate(ids):
         dec = Decoder(lm.model, lm.eos_ids, drafter_factory() if drafter_factory else None, cost=cost)
-        got = dec.generate(x, max_new_tokens, sampling, seed=seed + i).tokens
+        got = dec.generate(x, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed + i).tokens
         rows.append([pad] * (width - len(x)) + list(x) + got + [pad] * (max_new_tokens - len(got)))
     return torch.tensor(rows)
 

@@ -109,13 +109,13 @@ NEEDS_STATS_DB = ("stats_dbs", "a statistics DB: pass --stats-db PATH")
 
 
 def _stats_layers(s) -> list:
-    if not s.stats_dbs:
+    if not s.stats_stores:
         raise HdError(f"layer 'stats' needs {NEEDS_STATS_DB[1]}")
-    return [StatsDB(db, name="stats" if len(s.stats_dbs) == 1 else f"stats:{db.path.stem}",
-                    min_prob=s.min_prob, min_expected=s.min_expected) for db in s.stats_dbs]
+    return [StatsDB(db, name="stats" if len(s.stats_stores) == 1 else f"stats:{db.path.stem}",
+                    min_prob=s.min_prob, min_expected=s.min_expected) for db in s.stats_stores]
 
 
 register(LayerSpec(
     name="stats", rank=10, prior=(0.1, 0.3, 0.45, 0.55), style="magenta", short="st",
     help="statistics DB only (corpus retrieval, REST-like)",
-    build=_stats_layers, in_default=lambda s: bool(s.stats_dbs), needs=NEEDS_STATS_DB))
+    build=_stats_layers, in_default=lambda s: bool(s.stats_stores), needs=NEEDS_STATS_DB))

@@ -28,7 +28,7 @@ class LayerInputs:
     max_n: int = 4                 # longest context-DB key
     min_prob: float = 0.0          # stats/model DB walk: least probability of the whole draft
     min_expected: float = 0.0      # stats/model DB: least expected accepted tokens of a draft
-    stats_dbs: Sequence = ()       # open hdcli.db.stores.Store objects
+    stats_stores: Sequence = ()    # open hdcli.db.stores.Store objects (the config's stats_dbs: their paths)
     model_db: object = None        # an open Store, or None
     recycle_table: object = None   # a shared drafting.recycle.RecycledTable, or None for a new one
     answer_index: object = None    # a drafting.answer_index.AnswerIndex over model_db, or None for the
@@ -47,7 +47,7 @@ class LayerSpec:
     # where `adaptive` starts every request.
     prior: tuple[float, float, float, float]
     in_default: Callable[[LayerInputs], bool] = lambda s: False  # in the default hierarchy?
-    # (LayerInputs/DecodingConfig field it cannot run without, what to say when it is missing)
+    # (DecodingConfig field it cannot run without, what to say when it is missing)
     needs: tuple[str, str] | None = None
     style: str = ""                         # colour of its accepted tokens in a terminal
     short: str = ""                         # label in 80-column tables
@@ -58,9 +58,9 @@ class LayerSpec:
     # ranks keep that order; docs/benchmarks.md's earlier hierarchy runs had `stats` last)
     rank: int = 100
 
-    def missing(self, source) -> str | None:
-        """What `source` (a DecodingConfig or LayerInputs) lacks for this layer, or None."""
-        return self.needs[1] if self.needs and not getattr(source, self.needs[0]) else None
+    def missing(self, cfg) -> str | None:
+        """What cfg (a DecodingConfig: needs names its field) lacks for this layer, or None."""
+        return self.needs[1] if self.needs and not getattr(cfg, self.needs[0]) else None
 
 
 LAYERS: dict[str, LayerSpec] = {}           # by rank: the default order too

@@ -246,7 +246,7 @@ def measure(lm, drafts, db_factory, prompts: Sequence[list[int]], tokens: int = 
         cost[name] = (lambda c: (lambda w: c.one_token_seconds * c(w)))(curve)
         if progress:
             progress(f"cost of {name}: {curve.one_token_seconds * 1000:.1f} ms per token")
-    refs = [Decoder(lm.model, ()).generate(p, tokens).tokens for p in prompts]
+    refs = [Decoder(lm.model, ()).generate(p, max_new_tokens=tokens).tokens for p in prompts]
     dists = {name: _predictions(m, prompts, refs, s) for name, m in model_of.items()}
     uppers = names + ["target"]
     accept: dict[tuple[str, str], float] = {}
@@ -341,7 +341,7 @@ def measured_speed(lm, drafter, prompts: Sequence[list[int]], max_new_tokens: in
     """Tokens per second of the target with this drafter over the prompts (greedy)."""
     toks = secs = 0.0
     for p in prompts:
-        g = Decoder(lm.model, lm.eos_ids, drafter).generate(p, max_new_tokens)
+        g = Decoder(lm.model, lm.eos_ids, drafter).generate(p, max_new_tokens=max_new_tokens)
         toks += g.stats.new_tokens
         secs += g.stats.wall_seconds
     return toks / secs

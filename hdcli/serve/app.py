@@ -225,7 +225,7 @@ def _logprobs(server, job: Job, entries, chat: bool, offset: int = 0) -> dict | 
     {"content": [{token, logprob, bytes, top_logprobs}]} or completions' {tokens, token_logprobs,
     top_logprobs, text_offset}. A token's text is its own decode (a piece of a multi-byte
     character decodes to U+FFFD; `bytes` are those of that text)."""
-    if job.logprobs is None or entries is None:
+    if job.request.logprobs is None or entries is None:
         return None
     with server.scheduler.tokenizer_lock:
         tok = server.lm.tokenizer

@@ -31,7 +31,7 @@ from typing import ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..config import MAX_LOGPROBS
+from ..config import served_bounds
 
 # the response header naming the request's fields hd took and did not act on (_Common.IGNORED)
 IGNORED_HEADER = "X-HD-Ignored-Fields"
@@ -52,6 +52,12 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _served(name: str, default=None):
+    """A field of the same meaning as the DecodingConfig field `name`, taking its range (hdcli/config.py
+    declares it once: what hd generate takes, and where OpenAI's API takes less, hd serve's)."""
+    return Field(default, **served_bounds(name))
 
 
 class _Strict(BaseModel):
@@ -148,23 +154,23 @@ class Prediction(_Strict):
 class _Common(_Strict):
     model: str
     # sent by apps at their neutral values: accepted there, refused elsewhere (neutral_problem)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = _served("frequency_penalty")
+    presence_penalty: Optional[float] = _served("presence_penalty")
     logit_bias: Optional[dict[str, float]] = None
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    max_tokens: Optional[int] = _served("max_new_tokens")
+    temperature: Optional[float] = _served("temperature")
+    top_p: Optional[float] = _served("top_p")
+    seed: Optional[int] = _served("seed")
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: Optional[str] = None
     # not OpenAI's, sent by clients of vLLM and llama.cpp (extra_body): implemented; -1 and 0: off
-    top_k: Optional[int] = Field(None, ge=-1, le=2**31 - 1)
+    top_k: Optional[int] = _served("top_k")
 
     # field -> (the values taken besides unset, as the message names them, what is not
     # implemented); a response_format is judged by its type
@@ -195,9 +201,9 @@ class _Common(_Strict):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = _served("max_new_tokens")
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = _served("logprobs")
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None    # checked against the tools by the server
@@ -241,7 +247,7 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int]]
-    logprobs: Optional[int] = Field(None, ge=0, le=5)
+    logprobs: Optional[int] = Field(None, ge=0, le=5)   # OpenAI's completions: at most 5 alternatives
 
     def limit(self) -> int | None:
         return self.max_tokens

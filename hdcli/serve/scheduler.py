@@ -19,7 +19,8 @@ Invariants
     alone. Without the mode (another architecture, --invariant off) requests are still stepped
     together, each in a forward of its own.
   * With a prefix cache (engine/decode/prefix.py, --prefix-cache-mb) a prompt's longest prefix stored by
-    a request of the same Job.scope is restored instead of computed: torch.equal to its prefill.
+    a request of the same scope (Job.request.scope) is restored instead of computed: torch.equal to
+    its prefill.
     A finished request stores its prompt and answer, after its client has the answer.
   * A cancelled request (its client went away) leaves at the next loop turn; the others go on.
   * An exception while serving one request (admitting, drafting, verifying, accepting, handing
@@ -46,10 +47,9 @@ import torch
 
 from ..engine.decode import batch
 from ..engine.text import tools
-from ..engine.text.constrain import Grammar
 from ..engine.decode.loop import Decoder, Stream, speculative_steps
 from ..engine.text.prompts import cut_at_stop, stop_checker
-from ..engine.decode.verify import Sampling
+from ..engine.decode.request import Request
 from .limits import RateLimited
 
 log = logging.getLogger("hdcli.serve")
@@ -63,23 +63,15 @@ Event = tuple[str, object]
 
 @dataclass
 class Job:
-    """One request to the decode loop."""
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: Sampling
-    seed: int | None
-    stop: list[str]
+    """One request to the decode loop: what it asks for (a Request: prompt, max tokens, sampling,
+    seed, choice index, stop strings, logprobs, grammar, prediction, and its scope, whose learned
+    drafts and cached prefixes it may use, serve/tenants.py), and how its answer travels and when
+    it ran."""
+    request: Request
     emit: Callable[[Event], None]          # called from the decode thread; must not block
     streamed: bool = False                 # hand text pieces while running (else only the end)
-    scope: tuple = ()                      # whose learned drafts and cached prefixes it may use
-                                           # (serve/tenants.py; () = shared by all)
-    logprobs: int | None = None            # return log-probabilities with this many alternatives
     lp_sent: int = 0                       # tokens whose log-probabilities went with the text
     lp_rest: list | None = None            # those left at the end (sent with the last chunk)
-    grammar: Grammar | None = None         # the output follows it (engine/text/constrain.py)
-    choice: int = 0                        # which of a request's `n` choices: sampling is keyed
-                                           # by (seed, choice, output position)
-    prediction: list[int] | None = None    # a predicted output's ids, drafted by its own layer
     tool_family: str | None = None         # parse the answer for tool calls in this format (engine/text/tools.py)
     tools: list = field(default_factory=list)   # the tools offered (engine/text/tools.Tool): calls name one
     calls: list | None = None              # the tool calls the answer is (OpenAI's shape), or None
@@ -259,11 +251,9 @@ class Scheduler:
             self._end(job, "cancelled")
             return
         try:
-            job.stream = self.decoder.stream(job.prompt_ids, job.max_tokens, job.sampling, job.seed,
-                                             stop_check=stop_checker(self.lm.tokenizer, job.stop),
-                                             drafter=self.drafter_for(job.scope), logprobs=job.logprobs,
-                                             scope=job.scope, grammar=job.grammar, prediction=job.prediction,
-                                             choice=job.choice)
+            request = job.request
+            job.stream = self.decoder.stream(request, stop_check=stop_checker(self.lm.tokenizer, request.stop),
+                                             drafter=self.drafter_for(request.scope))
         except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
             if self.prefix is not None:   # its prefill may have stored part of an entry
                 self.prefix.clear()
@@ -298,7 +288,7 @@ class Scheduler:
         end an answer that is tool calls (job.calls) hands only the text before them."""
         with self.tokenizer_lock:
             text = self.lm.tokenizer.decode(job.stream.out, skip_special_tokens=True)
-        text = cut_at_stop(text, job.stop)
+        text = cut_at_stop(text, job.request.stop)
         if final:
             if job.tool_family and job.stream.stop_reason in ("eos", "stop"):
                 content, job.calls = tools.split_calls(text, job.tool_family, job.tools)
@@ -307,7 +297,7 @@ class Scheduler:
         else:
             if text.endswith("\ufffd"):
                 return
-            hold = max((len(s) for s in job.stop), default=1) - 1
+            hold = max((len(s) for s in job.request.stop), default=1) - 1
             text = text[:len(text) - hold] if hold else text
             if job.tool_family:
                 text = text[:tools.held(text, job.tool_family)]
@@ -366,7 +356,7 @@ class Scheduler:
             # after the answer went out: the next turn of a chat starts with this prompt and
             # answer, and the cache holds history[:-1] (engine/decode/loop.py's invariant)
             try:
-                self.prefix.store(job.scope, job.stream.history[:-1], job.stream.cache)
+                self.prefix.store(job.request.scope, job.stream.history[:-1], job.stream.cache)
             except Exception as exc:  # noqa: BLE001 - a half-stored entry must never be restored
                 self.prefix.clear()
                 log.error("hd serve: storing request %s's prefix failed (the prefix cache is emptied): %s: %s",

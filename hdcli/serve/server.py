@@ -49,6 +49,7 @@ from ..config import DecodingConfig
 from ..engine.text import constrain, tools
 from ..engine.decode import costs, prefix
 from ..engine.text.prompts import PromptTooLong, encode_messages, refuse_too_long
+from ..engine.decode.request import Request
 from ..engine.decode.verify import Sampling
 from ..errors import HdError
 from ..generation import prepare
@@ -201,7 +202,9 @@ class Server:
                 self.say(f"warning: cannot restrict {f} to its owner ({exc.strerror}): it holds what requests generate")
 
     def job_for(self, req, chat: bool, scope: tenants.Scope = tenants.SHARED) -> Job:
-        """The decode job of a parsed request, or ApiError (unknown model, too long)."""
+        """The decode job of a parsed request, or ApiError (unknown model, too long): its Request
+        (engine/decode/request.py; what the request leaves out, the server's configuration) made
+        here, the one place hd serve makes one."""
         if req.model != self.name:
             raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{self.name}'",
                            "model", "model_not_found")
@@ -230,10 +233,10 @@ class Server:
             grammar = structured.grammar_for(req, self.lm, spec, family, self.scheduler.tokenizer_lock)
             with self.scheduler.tokenizer_lock:
                 prediction = structured.prediction_ids(req, self.lm, room)
-        return Job(prompt_ids=ids, max_tokens=min(limit or cfg.max_new_tokens, room),
-                   sampling=self._sampling(req), seed=cfg.seed if req.seed is None else req.seed,
-                   stop=req.stops() or list(cfg.stop), emit=lambda ev: None, streamed=req.stream,
-                   logprobs=req.logprobs_wanted(), scope=scope, grammar=grammar, prediction=prediction,
+        request = Request(ids, min(limit or cfg.max_new_tokens, room), self._sampling(req),
+                          seed=cfg.seed if req.seed is None else req.seed, stop=tuple(req.stops() or cfg.stop),
+                          logprobs=req.logprobs_wanted(), grammar=grammar, prediction=prediction, scope=scope)
+        return Job(request, emit=lambda ev: None, streamed=req.stream,
                    tool_family=family if structured.parses_calls(req, spec) else None,
                    tools=spec.tools if spec is not None else [])
 
@@ -317,7 +320,7 @@ class Server:
         learning; greedy choices are all the same."""
         import dataclasses
         job = self.job_for(req, chat, scope)
-        return [job] + [dataclasses.replace(job, choice=i) for i in range(1, req.n)]
+        return [job] + [dataclasses.replace(job, request=job.request.replace(choice=i)) for i in range(1, req.n)]
 
     def usage_of(self, jobs: list[Job]) -> dict:
         """A response's usage: the prompt counted once, the choices' tokens summed; `hd` is the
@@ -350,13 +353,14 @@ class Server:
         # reasoning or audio tokens
         details = {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0,
                    "rejected_prediction_tokens": 0}
-        if job.prediction is not None:   # OpenAI's counts for a predicted output (engine/decode/loop.py)
+        request = job.request
+        if request.prediction is not None:   # OpenAI's counts for a predicted output (engine/decode/loop.py)
             counts = job.stream.prediction_usage() if job.stream is not None else None
-            details |= counts or {"rejected_prediction_tokens": len(job.prediction)}
+            details |= counts or {"rejected_prediction_tokens": len(request.prediction)}
         # completion_tokens counts the end-of-sequence token where the model made one, as max_tokens
         # does (docs/serve.md: "Token counts")
-        return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(job.prompt_ids) + n,
+        return {"prompt_tokens": len(request.prompt_ids), "completion_tokens": n,
+                "total_tokens": len(request.prompt_ids) + n,
                 "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
                 "completion_tokens_details": details, "hd": hd}
 
@@ -366,7 +370,7 @@ class Server:
             return
         st = job.stream.stats
         n = len(job.stream.out)
-        m.prompt_tokens.inc(len(job.prompt_ids))
+        m.prompt_tokens.inc(len(job.request.prompt_ids))
         m.completion_tokens.inc(n)
         for name, s in st.layers.items():
             m.drafted.labels(name).inc(s.drafted)
@@ -378,7 +382,7 @@ class Server:
         self.served["completion_tokens"] += n
         self.served["steps"] += len(st.accept_lengths)
         if self.learner is not None and job.finish_reason in ("eos", "length", "stop") and n:
-            self.learner.put(job.prompt_ids, job.stream.out, tenants.tag(job.scope))
+            self.learner.put(list(job.request.prompt_ids), job.stream.out, tenants.tag(job.request.scope))
 
     def _stepped(self, jobs, counts) -> None:  # decode thread
         self.metrics.step(len(jobs), sum(counts))

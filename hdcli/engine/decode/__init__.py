@@ -1,5 +1,6 @@
 """The decode loop: draft, verify every drafted token in one target forward, accept, repeat.
 
+    request.py     Request: what one generation asks for (prompt, max new tokens, sampling, ...)
     loop.py        Decoder, Stream and Generation: the loop itself (one step of one or several
                    streams: speculative_steps; of one: speculative_step)
     draft.py       the Drafter interface the loop asks, and the Draft it gets back

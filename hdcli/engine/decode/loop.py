@@ -29,13 +29,14 @@ from ..kernels import invariant
 from ..model.target import TargetModel, as_target
 from .draft import Draft, Drafter, clamped
 from .prefix import prefill_pieces
+from .request import Request
 from .stats import RunStats
-from ..text.constrain import FORCED_RATE, Grammar
+from ..text.constrain import FORCED_RATE
 from .costs import CostCurve
 from .prediction import Prediction
 from . import batch
 from .tree import Tree, build_tree, cap_jointly, keep_path, node_estimates, reached
-from .verify import (Sampling, accept_chain_q, accept_tree, logprobs_of, processed, sampling_key, top_probs,
+from .verify import (accept_chain_q, accept_tree, logprobs_of, processed, sampling_key, top_probs,
                      top_tokens)
 
 # on_tokens(tokens, layers): called after each step with the new tokens and, per token, the name
@@ -95,39 +96,31 @@ class Decoder:
         return 0
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
-                 sampling: Sampling = Sampling(), seed: int | None = None,
+    def generate(self, request: Request | Sequence[int], *,
                  stop_check: Callable[[list[int]], int | None] | None = None,
-                 on_tokens: TokenCallback | None = None, logprobs: int | None = None,
-                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None,
-                 choice: int = 0) -> Generation:
-        """stop_check(tokens) may return a length to cut the output at (a stop string was seen).
-        logprobs: None, or k >= 0 to return each token's log-probability and its k best
-        alternatives (Generation.logprobs; verify.logprobs_of). grammar: the output follows it
-        (engine/text/constrain.py). prediction: tokens the output is expected to repeat, drafted by
-        their own layer (engine/decode/prediction.py). seed, choice: sampled output is keyed by
-        (seed, choice index, output position): the same seed gives the same tokens with or without
-        drafts (verify.coupled_choice)."""
-        s = self.stream(prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens, logprobs=logprobs,
-                        grammar=grammar, prediction=prediction, choice=choice)
+                 on_tokens: TokenCallback | None = None, **fields) -> Generation:
+        """Decode one request (engine/decode/request.py: prompt, max_new_tokens, sampling, seed
+        and choice, logprobs, grammar, prediction), or prompt ids with those fields by name.
+        stop_check(tokens) may return a length to cut the output at (a stop string was seen);
+        on_tokens hears each step's new tokens. Sampled output is keyed by (seed, choice index,
+        output position): the same seed gives the same tokens with or without drafts
+        (verify.coupled_choice)."""
+        s = self.stream(request, stop_check=stop_check, on_tokens=on_tokens, **fields)
         while not s.done:
             speculative_step(self.model, s)
         return s.result()
 
     @torch.inference_mode()
-    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 256,
-               sampling: Sampling = Sampling(), seed: int | None = None,
+    def stream(self, request: Request | Sequence[int], *,
                stop_check: Callable[[list[int]], int | None] | None = None,
                on_tokens: TokenCallback | None = None, drafter: Drafter | None | str = "own",
-               logprobs: int | None = None, scope: str = "", grammar: Grammar | None = None,
-               prediction: Sequence[int] | None = None, choice: int = 0) -> "Stream":
+               **fields) -> "Stream":
         """A generation to be stepped by the caller (generate() steps one; a server steps many and
         verifies their trees in one forward, hdcli/engine/decode/batch.py). The prompt is prefilled here.
-        drafter: this one's own ("own"), or another (one per concurrent stream: drafters keep
-        per-generation state). scope: whose prefix-cache entries it may reuse (hd serve)."""
-        return Stream(self, prompt_ids, max_new_tokens, sampling, seed, stop_check, on_tokens,
-                      self.drafter if isinstance(drafter, str) else drafter, logprobs, scope=scope,
-                      grammar=grammar, prediction=prediction, choice=choice)
+        request: as generate takes it. drafter: this one's own ("own"), or another (one per
+        concurrent stream: drafters keep per-generation state)."""
+        return Stream(self, Request.of(request, **fields), stop_check, on_tokens,
+                      self.drafter if isinstance(drafter, str) else drafter)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -148,22 +141,20 @@ class Stream:
     stream's tokens are the same whatever is verified beside it."""
 
     @torch.inference_mode()
-    def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], max_new_tokens: int,
-                 sampling: Sampling, seed: int | None, stop_check, on_tokens: TokenCallback | None,
-                 drafter: Drafter | None, logprobs: int | None = None, scope: str = "",
-                 grammar: Grammar | None = None, prediction: Sequence[int] | None = None,
-                 choice: int = 0):
-        if not prompt_ids:
+    def __init__(self, decoder: Decoder, request: Request, stop_check=None,
+                 on_tokens: TokenCallback | None = None, drafter: Drafter | None = None):
+        if not request.prompt_ids:
             raise ValueError("prompt is empty")
-        if max_new_tokens < 1:
+        if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        self.decoder, self.drafter = decoder, drafter
-        self.max_new_tokens, self.sampling = max_new_tokens, sampling
+        self.decoder, self.drafter, self.request = decoder, drafter, request
+        self.max_new_tokens, self.sampling = request.max_new_tokens, request.sampling
         self.stop_check, self.on_tokens = stop_check, on_tokens
+        sampling, seed, prompt_ids = request.sampling, request.seed, request.prompt_ids
         # sampling: the output position's uniform under this key chooses the target's token
         # (verify.coupled_choice); a generator only for an unseeded draft model's chain, verified
         # with its q (min(1, p/q): more often kept than a point mass, but not seed-coupled)
-        self.key = sampling_key(seed, choice) if not sampling.greedy else 0
+        self.key = sampling_key(seed, request.choice) if not sampling.greedy else 0
         self.gen = None
         if not sampling.greedy and seed is None:
             self.gen = torch.Generator(device=decoder.device)
@@ -172,17 +163,17 @@ class Stream:
         self.t_start = time.perf_counter()
         self.cache = decoder.model.new_cache()
         self.history = [int(t) for t in prompt_ids]
-        self.scope = scope
+        self.scope = request.scope
         if len(self.history) > 1:
-            self.stats.cached_tokens = decoder._prefill(self.history[:-1], self.cache, scope)
+            self.stats.cached_tokens = decoder._prefill(self.history[:-1], self.cache, request.scope)
         self.stats.prefill_seconds = time.perf_counter() - self.t_start
         if drafter is not None:
             drafter.reset(self.history)
         self.trees_ok = self.cache.supports_trees()
         self.out: list[int] = []
         self.out_layers: list[str | None] = []
-        self.logprobs = logprobs
-        self.out_logprobs: list | None = [] if logprobs is not None else None
+        self.logprobs = request.logprobs
+        self.out_logprobs: list | None = [] if request.logprobs is not None else None
         self.stop_reason = "length"
         self.done = False
         self.tree: Tree | None = None
@@ -192,8 +183,8 @@ class Stream:
         # the top of the hierarchy, per request: the grammar (its mask on every row; its forced
         # tokens drafted first) and the predicted output. Plain decoding (no drafter, no
         # prediction) drafts nothing: the grammar only masks.
-        self.grammar = grammar.start() if grammar is not None else None
-        self.prediction = Prediction(prediction) if prediction else None
+        self.grammar = request.grammar.start() if request.grammar is not None else None
+        self.prediction = Prediction(request.prediction) if request.prediction else None
         self.speculates = drafter is not None or self.prediction is not None
 
     def propose(self, max_nodes: int | None = None, capped: bool = True) -> Tree:

@@ -17,8 +17,8 @@ generation the cache holds history[:-1], as a prefill of those tokens would writ
 its sliding window). So the cache is on only for hd's own forward in the M-invariant mode
 (`why_not`); elsewhere `hd serve` says so at start and prefills as before.
 
-Layout: per scope (serve's Job.scope: requests may reuse only what requests of the same scope
-stored; "" is one scope shared by all), a radix tree of token segments, each node holding its
+Layout: per scope (a Request's scope, serve's tenants: requests may reuse only what requests of
+the same scope stored; "" is one scope shared by all), a radix tree of token segments, each node holding its
 segment's keys and values per layer ([1, kv heads, rows, head dim] in the cache's stored dtype,
 copies). A prompt shared by several requests (a system prompt) is stored once, each request's
 own continuation in a child. Lookup walks the tree comparing token arrays; restore copies the

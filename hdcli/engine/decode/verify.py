@@ -43,13 +43,44 @@ MAX_BIAS = 100.0      # and for a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
+class Range:
+    """The numbers an option takes: finite, low <= v (low < v where low_open) and v <= high; None:
+    no bound. Declared once per option (a Sampling field's here, in SAMPLING_RANGES; the others'
+    with their DecodingConfig field, hdcli/config.py), and read by what checks it: Sampling,
+    DecodingConfig.problems, hd serve's request schema (hdcli/serve/protocol.py, `bounds`)."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def holds(self, v) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):   # nan and inf: no bound holds them
+            return False
+        if self.low is not None and (v <= self.low if self.low_open else v < self.low):
+            return False
+        return self.high is None or v <= self.high
+
+    def bounds(self) -> dict:
+        """The range as pydantic's Field takes it (ge or gt, le)."""
+        out = {} if self.low is None else {"gt" if self.low_open else "ge": self.low}
+        return out if self.high is None else {**out, "le": self.high}
+
+
+# what each number of a Sampling takes (DecodingConfig's fields of the same names declare these)
+SAMPLING_RANGES = {"temperature": Range(0.0), "top_k": Range(0), "top_p": Range(0.0, 1.0, low_open=True),
+                   "frequency_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+                   "presence_penalty": Range(-MAX_PENALTY, MAX_PENALTY)}
+
+
+@dataclass(frozen=True)
 class Sampling:
     """How the target's next token is chosen.
 
     temperature 0 means greedy; top_k 0 and top_p 1.0 mean no truncation.
     frequency_penalty, presence_penalty: OpenAI's, over the tokens generated so far (the prompt
     is not counted): logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty.
-    logit_bias: ((token id, bias), ...) added to those logits (a tuple, so Sampling stays hashable)."""
+    logit_bias: ((token id, bias), ...) added to those logits (a tuple, so Sampling stays hashable).
+    The defaults are every option's (DecodingConfig's sampling fields take them); the ranges are
+    SAMPLING_RANGES'."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -58,16 +89,17 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # nan fails >= too
-            raise ValueError(f"temperature must be a finite number >= 0, not {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
+        r = SAMPLING_RANGES
+        if not r["temperature"].holds(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= {r['temperature'].low:g}, not {self.temperature}")
+        if not r["top_k"].holds(self.top_k):
+            raise ValueError(f"top_k must be >= {r['top_k'].low}")
+        if not r["top_p"].holds(self.top_p):
+            raise ValueError(f"top_p must be in ({r['top_p'].low:g}, {r['top_p'].high:g}]")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
-            if not -MAX_PENALTY <= v <= MAX_PENALTY:   # nan fails too
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], not {v}")
+            if not r[name].holds(v):
+                raise ValueError(f"{name} must be in [{r[name].low:g}, {r[name].high:g}], not {v}")
         bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
         for t, b in bias:
             if t < 0 or not -MAX_BIAS <= b <= MAX_BIAS:
