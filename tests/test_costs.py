@@ -102,6 +102,36 @@ def test_implausible_flat_curve_is_measured_again_and_never_cached(tmp_path, mon
     assert back.one_token_seconds == got.one_token_seconds
 
 
+class LoadedWidthModel(SleepyModel):
+    """A SleepyModel whose forwards of one width take `slow` times longer in its first
+    measurement: a width every round of which another process's load hit."""
+
+    def __init__(self, width: int, rounds: int, **kw):
+        super().__init__(**kw)
+        self.width, self.loaded_calls = width, rounds + 1
+
+    def forward(self, input_ids, cache=None, position_ids=None, mask=None):
+        if input_ids.shape[1] == self.width and self.loaded_calls > 0:
+            self.loaded_calls -= 1
+            self.burst.add(self.calls)
+        return super().forward(input_ids, cache, position_ids, mask)
+
+
+def test_a_width_loaded_in_every_round_is_measured_again(tmp_path, monkeypatch):
+    """A curve that steps up faster than its rows (cost(16) six times cost(4)'s rows' worth, as a
+    width whose every round was loaded reads) is implausible: measured again, the second
+    measurement's sane curve is the one kept. Control: the same steep step is plausible where
+    the limit allows it, and then kept as measured."""
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
+    m = LoadedWidthModel(16, costs.ROUNDS, slow=6.0)
+    curve = costs.measure(m, context=8, widths=WIDTHS, clock=m.clock)
+    assert curve.info["plausible"] is True and curve(16) == pytest.approx(true_cost(m, 16), rel=0.01)
+    monkeypatch.setattr(costs, "STEEP_LIMIT", 100.0)
+    m = LoadedWidthModel(16, costs.ROUNDS, slow=6.0)
+    steep = costs.measure(m, context=8, widths=WIDTHS, clock=m.clock)
+    assert steep(16) > 4 * true_cost(m, 16)
+
+
 def test_old_foreign_or_stale_records_are_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     costs._write("k", costs.CostCurve({1: 1.0, 8: 1.3}, one_token_seconds=0.01))

@@ -27,8 +27,9 @@ Measurement, made so that a loaded machine cannot fake the curve
     turn the whole curve into 1.0, "every width free");
   * sanity: a wider forward never costs less than a narrower one (noise must not invite wider
     trees), and where the model is big enough that compute must show (MIN_PARAMS_FOR_SLOPE), a
-    curve whose widest forward costs under FLAT_LIMIT is implausible on a CPU: it is measured
-    again, and if it stays so it is used for this process only and never cached;
+    curve whose widest forward costs under FLAT_LIMIT is implausible on a CPU, as is one that
+    steps up faster than its rows (STEEP_LIMIT): it is measured again, and if it stays so it is
+    used for this process only and never cached;
   * a cached curve older than MAX_AGE_DAYS, of an older format or from another CPU is measured
     again.
 """
@@ -55,6 +56,11 @@ ROUNDS = 7           # timed rounds over all widths (the minimum of each width i
 FORMAT = 3           # cache records of another format are measured again (3: branch, stream)
 MAX_AGE_DAYS = 30    # machines change (firmware, microcode, neighbours): re-measure monthly
 FLAT_LIMIT = 1.05    # cost(64) under this on a CPU means the one-token time was inflated
+# from one width to the next a forward's cost grows at most as its rows do (it reads the same
+# weights; its arithmetic is linear in the rows), times this: a steeper step means the wider
+# width's every round was loaded (a bundled-model curve measured beside a test run read
+# cost(8) 1.50 and cost(12) 9.70, 6.3x for 1.5x the rows; measured again: 2.06)
+STEEP_LIMIT = 2.0
 MIN_PARAMS_FOR_SLOPE = 20_000_000  # below this a forward is overhead-bound and may be flat
 
 
@@ -186,9 +192,15 @@ def curve_from_seconds(seconds: dict[int, float]) -> CostCurve:
 
 def plausible(curve: CostCurve, model) -> bool:
     """False for a curve a CPU cannot have: flat to the widest width on a model whose compute
-    must show (a 20M+ parameter forward over 64 tokens does 64x the arithmetic of one)."""
+    must show (a 20M+ parameter forward over 64 tokens does 64x the arithmetic of one), or
+    steeper from one width to the next than its rows (STEEP_LIMIT)."""
     device = model.device
-    if device.type != "cpu" or _n_params(model) < MIN_PARAMS_FOR_SLOPE:
+    if device.type != "cpu":
+        return True
+    points = [(w, curve(w)) for w in curve.widths]
+    if any(c2 > STEEP_LIMIT * c1 * w2 / w1 for (w1, c1), (w2, c2) in zip(points, points[1:])):
+        return False
+    if _n_params(model) < MIN_PARAMS_FOR_SLOPE:
         return True
     return curve(curve.widths[-1]) >= FLAT_LIMIT
 
