@@ -243,6 +243,24 @@ def test_bf16_greedy_output_equals_plain_on_spec_bench_questions(bundled_lm):
     assert_spec_equals_plain(lm, spec_bench_questions(slice(0, 60, 20)))
 
 
+def rows_and_trees_equal_plain(model) -> random.Random:
+    """Chain rows of 1, 4 and 16 tokens and tree rows of 6 and 17 nodes torch.equal their one-token
+    forwards, and greedy trees of an oracle drafter equal plain decoding; returns the generator
+    the cases drew from, for the caller's controls."""
+    rng = random.Random(5)
+    for k in (1, 4, 16):
+        prefix = [rng.randrange(3, V) for _ in range(75)]
+        assert all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(k - 1)]), prefix)), k
+    for nodes in (6, 17):
+        prefix = [rng.randrange(3, V) for _ in range(40)]
+        assert all(rows_vs_one_token(model, branchy(rng, nodes), prefix)), nodes
+    prompt = [rng.randrange(3, V) for _ in range(30)]
+    ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=40).tokens
+    oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=0)
+    assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
+    return rng
+
+
 @pytest.mark.parametrize("name,dtype,kern", [("llama", torch.float32, "torch"), ("gemma3", torch.bfloat16, "torch"),
                                              ("llama", torch.bfloat16, "gguf")])
 def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, monkeypatch):
@@ -262,17 +280,7 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
     with invariant.pinned("fused"):
         info = calibrate.enable(model)
         assert fused.name().startswith("fused-") and info["self_check"][0] == info["self_check"][1]
-        rng = random.Random(5)
-        for k in (1, 4, 16):
-            prefix = [rng.randrange(3, V) for _ in range(75)]
-            assert all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(k - 1)]), prefix)), k
-        for nodes in (6, 17):
-            prefix = [rng.randrange(3, V) for _ in range(40)]
-            assert all(rows_vs_one_token(model, branchy(rng, nodes), prefix)), nodes
-        prompt = [rng.randrange(3, V) for _ in range(30)]
-        ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=40).tokens
-        oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=0)
-        assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
+        rng = rows_and_trees_equal_plain(model)
         assert "append_attend_many" in calls   # the fused attention appends the keys itself
         # the check can fail: a loop whose result depended on the row count would differ here
         for f in real:
@@ -372,17 +380,7 @@ def test_compiled_layers_rows_equal_one_token_rows(tmp_path, monkeypatch):
     real = compiled.CompiledLayers.run
     monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, x, *a: runs.append(1) or real(self, x, *a))
     with invariant.pinned("fused"):
-        rng = random.Random(5)
-        for k in (1, 4, 16):
-            prefix = [rng.randrange(3, V) for _ in range(75)]
-            assert all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(k - 1)]), prefix)), k
-        for nodes in (6, 17):
-            prefix = [rng.randrange(3, V) for _ in range(40)]
-            assert all(rows_vs_one_token(model, branchy(rng, nodes), prefix)), nodes
-        prompt = [rng.randrange(3, V) for _ in range(30)]
-        ref = Decoder(model, eos_ids=()).generate(prompt, max_new_tokens=40).tokens
-        oracle = Oracle(ref, len(prompt), k=8, corrupt=0.25, branches=3, vocab=V, seed=0)
-        assert Decoder(model, eos_ids=(), drafter=oracle).generate(prompt, max_new_tokens=40).tokens == ref
+        rng = rows_and_trees_equal_plain(model)
         assert len(runs) > 50
         monkeypatch.setattr(compiled.CompiledLayers, "run",
                             lambda self, x, *a: real(self, x, *a) * (1 + 1e-2 * (x.shape[0] > 1)))
