@@ -1238,6 +1238,35 @@ static inline uint16_t to_bf(float f) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// The row ops' vectors: 8 floats (one AVX2 register; GCC lowers a wider vector to memory where
+// the build has no AVX-512), bf and to_bf lane by lane: the same operations as the scalar code,
+// so the same bits.
+typedef float rv8 __attribute__((vector_size(32)));
+typedef uint32_t ru8 __attribute__((vector_size(32)));
+typedef int32_t ri8 __attribute__((vector_size(32)));
+typedef uint16_t rh8 __attribute__((vector_size(16)));
+static inline rv8 bf8(const uint16_t* p) {
+  rh8 h;
+  std::memcpy(&h, p, 16);
+  const ru8 bits = __builtin_convertvector(h, ru8) << 16;
+  rv8 f;
+  std::memcpy(&f, &bits, 32);
+  return f;
+}
+static inline void to_bf8(rv8 f, uint16_t* p) {
+  ru8 bits;
+  std::memcpy(&bits, &f, 32);
+  const ri8 nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  const ru8 out = nan ? (bits >> 16) | 0x40u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const rh8 h = __builtin_convertvector(out, rh8);
+  std::memcpy(p, &h, 16);
+}
+static inline rv8 round8(rv8 f) {   // to bf16 and back: the rounding of a bf16 op's result
+  alignas(32) uint16_t t[8];
+  to_bf8(f, t);
+  return bf8(t);
+}
+
 // x' = x + delta (where delta is given: the residual add, bf16 as torch's), y = RMSNorm(x') with
 // weight w: per row s = sum of x'^2 in fp32 (sixteen running sums, k = lane mod 16, added in a
 // fixed order at the end), r = 1 / sqrt(s / d + eps), y = bf16(bf16(x' r) w) (transformers'
@@ -1257,7 +1286,9 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::opti
     const uint16_t* a = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
     const uint16_t* b = reinterpret_cast<const uint16_t*>(ds.data_ptr<at::BFloat16>());
     uint16_t* o = reinterpret_cast<uint16_t*>(sum.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < m * d; ++i) o[i] = to_bf(bf(a[i]) + bf(b[i]));
+    int64_t i = 0;
+    for (; i + 8 <= m * d; i += 8) to_bf8(bf8(a + i) + bf8(b + i), o + i);
+    for (; i < m * d; ++i) o[i] = to_bf(bf(a[i]) + bf(b[i]));
   }
   auto y = torch::empty_like(xs);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(sum.data_ptr<at::BFloat16>());
@@ -1265,15 +1296,27 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::opti
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   for (int64_t r = 0; r < m; ++r) {
     const uint16_t* row = xp + r * d;
-    float lanes[16] = {0};
-    for (int64_t k = 0; k < d; ++k) {
+    rv8 lo = {}, hi = {};                          // lanes 0-7 and 8-15 of the sixteen sums
+    int64_t k = 0;
+    for (; k + 16 <= d; k += 16) {
+      const rv8 a = bf8(row + k), b = bf8(row + k + 8);
+      lo += a * a;
+      hi += b * b;
+    }
+    float lanes[16];
+    std::memcpy(lanes, &lo, 32);
+    std::memcpy(lanes + 8, &hi, 32);
+    for (; k < d; ++k) {
       const float v = bf(row[k]);
       lanes[k % 16] += v * v;
     }
     for (int width = 8; width >= 1; width /= 2)   // pairwise, in a fixed order
       for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
     const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(d) + static_cast<float>(eps));
-    for (int64_t k = 0; k < d; ++k) yp[r * d + k] = to_bf(bf(to_bf(bf(row[k]) * inv)) * bf(wp[k]));
+    uint16_t* yr = yp + r * d;
+    k = 0;
+    for (; k + 8 <= d; k += 8) to_bf8(round8(bf8(row + k) * inv) * bf8(wp + k), yr + k);
+    for (; k < d; ++k) yr[k] = to_bf(bf(to_bf(bf(row[k]) * inv)) * bf(wp[k]));
   }
   return {sum, y};
 }
@@ -1300,7 +1343,23 @@ torch::Tensor rope(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_
       const uint16_t* c = cp + r * hd;
       const uint16_t* s = sp + r * hd;
       uint16_t* o = op + (h * m + r) * hd;
-      for (int64_t j = 0; j < hd; ++j) {
+      int64_t j = 0;
+      if (interleaved ? hd % 8 == 0 : half % 8 == 0)   // 8 at a time: the same operations lane by lane
+        for (; j < hd; j += 8) {
+          const rv8 xv = bf8(x + j);
+          rv8 rot;
+          if (interleaved) {                          // (-x[j + 1], x[j]) for each pair: swapped, evens negated
+            const rv8 swapped = __builtin_shufflevector(xv, xv, 1, 0, 3, 2, 5, 4, 7, 6);
+            ru8 bits;
+            std::memcpy(&bits, &swapped, 32);
+            bits ^= ru8{0x80000000u, 0, 0x80000000u, 0, 0x80000000u, 0, 0x80000000u, 0};
+            std::memcpy(&rot, &bits, 32);
+          } else {
+            rot = j < half ? -bf8(x + j + half) : bf8(x + j - half);
+          }
+          to_bf8(round8(xv * bf8(c + j)) + round8(rot * bf8(s + j)), o + j);
+        }
+      for (; j < hd; ++j) {
         float rot;
         if (interleaved) rot = j % 2 ? bf(x[j - 1]) : -bf(x[j + 1]);
         else rot = j < half ? -bf(x[j + half]) : bf(x[j - half]);
