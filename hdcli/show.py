@@ -231,6 +231,10 @@ def costs(rep: dict) -> None:
         why = (f"measured: fused {att['ms']['fused']:.1f} ms, torch ops {att['ms']['torch']:.1f} ms"
                if "ms" in att else att.get("why") or att.get("by", ""))
         con.print(f"its attention: [bold]{att['attention']}[/bold] ({why}; HD_FUSED_ATTENTION=0/1 overrides)")
+    layers = rep.get("layers")
+    if layers:
+        con.print("its decoder layers: " + ("[bold]one compiled call a forward[/bold]" if layers["compiled"]
+                                            else f"the Python blocks ({layers['why']})"))
     when = [c["measured_at"] for c in rep["curves"].values() if c.get("measured_at")]
     if when:
         age = (time.time() - min(when)) / 86400

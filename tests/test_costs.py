@@ -175,6 +175,9 @@ def test_hd_costs_shows_and_remeasures(tiny_model_dir, tmp_path, monkeypatch):
     assert (rep["attention"] is None) == (not rep["invariant"])
     if rep["invariant"]:
         assert rep["attention"]["attention"] in ("fused", "torch")
+    # the tiny checkpoint runs on dense kernels: its layers are the Python blocks, and it says why
+    assert rep["layers"]["compiled"] is False and rep["layers"]["why"]
     r = CliRunner().invoke(app, ["costs", "--model", str(tiny_model_dir)])
     assert r.exit_code == 0 and "1 token" in r.output
     assert ("its attention:" in r.output) == bool(rep["invariant"])
+    assert "its decoder layers: the Python blocks" in r.output

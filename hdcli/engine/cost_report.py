@@ -11,6 +11,15 @@ from .kernels import invariant as attention_choice
 from .kernels import quants
 
 
+def layers_call(model) -> dict:
+    """{"compiled": True} where the model's decoder layers run as one compiled call, else
+    {"compiled": False, "why": ...} (compiled.why_not; transformers' forward has blocks of its own)."""
+    from .model import is_owned
+    from .model.compiled import why_not
+    why = why_not(model) if is_owned(model) else "transformers' forward"
+    return {"compiled": why is None} if why is None else {"compiled": False, "why": why}
+
+
 def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                 kernels: str = "auto", remeasure: bool = False, quiet: bool = False,
                 invariant: str = "auto") -> dict:
@@ -25,6 +34,8 @@ def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: 
            # which attention the M-invariant forward uses, and the times it was chosen by (decided
            # once per process, when the model loaded)
            "attention": attention_choice.decide(lm.model) if lm.invariant else None,
+           # whether the decoder layers run as one compiled call (model/compiled.py), else why not
+           "layers": layers_call(lm.model),
            "curves": {},
            "cache": str(records.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}
     if lm.kernels in ("gguf", "gguf-int8") and lm.device == "cpu":
