@@ -17,7 +17,7 @@ def layers_call(model) -> dict:
     from .model import is_owned
     from .model.compiled import why_not
     why = why_not(model) if is_owned(model) else "transformers' forward"
-    return {"compiled": why is None} if why is None else {"compiled": False, "why": why}
+    return {"compiled": True} if why is None else {"compiled": False, "why": why}
 
 
 def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",

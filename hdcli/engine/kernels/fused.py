@@ -150,12 +150,19 @@ class AttentionKernel(OnePerProcess):
         viss[i]'s rows). Returns [1, M, hq, d] in the query's dtype. The per-sequence copies and
         the conversions a layer would make in Python otherwise were a quarter of a 4-request
         forward's time."""
-        starts = [owner.claim(vis.shape[0], key, vis.shape[1]) for owner, vis in zip(owners, viss)]
-        out = self.module.append_attend_many(query, key, value, starts, [o.kbuf for o in owners],
-                                             [o.ktbuf for o in owners], [o.kt_len for o in owners],
-                                             [o.vbuf for o in owners], viss, float(scaling))
+        out = self.module.append_attend_many(query, key, value, *claimed(owners, viss, key), viss, float(scaling))
         transposed_now(owners, viss)
         return out
+
+
+def claimed(owners, viss, like: torch.Tensor) -> tuple[list, list, list, list, list]:
+    """Room for each sequence's new rows in its kvcache.InvariantLayer (owner.claim: viss[i]'s
+    rows, for reading its keys; like: new keys of the layer's shape and dtype), and what the
+    compiled append_attend_many takes of each owner then: (starts, keys, transposed keys, how
+    many of those are valid, [V | 1])."""
+    starts = [owner.claim(vis.shape[0], like, vis.shape[1]) for owner, vis in zip(owners, viss)]
+    return (starts, [o.kbuf for o in owners], [o.ktbuf for o in owners], [o.kt_len for o in owners],
+            [o.vbuf for o in owners])
 
 
 def transposed_now(owners, viss) -> None:

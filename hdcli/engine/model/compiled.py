@@ -70,9 +70,9 @@ class CompiledLayers:
     attention's address) and the per-forward bookkeeping around its call."""
 
     def __init__(self, model):
-        self.blocks = tuple(model.blocks)
+        blocks = list(model.blocks)
         norms, packed, fmts, int8, biases = [], [], [], [], []
-        for blk in self.blocks:
+        for blk in blocks:
             norms += [None if n is None else n.data for n in (blk.attn_norm, blk.ffn_norm, blk.post_attn_norm,
                                                                 blk.post_ffn_norm, blk.q_norm, blk.k_norm)]
             for lin in _slots(blk):
@@ -80,8 +80,8 @@ class CompiledLayers:
                 fmts.append("" if lin is None else lin.kernel.fmt)
                 int8.append(lin is not None and lin.kernel.activations == "int8")
                 biases.append(None if lin is None else lin.kernel.bias)
-        cfg, blk = model.config, self.blocks[0]
-        self.kinds = [b.kind for b in self.blocks]
+        cfg, blk = model.config, blocks[0]
+        self.kinds = [b.kind for b in blocks]
         self.handle = quants.gemm_module().Layers(
             norms, packed, fmts, int8, biases, [KINDS.index(k) for k in self.kinds], blk.hq, blk.hkv, blk.d,
             float(cfg.rms_norm_eps), bool(model.rope.interleaved), model.family == "gemma3",
@@ -96,15 +96,15 @@ class CompiledLayers:
             _, c, s = step.rope(kind)
             cos.append(c), sin.append(s)
             viss[kind] = [lay.vis for lay in step.lays(kind)]
-        starts, ks, kts, kt_lens, vs = [], [], [], [], []
-        for i in range(n):
-            for layer, vis in zip(step.layers(i), viss[self.kinds[i]]):
-                starts.append(layer.claim(vis.shape[0], self.like, vis.shape[1]))
-                ks.append(layer.kbuf), kts.append(layer.ktbuf), kt_lens.append(layer.kt_len), vs.append(layer.vbuf)
+        owners = [step.layers(i) for i in range(n)]
+        starts, ks, kts, kt_lens, vs = [], [], [], [], []   # layer by layer, a part after another
+        for layers, kind in zip(owners, self.kinds):
+            for got, field in zip(fused.claimed(layers, viss[kind], self.like), (starts, ks, kts, kt_lens, vs)):
+                field += got
         x = self.handle.forward(x, cos, sin, n, starts, ks, kts, kt_lens, vs, [v for k in viss for v in viss[k]],
                                 float(step.model.scaling))
-        for i in range(n):
-            fused.transposed_now(step.layers(i), viss[self.kinds[i]])
+        for layers, kind in zip(owners, self.kinds):
+            fused.transposed_now(layers, viss[kind])
         return x
 
 

@@ -286,10 +286,10 @@ class LlamaForward(nn.Module):
         ctx = Step(self, parts)
         x = self.embed_rows(ctx.ids)
         last = len(self.blocks) - 1
-        start = 0
+        start = 0   # the first block the Python loop runs
         compiled = layers_of(self) if self.compiled_layers and ctx.attention is FUSED else None
-        if compiled is not None and last + (not keys_only) > 0:   # the layers in one call (compiled.py)
-            start = last + (not keys_only)
+        if compiled is not None and len(self.blocks) - keys_only > 0:   # the layers in one call (compiled.py)
+            start = len(self.blocks) - keys_only                         # (a prefill's last: keys only, below)
             x = compiled.run(x, ctx, start)
         for i in range(start, last + 1):
             blk = self.blocks[i]
