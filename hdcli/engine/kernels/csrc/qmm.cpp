@@ -1253,18 +1253,21 @@ static inline rv8 bf8(const uint16_t* p) {
   std::memcpy(&f, &bits, 32);
   return f;
 }
-static inline void to_bf8(rv8 f, uint16_t* p) {
+static inline ru8 bf_bits8(rv8 f) {   // to_bf lane by lane: each lane's bf16 bits
   ru8 bits;
   std::memcpy(&bits, &f, 32);
   const ri8 nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-  const ru8 out = nan ? (bits >> 16) | 0x40u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const rh8 h = __builtin_convertvector(out, rh8);
+  return nan ? (bits >> 16) | 0x40u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+static inline void to_bf8(rv8 f, uint16_t* p) {
+  const rh8 h = __builtin_convertvector(bf_bits8(f), rh8);
   std::memcpy(p, &h, 16);
 }
 static inline rv8 round8(rv8 f) {   // to bf16 and back: the rounding of a bf16 op's result
-  alignas(32) uint16_t t[8];
-  to_bf8(f, t);
-  return bf8(t);
+  const ru8 bits = bf_bits8(f) << 16;
+  rv8 r;
+  std::memcpy(&r, &bits, 32);
+  return r;
 }
 
 // x' = x + delta (where delta is given: the residual add, bf16 as torch's), y = RMSNorm(x') with
@@ -1490,9 +1493,13 @@ class Layers {
   // times 1 + w, back to the dtype).
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w) const {
     if (!gemma_) return std::get<1>(add_rms_norm(x, c10::nullopt, w, eps_));
-    torch::Tensor h = x.to(torch::kFloat);
-    h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps_);
-    return (h * (w.to(torch::kFloat) + 1.0)).to(x.scalar_type());
+    return (normalised(x) * (w.to(torch::kFloat) + 1.0)).to(x.scalar_type());
+  }
+
+  // x in fp32 over the root of its mean square (plus eps), row by row: both torch-op norms' start
+  torch::Tensor normalised(const torch::Tensor& x) const {
+    const torch::Tensor h = x.to(torch::kFloat);
+    return h * at::rsqrt(h.pow(2).mean(-1, true) + eps_);
   }
 
   // A q or k projection [m, heads * d] as rotated heads [heads, m, d]; with a head norm first
@@ -1504,14 +1511,7 @@ class Layers {
     if (!w.has_value()) return rope(y, cos, sin, heads, interleaved_);
     const int64_t m = y.size(0);
     const torch::Tensor yh = y.view({m, heads, d_});
-    torch::Tensor normed;
-    if (gemma_) {
-      normed = norm(yh, *w);
-    } else {
-      torch::Tensor h = yh.to(torch::kFloat);
-      h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps_);
-      normed = *w * h.to(y.scalar_type());
-    }
+    const torch::Tensor normed = gemma_ ? norm(yh, *w) : *w * normalised(yh).to(y.scalar_type());
     return rope(normed.reshape({m, heads * d_}), cos, sin, heads, interleaved_);
   }
 
