@@ -465,6 +465,57 @@ def test_int8_rows_do_not_depend_on_the_row_count(t):
     assert first_mismatch(lin, x) is None
 
 
+_CROSS_BUILD8 = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_quants import make, REAL
+from hdcli.engine.kernels import quants
+assert quants.int8_available(), quants.failure()
+outs = {"isa": quants.gemm_isa()}
+for t in quants.FORMAT:
+    n, k = REAL[t]
+    lin = quants.QLinear(t, make(t, n, k), n, k, activations="int8")
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(6)).bfloat16() * 3
+    x[4, :quants.GROUP[t]] = 0
+    outs[t] = [lin(x[:m]) for m in (1, 2, 3, 4, 5, 8, 9, 19)]
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_int8_gemm_avx2_build_gives_the_native_bits(tmp_path):
+    """The int8 GEMM built for AVX2 (HD_CPU=avx2: VPMADDUBSW, its int16 sums added over several
+    quads before they are widened, tiles of 4 rows) and for an AVX-512 machine itself (VPDPBUSD,
+    tiles of 8) give the same bits for every format at 1-19 rows: the group sums are exact
+    integers however they are formed, and the fp32 operations on them are the same. Runs where the
+    machine has AVX512-VNNI (elsewhere both builds are AVX2); the negative control: the bf16
+    activations' GEMM of the same weights gives other bits, so equal means equal."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if "avx512_vnni" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX512-VNNI: its own build is the AVX2 one")
+    outs = {}
+    for tag, env in (("native", {}), ("avx2", {"HD_CPU": "avx2"})):
+        path = tmp_path / f"{tag}.pt"
+        run = subprocess.run([sys.executable, "-c", _CROSS_BUILD8, str(path), str(Path(__file__).parent)],
+                             capture_output=True, text=True, env={**os.environ, "HD_CPU": "", **env}, timeout=900)
+        if run.returncode != 0 and "does not compile" in run.stderr + run.stdout:
+            pytest.skip(f"the GEMM does not compile here: {run.stderr[-300:]}")
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs[tag] = torch.load(path)
+    assert outs["native"]["isa"] != outs["avx2"]["isa"] and "AVX2" in outs["avx2"]["isa"]
+    for t in quants.FORMAT:
+        assert len(outs["native"][t]) == 8
+        for a, b in zip(outs["native"][t], outs["avx2"][t]):
+            assert torch.equal(a, b), t
+    if quants.bf16_available():
+        t, (n, k) = "Q4_K", REAL["Q4_K"]
+        x = torch.randn(19, k, generator=torch.Generator().manual_seed(6)).bfloat16() * 3
+        x[4, :quants.GROUP[t]] = 0
+        assert not torch.equal(quants.QLinear(t, make(t, n, k), n, k, activations="bf16")(x), outs["native"][t][-1])
+
+
 def test_int8_rows_controls():
     """Controls for the int8 path: the row check flags a function whose rows see other rows; a
     change in one row changes only that row; int8 activations are other numerics than the bf16

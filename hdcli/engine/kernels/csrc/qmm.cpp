@@ -566,12 +566,37 @@ static inline void quantize_group(const uint16_t* x, int GK, int8_t* q, float& d
 // the same quantized rows and the same integer group sums (exact, so the instructions that form
 // them do not matter), the same fp32 operations on them in the same order: the outputs are
 // VPDPBUSD's bit for bit. A unit's 16 columns are two halves of 8 (a 256-bit register holds 8
-// columns' four codes); VPMADDUBSW adds two code x activation products into an int16, which holds
-// them for codes of at most 6 bits (2 x 63 x 127); 8-bit codes (0..255) go in two nibbles, the
-// high one's sums taken 16 times by VPMADDWD.
-// Tiles of up to 4 rows: their sums and outputs take 16 of the 16 registers already.
-constexpr int TILE8 = 4;
+// columns' four codes), taken one after the other. VPMADDUBSW adds two code x activation products
+// into an int16; those int16 sums are added as int16 over as many quads as they hold exactly
+// (depth8), and only then widened to int32 (VPMADDWD): on AVX2 the rows of a tile are
+// compute-bound, and the widening was a third of the multiplies.
 constexpr int AHEAD8 = 9;   // groups ahead to ask the cache for (as the AVX512 GEMM)
+
+// How VPMADDUBSW takes format F's codes (unsigned bytes; a pair's sum saturates past int16): 8-bit
+// codes (Q8_0 and Q5_0 stored plus 128, the IQ4 tables' values plus 128) a nibble at a time, the
+// high nibble's sums taken 16 times by VPMADDWD; the others whole: 4-bit codes at most 15, Q5_1's
+// and Q5_K's (q8f) 31, Q6_K's 63.
+template <typename F>
+constexpr bool nibbles8() { return table8<F>() || std::is_same_v<F, Q8H>; }
+template <typename F>
+constexpr int most_code8() { return nibbles8<F>() || F::W == 4 ? 15 : F::W == 6 ? 63 : 31; }
+// Units whose int16 sums one int16 adds exactly: a quad's pair sum is at most 2 x most x 128 in
+// size (an activation is -128..127), so 8 quads (4 units, a whole group of 32 k) of 4-bit codes
+// or nibbles (30720), 4 of Q5's (31744), 2 (one unit) of Q6_K's (32256).
+template <typename F>
+constexpr int depth8() {
+  constexpr int quads = 32767 / (2 * most_code8<F>() * 128), units = quads / 2;
+  return units >= I8<F>::UNITS ? I8<F>::UNITS : units;
+}
+// Tiles of up to 4 rows, as before these sums (8 rows with one half a pass were slower: more
+// broadcasts of the activations, and the decode saved was little). Where a row holds one sum a half
+// (4-bit codes, Q6_K) both halves go in one pass: a row's activations are broadcast once for both
+// (AMD EPYC Zen 5 as AVX2, 28672 x 4096, 2 threads, 4 rows: Q4_K 2563 -> ~2200 us, Q6_K 3507 -> ~3400;
+// 8 rows Q4_K 4952 -> ~4100); where it holds two (nibbles, Q5's int32 sum beside its int16 one),
+// one half a pass, else the sums overran the 16 registers.
+constexpr int TILE8 = 4;
+template <typename F>
+constexpr int halves8() { return nibbles8<F>() || (depth8<F>() != I8<F>::UNITS && depth8<F>() > 1) ? 1 : 2; }
 
 static inline __m256 f16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -605,104 +630,104 @@ static inline void consts2(const uint8_t* head, const uint8_t* grp, int h, __m25
   }
 }
 
-// sum over the four k of each column's quad: codes c (uint8, 8 columns x 4 k) times the quad's
-// four activations x (int8, broadcast), as int32.
-template <int W>
-static inline __m256i dot4(__m256i c, __m256i x) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (W == 8) {
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(c, nib), x);
-    const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), nib), x);
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
-  } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
-  }
-}
-
-// dot4(a, xa) + dot4(b, xb) for a unit's two quads. Codes of at most 6 bits: the two quads'
-// VPMADDUBSW pair sums added in int16 first, then one VPMADDWD: |2 x 63 x 128| twice is 32256,
-// under int16's 32767, so every sum is exact and the result dot4's, in 5 instructions for 7 (the
-// multi-row tiles are compute-bound on AVX2: a 4-row gate_up took 2.8x a row's time). 8-bit
-// codes likewise, nibble by nibble.
-template <int W>
-static inline __m256i dot8(__m256i a, __m256i xa, __m256i b, __m256i xb) {
-  if constexpr (W <= 6) {
-    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(a, xa), _mm256_maddubs_epi16(b, xb));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-  } else {                     // 8-bit codes in nibbles: each nibble's pair sums of both quads in int16
-    const __m256i nib = _mm256_set1_epi8(0x0F);   // (|2 x 15 x 128| twice: 7680), then widened
-    const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(a, nib), xa),
-                                        _mm256_maddubs_epi16(_mm256_and_si256(b, nib), xb));
-    const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(a, 4), nib), xa),
-                                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), nib), xb));
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi16(1)), _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
-  }
-}
-
-// A unit's codes (mm8's arrangement, above): quad a's and quad b's, each in halves of 8 columns;
-// TABLE: q4n's and q4x's indices looked up (their values plus 128, 8-bit codes for dot4).
-template <int W, bool TABLE = false>
-static inline void codes2(const uint8_t* unit, __m256i a[2], __m256i b[2]) {
+// Half h of a unit's codes (mm8's arrangement, above) as VPMADDUBSW takes them: c[0], c[1] quad
+// a's and quad b's; for nibbles8 formats c[2], c[3] their high nibbles (c[0], c[1] the low ones).
+// The IQ4 tables' values plus 128 are looked up a nibble at a time in two tables of 16.
+template <typename F>
+static inline void codes_half(const uint8_t* unit, int h, __m256i c[4]) {
   auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  if constexpr (W == 8) {
-    a[0] = load(unit), a[1] = load(unit + 32), b[0] = load(unit + 64), b[1] = load(unit + 96);
-    return;
-  }
   const __m256i nib = _mm256_set1_epi8(0x0F);
-  for (int h = 0; h < 2; ++h) {
+  if constexpr (table8<F>()) {
+    const __m256i v = load(unit + 32 * h), ia = _mm256_and_si256(v, nib), ib = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    const __m128i t = iq4nl_table8();
+    const __m256i lo = _mm256_broadcastsi128_si256(_mm_and_si128(t, _mm_set1_epi8(0x0F)));
+    const __m256i hi = _mm256_broadcastsi128_si256(_mm_and_si128(_mm_srli_epi16(t, 4), _mm_set1_epi8(0x0F)));
+    c[0] = _mm256_shuffle_epi8(lo, ia), c[1] = _mm256_shuffle_epi8(lo, ib);
+    c[2] = _mm256_shuffle_epi8(hi, ia), c[3] = _mm256_shuffle_epi8(hi, ib);
+  } else if constexpr (F::W == 8) {
+    c[0] = load(unit + 32 * h), c[1] = load(unit + 64 + 32 * h);
+    if constexpr (nibbles8<F>()) {
+      c[2] = _mm256_and_si256(_mm256_srli_epi16(c[0], 4), nib), c[3] = _mm256_and_si256(_mm256_srli_epi16(c[1], 4), nib);
+      c[0] = _mm256_and_si256(c[0], nib), c[1] = _mm256_and_si256(c[1], nib);
+    }
+  } else {
     const __m256i v = load(unit + 32 * h);
-    a[h] = _mm256_and_si256(v, nib);
-    b[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-    if constexpr (TABLE) {
-      const __m256i t = _mm256_broadcastsi128_si256(iq4nl_table8());
-      a[h] = _mm256_shuffle_epi8(t, a[h]);
-      b[h] = _mm256_shuffle_epi8(t, b[h]);
+    c[0] = _mm256_and_si256(v, nib);
+    c[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    if constexpr (F::W == 6) {   // byte j of the high bits: quad a's bytes j and j + 32 in bits 0-1 and 2-3, quad b's in 4-5 and 6-7
+      const __m256i hb = load(unit + 64), bits45 = _mm256_set1_epi8(0x30);
+      c[0] = _mm256_or_si256(c[0], _mm256_and_si256(h == 0 ? _mm256_slli_epi16(hb, 4) : _mm256_slli_epi16(hb, 2), bits45));
+      c[1] = _mm256_or_si256(c[1], _mm256_and_si256(h == 0 ? hb : _mm256_srli_epi16(hb, 2), bits45));
     }
   }
-  if constexpr (W == 6) {   // byte j of the high bits: quad a's bytes j and j + 32 in bits 0-1 and 2-3, quad b's in 4-5 and 6-7
-    const __m256i hb = load(unit + 64), bits45 = _mm256_set1_epi8(0x30);
-    a[0] = _mm256_or_si256(a[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits45));
-    a[1] = _mm256_or_si256(a[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits45));
-    b[0] = _mm256_or_si256(b[0], _mm256_and_si256(hb, bits45));
-    b[1] = _mm256_or_si256(b[1], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45));
-  }
 }
 
-// Group g of TR rows of column block cb, added to the rows' running outputs (two halves a row):
-// group8's operations.
+// A running sum the optimiser is to take as it stands: integer adds being associative, it regroups
+// a row's whole run of sums into a tree whose products are all live at once, and spills them.
+static inline void kept(__m256i& v) { asm("" : "+x"(v)); }
+
+// Group g of TR rows of column block cb, added to the rows' running outputs (out [TR][16] fp32):
+// group8's operations, HP halves a pass (halves8). Each row's int16 sums take depth8 units before
+// they are widened and added to its int32 sum, which starts at -OFFSET xs; every sum is exact, so
+// the group's isum is VPDPBUSD's.
 template <typename F, int TR>
 static inline __attribute__((always_inline)) void group8(const Act8& X, const Packed& P, int64_t cb, int64_t g,
-                                                         __m256 out[][2]) {
-  constexpr int GK = F::GK, OFFSET = offset8<F>();
+                                                         float* out) {
+  constexpr int GK = F::GK, OFFSET = offset8<F>(), UNITS = I8<F>::UNITS, DEPTH = depth8<F>(), HP = halves8<F>();
+  constexpr bool NIB = nibbles8<F>();
+  static_assert(UNITS % DEPTH == 0, "a group is whole runs of int16 sums");
   const uint8_t* head = super_at(P.pk, F::SB, P.supers, cb, g / F::GS);
   const uint8_t* grp = head + F::HEAD + (g % F::GS) * F::GROUP;
   for (int64_t l = 0; l < F::GROUP; l += 64)   // past the end: a hint, never a fault
     _mm_prefetch(reinterpret_cast<const char*>(grp + AHEAD8 * F::GROUP + l), _MM_HINT_T0);
-  __m256i acc[TR][2];
-  for (int r = 0; r < TR; ++r)
-    acc[r][0] = acc[r][1] = OFFSET ? _mm256_set1_epi32(-OFFSET * static_cast<int32_t>(X.s[r * P.G + g]))
-                                   : _mm256_setzero_si256();
-  for (int u = 0; u < I8<F>::UNITS; ++u) {
-    __m256i a[2], b[2];
-    codes2<F::W, table8<F>()>(grp + u * I8<F>::UNIT_BYTES, a, b);
-    for (int r = 0; r < TR; ++r) {
-      int32_t xa, xb;
-      const int8_t* xr = X.q + (g * TR + r) * GK + 8 * u;
-      std::memcpy(&xa, xr, 4);
-      std::memcpy(&xb, xr + 4, 4);
-      const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
-      for (int h = 0; h < 2; ++h)
-        acc[r][h] = _mm256_add_epi32(acc[r][h], dot8<table8<F>() ? 8 : F::W>(a[h], va, b[h], vb));
+  const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  for (int h0 = 0; h0 < 2; h0 += HP) {
+    // The rows' activations are read again for the second pass: hidden from the optimiser, which
+    // otherwise keeps every broadcast of both passes (2 x TR x UNITS registers) and spills them.
+    const int8_t* xq = X.q;
+    asm volatile("" : "+r"(xq));
+    __m256i acc[TR][HP];
+    for (int r = 0; r < TR; ++r)
+      for (int h = 0; h < HP; ++h)
+        acc[r][h] = OFFSET ? _mm256_set1_epi32(-OFFSET * static_cast<int32_t>(X.s[r * P.G + g])) : _mm256_setzero_si256();
+    for (int u0 = 0; u0 < UNITS; u0 += DEPTH) {
+      __m256i lo[TR][HP], hi[TR][HP];
+      for (int r = 0; r < TR; ++r)
+        for (int h = 0; h < HP; ++h) lo[r][h] = hi[r][h] = _mm256_setzero_si256();
+      for (int u = u0; u < u0 + DEPTH; ++u) {
+        __m256i c[HP][4];
+        for (int h = 0; h < HP; ++h) codes_half<F>(grp + u * I8<F>::UNIT_BYTES, h0 + h, c[h]);
+        for (int r = 0; r < TR; ++r) {
+          int32_t xa, xb;
+          const int8_t* xr = xq + (g * TR + r) * GK + 8 * u;
+          std::memcpy(&xa, xr, 4);
+          std::memcpy(&xb, xr + 4, 4);
+          const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
+          for (int h = 0; h < HP; ++h) {
+            lo[r][h] = _mm256_add_epi16(lo[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], va), _mm256_maddubs_epi16(c[h][1], vb)));
+            kept(lo[r][h]);
+            if constexpr (NIB) {
+              hi[r][h] = _mm256_add_epi16(hi[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(c[h][2], va), _mm256_maddubs_epi16(c[h][3], vb)));
+              kept(hi[r][h]);
+            }
+          }
+        }
+      }
+      for (int r = 0; r < TR; ++r)
+        for (int h = 0; h < HP; ++h) {
+          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(lo[r][h], ones));
+          if constexpr (NIB) acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(hi[r][h], sixteen));
+        }
     }
-  }
-  for (int h = 0; h < 2; ++h) {
-    __m256 dv, lv = _mm256_setzero_ps();
-    consts2<F>(head, grp, h, dv, lv);
-    for (int r = 0; r < TR; ++r) {
-      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), dv);
-      if constexpr (OFFSET == 0) t = _mm256_fmadd_ps(lv, _mm256_set1_ps(X.s[r * P.G + g]), t);
-      out[r][h] = _mm256_fmadd_ps(t, _mm256_set1_ps(X.d[r * P.G + g]), out[r][h]);
+    for (int h = 0; h < HP; ++h) {
+      __m256 dv, lv = _mm256_setzero_ps();
+      consts2<F>(head, grp, h0 + h, dv, lv);
+      for (int r = 0; r < TR; ++r) {
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), dv);
+        if constexpr (OFFSET == 0) t = _mm256_fmadd_ps(lv, _mm256_set1_ps(X.s[r * P.G + g]), t);
+        float* o = out + 16 * r + 8 * (h0 + h);
+        _mm256_store_ps(o, _mm256_fmadd_ps(t, _mm256_set1_ps(X.d[r * P.G + g]), _mm256_load_ps(o)));
+      }
     }
   }
 }
@@ -718,16 +743,11 @@ static inline uint16_t bf16_of(float v) {
 
 template <typename F, int TR>
 static inline void block8(const Act8& X, const Packed& P, uint16_t* y, int64_t N, int64_t cb) {
-  static_assert(TR <= TILE8, "a tile's outputs live in registers");
-  __m256 out[TR][2];
-  for (int r = 0; r < TR; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < P.G; ++g) group8<F, TR>(X, P, cb, g, out);
-  for (int r = 0; r < TR; ++r) {
-    alignas(32) float o[16];
-    _mm256_store_ps(o, out[r][0]);
-    _mm256_store_ps(o + 8, out[r][1]);
-    for (int j = 0; j < 16; ++j) y[r * N + cb * 16 + j] = bf16_of(o[j]);
-  }
+  static_assert(TR <= TILE8, "a tile's rows");
+  alignas(32) float out[TR][16] = {};
+  for (int64_t g = 0; g < P.G; ++g) group8<F, TR>(X, P, cb, g, &out[0][0]);
+  for (int r = 0; r < TR; ++r)
+    for (int j = 0; j < 16; ++j) y[r * N + cb * 16 + j] = bf16_of(out[r][j]);
 }
 
 // quantize_group of the AVX512 GEMM in plain C++, the same fp32 operations: max |x| (exact in any
