@@ -7,7 +7,7 @@ import os
 
 # HD_CPU=avx2 runs the suite as on an AVX2-only CPU (most users'; engine/environment.py) on a newer
 # one: torch's kernels and oneDNN are capped to AVX2 too, which they read once, before torch loads
-if os.environ.get("HD_CPU", "").strip().lower() == "avx2":
+if os.environ.get("HD_CPU", "").strip().lower() in ("avx2", "avx2-vnni"):
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 

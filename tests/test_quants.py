@@ -484,8 +484,9 @@ torch.save(outs, sys.argv[1])
 
 def test_int8_gemm_avx2_build_gives_the_native_bits(tmp_path):
     """The int8 GEMM built for AVX2 (HD_CPU=avx2: VPMADDUBSW, its int16 sums added over several
-    quads before they are widened, tiles of 4 rows) and for an AVX-512 machine itself (VPDPBUSD,
-    tiles of 8) give the same bits for every format at 1-19 rows: the group sums are exact
+    quads before they are widened, tiles of 4 rows), for AVX2 with AVX-VNNI (HD_CPU=avx2-vnni,
+    where this CPU has it: VPDPBUSD on 256 bits) and for an AVX-512 machine itself (VPDPBUSD on
+    512, tiles of 8) give the same bits for every format at 1-19 rows: the group sums are exact
     integers however they are formed, and the fp32 operations on them are the same. Runs where the
     machine has AVX512-VNNI (elsewhere both builds are AVX2); the negative control: the bf16
     activations' GEMM of the same weights gives other bits, so equal means equal."""
@@ -495,8 +496,11 @@ def test_int8_gemm_avx2_build_gives_the_native_bits(tmp_path):
     from pathlib import Path
     if "avx512_vnni" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX512-VNNI: its own build is the AVX2 one")
+    builds = [("native", {}), ("avx2", {"HD_CPU": "avx2"})]
+    if "avx_vnni" in Path("/proc/cpuinfo").read_text():   # VPDPBUSD on 256 bits, as Intel's newer CPUs
+        builds.append(("avx2-vnni", {"HD_CPU": "avx2-vnni"}))
     outs = {}
-    for tag, env in (("native", {}), ("avx2", {"HD_CPU": "avx2"})):
+    for tag, env in builds:
         path = tmp_path / f"{tag}.pt"
         run = subprocess.run([sys.executable, "-c", _CROSS_BUILD8, str(path), str(Path(__file__).parent)],
                              capture_output=True, text=True, env={**os.environ, "HD_CPU": "", **env}, timeout=900)
@@ -505,10 +509,12 @@ def test_int8_gemm_avx2_build_gives_the_native_bits(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
         outs[tag] = torch.load(path)
     assert outs["native"]["isa"] != outs["avx2"]["isa"] and "AVX2" in outs["avx2"]["isa"]
-    for t in quants.FORMAT:
-        assert len(outs["native"][t]) == 8
-        for a, b in zip(outs["native"][t], outs["avx2"][t]):
-            assert torch.equal(a, b), t
+    assert outs.get("avx2-vnni", {"isa": "AVX2 + AVX-VNNI"})["isa"].startswith("AVX2 + AVX-VNNI")
+    for tag in outs:
+        for t in quants.FORMAT:
+            assert len(outs[tag][t]) == 8
+            for a, b in zip(outs["native"][t], outs[tag][t]):
+                assert torch.equal(a, b), (tag, t)
     if quants.bf16_available():
         t, (n, k) = "Q4_K", REAL["Q4_K"]
         x = torch.randn(19, k, generator=torch.Generator().manual_seed(6)).bfloat16() * 3

@@ -18,7 +18,8 @@ functions), so that what can change a run from outside its options is listed in 
                       desktops and laptops): its kernels built for x86-64-v3, bf16 taken as emulated,
                       records keyed apart. For testing and measuring that path on a newer CPU; torch's
                       own kernels follow only where ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2
-                      are set before torch loads (tests/conftest.py sets them).
+                      are set before torch loads (tests/conftest.py sets them). "avx2-vnni": the
+                      same with AVX-VNNI (Intel Alder Lake and newer), -mavxvnni besides.
   HD_API_KEY          a key `hd serve` requires, before its --api-key values (set but empty is
                       refused: cli.py).
   OLLAMA_MODELS, LMSTUDIO_MODELS
@@ -98,9 +99,15 @@ def fused_tile() -> int:
         return 0
 
 
+CPU_CAPS = ("avx2", "avx2-vnni")   # HD_CPU's values: as an AVX2-only CPU (Zen 1-3, older Intel), and
+                                   # as one with AVX-VNNI beside it (Intel Alder Lake and newer)
+
+
 def cpu_cap() -> str | None:
-    """"avx2" where HD_CPU asks hd to run as on an AVX2-only CPU, else None (this CPU as it is)."""
-    return "avx2" if os.environ.get("HD_CPU", "").strip().lower() == "avx2" else None
+    """The CPU HD_CPU asks hd to run as (CPU_CAPS: a subset of this one's instructions), else None
+    (this CPU as it is)."""
+    asked = os.environ.get("HD_CPU", "").strip().lower()
+    return asked if asked in CPU_CAPS else None
 
 
 def llama_server() -> str | None:

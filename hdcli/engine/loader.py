@@ -154,7 +154,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def native_bf16() -> bool:
     """Whether the CPU computes in bf16 natively (AVX-512 BF16 or AMX): else bf16 is emulated and
     never the faster dtype. False where HD_CPU=avx2 runs hd as on an AVX2-only CPU."""
-    if cpu_cap() == "avx2":
+    if cpu_cap():
         return False
     try:
         flags = Path("/proc/cpuinfo").read_text()

@@ -41,7 +41,7 @@ def cpu_name() -> str:
         pass
     if len(numbers) == 2:
         name += f" (family {numbers['cpu family']} model {numbers['model']})"
-    return name + (" (as AVX2)" if cpu_cap() == "avx2" else "")
+    return name + {"avx2": " (as AVX2)", "avx2-vnni": " (as AVX2 + AVX-VNNI)"}.get(cpu_cap(), "")
 
 
 def cache_root() -> Path:

@@ -26,8 +26,8 @@ def flags() -> list[str]:
     """The compiler's flags. -fopenmp: at::parallel_for runs on threads only where OpenMP is on in
     the extension itself; the process has one OpenMP runtime all the same (torch's libgomp is
     loaded first and shares its soname)."""
-    march = "-march=x86-64-v3" if cpu_cap() == "avx2" else "-march=native"
-    return ["-O3", march, "-ffp-contract=off", "-fopenmp"]
+    march = {"avx2": ["-march=x86-64-v3"], "avx2-vnni": ["-march=x86-64-v3", "-mavxvnni"]}.get(cpu_cap(), ["-march=native"])
+    return ["-O3", *march, "-ffp-contract=off", "-fopenmp"]
 class OnePerProcess:
     """A compiled kernel's state (fused.KERNEL, quants.GEMM): one a process. A copied model (torch.ao's
     quantize_dynamic copies one) shares it: its compiled module cannot be copied."""

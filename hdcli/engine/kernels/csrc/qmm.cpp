@@ -561,7 +561,13 @@ static inline void quantize_group(const uint16_t* x, int GK, int8_t* q, float& d
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef __AVXVNNI__
+#define HD_MM8 "AVX2 + AVX-VNNI"
+constexpr bool VNNI256 = true;
+#else
 #define HD_MM8 "AVX2"
+constexpr bool VNNI256 = false;
+#endif
 // The int8 GEMM on AVX2 (CPUs without AVX512: Zen 1-3, most desktop Intel): the same packing,
 // the same quantized rows and the same integer group sums (exact, so the instructions that form
 // them do not matter), the same fp32 operations on them in the same order: the outputs are
@@ -569,7 +575,9 @@ static inline void quantize_group(const uint16_t* x, int GK, int8_t* q, float& d
 // columns' four codes), taken one after the other. VPMADDUBSW adds two code x activation products
 // into an int16; those int16 sums are added as int16 over as many quads as they hold exactly
 // (depth8), and only then widened to int32 (VPMADDWD): on AVX2 the rows of a tile are
-// compute-bound, and the widening was a third of the multiplies.
+// compute-bound, and the widening was a third of the multiplies. Where the CPU has AVX-VNNI (Intel
+// Alder Lake and newer without AVX512; -march=native defines __AVXVNNI__) VPDPBUSD on 256 bits
+// forms the int32 sums itself, codes whole, as the AVX512 GEMM does.
 constexpr int AHEAD8 = 9;   // groups ahead to ask the cache for (as the AVX512 GEMM)
 
 // How VPMADDUBSW takes format F's codes (unsigned bytes; a pair's sum saturates past int16): 8-bit
@@ -577,7 +585,7 @@ constexpr int AHEAD8 = 9;   // groups ahead to ask the cache for (as the AVX512 
 // high nibble's sums taken 16 times by VPMADDWD; the others whole: 4-bit codes at most 15, Q5_1's
 // and Q5_K's (q8f) 31, Q6_K's 63.
 template <typename F>
-constexpr bool nibbles8() { return table8<F>() || std::is_same_v<F, Q8H>; }
+constexpr bool nibbles8() { return !VNNI256 && (table8<F>() || std::is_same_v<F, Q8H>); }
 template <typename F>
 constexpr int most_code8() { return nibbles8<F>() || F::W == 4 ? 15 : F::W == 6 ? 63 : 31; }
 // Units whose int16 sums one int16 adds exactly: a quad's pair sum is at most 2 x most x 128 in
@@ -596,7 +604,7 @@ constexpr int depth8() {
 // one half a pass, else the sums overran the 16 registers.
 constexpr int TILE8 = 4;
 template <typename F>
-constexpr int halves8() { return nibbles8<F>() || (depth8<F>() != I8<F>::UNITS && depth8<F>() > 1) ? 1 : 2; }
+constexpr int halves8() { return !VNNI256 && (nibbles8<F>() || (depth8<F>() != I8<F>::UNITS && depth8<F>() > 1)) ? 1 : 2; }
 
 static inline __m256 f16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -637,7 +645,11 @@ template <typename F>
 static inline void codes_half(const uint8_t* unit, int h, __m256i c[4]) {
   auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   const __m256i nib = _mm256_set1_epi8(0x0F);
-  if constexpr (table8<F>()) {
+  if constexpr (table8<F>() && !nibbles8<F>()) {   // VPDPBUSD: the values plus 128 whole
+    const __m256i v = load(unit + 32 * h), t = _mm256_broadcastsi128_si256(iq4nl_table8());
+    c[0] = _mm256_shuffle_epi8(t, _mm256_and_si256(v, nib));
+    c[1] = _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+  } else if constexpr (table8<F>()) {
     const __m256i v = load(unit + 32 * h), ia = _mm256_and_si256(v, nib), ib = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
     const __m128i t = iq4nl_table8();
     const __m256i lo = _mm256_broadcastsi128_si256(_mm_and_si128(t, _mm_set1_epi8(0x0F)));
@@ -673,7 +685,7 @@ static inline void kept(__m256i& v) { asm("" : "+x"(v)); }
 template <typename F, int TR>
 static inline __attribute__((always_inline)) void group8(const Act8& X, const Packed& P, int64_t cb, int64_t g,
                                                          float* out) {
-  constexpr int GK = F::GK, OFFSET = offset8<F>(), UNITS = I8<F>::UNITS, DEPTH = depth8<F>(), HP = halves8<F>();
+  constexpr int GK = F::GK, OFFSET = offset8<F>(), UNITS = I8<F>::UNITS, DEPTH = VNNI256 ? I8<F>::UNITS : depth8<F>(), HP = halves8<F>();
   constexpr bool NIB = nibbles8<F>();
   static_assert(UNITS % DEPTH == 0, "a group is whole runs of int16 sums");
   const uint8_t* head = super_at(P.pk, F::SB, P.supers, cb, g / F::GS);
@@ -704,6 +716,13 @@ static inline __attribute__((always_inline)) void group8(const Act8& X, const Pa
           std::memcpy(&xb, xr + 4, 4);
           const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
           for (int h = 0; h < HP; ++h) {
+#ifdef __AVXVNNI__
+            // quad b's sums apart from quad a's for 1-2 rows: more chains of VPDPBUSD in flight
+            acc[r][h] = _mm256_dpbusd_avx_epi32(acc[r][h], c[h][0], va);
+            if constexpr (TR <= 2) lo[r][h] = _mm256_dpbusd_avx_epi32(lo[r][h], c[h][1], vb);
+            else acc[r][h] = _mm256_dpbusd_avx_epi32(acc[r][h], c[h][1], vb);
+            continue;
+#endif
             lo[r][h] = _mm256_add_epi16(lo[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(c[h][0], va), _mm256_maddubs_epi16(c[h][1], vb)));
             kept(lo[r][h]);
             if constexpr (NIB) {
@@ -715,6 +734,10 @@ static inline __attribute__((always_inline)) void group8(const Act8& X, const Pa
       }
       for (int r = 0; r < TR; ++r)
         for (int h = 0; h < HP; ++h) {
+          if constexpr (VNNI256) {   // lo: quad b's int32 sums (1-2 rows), else zero
+            acc[r][h] = _mm256_add_epi32(acc[r][h], lo[r][h]);
+            continue;
+          }
           acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(lo[r][h], ones));
           if constexpr (NIB) acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(hi[r][h], sixteen));
         }
