@@ -5,7 +5,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test clean gpu-wheels llama-server
+.PHONY: setup demo test clean gpu-wheels llama-server llama-server-avx2
 
 setup: $(STAMP)
 
@@ -47,19 +47,28 @@ test: setup
 # llama.cpp's multimodal library (mtmd), so that builds too. CMAKE_BUILD_PARALLEL_LEVEL: both cores.
 LLAMA_CPP_VERSION := 0.3.36
 LLAMA_SDIST := $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
-LLAMA_SERVER_TREE := $(VENV)/sdist/llama-server-build
+LLAMA_SERVER_TREE = $(VENV)/sdist/$(notdir $@)-build
 CMAKE := $(shell test -x $(BIN)/cmake && echo $(BIN)/cmake || echo cmake)
 
 llama-server: $(BIN)/llama-server
 
-$(BIN)/llama-server:
+# The same server built for AVX2 alone (no AVX-512, no AVX-VNNI): the peer of hd run as AVX2
+# (HD_CPU=avx2) on a newer CPU, so that both sides of a ratio take the instructions most users'
+# CPUs have. hd bench takes it where HD_CPU is set and HD_LLAMA_SERVER is not (bench/llamaserver.py).
+llama-server-avx2: $(BIN)/llama-server-avx2
+
+$(BIN)/llama-server: GGML_CPU := -DGGML_NATIVE=ON
+$(BIN)/llama-server-avx2: GGML_CPU := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+  -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF
+
+$(BIN)/llama-server $(BIN)/llama-server-avx2:
 	mkdir -p $(VENV)/sdist
 	test -f $(LLAMA_SDIST) || $(BIN)/pip download -q --no-deps --no-binary :all: \
 	  llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(VENV)/sdist
 	rm -rf $(LLAMA_SERVER_TREE) && mkdir -p $(LLAMA_SERVER_TREE)
 	tar xzf $(LLAMA_SDIST) -C $(LLAMA_SERVER_TREE)
 	$(CMAKE) -S $(LLAMA_SERVER_TREE)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp \
-	  -B $(LLAMA_SERVER_TREE)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+	  -B $(LLAMA_SERVER_TREE)/build -DCMAKE_BUILD_TYPE=Release $(GGML_CPU) -DBUILD_SHARED_LIBS=OFF \
 	  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	  -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
 	  -DLLAMA_USE_PREBUILT_UI=OFF > $(LLAMA_SERVER_TREE)/cmake.log || { tail -20 $(LLAMA_SERVER_TREE)/cmake.log; exit 1; }

@@ -215,6 +215,24 @@ def test_a_missing_binary_skips_the_method_with_the_reason(tmp_path, monkeypatch
     assert "not run here: llama-server " in " ".join(_shown(report["methods"], skipped=report["skipped"]).split())
 
 
+def test_hd_as_avx2_takes_the_avx2_build_beside_it(tmp_path, monkeypatch):
+    """Where hd runs as an AVX2 CPU (HD_CPU) its peer is llama-server-avx2 beside its Python when
+    there is one (make llama-server-avx2), else llama-server; HD_LLAMA_SERVER wins over both."""
+    import sys
+    for name in ("python", "llama-server", "llama-server-avx2"):
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.delenv("HD_LLAMA_SERVER", raising=False)
+    monkeypatch.delenv("HD_CPU", raising=False)
+    assert llamaserver.binary() == tmp_path / "llama-server"
+    monkeypatch.setenv("HD_CPU", "avx2")
+    assert llamaserver.binary() == tmp_path / "llama-server-avx2"
+    (tmp_path / "llama-server-avx2").unlink()
+    assert llamaserver.binary() == tmp_path / "llama-server"
+    monkeypatch.setenv("HD_LLAMA_SERVER", str(tmp_path / "mine"))
+    assert llamaserver.binary() == tmp_path / "mine"
+
+
 def test_a_spec_type_the_binary_lacks_skips(fake_server, monkeypatch):
     monkeypatch.setenv("FAKE_LLAMA_SPECS", "none,draft-simple,ngram-simple")
     assert llamaserver.unavailable("llama-server-ngram-simple") is None

@@ -56,9 +56,16 @@ LOG_TAIL = 200     # characters of its log a failure quotes
 
 
 def binary() -> Path:
-    """HD_LLAMA_SERVER, else the llama-server beside hd's Python (where `make llama-server` puts it)."""
+    """HD_LLAMA_SERVER, else the llama-server beside hd's Python (where `make llama-server` puts it);
+    where hd runs as an AVX2 CPU (HD_CPU), the AVX2 build beside it if there is one (`make
+    llama-server-avx2`), so that hd and its peer take the same CPU's instructions."""
     named = environment.llama_server()
-    return Path(named) if named else Path(sys.executable).parent / "llama-server"
+    if named:
+        return Path(named)
+    here = Path(sys.executable).parent
+    if environment.cpu_cap() and (here / "llama-server-avx2").is_file():
+        return here / "llama-server-avx2"
+    return here / "llama-server"
 
 
 @lru_cache(maxsize=8)
