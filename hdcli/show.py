@@ -21,14 +21,14 @@ from rich.text import Text
 from .drafting import registry
 from .engine import records
 from .engine.decode import costs as costs_mod
+from .engine.progress import LINE_SECONDS, bar as progress_bar
 
 
 @contextlib.contextmanager
 def bar(quiet: bool, **kw):
     """A tqdm progress bar on stderr, closed at the end (tqdm, not a rich live display: progress
-    must show when stderr is a file or a pipe too)."""
-    from tqdm import tqdm
-    made = tqdm(file=sys.stderr, disable=quiet, **kw)
+    must show when stderr is a file or a pipe too: engine/progress.py)."""
+    made = progress_bar(disable=quiet, **kw)
     try:
         yield made
     finally:
@@ -54,11 +54,6 @@ def counted(made):
         made.update(n_tokens)
         made.set_postfix(docs=docs, refresh=False)
     return progress
-
-
-# where stderr is not a terminal (a file, a pipe, a CI log), hd bench's plain progress lines
-# come at most this often, besides the first answer and the last
-LINE_SECONDS = 10.0
 
 
 class Answered:

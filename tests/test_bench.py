@@ -127,6 +127,26 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
     assert [line.split(" · ")[0] for line in every.getvalue().splitlines()] == [f"{i}/4 answers" for i in range(1, 5)]
 
 
+def test_a_long_jobs_bar_is_whole_lines_where_stderr_is_a_log(monkeypatch):
+    """engine/progress.bar (the load, the layout cache, hd costs, build-model-db, build-stats):
+    redrawn in place on a terminal; in a file or a pipe one line a redraw, with no carriage return
+    and the last state kept (a bar left on a terminal is erased); nothing where disabled."""
+    import sys
+    from hdcli.engine import progress
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)
+    outs = {}
+    for name, err in (("terminal", Terminal()), ("log", io.StringIO()), ("quiet", io.StringIO())):
+        monkeypatch.setattr(sys, "stderr", err)
+        with progress.bar(total=3, desc="loading m", unit=" layers", leave=False, disable=name == "quiet") as b:
+            for _ in range(3):
+                b.update()
+        outs[name] = err.getvalue()
+    assert "\r" in outs["terminal"]
+    lines = outs["log"].splitlines()
+    assert "\r" not in outs["log"] and lines and all(line.startswith("loading m:") for line in lines)
+    assert "3/3" in lines[-1] and outs["quiet"] == ""
+
+
 def test_suffix_without_its_package_is_refused_in_one_line(tiny_model_dir, spec_file, monkeypatch):
     import builtins
     real = builtins.__import__

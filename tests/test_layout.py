@@ -7,10 +7,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "hdcli"
 # bottom first: a module may import from its own unit and the units before it; inputs (files the
 # user names, read with a bound) sits on errors alone. The engine's rooms
-# are units of their own: records and environment at the bottom, then kernels, the model, text
+# are units of their own: environment, progress (bars on stderr) and records at the bottom, then kernels, the model, text
 # (prompts, templates, tools, grammars), the decode loop, the local model stores (Ollama's and LM
 # Studio's folders: paths only) and the loader that puts a model together.
-ENGINE = ["engine.environment", "engine.records", "engine.kernels", "engine.model", "engine.text",
+ENGINE = ["engine.environment", "engine.progress", "engine.records", "engine.kernels", "engine.model", "engine.text",
           "engine.decode", "engine.local_models", "engine.loader", "engine"]
 # a package's commands (the functions `hd build-stats`, `hd plan`, ... call) are units of their own,
 # above the composition they use: the rest of their package sits below it

@@ -173,10 +173,10 @@ def _collect(futures: list, writer, n: int, p: int, workers: int, draft_len: int
     """Write each reduce task's records as it finishes (keys are disjoint across partitions) and
     gather the map summaries; any task's error, or the cluster failing, is one HdError."""
     from dask.distributed import as_completed
-    from tqdm import tqdm
+    from ..engine.progress import bar as progress_bar
     got = {"maps": [], "pairs": 0, "peak_map": 0.0, "peak_reduce": 0.0, "counted": None}
-    bar = tqdm(total=n + p, unit=" task", desc=f"map {n} + reduce {p} on {workers} workers",
-               disable=quiet, mininterval=0.5)
+    bar = progress_bar(total=n + p, unit=" task", desc=f"map {n} + reduce {p} on {workers} workers",
+                       disable=quiet, mininterval=0.5)
     try:
         for fut in as_completed(futures):
             r = fut.result()

@@ -1,6 +1,7 @@
 """The engine: the target model and the loop that verifies drafts with it, in rooms.
 
     environment.py  the environment variables hd reads, in one place
+    progress.py     progress bars on stderr: in place on a terminal, whole lines in a log
     records.py      measurement records kept under HD_CACHE_DIR (cost curves, calibrations, timings)
     kernels/        the arithmetic under hd's own forward: GGUF GEMMs, oneDNN dense layers, the
                     invariant and compiled attentions, the C++ extension build (csrc/)

@@ -568,10 +568,10 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     phase("tokenizer")
     num = Numerics(dtype=dt, device=device, kernels=kn, invariant=invariant != "off")
     cfg = src.config()
-    from tqdm import tqdm
+    from .progress import bar as progress_bar
     shown = name if local_models.is_store_name(name) else Path(source).name   # not an Ollama blob's hash
-    bar = tqdm(total=cfg.num_hidden_layers, desc=f"loading {shown}", unit=" layers",
-               file=sys.stderr, disable=quiet, mininterval=0.5, leave=False)
+    bar = progress_bar(total=cfg.num_hidden_layers, desc=f"loading {shown}", unit=" layers",
+                       disable=quiet, mininterval=0.5, leave=False)
     kept = _layout_cache(src, dt, device, kn)
     try:
         with torch.inference_mode(), bar:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -133,10 +132,9 @@ def _n_params(model) -> int:
 
 
 def _progress(total: int, desc: str, quiet: bool):
-    from tqdm import tqdm
+    from ..progress import bar
     # not `disable=None`: progress shows when stderr is a file or a pipe too
-    return tqdm(total=total, desc=desc, unit=" forwards", file=sys.stderr, disable=quiet,
-                mininterval=0.5, leave=False)
+    return bar(total=total, desc=desc, unit=" forwards", disable=quiet, mininterval=0.5, leave=False)
 
 
 @torch.inference_mode()

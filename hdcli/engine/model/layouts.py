@@ -322,10 +322,10 @@ def wait(progress: bool = False) -> None:
     pending = list(_WRITERS)
     if progress and pending:
         import time
-        from tqdm import tqdm
+        from ..progress import bar as progress_bar
         total = sum(cache.writing for _, cache in pending)
-        with tqdm(total=total, unit="B", unit_scale=True, desc="hd: writing the layout cache", file=sys.stderr,
-                  mininterval=0.5, leave=False) as bar:
+        with progress_bar(total=total, unit="B", unit_scale=True, desc="hd: writing the layout cache",
+                          mininterval=0.5, leave=False) as bar:
             try:
                 while any(writer.is_alive() for writer, _ in pending):
                     time.sleep(0.25)
