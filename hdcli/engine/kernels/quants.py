@@ -53,9 +53,12 @@ bytes with the codes arranged for VPDPBUSD (AVX512-VNNI), each activation row qu
 of GK to int8 on its own, llama.cpp's way; exact integer group sums, so 8 verification rows cost
 ~1.6 one row's time where the bf16 GEMM's cost ~2.5 (benchmarks/gguf_gemm.py). Other numerics than
 the bf16 GEMM's, M-invariant all the same (docs/dtype.md); `activation_choice` picks one per machine.
-On a CPU with AVX2 and no AVX512 (Zen 1-3, most desktop Intel) mm8 is built on AVX2 (VPMADDUBSW):
-the same integer sums and fp32 operations, so the same outputs bit for bit; it is the only GEMM
-there (no AVX512-BF16), and the GGUF's weights are held in about the file's bytes there too.
+On a CPU with AVX2 and no AVX512 (Zen 1-3, most desktop Intel) mm8 is built on AVX2 (VPMADDUBSW,
+its int16 sums added over as many quads as they hold exactly before they are widened; VPDPBUSD
+on 256 bits where the CPU has AVX-VNNI, Intel Alder Lake and newer): the same integer sums and
+fp32 operations, so the same outputs bit for bit (tests/test_quants.py builds all three and
+compares); it is the only GEMM there (no AVX512-BF16), and the GGUF's weights are held in about
+the file's bytes there too.
 
 Speed (2-core AMD EPYC, N = K = 2048, 2 threads, another process busy on the machine, least of
 rounds; weights in cache; measured on the wider formats this replaced, whose arithmetic is the
