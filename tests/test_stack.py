@@ -53,34 +53,70 @@ def test_greedy_stack_equals_plain(target, shape):
     assert proposed > 0
 
 
-def test_sampling_through_a_three_level_stack_follows_target_distribution(tmp_path):
-    """db -> model -> model -> target, first two tokens. The draft models are independent random
-    models (same vocabulary), so every boundary rejects often and the residual draws run. All
-    three on hd's own forward and one thread, as test_sampling's target (its header: the cost)."""
+def _three_level_counts(tmp_path, n: int, seeded: bool, monkeypatch):
+    """db -> model -> model -> target: counts of the first two tokens over n answers, the exact
+    distribution, the levels' statistics, and (seeded) plain decoding's answers for the same seeds.
+
+    Seeded, the target's token at each position is its inverse CDF at the seed's uniform
+    (verify.coupled_choice): the answer is plain decoding's, whatever the stack drafts. Unseeded,
+    the top level's chain is verified with its q (verify.accept_chain_q: min(1, p/q), the
+    residual), so the stack's own rules reach the output; torch.seed, which picks an unseeded
+    answer's generator, is made to count 10000.. here so that the test is repeatable."""
     V = 8
     target = sampling_llama(tmp_path / "target")
-    d1, d2 = (owned_copy(tiny_llama(vocab_size=V, seed=seed, hidden=16, scale=2.0), tmp_path / f"d{seed}").model
-              for seed in (4, 5))
+    # d1 sharper than d2: a level that misreports its distribution (the negative control below)
+    # tells the target a q far from its drafts' real one
+    d1, d2 = (owned_copy(tiny_llama(vocab_size=V, seed=seed, hidden=16, scale=scale), tmp_path / f"d{seed}").model
+              for seed, scale in ((4, 4.0), (5, 2.0)))
     s = Sampling(temperature=1.0)
     prompt = [1, 3, 4, 3, 4, 3]
     probs = exact_two_token_distribution(target, prompt, s)
     stack = ModelStack([("d1", d1, 2), ("d2", d2, 3)], Hierarchy([ContextDB(1, 3)], draft_len=3), s)
-    dec = Decoder(target, (), stack)
-    n, counts = 3000, {}
-    # Seeds 10000..12999. The acceptance rules now draw all of a step's uniforms at once
+    dec, alone = Decoder(target, (), stack), Decoder(target, ())
+    counter = iter(range(10000, 10000 + n))
+    monkeypatch.setattr(torch, "seed", lambda: next(counter))
+    counts, answers, plain_answers = {}, [], []
+    # Seeds 10000..: the acceptance rules draw all of a step's uniforms at once
     # (engine/decode/verify.py), which changed the sample each seed gives: seeds 0..2999 came out at
     # p = 0.00086, the 1-in-1000 false alarm this test allows; 10000.., 20000.. and 30000.. gave
     # p = 0.48, 0.13 and 0.53.
     with single_thread():
         for seed in range(10000, 10000 + n):
-            g = dec.generate(prompt, max_new_tokens=4, sampling=s, seed=seed)
+            g = dec.generate(prompt, max_new_tokens=4, sampling=s, seed=seed if seeded else None)
             key = tuple(g.tokens[:2])
             counts[key] = counts.get(key, 0) + 1
-    levels = {lv["name"]: lv for lv in stack.level_stats()}
+            if seeded and seed < 10200:
+                answers.append(g.tokens)
+                plain_answers.append(alone.generate(prompt, max_new_tokens=4, sampling=s, seed=seed).tokens)
+    return counts, probs, {lv["name"]: lv for lv in stack.level_stats()}, answers, plain_answers
+
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_sampling_through_a_three_level_stack_follows_target_distribution(tmp_path, monkeypatch, seeded):
+    """db -> model -> model -> target, first two tokens. The draft models are independent random
+    models (same vocabulary), so every boundary rejects often and the residual draws run. All
+    three on hd's own forward and one thread, as test_sampling's target (its header: the cost).
+    Seeded: every answer (the first 200 compared) is plain decoding's for its seed."""
+    n = 3000
+    counts, probs, levels, answers, plain_answers = _three_level_counts(tmp_path, n, seeded, monkeypatch)
     # every level both accepted and rejected often: the rules at all three boundaries ran
     for name in ("db", "d1", "d2"):
         assert 0.05 < levels[name]["acceptance_rate"] < 0.9, levels
     assert chi2_pvalue(counts, probs, n) > 1e-3
+    assert answers == plain_answers and (len(answers) == 200) == seeded
+
+
+def test_the_three_level_check_fails_when_a_level_breaks_the_rule(tmp_path, monkeypatch):
+    """The negative control of the unseeded test above: a model level that keeps every draft of
+    the level below (reporting its own distribution as the drafts' all the same, as a level that
+    skipped the acceptance rule would) hands the target drafts whose real distribution is not the
+    q it is told, and the same chi-square on the same generators rejects the answers. (Seeded
+    answers cannot be moved by any draft: the equality above is their check.)"""
+    from hdcli.hsd import stack as stack_mod
+    monkeypatch.setattr(stack_mod, "sample_with_draft", lambda probs, x, q, gen: (int(x), True))
+    n = 3000
+    counts, probs, _, _, _ = _three_level_counts(tmp_path, n, False, monkeypatch)
+    assert chi2_pvalue(counts, probs, n) < 1e-3
 
 
 def test_self_drafts_are_real_smaller_models(target):
