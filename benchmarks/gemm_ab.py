@@ -11,6 +11,7 @@ refused here before it is timed. Random blocks in valid formats (tests/test_quan
 from __future__ import annotations
 
 import argparse
+import hashlib
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,7 @@ def earlier(commit: str):
     text = text.replace('(m, "Layers", ', '(m, "LayersBefore", py::module_local(), ')   # both modules load
     folder = Path(tempfile.mkdtemp(prefix="hd-gemm-ab-"))
     (folder / "qmm_before.cpp").write_text(text)
-    name = f"hd_qmm_before_{commit[:10]}_{abs(hash(' '.join(build.flags()))) % 10**6}"
+    name = f"hd_qmm_before_{hashlib.sha256((text + ' '.join(build.flags())).encode()).hexdigest()[:12]}"   # built once
     return cpp_extension.load(name=name, sources=[str(folder / "qmm_before.cpp")], extra_cflags=build.flags())
 
 

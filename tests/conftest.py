@@ -7,7 +7,9 @@ import os
 
 # HD_CPU=avx2 runs the suite as on an AVX2-only CPU (most users'; engine/environment.py) on a newer
 # one: torch's kernels and oneDNN are capped to AVX2 too, which they read once, before torch loads
-if os.environ.get("HD_CPU", "").strip().lower() in ("avx2", "avx2-vnni"):
+from hdcli.engine.environment import cpu_cap  # noqa: E402  (os only: torch is not loaded yet)
+
+if cpu_cap():
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
@@ -46,6 +48,27 @@ SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
 PATIENCE = float(os.environ.get("HD_TEST_PATIENCE", "600"))
 CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}"
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+
+def cross_built(script: str, builds, tmp_path, what: str, *args: str, timeout: float) -> dict:
+    """tag -> what `script` saved (torch.save to its first argument, then `args`) when run under
+    each build's environment (builds: (tag, env) pairs, e.g. ("avx2", {"HD_CPU": "avx2"})): one
+    kernel built for several CPU classes on this machine, to compare their bits. Skips where the
+    kernel (`what`) does not compile; a build that runs past `timeout` seconds fails."""
+    import subprocess
+    import sys
+    import torch
+    outs = {}
+    for tag, env in builds:
+        path = tmp_path / f"{tag}.pt"
+        run = subprocess.run([sys.executable, "-c", script, str(path), *args], capture_output=True, text=True,
+                             env={**os.environ, "HD_CPU": "", **env}, timeout=timeout)
+        if run.returncode != 0 and "does not compile" in run.stderr + run.stdout:
+            pytest.skip(f"{what} does not compile here: {run.stderr[-300:]}")
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs[tag] = torch.load(path)
+    return outs
 
 
 def tiny_llama(vocab_size: int, seed: int = 0, hidden: int = 32, layers: int = 2, scale: float = 1.0):

@@ -434,20 +434,12 @@ def test_fused_attention_avx2_build_gives_the_native_bits(tmp_path):
     and an 8B's head shapes and a head with a scalar tail: the vector width is how a row's sums
     are laid out, never their order. Runs where the machine has AVX-512 (elsewhere both builds are
     AVX2); the negative control is the reference's own: fp32 keys give other bits than bf16 ones."""
-    import os
-    import subprocess
+    from conftest import cross_built
     from hdcli.engine.kernels import fused
     if "avx512f" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX-512: its own build is the AVX2 one")
-    outs = {}
-    for tag, env in (("native", {}), ("avx2", {"HD_CPU": "avx2"})):
-        path = tmp_path / f"{tag}.pt"
-        run = subprocess.run([sys.executable, "-c", _CROSS_BUILD, str(path)], capture_output=True, text=True,
-                             env={**os.environ, "HD_CPU": "", **env}, timeout=600)
-        if run.returncode != 0 and "does not compile" in run.stderr + run.stdout:
-            pytest.skip(f"the fused attention does not compile here: {run.stderr[-300:]}")
-        assert run.returncode == 0, run.stderr[-2000:]
-        outs[tag] = torch.load(path)
+    outs = cross_built(_CROSS_BUILD, (("native", {}), ("avx2", {"HD_CPU": "avx2"})), tmp_path, "the fused attention",
+                        timeout=600)
     assert len(outs["native"]) == 5
     for a, b in zip(outs["native"], outs["avx2"]):
         assert torch.equal(a, b)

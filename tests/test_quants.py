@@ -490,24 +490,14 @@ def test_int8_gemm_avx2_build_gives_the_native_bits(tmp_path):
     integers however they are formed, and the fp32 operations on them are the same. Runs where the
     machine has AVX512-VNNI (elsewhere both builds are AVX2); the negative control: the bf16
     activations' GEMM of the same weights gives other bits, so equal means equal."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
+    from conftest import cross_built
     if "avx512_vnni" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX512-VNNI: its own build is the AVX2 one")
     builds = [("native", {}), ("avx2", {"HD_CPU": "avx2"})]
     if "avx_vnni" in Path("/proc/cpuinfo").read_text():   # VPDPBUSD on 256 bits, as Intel's newer CPUs
         builds.append(("avx2-vnni", {"HD_CPU": "avx2-vnni"}))
-    outs = {}
-    for tag, env in builds:
-        path = tmp_path / f"{tag}.pt"
-        run = subprocess.run([sys.executable, "-c", _CROSS_BUILD8, str(path), str(Path(__file__).parent)],
-                             capture_output=True, text=True, env={**os.environ, "HD_CPU": "", **env}, timeout=900)
-        if run.returncode != 0 and "does not compile" in run.stderr + run.stdout:
-            pytest.skip(f"the GEMM does not compile here: {run.stderr[-300:]}")
-        assert run.returncode == 0, run.stderr[-2000:]
-        outs[tag] = torch.load(path)
+    outs = cross_built(_CROSS_BUILD8, builds, tmp_path, "the GEMM", str(Path(__file__).parent), timeout=900)
     assert outs["native"]["isa"] != outs["avx2"]["isa"] and "AVX2" in outs["avx2"]["isa"]
     assert outs.get("avx2-vnni", {"isa": "AVX2 + AVX-VNNI"})["isa"].startswith("AVX2 + AVX-VNNI")
     for tag in outs:

@@ -153,7 +153,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def native_bf16() -> bool:
     """Whether the CPU computes in bf16 natively (AVX-512 BF16 or AMX): else bf16 is emulated and
-    never the faster dtype. False where HD_CPU=avx2 runs hd as on an AVX2-only CPU."""
+    never the faster dtype. False where HD_CPU runs hd as an AVX2 CPU (environment.CPU_CAPS)."""
     if cpu_cap():
         return False
     try:

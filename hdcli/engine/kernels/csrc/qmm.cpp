@@ -590,21 +590,22 @@ template <typename F>
 constexpr int most_code8() { return nibbles8<F>() || F::W == 4 ? 15 : F::W == 6 ? 63 : 31; }
 // Units whose int16 sums one int16 adds exactly: a quad's pair sum is at most 2 x most x 128 in
 // size (an activation is -128..127), so 8 quads (4 units, a whole group of 32 k) of 4-bit codes
-// or nibbles (30720), 4 of Q5's (31744), 2 (one unit) of Q6_K's (32256).
+// or nibbles (30720), 4 of Q5's (31744), 2 (one unit) of Q6_K's (32256). With AVX-VNNI the sums
+// are int32 from the start: the whole group.
 template <typename F>
 constexpr int depth8() {
   constexpr int quads = 32767 / (2 * most_code8<F>() * 128), units = quads / 2;
-  return units >= I8<F>::UNITS ? I8<F>::UNITS : units;
+  return VNNI256 || units >= I8<F>::UNITS ? I8<F>::UNITS : units;
 }
 // Tiles of up to 4 rows, as before these sums (8 rows with one half a pass were slower: more
 // broadcasts of the activations, and the decode saved was little). Where a row holds one sum a half
 // (4-bit codes, Q6_K) both halves go in one pass: a row's activations are broadcast once for both
-// (AMD EPYC Zen 5 as AVX2, 28672 x 4096, 2 threads, 4 rows: Q4_K 2563 -> ~2200 us, Q6_K 3507 -> ~3400;
-// 8 rows Q4_K 4952 -> ~4100); where it holds two (nibbles, Q5's int32 sum beside its int16 one),
+// (AMD EPYC Zen 5 as AVX2, 28672 x 4096, 2 threads, benchmarks/gemm_ab.py against dot8's one widening
+// a unit: 4 rows Q4_K 3150 -> 2778 us, Q5_K 5053 -> 3738, Q6_K alike; 8 rows Q4_K 5989 -> 5110); where it holds two (nibbles, Q5's int32 sum beside its int16 one),
 // one half a pass, else the sums overran the 16 registers.
 constexpr int TILE8 = 4;
 template <typename F>
-constexpr int halves8() { return !VNNI256 && (nibbles8<F>() || (depth8<F>() != I8<F>::UNITS && depth8<F>() > 1)) ? 1 : 2; }
+constexpr int halves8() { return nibbles8<F>() || (depth8<F>() != I8<F>::UNITS && depth8<F>() > 1) ? 1 : 2; }
 
 static inline __m256 f16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -685,7 +686,7 @@ static inline void kept(__m256i& v) { asm("" : "+x"(v)); }
 template <typename F, int TR>
 static inline __attribute__((always_inline)) void group8(const Act8& X, const Packed& P, int64_t cb, int64_t g,
                                                          float* out) {
-  constexpr int GK = F::GK, OFFSET = offset8<F>(), UNITS = I8<F>::UNITS, DEPTH = VNNI256 ? I8<F>::UNITS : depth8<F>(), HP = halves8<F>();
+  constexpr int GK = F::GK, OFFSET = offset8<F>(), UNITS = I8<F>::UNITS, DEPTH = depth8<F>(), HP = halves8<F>();
   constexpr bool NIB = nibbles8<F>();
   static_assert(UNITS % DEPTH == 0, "a group is whole runs of int16 sums");
   const uint8_t* head = super_at(P.pk, F::SB, P.supers, cb, g / F::GS);
