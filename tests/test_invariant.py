@@ -290,9 +290,11 @@ def test_fused_attention_rows_equal_one_token_rows(name, dtype, kern, tmp_path, 
     calibrate.disable(model)
 
 
-def _compiled_model(kern: str, mix: str = "Q4_K_M"):
-    """A tiny GGUF of a real mix (Q4_K_M: q/k and v of other types in some layers, so q/k/v join
-    in some layers only), the fused attention, the mode on: a model the compiled layers run."""
+def _compiled_model(kern: str, dtype: str = "bf16", arch: str = "llama"):
+    """A model the compiled layers run, the fused attention and the mode on: for the GGUF kernels
+    a tiny GGUF of a real mix (Q4_K_M: q/k and v of other types in some layers, so q/k/v join in
+    some layers only); for the dense ones ("torch", "onednn") a transformers checkpoint in dtype
+    (tiny_llama, or tiny_gemma3 for arch "gemma3"); as_arch then makes it OLMo 2's or Granite's."""
     from hdcli.engine.kernels import fused
     from hdcli.engine.model import compiled
     if fused.load(quiet=True) is None:
@@ -301,17 +303,44 @@ def _compiled_model(kern: str, mix: str = "Q4_K_M"):
         pytest.skip("hd's bf16-activation GEMM needs AVX512-BF16")
     if kern == "gguf-int8" and not quants.int8_available():
         pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI or AVX2")
-    import synth_gguf
+    if kern == "onednn" and not kernels.available(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} weights on this CPU")
     folder = Path(_FOLDERS.name) / f"compiled-{next(_SEQ)}"
-    folder.mkdir()
-    synth_gguf.write(folder / "tiny.gguf", "tiny", mix, seed=0)
     with invariant.pinned("fused"):
-        model = models.load(str(folder / "tiny.gguf"), dtype="bf16", device="cpu", kernels=kern, invariant="on",
-                            quiet=True).model
+        if kern in kernels.GGUF:
+            import synth_gguf
+            folder.mkdir()
+            synth_gguf.write(folder / "tiny.gguf", "tiny", "Q4_K_M", seed=0)
+            model = models.load(str(folder / "tiny.gguf"), dtype=dtype, device="cpu", kernels=kern, invariant="on",
+                                quiet=True).model
+            blocks = model.blocks
+            assert any(b.qkv is None for b in blocks) and any(b.qkv is not None for b in blocks)   # both spellings
+        else:
+            hf = tiny_gemma3(torch.float32) if arch == "gemma3" else tiny_llama(V, hidden=64, scale=4.0)
+            model = owned_copy(hf, folder, dtype=dtype, kernels=kern, invariant="on").model
+            assert {lin.kind for lin in model.linears()} == {kern}
+    as_arch(model, arch)
     assert compiled.why_not(model) is None, compiled.why_not(model)
-    blocks = model.blocks
-    assert any(b.qkv is None for b in blocks) and any(b.qkv is not None for b in blocks)   # both spellings
     return model
+
+
+def as_arch(model, arch: str) -> None:
+    """The llama model made OLMo 2's (its pre-norms moved after each sublayer, q and k normed over
+    their whole width) or Granite's (its residual, embedding and logits multipliers away from 1),
+    random norm weights near 1; other arches as they are."""
+    gen = torch.Generator().manual_seed(5)
+
+    def weight(n: int):
+        return torch.nn.Parameter((1 + 0.5 * torch.rand(n, generator=gen)).to(model.dtype), requires_grad=False)
+    for blk in model.blocks:
+        if arch == "olmo2":
+            blk.post_attn_norm, blk.post_ffn_norm, blk.attn_norm, blk.ffn_norm = blk.attn_norm, blk.ffn_norm, None, None
+            blk.q_norm, blk.k_norm = weight(blk.hq * blk.d), weight(blk.hkv * blk.d)
+            blk.wide_qk_norm = True
+        if arch == "granite":
+            blk.residual_scale = 0.5
+    if arch == "granite":
+        model.embedding_scale, model.logits_scale = 3.0, 4.0
 
 
 def _forwards(model, rng) -> tuple[list, list]:
@@ -333,33 +362,44 @@ def _forwards(model, rng) -> tuple[list, list]:
     return logits, stored
 
 
-@pytest.mark.parametrize("kern", ["gguf", "gguf-int8"])
-def test_compiled_layers_equal_the_blocks(kern, tmp_path, monkeypatch):
-    """The decoder layers in one compiled call (engine/model/compiled.py, csrc/qmm.cpp's Layers)
-    against the Python blocks on the same model (q/k/v biases in two layers, as Qwen2's, and per-head
-    q/k norms in one, as Qwen3's): prompt, single tokens, a chain, a token tree and a
-    batch of three parts, and a keys-only prefill give torch.equal logits and caches, with the
-    compiled call taken for each. And the comparison can fail: a handle built with another norm
-    epsilon than the blocks' gives other logits."""
+@pytest.mark.parametrize("kern,dtype,arch", [
+    ("gguf", "bf16", "llama"), ("gguf-int8", "bf16", "llama"), ("gguf-int8", "bf16", "olmo2"),
+    ("gguf-int8", "bf16", "granite"), ("torch", "fp32", "llama"), ("onednn", "fp32", "llama"),
+    ("onednn", "bf16", "llama"), ("torch", "bf16", "llama"), ("torch", "fp32", "olmo2"),
+    ("onednn", "fp32", "granite"), ("torch", "fp32", "gemma3")])
+def test_compiled_layers_equal_the_blocks(kern, dtype, arch, tmp_path, monkeypatch):
+    """The decoder layers, final norm and head in one compiled call (engine/model/compiled.py,
+    csrc/qmm.cpp's Layers) against the Python blocks on the same model, on each kernel it calls
+    (the GGUF GEMM with bf16 or int8 activations, oneDNN's packed layers, torch's Linear), in bf16
+    (the compiled row ops) and fp32 (torch's), the llama family, OLMo 2's and Granite's forwards
+    and Gemma 3's, and a Linear padded to a least row count: prompt, single tokens, a chain, a
+    token tree and a batch of three parts, and a keys-only prefill give torch.equal logits and
+    caches, with the compiled call taken for each. The GGUF llama adds q/k/v biases in two layers,
+    as Qwen2's, and per-head q/k norms in one, as Qwen3's. And the comparison can fail: a handle
+    built with another norm epsilon than the blocks' gives other logits."""
     from hdcli.engine.model import compiled
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
-    model = _compiled_model(kern)
+    model = _compiled_model(kern, dtype, arch)
     gen = torch.Generator().manual_seed(0)
-    for lin in (model.blocks[0].qkv or model.blocks[0].q, model.blocks[1].k):   # Qwen2's biases, joined and alone
-        if lin is not None:
-            lin.kernel.bias = torch.randn(lin.out_features, generator=gen).bfloat16()
-    blk = model.blocks[1]   # Qwen3's per-head q and k norms, in one layer
-    blk.q_norm, blk.k_norm = (torch.nn.Parameter(1 + torch.rand(blk.d, generator=gen).bfloat16(), requires_grad=False)
-                              for _ in range(2))
+    if kern in kernels.GGUF and arch == "llama":
+        for lin in (model.blocks[0].qkv or model.blocks[0].q, model.blocks[1].k):   # Qwen2's biases, joined and alone
+            if lin is not None:
+                lin.kernel.bias = torch.randn(lin.out_features, generator=gen).bfloat16()
+        blk = model.blocks[1]   # Qwen3's per-head q and k norms, in one layer
+        blk.q_norm, blk.k_norm = (torch.nn.Parameter(1 + torch.rand(blk.d, generator=gen).bfloat16(), requires_grad=False)
+                                  for _ in range(2))
+    model.blocks[-1].down.min_rows = max(model.blocks[-1].down.min_rows, 3)   # padded to 3 rows, outputs dropped
     runs = []
     real = compiled.CompiledLayers.run
-    monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, *a: runs.append(a[-1]) or real(self, *a))
+    monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, x, step, n, head=False: runs.append((n, head))
+                        or real(self, x, step, n, head))
     with invariant.pinned("fused"):
         got = {}
         for flag in (True, False):
             model.compiled_layers = flag
             got[flag] = _forwards(model, random.Random(3))
-        assert len(runs) == 10 and runs[-2] == len(model.blocks) - 1   # every forward; the prefill's last layer alone
+        last = len(model.blocks) - 1
+        assert len(runs) == 10 and runs[-2] == (last, False) and runs[-1] == (last + 1, True)   # the prefill's last layer alone
         for a, b in zip(got[True][0] + got[True][1], got[False][0] + got[False][1]):
             assert torch.equal(a, b)
         model.compiled_layers = True
@@ -367,6 +407,14 @@ def test_compiled_layers_equal_the_blocks(kern, tmp_path, monkeypatch):
         model.__dict__.pop("_compiled")   # rebuilt with the other epsilon
         off = _forwards(model, random.Random(3))[0]
         assert not all(torch.equal(a, b) for a, b in zip(off, got[False][0]))
+
+
+def test_compiled_layers_pad_rows_as_onednn_does():
+    """Layers' oneDNN row padding (csrc/qmm.cpp's padded_rows) is kernels/dense.padded_rows."""
+    module = quants.gemm_module()
+    if module is None:
+        pytest.skip(f"the GGUF GEMM's extension does not build here: {quants.failure()}")
+    assert all(module.padded_rows(m) == kernels.padded_rows(m) for m in range(1, 5000))
 
 
 def test_compiled_layers_rows_equal_one_token_rows(tmp_path, monkeypatch):
@@ -378,12 +426,12 @@ def test_compiled_layers_rows_equal_one_token_rows(tmp_path, monkeypatch):
     model = _compiled_model("gguf-int8" if quants.int8_available() else "gguf")
     runs = []
     real = compiled.CompiledLayers.run
-    monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, x, *a: runs.append(1) or real(self, x, *a))
+    monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, x, *a, **kw: runs.append(1) or real(self, x, *a, **kw))
     with invariant.pinned("fused"):
         rng = rows_and_trees_equal_plain(model)
         assert len(runs) > 50
         monkeypatch.setattr(compiled.CompiledLayers, "run",
-                            lambda self, x, *a: real(self, x, *a) * (1 + 1e-2 * (x.shape[0] > 1)))
+                            lambda self, x, *a, **kw: real(self, x, *a, **kw) * (1 + 1e-2 * (x.shape[0] > 1)))
         prefix = [rng.randrange(3, V) for _ in range(75)]
         assert not all(rows_vs_one_token(model, chain([rng.randrange(3, V) for _ in range(7)]), prefix))
 

@@ -270,7 +270,7 @@ def test_gemma3_compiled_layers_equal_the_blocks(tmp_path, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(fast, slow))
         model.compiled_layers = True
         real = compiled.CompiledLayers.run
-        monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, x, *a: real(self, x, *a) * 1.01)
+        monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, x, *a, **kw: real(self, x, *a, **kw) * 1.01)
         assert not all(torch.equal(a, b) for a, b in zip(run(), slow))
 
 

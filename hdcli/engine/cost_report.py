@@ -17,6 +17,8 @@ def layers_call(model) -> dict:
     from .model import is_owned
     from .model.compiled import why_not
     why = why_not(model) if is_owned(model) else "transformers' forward"
+    if why is None and not (model.invariant and model.attention_kernel.runs_on(model.device)):
+        why = "its attention is not the fused one, which the compiled call runs (model/attention.py: Step)"
     return {"compiled": True} if why is None else {"compiled": False, "why": why}
 
 

@@ -25,36 +25,67 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import fused, quants
-from .layers import CompiledRowOps
+from ..kernels import dense, fused, quants
+from .layers import CompiledRowOps, RowOps
+
+
+STYLES = ("llama", "gemma3", "olmo2")   # Layers' block styles, by index (csrc/qmm.cpp's Style)
+KINDS = ("full", "sliding")   # a layer's attention kind, by its index in Layers
 
 
 def why_not(model) -> str | None:
     """Why the model's layers cannot run as one compiled call, or None where they can."""
-    gemma = model.family == "gemma3"
-    if model.family not in ("llama", "gemma3") or model.numerics.dtype != "bf16" or model.numerics.device != "cpu":
-        return "not a bf16 llama-family or Gemma 3 model on the CPU"
-    if not gemma and not isinstance(model.row_ops, CompiledRowOps):
-        return "the row ops are torch's"
+    num = model.numerics
+    if model.family not in ("llama", "gemma3") or num.dtype not in ("bf16", "fp32") or num.device != "cpu":
+        return "not a bf16 or fp32 llama-family or Gemma 3 model on the CPU"
+    if model.family == "llama" and type(model.row_ops) not in (RowOps, CompiledRowOps):
+        return "the row ops are not the llama family's"
     module = quants.gemm_module()
     if module is None or not hasattr(module, "Layers"):
         return "the GGUF GEMM's extension has no Layers"
     if fused.KERNEL.module is None or not hasattr(fused.KERNEL.module, "append_attend_many_address"):
         return "the fused attention is not loaded"
+    if not model.blocks:
+        return "the model has no layers"
+    style = _style(model)
     for blk in model.blocks:
         post = blk.post_attn_norm is not None and blk.post_ffn_norm is not None
-        if (blk.kind not in KINDS or blk.wide_qk_norm or blk.attn_norm is None or blk.ffn_norm is None
-                or blk.residual_scale != 1.0 or post != gemma or (gemma and (blk.q_norm is None or blk.k_norm is None))):
-            return f"layer {blk.index} is not the {model.family} block Layers computes"
+        pre = blk.attn_norm is not None and blk.ffn_norm is not None
+        heads = blk.q_norm is not None and blk.k_norm is not None
+        if (blk.kind not in KINDS or blk.residual_scale != model.blocks[0].residual_scale
+                or (blk.wide_qk_norm != (style == "olmo2")) or (style == "olmo2" and (not post or pre or not heads))
+                or (style != "olmo2" and (not pre or post != (style == "gemma3")))
+                or (style == "gemma3" and not heads) or (style != "llama" and blk.residual_scale != 1.0)):
+            return f"layer {blk.index} is not the {style} block Layers computes"
         for lin in _slots(blk):
-            if lin is not None and (lin.kind != "gguf" or lin.min_rows != 1):
-                return f"layer {blk.index} has a linear layer off the GGUF GEMM ({lin.kind}, {lin.qtype})"
+            if lin is not None and _kernel(lin) is None:
+                return f"layer {blk.index} has a linear layer on a kernel Layers does not call ({lin.kind})"
         if (blk.qkv is None and blk.q is None) or (blk.gate_up is None and blk.gate is None):
-            return f"layer {blk.index} is not the {model.family} block Layers computes"
+            return f"layer {blk.index} is not the {style} block Layers computes"
+    if _kernel(model.head) is None:
+        return f"the head is on a kernel Layers does not call ({model.head.kind})"
     return None
 
 
-KINDS = ("full", "sliding")   # a layer's attention kind, by its index in Layers
+def _style(model) -> str:
+    """The block style Layers computes a model's layers in: Gemma 3's, OLMo 2's (a norm after each
+    sublayer, none before), or the llama family's."""
+    if model.family == "gemma3":
+        return "gemma3"
+    return "olmo2" if model.blocks and model.blocks[0].attn_norm is None else "llama"
+
+
+def _kernel(lin):
+    """(kind, weight, fmt, bias) of a Linear as Layers' Gemm takes it, or None where its kernel is
+    not one Layers calls: quants.QLinear, dense.PackedLinear, or a plain nn.Linear."""
+    k = lin.kernel
+    if lin.kind == "gguf" and isinstance(k, quants.QLinear):
+        return lin.kernel_name, k.packed, k.fmt, k.bias
+    if lin.kind == "onednn" and isinstance(k, dense.PackedLinear):
+        return "onednn", k.packed, "", k.bias
+    if lin.kind == "torch" and type(k) is torch.nn.Linear:
+        return "torch", k.weight, "", k.bias
+    return None
 
 
 def _slots(blk) -> list:
@@ -66,31 +97,33 @@ def _slots(blk) -> list:
 
 
 class CompiledLayers:
-    """The handle of one model's blocks (csrc/qmm.cpp's Layers: their norms and packings, the
-    attention's address) and the per-forward bookkeeping around its call."""
+    """The handle of one model's blocks, final norm and head (csrc/qmm.cpp's Layers: their norms
+    and Linear kernels, the attention's address) and the per-forward bookkeeping around its call."""
 
     def __init__(self, model):
         blocks = list(model.blocks)
-        norms, packed, fmts, int8, biases = [], [], [], [], []
+        norms, slots = [], []
         for blk in blocks:
             norms += [None if n is None else n.data for n in (blk.attn_norm, blk.ffn_norm, blk.post_attn_norm,
                                                                 blk.post_ffn_norm, blk.q_norm, blk.k_norm)]
-            for lin in _slots(blk):
-                packed.append(torch.empty(0, dtype=torch.uint8) if lin is None else lin.kernel.packed)
-                fmts.append("" if lin is None else lin.kernel.fmt)
-                int8.append(lin is not None and lin.kernel.activations == "int8")
-                biases.append(None if lin is None else lin.kernel.bias)
+            slots += _slots(blk)
+        slots.append(model.head)
+        got = [("", torch.empty(0), "", None) if lin is None else _kernel(lin) for lin in slots]
+        kinds, ws, fmts, biases = (list(field) for field in zip(*got))
+        min_rows = [1 if lin is None else lin.min_rows for lin in slots]
         cfg, blk = model.config, blocks[0]
         self.kinds = [b.kind for b in blocks]
         self.handle = quants.gemm_module().Layers(
-            norms, packed, fmts, int8, biases, [KINDS.index(k) for k in self.kinds], blk.hq, blk.hkv, blk.d,
-            float(cfg.rms_norm_eps), bool(model.rope.interleaved), model.family == "gemma3",
+            norms, kinds, ws, fmts, biases, min_rows, model.norm.data, [KINDS.index(k) for k in self.kinds],
+            blk.hq, blk.hkv, blk.d, float(cfg.rms_norm_eps), bool(model.rope.interleaved), STYLES.index(_style(model)),
+            model.numerics.rows == "compiled", float(blk.residual_scale),
             int(fused.KERNEL.module.append_attend_many_address()))
         self.like = torch.empty(1, blk.hkv, 0, blk.d, dtype=model.dtype)   # what a new cache layer is made for
 
-    def run(self, x: torch.Tensor, step, n: int) -> torch.Tensor:
+    def run(self, x: torch.Tensor, step, n: int, head: bool = False) -> torch.Tensor:
         """x [M, D] (the embedded rows of every part) through layers 0 .. n - 1, each part's keys
-        and values appended to its cache layers as the blocks append them."""
+        and values appended to its cache layers as the blocks append them; with head (n every
+        layer), through the final norm and the head as well: the logits [M, V]."""
         cos, sin, viss = [], [], {}
         for kind in KINDS[:1 + ("sliding" in self.kinds[:n])]:
             _, c, s = step.rope(kind)
@@ -102,7 +135,7 @@ class CompiledLayers:
             for got, field in zip(fused.claimed(layers, viss[kind], self.like), (starts, ks, kts, kt_lens, vs)):
                 field += got
         x = self.handle.forward(x, cos, sin, n, starts, ks, kts, kt_lens, vs, [v for k in viss for v in viss[k]],
-                                float(step.model.scaling))
+                                float(step.model.scaling), head)
         for layers, kind in zip(owners, self.kinds):
             fused.transposed_now(layers, viss[kind])
         return x
@@ -110,9 +143,9 @@ class CompiledLayers:
 
 def layers_of(model) -> CompiledLayers | None:
     """The model's compiled layers where they run (why_not), else None: decided once per state of
-    what why_not reads that can change after a model is built (its blocks, the calibration's
+    what why_not reads that can change after a model is built (its blocks and head, the calibration's
     min_rows record, the attention kernel's module), kept on the model."""
-    key = (model.blocks, model.numerics.min_rows, fused.KERNEL.module)
+    key = (model.blocks, model.head, model.numerics.min_rows, fused.KERNEL.module)
     held = model.__dict__.get("_compiled")
     if held is None or any(a is not b for a, b in zip(held[0], key)):
         held = (key, CompiledLayers(model) if why_not(model) is None else None)

@@ -288,8 +288,11 @@ class LlamaForward(nn.Module):
         last = len(self.blocks) - 1
         start = 0   # the first block the Python loop runs
         compiled = layers_of(self) if self.compiled_layers and ctx.attention is FUSED else None
-        if compiled is not None and len(self.blocks) - keys_only > 0:   # the layers in one call (compiled.py)
-            start = len(self.blocks) - keys_only                         # (a prefill's last: keys only, below)
+        if compiled is not None and not keys_only:   # the layers, final norm and head in one call (compiled.py)
+            logits = compiled.run(x, ctx, len(self.blocks), head=True)
+            return self.scaled_logits(logits, ctx, len(parts))
+        if compiled is not None and last > 0:        # a prefill's: the layers but the last (keys only, below)
+            start = last
             x = compiled.run(x, ctx, start)
         for i in range(start, last + 1):
             blk = self.blocks[i]
@@ -297,10 +300,14 @@ class LlamaForward(nn.Module):
                 blk.keys_only(x, ctx)
                 return []
             x = blk(x, ctx)
-        logits = self.head(self.final_norm(x))
-        if self.logits_scale != 1.0:   # Granite: divided, as transformers does
+        return self.scaled_logits(self.head(self.final_norm(x)), ctx, len(parts))
+
+    def scaled_logits(self, logits: torch.Tensor, ctx: Step, parts: int) -> list[torch.Tensor]:
+        """The head's logits of a forward, each part's: divided by Granite's logits scaling, as
+        transformers does."""
+        if self.logits_scale != 1.0:
             logits = logits / self.logits_scale
-        if len(parts) == 1:
+        if parts == 1:
             return [logits]
         return [logits[a:b] for a, b in ctx.bounds]
 

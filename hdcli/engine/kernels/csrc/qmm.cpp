@@ -1417,20 +1417,25 @@ torch::Tensor rope(torch::Tensor y, torch::Tensor cos, torch::Tensor sin, int64_
 }
 
 // ---------------------------------------------------------------- the decoder layers in one call
-// A forward's decoder layers (hdcli/engine/model/compiled.py), the llama family's and Gemma 3's.
-// Per layer, llama:
+// A forward's decoder layers, final norm and head (hdcli/engine/model/compiled.py), in three
+// styles. Per layer, llama (the llama family; Granite's residual multiplier r where it is not 1):
 //   h = norm(x); q, k, v = qkv(h), q and k rotated (Qwen3: each head normed first);
-//   a = attention(q, k, v) (appending k, v); x, h = x + o(a), norm(x + o(a));
-//   x = x + down(silu(gate(h)) * up(h))
-// Gemma 3 (gemma): every norm Gemma3RMSNorm ((1 + w), in fp32), q and k heads normed, a norm after
-// each sublayer as well, GELU (tanh), and a layer's kind (sliding or full) picks its rope and
+//   a = attention(q, k, v) (appending k, v); x, h = x + r o(a), norm(x + r o(a));
+//   x = x + r down(silu(gate(h)) * up(h))
+// Gemma 3: every norm Gemma3RMSNorm ((1 + w), in fp32), q and k heads normed, a norm after each
+// sublayer as well, GELU (tanh), and a layer's kind (sliding or full) picks its rope and
 // visibility:
 //   h = norm(x); ...; x = x + norm(o(a)); x = x + norm(down(gelu(gate(norm(x))) * up(norm(x))))
-// with the functions and torch ops the Python blocks call (add_rms_norm, rope, mm / mm8, the
-// torch norms, at::silu / at::gelu, the bf16 multiply and add), in their order on the same
-// tensors: every layer's output is torch.equal to the Python path's (tests/test_invariant.py), the
-// Python and dispatch between them gone (a dozen calls a layer from Python, 2-2.5 ms of a
-// bundled-model forward).
+// OLMo 2: no norm before a sublayer, one after each; q and k normed over their whole width before
+// they are split into heads:
+//   q, k, v = qkv(x), q = norm(q), k = norm(k), rotated; x = x + norm(o(a));
+//   x = x + norm(down(silu(gate(x)) * up(x)))
+// and at the end, where asked, logits = head(norm(x)).
+// With the functions and torch ops the Python blocks call, in their order on the same tensors:
+// the row ops compiled (add_rms_norm, rope: bf16) or torch's (llama.rms_norm, rope.Rope.apply:
+// fp32), the Linear kernels (Gemm below), at::silu / at::gelu, the multiply and add. Every layer's
+// output is torch.equal to the Python path's (tests/test_invariant.py), the Python and dispatch
+// between them gone (a dozen calls a layer from Python, 2-2.5 ms of a bundled-model forward).
 // The attention is the fused one (csrc/attend.cpp, its own extension): called through the address
 // of its append_attend_many (attend.cpp: append_attend_many_address), a plain C++ call; a torch
 // op registered by name would be registered once a process, and a benchmark loads several builds.
@@ -1438,133 +1443,220 @@ typedef torch::Tensor (*AppendAttendMany)(torch::Tensor, torch::Tensor, torch::T
                                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, double);
 
-struct Gemm {                // a QLinear: its packing, format, activations and bias (Qwen2's q/k/v)
-  torch::Tensor packed;
+typedef c10::optional<torch::Tensor> Maybe;
+
+// The row count kernels/dense.PackedLinear runs m rows at (dense.padded_rows: exact up to 16,
+// above that one of 4 sizes an octave, so oneDNN's per-shape kernel cache stays small).
+int64_t padded_rows(int64_t m) {
+  if (m <= 16) return m;
+  const int64_t bits = 64 - __builtin_clzll(static_cast<uint64_t>(m));
+  const int64_t step = int64_t(1) << std::max<int64_t>(3, bits - 3);
+  return (m + step - 1) / step * step;
+}
+
+// One of a layer's Linear layers (model/layers.Linear) by the kernel holding it, called as its
+// Python forward calls it: kind "gguf" / "gguf-int8" (quants.QLinear: mm / mm8 over the packing
+// w, fmt its format, then the bias), "onednn" (dense.PackedLinear:
+// torch.ops.mkldnn._linear_pointwise over oneDNN's packed w, rows padded to padded_rows), "torch"
+// (an nn.Linear: at::linear over the weight w); "" for a slot a joined layer covers. min_rows:
+// Linear.min_rows, the calibrated least row count, fewer rows padded with zero rows first.
+struct Gemm {
+  std::string kind;
+  torch::Tensor w;
   std::string fmt;
-  bool int8;
-  c10::optional<torch::Tensor> bias;
+  Maybe bias;
+  int64_t min_rows;
+
+  bool empty() const { return kind.empty(); }
+
   torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y = int8 ? mm8(x, packed, fmt) : mm(x, packed, fmt);
-    return bias.has_value() ? y + *bias : y;
+    const int64_t m = x.size(0);
+    const torch::Tensor rows = m < min_rows ? at::cat({x, x.new_zeros({min_rows - m, x.size(1)})}) : x;
+    torch::Tensor y;
+    if (kind == "gguf" || kind == "gguf-int8") {
+      y = kind == "gguf" ? mm(rows, w, fmt) : mm8(rows, w, fmt);
+      if (bias.has_value()) y = y + *bias;
+    } else if (kind == "onednn") {
+      y = onednn(rows);
+    } else {
+      y = at::linear(rows, w, bias);
+    }
+    return m < min_rows ? y.narrow(0, 0, m) : y;
+  }
+
+ private:
+  torch::Tensor onednn(const torch::Tensor& x) const {
+    static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    const int64_t m = x.size(0), padded = padded_rows(m);
+    const torch::Tensor rows = padded != m ? at::cat({x, x.new_zeros({padded - m, x.size(1)})}) : x;
+    std::vector<c10::IValue> stack{rows, w, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), c10::IValue("none"),
+                                   c10::IValue(c10::List<c10::optional<c10::Scalar>>()), c10::IValue("")};
+    op.callBoxed(&stack);
+    const torch::Tensor y = stack[0].toTensor();
+    return padded != m ? y.narrow(0, 0, m) : y;
   }
 };
 
-typedef c10::optional<torch::Tensor> Maybe;
+enum Style { LLAMA = 0, GEMMA = 1, OLMO2 = 2 };
 
 class Layers {
  public:
   // per layer i: norms[6i .. 6i + 5] = attn_norm, ffn_norm, post-attention norm, post-MLP norm
-  // (Gemma), q and k head norms (Qwen3, Gemma), None where the layer has none; GEMM slots
-  // [7i .. 7i + 6] = q, k, v, o, gate, up, down (packed, fmts, int8, biases alike), where q holds
-  // q, k and v side by side when the file's three join (one type: QLinear.side_by_side) and k, v
-  // are then empty (fmt ""), and gate holds gate and up alike; kinds[i]: which rope and
-  // visibility the layer takes (0 full, 1 sliding); heads hq and hkv of size d; gemma: Gemma 3's
-  // norms and GELU; the attention's address.
-  Layers(std::vector<Maybe> norms, std::vector<torch::Tensor> packed, std::vector<std::string> fmts,
-         std::vector<bool> int8, std::vector<Maybe> biases, std::vector<int64_t> kinds, int64_t hq, int64_t hkv,
-         int64_t d, double eps, bool interleaved, bool gemma, int64_t attend)
-      : norms_(std::move(norms)), kinds_(std::move(kinds)), hq_(hq), hkv_(hkv), d_(d), eps_(eps),
-        interleaved_(interleaved), gemma_(gemma), attend_(reinterpret_cast<AppendAttendMany>(attend)) {
-    const size_t n = kinds_.size();
-    TORCH_CHECK(norms_.size() == 6 * n && packed.size() == 7 * n && fmts.size() == packed.size()
-                && int8.size() == packed.size() && biases.size() == packed.size() && attend,
-                "Layers: 6 norm slots and 7 GEMM slots a layer, and the attention");
-    for (size_t i = 0; i < n; ++i) TORCH_CHECK(norms_[6 * i].has_value() && norms_[6 * i + 1].has_value(), "Layers: pre-norms");
-    for (size_t j = 0; j < packed.size(); ++j) gemms_.push_back({packed[j], fmts[j], int8[j], biases[j]});
+  // (Gemma, OLMo 2), q and k norms (a head's: Qwen3, Gemma; the whole width: OLMo 2), None where
+  // the layer has none; Linear slots [7i .. 7i + 6] = q, k, v, o, gate, up, down (kinds, ws,
+  // fmts, biases, min_rows alike: Gemm), where q holds q, k and v side by side when the layer has
+  // them joined (QLinear.side_by_side, Phi-3's attn_qkv) and k, v are then empty (kind ""), and
+  // gate holds gate and up alike; then one slot more, the head, with final_norm before it (an
+  // empty kind: no head here); kinds[i]: which rope and visibility the layer takes (0 full, 1
+  // sliding); heads hq and hkv of size d; style (Style); compiled_rows: the row ops are
+  // add_rms_norm and rope (bf16), else torch's; residual_scale: Granite's multiplier (1: none);
+  // the attention's address.
+  Layers(std::vector<Maybe> norms, std::vector<std::string> kinds_of, std::vector<torch::Tensor> ws,
+         std::vector<std::string> fmts, std::vector<Maybe> biases, std::vector<int64_t> min_rows, Maybe final_norm,
+         std::vector<int64_t> kinds, int64_t hq, int64_t hkv, int64_t d, double eps, bool interleaved, int64_t style,
+         bool compiled_rows, double residual_scale, int64_t attend)
+      : norms_(std::move(norms)), final_norm_(std::move(final_norm)), kinds_(std::move(kinds)), hq_(hq), hkv_(hkv),
+        d_(d), eps_(eps), interleaved_(interleaved), style_(static_cast<Style>(style)), compiled_rows_(compiled_rows),
+        residual_scale_(residual_scale), attend_(reinterpret_cast<AppendAttendMany>(attend)) {
+    const size_t n = kinds_.size(), slots = 7 * n + 1;
+    TORCH_CHECK(norms_.size() == 6 * n && kinds_of.size() == slots && ws.size() == slots && fmts.size() == slots
+                && biases.size() == slots && min_rows.size() == slots && attend && style >= LLAMA && style <= OLMO2,
+                "Layers: 6 norm slots and 7 Linear slots a layer, the head's, and the attention");
+    for (size_t i = 0; i < n; ++i) {
+      const bool pre = norms_[6 * i].has_value() && norms_[6 * i + 1].has_value();
+      const bool post = norms_[6 * i + 2].has_value() && norms_[6 * i + 3].has_value();
+      TORCH_CHECK(style_ == OLMO2 ? post && norms_[6 * i + 4].has_value() && norms_[6 * i + 5].has_value()
+                                  : pre && post == (style_ == GEMMA), "Layers: layer ", i, "'s norms are not its style's");
+    }
+    TORCH_CHECK(kinds_of.back().empty() || final_norm_.has_value(), "Layers: a head without its final norm");
+    for (size_t j = 0; j < slots; ++j) gemms_.push_back({kinds_of[j], ws[j], fmts[j], biases[j], min_rows[j]});
   }
 
   int64_t size() const { return static_cast<int64_t>(kinds_.size()); }
 
-  // x [M, D] bf16 (every part's rows, in order) through layers 0 .. n - 1; cos[kind], sin[kind]
-  // [M, d] bf16; per layer i and part s (index i * P + s): start, k, kt, kt_len, v1 as
-  // attend.cpp's append_attend_many takes them; vis[kind * P + s]: part s's visibility in a layer
-  // of that kind; scale.
+  // x [M, D] (every part's rows, in order) through layers 0 .. n - 1, then, where head is true
+  // (n the whole model), the final norm and the head: logits [M, V], else the hidden state;
+  // cos[kind], sin[kind] [M, d]; per layer i and part s (index i * P + s): start, k, kt, kt_len,
+  // v1 as attend.cpp's append_attend_many takes them; vis[kind * P + s]: part s's visibility in a
+  // layer of that kind; scale.
   torch::Tensor forward(torch::Tensor x, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, int64_t n,
                         std::vector<int64_t> start, std::vector<torch::Tensor> k, std::vector<torch::Tensor> kt,
                         std::vector<int64_t> kt_len, std::vector<torch::Tensor> v1, std::vector<torch::Tensor> vis,
-                        double scale) const {
+                        double scale, bool head) const {
     const int64_t P = static_cast<int64_t>(start.size()) / (n > 0 ? n : 1);
     TORCH_CHECK(n >= 1 && n <= size() && (int64_t)start.size() == n * P && (int64_t)k.size() == n * P
                 && (int64_t)kt.size() == n * P && (int64_t)kt_len.size() == n * P && (int64_t)v1.size() == n * P
                 && cos.size() == sin.size() && (int64_t)vis.size() == (int64_t)cos.size() * P,
                 "Layers.forward: a cache layer a part a layer, a visibility a part a kind");
+    TORCH_CHECK(!head || (n == size() && !gemms_.back().empty()), "Layers.forward: the head after every layer, where it has one");
     const int64_t m = x.size(0), nq = hq_ * d_, nk = hkv_ * d_;
-    torch::Tensor h = norm(x, *norms_[0]);
+    const auto from = [&](const auto& all, int64_t at) {
+      return std::vector<typename std::decay_t<decltype(all)>::value_type>(all.begin() + at * P, all.begin() + (at + 1) * P);
+    };
     for (int64_t i = 0; i < n; ++i) {
       const Gemm* g = &gemms_[7 * i];
       const Maybe* w = &norms_[6 * i];
       const int64_t kind = kinds_[i];
       TORCH_CHECK(kind >= 0 && kind < (int64_t)cos.size(), "Layers.forward: no rope for layer ", i, "'s kind");
+      const torch::Tensor h = style_ == OLMO2 ? x : norm(x, *w[0]);
       torch::Tensor yq, yk, yv;
-      if (g[1].fmt.empty()) {                        // q, k, v in one GEMM: their columns
+      if (g[1].empty()) {                            // q, k, v in one GEMM: their columns
         const torch::Tensor y = g[0](h);
         yq = y.narrow(1, 0, nq), yk = y.narrow(1, nq, nk), yv = y.narrow(1, nq + nk, nk);
       } else {
         yq = g[0](h), yk = g[1](h), yv = g[2](h);
       }
-      const torch::Tensor q = rotate(yq, w[4], hq_, cos[kind], sin[kind]).unsqueeze(0);
-      const torch::Tensor kn = rotate(yk, w[5], hkv_, cos[kind], sin[kind]).unsqueeze(0);
-      const torch::Tensor vn = yv.reshape({m, hkv_, d_}).transpose(0, 1).unsqueeze(0);
-      const auto from = [&](const auto& all, int64_t at) {
-        return std::vector<typename std::decay_t<decltype(all)>::value_type>(all.begin() + at * P, all.begin() + (at + 1) * P);
-      };
-      const torch::Tensor a = attend_(q, kn, vn, from(start, i), from(k, i), from(kt, i), from(kt_len, i), from(v1, i),
-                                      from(vis, kind), scale).reshape({m, -1});
-      torch::Tensor gate, up;
-      if (gemma_) {
-        x = x + norm(g[3](a), *w[2]);
-        h = norm(x, *w[1]);
-      } else {
-        std::tie(x, h) = add_rms_norm(x, g[3](a), *w[1], eps_);
+      Maybe qn = w[4], kn = w[5];
+      if (qn.has_value() && qn->numel() != d_) {     // OLMo 2: q and k normed whole, then split
+        yq = norm(yq, *qn), yk = norm(yk, *kn), qn = c10::nullopt, kn = c10::nullopt;
       }
-      if (g[5].fmt.empty()) {                        // gate and up in one GEMM: its halves
-        const torch::Tensor gu = g[4](h);
+      const torch::Tensor q = rotate(yq, qn, hq_, cos[kind], sin[kind]).unsqueeze(0);
+      const torch::Tensor kr = rotate(yk, kn, hkv_, cos[kind], sin[kind]).unsqueeze(0);
+      const torch::Tensor vn = yv.reshape({m, hkv_, d_}).transpose(0, 1).unsqueeze(0);
+      const torch::Tensor a = attend_(q, kr, vn, from(start, i), from(k, i), from(kt, i), from(kt_len, i), from(v1, i),
+                                      from(vis, kind), scale).reshape({m, -1});
+      torch::Tensor hm;
+      if (style_ == LLAMA) {
+        std::tie(x, hm) = add_norm(x, scaled(g[3](a)), *w[1]);
+      } else {
+        x = x + norm(g[3](a), *w[2]);
+        hm = style_ == GEMMA ? norm(x, *w[1]) : x;
+      }
+      torch::Tensor gate, up;
+      if (g[5].empty()) {                            // gate and up in one GEMM: its halves
+        const torch::Tensor gu = g[4](hm);
         const int64_t half = gu.size(1) / 2;
         gate = gu.narrow(1, 0, half), up = gu.narrow(1, half, half);
       } else {
-        gate = g[4](h), up = g[5](h);
+        gate = g[4](hm), up = g[5](hm);
       }
-      if (gemma_) x = x + norm(g[6](at::gelu(gate, "tanh") * up), *w[3]);
-      else x = x + g[6](at::silu(gate) * up);
-      if (i + 1 < n) h = norm(x, *norms_[6 * (i + 1)]);
+      if (style_ == GEMMA) x = x + norm(g[6](at::gelu(gate, "tanh") * up), *w[3]);
+      else if (style_ == OLMO2) x = x + norm(g[6](at::silu(gate) * up), *w[3]);
+      else x = x + scaled(g[6](at::silu(gate) * up));
     }
-    return x;
+    return head ? gemms_.back()(norm(x, *final_norm_)) : x;
   }
 
  private:
-  // A row norm as the blocks compute it: add_rms_norm (layers.CompiledRowOps) for the llama
-  // family; Gemma3RMSNorm in torch ops (gemma3.gemma_norm: fp32, the mean of squares, rsqrt,
-  // times 1 + w, back to the dtype).
+  // A row norm as the model's row ops compute it: add_rms_norm (layers.CompiledRowOps, bf16) or
+  // llama.rms_norm's torch ops (layers.RowOps: fp32, the mean of squares, rsqrt, back to the
+  // dtype, times the weight) for the llama family; Gemma3RMSNorm in torch ops (gemma3.gemma_norm:
+  // fp32, the mean of squares, rsqrt, times 1 + w, back to the dtype).
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w) const {
-    if (!gemma_) return std::get<1>(add_rms_norm(x, c10::nullopt, w, eps_));
-    return (normalised(x) * (w.to(torch::kFloat) + 1.0)).to(x.scalar_type());
+    if (style_ == GEMMA) return (normalised(x) * (w.to(torch::kFloat) + 1.0)).to(x.scalar_type());
+    if (compiled_rows_ && x.dim() == 2) return std::get<1>(add_rms_norm(x, c10::nullopt, w, eps_));
+    return w * normalised(x).to(x.scalar_type());
   }
 
-  // x in fp32 over the root of its mean square (plus eps), row by row: both torch-op norms' start
+  // (x + y, norm(x + y)): the residual add and the next norm (RowOps.add_norm)
+  std::tuple<torch::Tensor, torch::Tensor> add_norm(const torch::Tensor& x, const torch::Tensor& y,
+                                                    const torch::Tensor& w) const {
+    if (compiled_rows_) return add_rms_norm(x, y, w, eps_);
+    const torch::Tensor sum = x + y;
+    return {sum, norm(sum, w)};
+  }
+
+  // a sublayer's output times Granite's residual multiplier (Block.scaled), none where it is 1
+  torch::Tensor scaled(const torch::Tensor& y) const { return residual_scale_ == 1.0 ? y : y * residual_scale_; }
+
+  // x in fp32 over the root of its mean square (plus eps), row by row: every torch-op norm's start
   torch::Tensor normalised(const torch::Tensor& x) const {
     const torch::Tensor h = x.to(torch::kFloat);
     return h * at::rsqrt(h.pow(2).mean(-1, true) + eps_);
   }
 
   // A q or k projection [m, heads * d] as rotated heads [heads, m, d]; with a head norm first
-  // (Qwen3, Gemma), that norm in the torch ops the blocks run it in (layers.rms_norm: fp32, the
-  // mean of squares, rsqrt, back to bf16, times the weight; Gemma's as norm above), then the same
-  // rotation (rope is bit-equal to rope.py's torch ops, elementwise).
+  // (Qwen3, Gemma) in torch ops (layers.rms_norm, Gemma's as norm above). The rotation: rope
+  // where the row ops are compiled (bit-equal to rope.py's torch ops, elementwise), else those
+  // ops (Rope.apply).
   torch::Tensor rotate(const torch::Tensor& y, const Maybe& w, int64_t heads, const torch::Tensor& cos,
                        const torch::Tensor& sin) const {
-    if (!w.has_value()) return rope(y, cos, sin, heads, interleaved_);
     const int64_t m = y.size(0);
-    const torch::Tensor yh = y.view({m, heads, d_});
-    const torch::Tensor normed = gemma_ ? norm(yh, *w) : *w * normalised(yh).to(y.scalar_type());
-    return rope(normed.reshape({m, heads * d_}), cos, sin, heads, interleaved_);
+    torch::Tensor yh = y.view({m, heads, d_});
+    if (w.has_value()) yh = style_ == GEMMA ? norm(yh, *w) : *w * normalised(yh).to(y.scalar_type());
+    if (compiled_rows_) return rope(w.has_value() ? yh.reshape({m, heads * d_}) : y, cos, sin, heads, interleaved_);
+    const torch::Tensor t = yh.transpose(0, 1);
+    torch::Tensor rot;
+    if (interleaved_) {
+      const torch::Tensor pairs = t.unflatten(-1, {-1, 2});
+      rot = at::stack({-pairs.select(-1, 1), pairs.select(-1, 0)}, -1).flatten(-2);
+    } else {
+      const int64_t half = d_ / 2;
+      rot = at::cat({-t.narrow(-1, half, half), t.narrow(-1, 0, half)}, -1);
+    }
+    return t * cos + rot * sin;
   }
 
   std::vector<Maybe> norms_;
+  Maybe final_norm_;
   std::vector<Gemm> gemms_;
   std::vector<int64_t> kinds_;
   int64_t hq_, hkv_, d_;
   double eps_;
-  bool interleaved_, gemma_;
+  bool interleaved_;
+  Style style_;
+  bool compiled_rows_;
+  double residual_scale_;
   AppendAttendMany attend_;
 };
 
@@ -1582,10 +1674,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
   m.def("supported8", &supported8, "whether this CPU's build has the int8-activation GEMM (AVX512-VNNI or AVX2)");
   m.def("isa8", &isa8, "the instructions the int8-activation GEMM is built on: AVX512-VNNI, AVX2 or empty");
+  m.def("padded_rows", &padded_rows, "the row count a oneDNN-packed Linear runs m rows at (kernels/dense.padded_rows)");
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
   py::class_<Layers>(m, "Layers", "a forward's decoder layers in one call (model/compiled.py)")
-      .def(py::init<std::vector<Maybe>, std::vector<torch::Tensor>, std::vector<std::string>, std::vector<bool>,
-                    std::vector<Maybe>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, bool, bool, int64_t>())
+      .def(py::init<std::vector<Maybe>, std::vector<std::string>, std::vector<torch::Tensor>, std::vector<std::string>,
+                    std::vector<Maybe>, std::vector<int64_t>, Maybe, std::vector<int64_t>, int64_t, int64_t, int64_t,
+                    double, bool, int64_t, bool, double, int64_t>())
       .def("size", &Layers::size)
       .def("forward", &Layers::forward, py::call_guard<py::gil_scoped_release>());
 }
