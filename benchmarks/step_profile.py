@@ -175,7 +175,7 @@ def profile(lm, context: int, rounds: int) -> dict:
     for name in called:   # the layers a forward calls (joined q/k/v and gate/up, not their parts)
         kind = layer_type(name)
         kernel = used[name].kernel
-        nbytes = int(getattr(kernel, "nbytes", 0) or kernel.in_features * kernel.out_features * 2)
+        nbytes = int(getattr(kernel, "nbytes", 0) or kernel.in_features * kernel.out_features * used[name].dtype.itemsize)
         row = by_type.setdefault(kind, {"layers": 0, "bytes": 0, "seconds": 0.0})
         row["layers"] += 1
         row["bytes"] += nbytes
@@ -190,8 +190,9 @@ def profile(lm, context: int, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", required=True, help="comma-separated GGUF paths")
+    ap.add_argument("--models", required=True, help="comma-separated GGUF paths (or checkpoint folders)")
     ap.add_argument("--kernels", default="gguf,gguf-int8")
+    ap.add_argument("--dtype", default="auto", help="auto, bf16 or fp32 (fp32: a GGUF's weights dequantized, dense kernels)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out")
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s ({doc['machine']['cpu']}, {torch.get_num_threads()} threads)")
     for path in args.models.split(","):
         for kern in args.kernels.split(","):
-            lm = api.load_model(path, kernels=kern, quiet=True)
+            lm = api.load_model(path, kernels=kern, dtype=args.dtype, quiet=True)
             got = profile(lm, args.context, args.rounds)
             got["limit_ms"] = 1e3 * got["bytes"] / bw
             got["share_of_limit"] = got["limit_ms"] / got["t1_ms"]

@@ -1,23 +1,26 @@
-"""A forward's decoder layers in one compiled call (csrc/qmm.cpp's Layers), llama family and Gemma 3.
+"""A forward's decoder layers, final norm and head in one compiled call (csrc/qmm.cpp's Layers).
 
 The Python blocks (llama.Block) make a dozen calls a layer into torch or hd's kernels: at the
 bundled model's size that Python and dispatch was 2-2.5 ms of an 8.4 ms one-token forward (as
-AVX2, docs/benchmarks.md). CompiledLayers hands every layer of a forward to one C++ call that
-runs the same functions and torch ops the blocks call, in their order, on the same tensors: the
-hidden state after each layer is torch.equal to the Python path's (tests/test_invariant.py), so
-whatever the blocks guarantee (M-invariant rows, exactness) holds through it unchanged.
+AVX2, docs/benchmarks.md). CompiledLayers hands every layer of a forward, then the final norm and
+the head, to one C++ call that runs the same functions and torch ops the blocks call, in their
+order, on the same tensors: the logits and caches are torch.equal to the Python path's
+(tests/test_invariant.py, tests/test_owned.py), so whatever the blocks guarantee (M-invariant
+rows, exactness) holds through it unchanged.
 
-Where it runs (`why_not` says why not, else None): every block the plain llama one (pre-norms,
-Qwen3's per-head q/k norms or none, no post-sublayer norms, no residual multiplier) or Gemma 3's
-((1 + w) norms before and after each sublayer, q/k norms, GELU), full or sliding-window attention,
-on bf16 GGUF GEMMs (quants.QLinear, no row padding, Qwen2's biases or none; q/k/v and gate/up
-joined into one GEMM where the file's types allow, as the blocks have them), the compiled row ops
-(llama) and the fused attention (Step.attention FUSED). Elsewhere (fp32, dense kernels, OLMo 2's
-norms, Granite, the torch ops' attention) the blocks run as before. Its keys and values go where
-the Python path's go: each part's kvcache.InvariantLayer, claimed here before the call, written
-and attended inside it.
+Where it runs (`why_not` says why not, else None): bf16 or fp32 on the CPU, every block one of
+three styles (STYLES): the llama family's (pre-norms; Qwen2's q/k/v biases, Qwen3's per-head q/k
+norms, Granite's residual multiplier), OLMo 2's (a norm after each sublayer, none before, q and k
+normed over their whole width) or Gemma 3's ((1 + w) norms before and after each sublayer, q/k
+norms, GELU), full or sliding-window attention; every Linear on a kernel Layers calls (_kernel: the
+GGUF GEMM with bf16 or int8 activations, oneDNN's packed layers, torch's Linear; padded to its
+calibrated least row count as Linear pads), so a GGUF and a safetensors checkpoint alike; the row
+ops the model's (compiled in bf16, torch's in fp32); the fused attention (Step.attention FUSED, the
+M-invariant mode on). Elsewhere (the torch ops' attention, the mode off, the GPU) the blocks run.
+Its keys and values go where the Python path's go: each part's kvcache.InvariantLayer, claimed here
+before the call, written and attended inside it. A prefill's last layer (keys only) stays Python.
 
-A model's handle is built at its first forward and rebuilt when its blocks change (subset,
+A model's handle is built at its first forward and rebuilt when its blocks or head change (subset,
 truncated share the weights, not the handle). `LlamaForward.compiled_layers = False` runs the
 Python blocks (tests and benchmarks compare the two).
 """
