@@ -52,13 +52,8 @@ def why_not(model) -> str | None:
         return "the model has no layers"
     style = _style(model)
     for blk in model.blocks:
-        post = blk.post_attn_norm is not None and blk.post_ffn_norm is not None
-        pre = blk.attn_norm is not None and blk.ffn_norm is not None
-        heads = blk.q_norm is not None and blk.k_norm is not None
         if (blk.kind not in KINDS or blk.residual_scale != model.blocks[0].residual_scale
-                or (blk.wide_qk_norm != (style == "olmo2")) or (style == "olmo2" and (not post or pre or not heads))
-                or (style != "olmo2" and (not pre or post != (style == "gemma3")))
-                or (style == "gemma3" and not heads) or (style != "llama" and blk.residual_scale != 1.0)):
+                or not _is_style(blk, style)):
             return f"layer {blk.index} is not the {style} block Layers computes"
         for lin in _slots(blk):
             if lin is not None and _kernel(lin) is None:
@@ -76,6 +71,18 @@ def _style(model) -> str:
     if model.family == "gemma3":
         return "gemma3"
     return "olmo2" if model.blocks and model.blocks[0].attn_norm is None else "llama"
+
+
+def _is_style(blk, style: str) -> bool:
+    """Whether a block is the one Layers computes in that style (the residual multiplier aside)."""
+    pre = blk.attn_norm is not None and blk.ffn_norm is not None
+    post = blk.post_attn_norm is not None and blk.post_ffn_norm is not None
+    qk = blk.q_norm is not None and blk.k_norm is not None
+    if style == "olmo2":    # a norm after each sublayer only; q and k normed over their whole width
+        return post and not pre and qk and blk.wide_qk_norm and blk.residual_scale == 1.0
+    if style == "gemma3":   # norms before and after each sublayer; each head's q and k normed
+        return pre and post and qk and not blk.wide_qk_norm and blk.residual_scale == 1.0
+    return pre and not post and not blk.wide_qk_norm   # llama: before each; a head's q/k norms or none
 
 
 def _kernel(lin):
