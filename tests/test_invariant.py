@@ -417,13 +417,15 @@ def test_compiled_layers_pad_rows_as_onednn_does():
     assert all(module.padded_rows(m) == kernels.padded_rows(m) for m in range(1, 5000))
 
 
-def test_compiled_layers_rows_equal_one_token_rows(tmp_path, monkeypatch):
-    """M-invariance through the compiled layers: chain and tree rows torch.equal their one-token
-    forwards (both through the compiled call) and greedy trees equal plain decoding; with the
-    call's result nudged where it has more than one row, rows differ."""
+@pytest.mark.parametrize("kern,dtype", [("gguf-int8" if quants.int8_available() else "gguf", "bf16"), ("torch", "fp32")])
+def test_compiled_layers_rows_equal_one_token_rows(kern, dtype, tmp_path, monkeypatch):
+    """M-invariance through the compiled layers, on a GGUF and on a checkpoint in fp32: chain and
+    tree rows torch.equal their one-token forwards (both through the compiled call) and greedy
+    trees equal plain decoding; with the call's result nudged where it has more than one row, rows
+    differ."""
     from hdcli.engine.model import compiled
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
-    model = _compiled_model("gguf-int8" if quants.int8_available() else "gguf")
+    model = _compiled_model(kern, dtype)
     runs = []
     real = compiled.CompiledLayers.run
     monkeypatch.setattr(compiled.CompiledLayers, "run", lambda self, x, *a, **kw: runs.append(1) or real(self, x, *a, **kw))

@@ -1459,26 +1459,38 @@ int64_t padded_rows(int64_t m) {
 // w, fmt its format, then the bias), "onednn" (dense.PackedLinear:
 // torch.ops.mkldnn._linear_pointwise over oneDNN's packed w, rows padded to padded_rows), "torch"
 // (an nn.Linear: at::linear over the weight w); "" for a slot a joined layer covers. min_rows:
-// Linear.min_rows, the calibrated least row count, fewer rows padded with zero rows first.
+// Linear.min_rows, the calibrated least row count, fewer rows padded with zero rows first. The
+// kind is read once, when Layers is built, not per call.
 struct Gemm {
-  std::string kind;
+  enum Kind { NONE, GGUF, GGUF8, ONEDNN, TORCH };
+  Kind kind;
   torch::Tensor w;
   std::string fmt;
   Maybe bias;
   int64_t min_rows;
 
-  bool empty() const { return kind.empty(); }
+  static Kind kind_of(const std::string& name) {
+    if (name.empty()) return NONE;
+    if (name == "gguf") return GGUF;
+    if (name == "gguf-int8") return GGUF8;
+    if (name == "onednn") return ONEDNN;
+    TORCH_CHECK(name == "torch", "Layers: no Linear kernel '", name, "'");
+    return TORCH;
+  }
+
+  bool empty() const { return kind == NONE; }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     const int64_t m = x.size(0);
     const torch::Tensor rows = m < min_rows ? at::cat({x, x.new_zeros({min_rows - m, x.size(1)})}) : x;
     torch::Tensor y;
-    if (kind == "gguf" || kind == "gguf-int8") {
-      y = kind == "gguf" ? mm(rows, w, fmt) : mm8(rows, w, fmt);
+    if (kind == GGUF || kind == GGUF8) {
+      y = kind == GGUF ? mm(rows, w, fmt) : mm8(rows, w, fmt);
       if (bias.has_value()) y = y + *bias;
-    } else if (kind == "onednn") {
+    } else if (kind == ONEDNN) {
       y = onednn(rows);
     } else {
+      TORCH_CHECK(kind == TORCH, "Layers: a call to an empty Linear slot");
       y = at::linear(rows, w, bias);
     }
     return m < min_rows ? y.narrow(0, 0, m) : y;
@@ -1529,7 +1541,8 @@ class Layers {
                                   : pre && post == (style_ == GEMMA), "Layers: layer ", i, "'s norms are not its style's");
     }
     TORCH_CHECK(kinds_of.back().empty() || final_norm_.has_value(), "Layers: a head without its final norm");
-    for (size_t j = 0; j < slots; ++j) gemms_.push_back({kinds_of[j], ws[j], fmts[j], biases[j], min_rows[j]});
+    for (size_t j = 0; j < slots; ++j)
+      gemms_.push_back({Gemm::kind_of(kinds_of[j]), ws[j], fmts[j], biases[j], min_rows[j]});
   }
 
   int64_t size() const { return static_cast<int64_t>(kinds_.size()); }
