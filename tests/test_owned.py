@@ -117,6 +117,27 @@ def test_every_verified_row_equals_its_one_token_row(tiny_gguf, kern):
     assert all(rows), f"{rows.count(False)} of {len(rows)} rows differ"
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_embedding_lookups_equal_the_dequantized_table(tiny_gguf, dtype):
+    """The embedding keeps the rows it looked up (layers.Embedding): a lookup of kept rows, new
+    ones, repeats, after the kept ones were dropped (a bound of 3 rows) and past the bound (a
+    prompt's: not kept) is torch.equal to those rows of the whole table dequantized at once. The
+    negative control: another token's row differs."""
+    from hdcli.engine.model import layers
+    lm = models.load(str(tiny_gguf), dtype=dtype, device="cpu", invariant="off", quiet=True)
+    emb = lm.model.embed
+    table = layers.dequantize(emb.qtype, emb.raw, emb.rows, emb.dim, emb.num.torch_dtype)
+    emb._kept.clear()
+    emb._most = 3
+    for ids in ([5], [5, 7], [7, 5, 5], [9, 11], [1, 2, 3, 4, 5], [2], [], [emb.rows - 1, 0]):
+        got = emb(torch.tensor(ids, dtype=torch.long))
+        assert torch.equal(got, table[ids]), ids
+        assert len(emb._kept) <= 3
+    assert not torch.equal(emb(torch.tensor([5])), emb(torch.tensor([6])))
+    with pytest.raises(IndexError):
+        emb(torch.tensor([emb.rows]))
+
+
 def test_weights_held_wider_than_the_file_are_said_in_one_line(tiny_gguf, capsys):
     """A type without a GGUF kernel (Q2_K: dequantized to bf16) or without a layout of its own
     (IQ4_XS for bf16 activations: int8 codes) costs memory a user chose a quantized file to save: the load says which,

@@ -39,6 +39,8 @@ class Step:
         device = self.ids.device
         pos = [p[2] if p[2] is not None else torch.arange(past, past + k, device=device).unsqueeze(0)
                for p, past, k in zip(parts, pasts, sizes)]
+        # the rope table's reach where every part's positions are its next ones (no tensor to reduce)
+        self.top = None if any(p[2] is not None for p in parts) else max(a + k for a, k in zip(pasts, sizes))
         self.positions = pos
         self.pos = (pos[0] if len(parts) == 1 else torch.cat(pos, 1))[0]
         self.bounds = invariant.row_bounds(sizes)
@@ -61,7 +63,7 @@ class Step:
         """(rope, cos, sin) of the positions for a layer of `kind`."""
         if kind not in self._rope:
             rope = self.model.rope_for(kind)
-            self._rope[kind] = (rope, *rope(self.pos, self.model.dtype))
+            self._rope[kind] = (rope, *rope(self.pos, self.model.dtype, self.top))
         return self._rope[kind]
 
     def layers(self, i: int) -> list:

@@ -139,15 +139,15 @@ class CompiledLayers:
             _, c, s = step.rope(kind)
             cos.append(c), sin.append(s)
             viss[kind] = [lay.vis for lay in step.lays(kind)]
-        owners = [step.layers(i) for i in range(n)]
-        starts, ks, kts, kt_lens, vs = [], [], [], [], []   # layer by layer, a part after another
-        for layers, kind in zip(owners, self.kinds):
-            for got, field in zip(fused.claimed(layers, viss[kind], self.like), (starts, ks, kts, kt_lens, vs)):
-                field += got
-        x = self.handle.forward(x, cos, sin, n, starts, ks, kts, kt_lens, vs, [v for k in viss for v in viss[k]],
+        caches = [part[1].layers for part in step.parts]
+        owners, owner_viss = [], []   # layer by layer, a part after another
+        for i, kind in zip(range(n), self.kinds):
+            owners += [layers[i] for layers in caches]
+            owner_viss += viss[kind]
+        got = fused.claimed(owners, owner_viss, self.like)
+        x = self.handle.forward(x, cos, sin, n, *got, [v for k in viss for v in viss[k]],
                                 float(step.model.scaling), head)
-        for layers, kind in zip(owners, self.kinds):
-            fused.transposed_now(layers, viss[kind])
+        fused.transposed_now(owners, owner_viss)
         return x
 
 

@@ -51,9 +51,11 @@ class Rope:
         self.sin = (emb.sin() * self.scaling).to(dtype)
         self._dtype = dtype
 
-    def __call__(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [m, d] for positions [m] (long)."""
-        top = int(positions.max()) + 1 if positions.numel() else 1
+    def __call__(self, positions: torch.Tensor, dtype, top: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [m, d] for positions [m] (long); top: more than the greatest of them, where
+        the caller knows it (else read off the positions: a reduction and a sync)."""
+        if top is None:
+            top = int(positions.max()) + 1 if positions.numel() else 1
         if self.cos is None or self.cos.shape[0] < top or self._dtype != dtype:
             self._grow(top, dtype)
         return self.cos[positions], self.sin[positions]
