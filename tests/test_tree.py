@@ -314,6 +314,40 @@ def test_top_tokens_first_is_argmax_even_on_ties_and_logits_stay(dtype):
     assert top_tokens(x, 1) == [[t[0]] for t in top]
 
 
+def test_compiled_top_indices_are_numpys_argmaxes():
+    """csrc/qmm.cpp's top_indices (top_tokens where the GEMM is loaded) gives numpy_top's indices
+    exactly: bf16 and fp32, ties (bf16 rounds many scores together), rows masked to a few numbers
+    (a grammar's), rows of -inf alone (k past the numbers left: numpy's lowest -inf index), NaNs,
+    row lengths that are not whole vector blocks. The negative control: torch.topk, which does not
+    order ties by index, is caught by the same comparison."""
+    from hdcli.engine.decode.verify import numpy_top
+    from hdcli.engine.kernels import quants
+    module = quants.gemm_module()
+    if module is None:
+        pytest.skip(f"the compiled GEMM does not load here ({quants.failure()})")
+    g = torch.Generator().manual_seed(1)
+    caught = False
+    for dtype in (torch.bfloat16, torch.float32):
+        for V in (1, 3, 8, 13, 1000, 49152):
+            x = (torch.randn(9, V, generator=g) * 3).round().to(dtype)   # many equal scores
+            if V > 5:
+                x[1, :] = float("-inf")
+                x[1, [4, V - 1]] = torch.tensor([2.0, 2.0], dtype=dtype)    # two numbers left, then -inf
+                x[2, :] = float("-inf")                                      # nothing but -inf
+                x[3, V // 2] = float("nan")
+                x[4, [1, V - 2]] = float("nan")
+                x[5, 0] = float("-inf")
+                x[6, :] = x[6, 0]                                            # every score equal
+            for k in sorted({1, 2, 3, min(V, 5)}):
+                if k > V:
+                    continue
+                want = numpy_top(x, k)
+                assert module.top_indices(x, k).tolist() == want, (dtype, V, k)
+                if k > 1 and V > 5:
+                    caught |= torch.topk(x.float().nan_to_num(nan=float("inf")), k).indices.tolist() != want
+    assert caught, "torch.topk agreed with numpy everywhere: the comparison would not see a misordered tie"
+
+
 def test_one_stream_cap_is_the_joint_cap_of_one_stream():
     """cap_by_cost's one-stream path (the decode loop's) keeps exactly what cap_jointly keeps for
     one tree, over random trees, estimates and cost curves (ties included: estimates are coarse)."""

@@ -37,6 +37,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..kernels import quants
+
 
 MAX_PENALTY = 2.0     # OpenAI's range for frequency_penalty and presence_penalty: [-2, 2]
 MAX_BIAS = 100.0      # and for a logit_bias value: [-100, 100]
@@ -290,24 +292,36 @@ def top_probs(logits: torch.Tensor, top: Sequence[Sequence[int]], s: Sampling) -
     return (x.gather(1, idx) - torch.logsumexp(x, -1, keepdim=True)).exp().tolist()
 
 
+def numpy_top(logits: torch.Tensor, k: int) -> list[list[int]]:
+    """top_tokens on the CPU by numpy: k argmaxes a row, each rank set to -inf for the next."""
+    # fp32 is exact for bf16/fp16 logits; a copy where the ranks after the first mask it
+    a = logits.to(torch.float32, copy=k > 1).numpy()
+    rows = np.arange(a.shape[0])
+    ranks = []
+    for r in range(k):
+        best = a.argmax(-1)
+        ranks.append(best)
+        if r + 1 < k:
+            a[rows, best] = -np.inf
+    return np.stack(ranks, 1).tolist()
+
+
 def top_tokens(logits: torch.Tensor, k: int = 1) -> list[list[int]]:
     """Per row of logits [rows, V], the k highest-scoring token ids, best first. The first is
     exactly argmax's (the lowest index among equal maxima), so greedy acceptance can take it; each
     next one is the argmax of what is left. One device->host transfer a step. On the CPU the
     argmaxes are numpy's (vectorised): for 1-12 rows of the bundled model's 49152 logits, two of
     them took 25-118 us where torch's argmax and topk(2) together took 127-620 (AMD EPYC), and a
-    verification step needs both (acceptance, the recycle layer)."""
+    verification step needs both (acceptance, the recycle layer). Where the compiled GEMM is
+    already loaded (csrc/qmm.cpp's top_indices: the same indices, one pass a row) it does it
+    instead: numpy's two argmaxes over the step's rows, its widening copy and lists took ~170 us of
+    a 6.4 ms step in the decode loop (bundled model, AMD EPYC), the compiled pass ~20."""
     if logits.device.type == "cpu":
-        # fp32 is exact for bf16/fp16 logits; a copy where the ranks after the first mask it
-        a = logits.to(torch.float32, copy=k > 1).numpy()
-        rows = np.arange(a.shape[0])
-        ranks = []
-        for r in range(k):
-            best = a.argmax(-1)
-            ranks.append(best)
-            if r + 1 < k:
-                a[rows, best] = -np.inf
-        return np.stack(ranks, 1).tolist()
+        compiled = quants.GEMM.compiled   # never built here for this: only where it is already
+        if compiled is not None and logits.dim() == 2 and logits.dtype in (torch.bfloat16, torch.float32) \
+                and 0 < k <= logits.shape[-1]:
+            return compiled.top_indices(logits, k).tolist()
+        return numpy_top(logits, k)
     x = logits.float()
     first = x.argmax(-1, keepdim=True)
     if k == 1:

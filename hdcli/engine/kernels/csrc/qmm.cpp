@@ -1673,6 +1673,106 @@ class Layers {
   AppendAttendMany attend_;
 };
 
+// ------------------------------------------------------------------ the best tokens of each row
+
+// Per row of scores [rows, V] (bf16 or fp32), the k highest-scoring indices, best first, as
+// verify.top_tokens' numpy path gives them: rank r is numpy's argmax of the row with ranks 0..r-1
+// set to -inf. So: a NaN above every number (argmax returns the first NaN), equal scores by
+// lower index, and once only -inf is left, the lowest index whose score is -inf then (ranks set
+// to -inf included). One pass a row keeping the k best, then the -inf rule; bf16 widens exactly.
+// Rows with a NaN, rare, take the plain loop of k argmaxes. The pass vectorises (8 lanes of fp32,
+// AVX2 where built): the lanes' running maxima say when a block holds nothing for the k best.
+static bool beats(float a, float b) {   // a ranks above b (numpy's argmax order, before the index)
+  return std::isnan(a) ? !std::isnan(b) : !std::isnan(b) && a > b;
+}
+
+template <typename T>
+static float score_at(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) return p[i];
+  else return f32_of_bf16(reinterpret_cast<const uint16_t*>(p)[i]);
+}
+
+template <typename T>
+static void top_row(const T* p, int64_t V, int k, int64_t* out) {
+  std::vector<std::pair<float, int64_t>> best;   // the k best so far, best first (a tie keeps the earlier)
+  best.reserve(k + 1);
+  int64_t first_neg_inf = -1;
+  bool nan = false;
+  auto offer = [&](float v, int64_t i) {
+    if (std::isnan(v)) nan = true;
+    if (v == -INFINITY && first_neg_inf < 0) first_neg_inf = i;
+    if (static_cast<int>(best.size()) == k && !beats(v, best.back().first)) return;
+    size_t at = best.size();
+    while (at > 0 && beats(v, best[at - 1].first)) --at;
+    best.insert(best.begin() + at, {v, i});
+    if (static_cast<int>(best.size()) > k) best.pop_back();
+  };
+  int64_t i = 0;
+#ifdef __AVX2__
+  // whole blocks of 8 below the k-th best so far are skipped (none of them can enter: a NaN is
+  // not below anything, so a block with one is offered)
+  for (; i + 8 <= V; i += 8) {
+    __m256 v;
+    if constexpr (std::is_same_v<T, float>) v = _mm256_loadu_ps(p + i);
+    else v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i))), 16));
+    if (static_cast<int>(best.size()) == k && !std::isnan(best.back().first)) {
+      // every lane a number <= the k-th best (NLE_UQ: greater, or a NaN), and no -inf still to
+      // note: nothing in the block changes the answer
+      const int above = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(best.back().first), _CMP_NLE_UQ));
+      const int neg_inf = first_neg_inf >= 0 ? 0 : _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+      if ((above | neg_inf) == 0) continue;
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    for (int j = 0; j < 8; ++j) offer(lanes[j], i + j);
+  }
+#endif
+  for (; i < V; ++i) offer(score_at(p, i), i);
+  if (nan) {   // numpy's k argmaxes as they are
+    std::vector<int64_t> taken;
+    for (int r = 0; r < k; ++r) {
+      int64_t arg = 0;
+      float top = 0.0f;
+      for (int64_t j = 0; j < V; ++j) {
+        const float v = std::find(taken.begin(), taken.end(), j) != taken.end() ? -INFINITY : score_at(p, j);
+        if (j == 0 || beats(v, top)) top = v, arg = j;
+      }
+      taken.push_back(arg);
+      out[r] = arg;
+    }
+    return;
+  }
+  int64_t lowest_taken = V;   // the lowest index of ranks already given (set to -inf for the next)
+  for (int r = 0; r < k; ++r) {
+    int64_t got;
+    if (r < static_cast<int>(best.size()) && best[r].first != -INFINITY) got = best[r].second;
+    else got = std::min(first_neg_inf < 0 ? V : first_neg_inf, lowest_taken);   // only -inf left
+    out[r] = got;
+    lowest_taken = std::min(lowest_taken, got);
+  }
+}
+
+// scores [rows, V] bf16 or fp32, contiguous on the CPU; returns [rows, k] int64.
+torch::Tensor top_indices(torch::Tensor scores, int64_t k) {
+  TORCH_CHECK(scores.dim() == 2 && scores.device().is_cpu(), "top_indices: scores [rows, V] on the CPU");
+  TORCH_CHECK(scores.scalar_type() == torch::kBFloat16 || scores.scalar_type() == torch::kFloat32,
+              "top_indices: bf16 or fp32 scores");
+  const int64_t rows = scores.size(0), V = scores.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "top_indices: 1 <= k <= V");
+  auto x = scores.contiguous();
+  auto out = torch::empty({rows, k}, torch::kInt64);
+  int64_t* o = out.data_ptr<int64_t>();
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const void* base = x.data_ptr();
+  at::parallel_for(0, rows, 1, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      if (bf16) top_row(reinterpret_cast<const at::BFloat16*>(base) + r * V, V, static_cast<int>(k), o + r * k);
+      else top_row(reinterpret_cast<const float*>(base) + r * V, V, static_cast<int>(k), o + r * k);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "weight-only GEMM on GGUF-quantized weights with bf16 dot products, the same arithmetic for any row count",
         py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
@@ -1689,6 +1789,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa8", &isa8, "the instructions the int8-activation GEMM is built on: AVX512-VNNI, AVX2 or empty");
   m.def("padded_rows", &padded_rows, "the row count a oneDNN-packed Linear runs m rows at (kernels/dense.padded_rows)");
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
+  m.def("top_indices", &top_indices, "per row of scores, the k best indices as numpy's repeated argmax gives them",
+        py::arg("scores"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   py::class_<Layers>(m, "Layers", "a forward's decoder layers in one call (model/compiled.py)")
       .def(py::init<std::vector<Maybe>, std::vector<std::string>, std::vector<torch::Tensor>, std::vector<std::string>,
                     std::vector<Maybe>, std::vector<int64_t>, Maybe, std::vector<int64_t>, int64_t, int64_t, int64_t,
