@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -266,3 +268,72 @@ def test_position_uniforms_are_uniform_and_keyed():
     assert position_uniform(sampling_key(5, 1), 3) == position_uniform(sampling_key(5, 1), 3)
     assert len({position_uniform(sampling_key(5, c), 3) for c in range(4)}) == 4
     assert sampling_key(None) != sampling_key(None)
+
+
+# --- the compiled draw (csrc/qmm.cpp's draw: coupled_choice without top-k or top-p on the CPU) ----
+
+def _expn(x: np.ndarray) -> np.ndarray:
+    """qmm.cpp's expn in numpy float32, operation for operation (each rounded, no FMA)."""
+    f = np.float32
+    magic = f(12582912.0)
+    with np.errstate(over="ignore", invalid="ignore"):   # -inf scores: garbage, masked below
+        t = x * f(1.44269504088896341) + magic
+        kf = t - magic
+        r = x - kf * f(0.693145751953125)
+        r = r - kf * f(1.428606765330187045e-06)
+        q = np.full_like(x, f(1.0) / f(5040.0))
+        for c in (f(1.0) / f(720.0), f(1.0) / f(120.0), f(1.0) / f(24.0), f(1.0) / f(6.0), f(0.5), f(1.0), f(1.0)):
+            q = q * r + c
+        k = t.view(np.uint32) - magic.view(np.uint32)
+        scale = ((k + np.uint32(127)) << np.uint32(23)).astype(np.uint32).view(np.float32)
+        out = q * scale
+    return np.where(x < f(-87.0), f(0.0), out).astype(np.float32)
+
+
+def _reference_draw(row: torch.Tensor, temperature: float, u: float) -> int:
+    """The draw as its comment in qmm.cpp states it, in numpy: z = x (1/T), w = expn(z - max z),
+    the CDF by lanes of eight (lane i % 8, then i), each lane's sums in fp64 in order."""
+    x = row.float().numpy()
+    inv = np.float32(1.0) / np.float32(temperature)
+    w = _expn(x * inv - np.float32(x.max()) * inv)
+    lanes = [np.add.accumulate(w[lane::8].astype(np.float64)) for lane in range(8)]
+    base = [0.0]
+    for c in lanes:
+        base.append(base[-1] + (float(c[-1]) if len(c) else 0.0))
+    t = u * base[8]
+    lane = next(i for i in range(8) if base[i + 1] > t or i == 7)
+    slot = int(np.argmax(base[lane] + lanes[lane] > t))
+    return slot * 8 + lane
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_draw_is_its_stated_arithmetic(dtype):
+    """qmm.cpp's draw gives the token its stated order and arithmetic give, for every u of a grid
+    (numpy reimplements it): rows whose length is and is not whole vectors of 8 (the scalar tail
+    and the vector loop agree), peaked and flat rows, masked (-inf) tokens. The negative control:
+    the CDF in token order instead of by lanes draws other tokens for some u, so the comparison
+    sees an order. A row with a NaN is left to the torch ops (-1)."""
+    from hdcli.engine.kernels import quants
+    module = quants.compiled_module()
+    if module is None:
+        pytest.skip(f"csrc/qmm.cpp does not build here ({quants.failure()})")
+    g = torch.Generator().manual_seed(3)
+    caught = False
+    for V in (1, 5, 13, 400, 4099, 49152):
+        for scale in (0.3, 4.0):
+            row = (torch.randn(V, generator=g) * scale).to(dtype)
+            if V > 20:
+                row[::7] = float("-inf")
+            for T in (0.7, 1.3):
+                for j in range(40):
+                    u = (j + 0.37) / 40
+                    got = module.draw(row, T, u)
+                    assert got == _reference_draw(row, T, u), (V, scale, T, u)
+                    assert row[got] > float("-inf")
+                    if V > 20:
+                        w = torch.softmax(row.float() / T, -1).double().cumsum(-1)
+                        caught |= got != int(torch.searchsorted(w, torch.tensor([u * float(w[-1])], dtype=torch.float64), right=True)[0])
+    assert caught, "the token-order CDF drew the same tokens everywhere: the comparison would not see the order"
+    bad = torch.randn(64, generator=g).to(dtype)
+    bad[10] = float("nan")
+    assert module.draw(bad, 0.7, 0.5) == -1

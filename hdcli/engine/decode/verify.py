@@ -244,10 +244,23 @@ def coupled_choice(row: torch.Tensor, s: Sampling, u: float) -> int:
     Cheap and exact: temperature and exp on the row once; under top-k or top-p only the candidates
     are sorted (_ranked); the inverse CDF is a cumulative sum (fp64) over the kept tokens in a fixed
     order (ids ascending without truncation, best first with it). A row alone, so its token is
-    plain decoding's for the same row bits, however many rows were verified beside it."""
-    z = row.float() / s.temperature
-    vocab = z.shape[-1]
+    plain decoding's for the same row bits, however many rows were verified beside it.
+
+    On the CPU, without top-k or top-p, the compiled module draws (csrc/qmm.cpp's draw: the same
+    law, the CDF's order by lanes of eight and its exp its own, every build the same bits), where
+    the module is built (it is wherever hd's forward runs on the CPU; built here otherwise, once a
+    machine): the torch ops took 120-170 us a draw over the bundled model's 49152 logits (AMD
+    EPYC), the compiled pass ~20. Plain and speculative decoding draw through here alike, so a
+    seed gives one answer with or without drafts either way."""
+    vocab = row.shape[-1]
     k = s.top_k if 0 < s.top_k < vocab else vocab
+    if k == vocab and s.top_p >= 1.0 and row.device.type == "cpu" and row.dtype in (torch.bfloat16, torch.float32):
+        compiled = quants.compiled_module()
+        if compiled is not None:   # the same law by a fixed-order inverse CDF in one pass (qmm.cpp's draw)
+            got = compiled.draw(row, float(s.temperature), float(u))
+            if got >= 0:
+                return int(got)
+    z = row.float() / s.temperature
     if k == vocab and s.top_p >= 1.0:
         ids, w = None, torch.exp(z - z.max())
     else:

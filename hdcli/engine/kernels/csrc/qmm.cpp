@@ -1773,6 +1773,141 @@ torch::Tensor top_indices(torch::Tensor scores, int64_t k) {
   return out;
 }
 
+// ------------------------------------------------------------------ a seeded draw from a whole row
+
+// verify.coupled_choice without top-k or top-p: the token at uniform u of softmax(row / T), by an
+// inverse CDF in a fixed order that eight sums run side by side. Per token i, in fp32:
+//   z_i = x_i (1 / T) (x widened exactly from bf16), w_i = expn(z_i - max z), expn below;
+// the CDF orders the tokens by lane (i % 8), then by i: lane L's sum S_L = w_L + w_{L+8} + ...
+// added in that order in fp64, the lanes' bases B_0 = 0, B_{L+1} = B_L + S_L, and token i of lane
+// L ends at C_i = B_L + (lane L's sum up to and including i). C never falls (every w >= 0, and
+// rounding to nearest keeps order), so the first token with C_i > u * B_8 is a draw with
+// P(i) = w_i / sum w, up to rounding. The AVX2 code and the scalar loop do the same operations on
+// each element (no FMA: -ffp-contract=off), so every build draws the same token. Returns -1 for a
+// row this does not take (a NaN, or no finite score): the caller's torch ops then draw.
+// The torch ops it replaces (exp, an fp64 cumsum in token order, searchsorted) took 120-170 us a
+// draw on the bundled model's 49152 logits (AMD EPYC), most of it the one long chain of fp64 adds.
+static inline float expn(float x) {   // exp(x) for x <= 0: 2^k e^r, e^r by its Taylor polynomial of degree 7
+  const float magic = 12582912.0f;   // 1.5 * 2^23: adding it rounds to an integer
+  const float t = x * 1.44269504088896341f + magic, kf = t - magic;
+  uint32_t tb, mb;   // unsigned: the bits of a score far below -87 are garbage, never UB
+  std::memcpy(&tb, &t, 4);
+  std::memcpy(&mb, &magic, 4);
+  float r = x - kf * 0.693145751953125f;
+  r = r - kf * 1.428606765330187045e-06f;
+  float q = 1.0f / 5040.0f;
+  q = q * r + 1.0f / 720.0f;
+  q = q * r + 1.0f / 120.0f;
+  q = q * r + 1.0f / 24.0f;
+  q = q * r + 1.0f / 6.0f;
+  q = q * r + 0.5f;
+  q = q * r + 1.0f;
+  q = q * r + 1.0f;
+  const uint32_t sb = (tb - mb + 127u) << 23;
+  float scale;
+  std::memcpy(&scale, &sb, 4);
+  return x < -87.0f ? 0.0f : q * scale;
+}
+
+#ifdef __AVX2__
+static inline __m256 expn8(__m256 x) {   // expn on 8 lanes, operation for operation
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 t = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic);
+  const __m256 kf = _mm256_sub_ps(t, magic);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(kf, _mm256_set1_ps(0.693145751953125f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(kf, _mm256_set1_ps(1.428606765330187045e-06f)));
+  __m256 q = _mm256_set1_ps(1.0f / 5040.0f);
+  for (float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    q = _mm256_add_ps(_mm256_mul_ps(q, r), _mm256_set1_ps(c));
+  const __m256i k = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(q, scale));
+}
+#endif
+
+#ifdef __AVX2__
+template <typename T>
+static inline __m256 load8(const T* p, int64_t i) {   // 8 scores widened to fp32 (bf16: exactly)
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p + i);
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i))), 16));
+}
+#endif
+
+template <typename T>
+static int64_t draw_row(const T* p, int64_t V, float temperature, double u) {
+  // C[j]: token j's cumulative sum within its lane (lane j % 8, slot j / 8): the running sums as
+  // they were added, kept so that the search is a binary search in the lane
+  thread_local std::vector<double> C;
+  C.resize(static_cast<size_t>((V + 7) / 8 * 8));
+  const float inv = 1.0f / temperature;
+  // max z = (max x) inv: multiplying by inv > 0 rounds monotonically, so it keeps the order
+  float top = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256 mx = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+  for (; i + 8 <= V; i += 8) {
+    const __m256 x = load8(p, i);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, x);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  for (float v : lanes) top = std::max(top, v);   // a max: exact in any order
+  nan = _mm256_movemask_ps(bad) != 0;
+#endif
+  for (; i < V; ++i) {
+    const float x = score_at(p, i);
+    nan = nan || std::isnan(x);
+    top = std::max(top, x);
+  }
+  top = top * inv;
+  if (nan || !std::isfinite(top)) return -1;
+  double S[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  i = 0;
+#ifdef __AVX2__
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();   // lanes 0-3 and 4-7
+  const __m256 iv = _mm256_set1_ps(inv), tops = _mm256_set1_ps(top);
+  for (; i + 8 <= V; i += 8) {
+    const __m256 e = expn8(_mm256_sub_ps(_mm256_mul_ps(load8(p, i), iv), tops));
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    _mm256_storeu_pd(C.data() + i, lo);
+    _mm256_storeu_pd(C.data() + i + 4, hi);
+  }
+  _mm256_storeu_pd(S, lo);
+  _mm256_storeu_pd(S + 4, hi);
+#endif
+  for (; i < V; ++i) {   // the rest (all of it without AVX2), lane i % 8 as above
+    S[i % 8] += static_cast<double>(expn(score_at(p, i) * inv - top));
+    C[i] = S[i % 8];
+  }
+  double B[9] = {0};
+  for (int L = 0; L < 8; ++L) B[L + 1] = B[L] + S[L];
+  const double t = u * B[8];
+  int L = 0;
+  while (L < 7 && !(B[L + 1] > t)) ++L;
+  // the first slot of lane L whose B_L + C > t (B_L + C never falls along the lane)
+  int64_t a = 0, b = (V - 1 - L) / 8;   // slots 0..b of the lane; slot b's B_L + C is B_{L+1} > t
+  while (a < b) {
+    const int64_t mid = (a + b) / 2;
+    if (B[L] + C[mid * 8 + L] > t) b = mid;
+    else a = mid + 1;
+  }
+  return a * 8 + L;
+}
+
+// row [V] bf16 or fp32 on the CPU, contiguous; the token, or -1 (above).
+int64_t draw(torch::Tensor row, double temperature, double u) {
+  TORCH_CHECK(row.dim() == 1 && row.device().is_cpu(), "draw: a row [V] on the CPU");
+  TORCH_CHECK(row.scalar_type() == torch::kBFloat16 || row.scalar_type() == torch::kFloat32, "draw: bf16 or fp32");
+  auto x = row.contiguous();
+  if (x.scalar_type() == torch::kBFloat16)
+    return draw_row(reinterpret_cast<const at::BFloat16*>(x.data_ptr()), x.size(0), static_cast<float>(temperature), u);
+  return draw_row(x.data_ptr<float>(), x.size(0), static_cast<float>(temperature), u);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "weight-only GEMM on GGUF-quantized weights with bf16 dot products, the same arithmetic for any row count",
         py::arg("x"), py::arg("packed"), py::arg("fmt"), py::call_guard<py::gil_scoped_release>());
@@ -1789,6 +1924,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa8", &isa8, "the instructions the int8-activation GEMM is built on: AVX512-VNNI, AVX2 or empty");
   m.def("padded_rows", &padded_rows, "the row count a oneDNN-packed Linear runs m rows at (kernels/dense.padded_rows)");
   m.def("supported", &supported, "whether this CPU's build has the GEMM (AVX512-BF16)");
+  m.def("draw", &draw, "a seeded draw from softmax(row / T) by a fixed-order inverse CDF at u (verify.coupled_choice)",
+        py::arg("row"), py::arg("temperature"), py::arg("u"));
   m.def("top_indices", &top_indices, "per row of scores, the k best indices as numpy's repeated argmax gives them",
         py::arg("scores"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   py::class_<Layers>(m, "Layers", "a forward's decoder layers in one call (model/compiled.py)")
