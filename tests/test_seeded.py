@@ -337,3 +337,27 @@ def test_compiled_draw_is_its_stated_arithmetic(dtype):
     bad = torch.randn(64, generator=g).to(dtype)
     bad[10] = float("nan")
     assert module.draw(bad, 0.7, 0.5) == -1
+
+
+def test_compiled_probabilities_of_recorded_tokens_are_the_softmax():
+    """top_probs (what a sampled step tells the recycle layer) through qmm.cpp's probs_of is the
+    softmax of the row / T at the named tokens, to its exp's precision: bf16 and fp32 rows, lengths
+    off whole vectors, masked tokens (probability 0). The negative control: at another
+    temperature the same comparison fails."""
+    from hdcli.engine.decode import verify
+    from hdcli.engine.kernels import quants
+    module = quants.compiled_module()
+    if module is None:
+        pytest.skip(f"csrc/qmm.cpp does not build here ({quants.failure()})")
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float32):
+        for V in (3, 13, 49152):
+            x = (torch.randn(4, V, generator=g) * 3).to(dtype)
+            x[1, 0] = float("-inf")
+            ids = torch.tensor([[0, V - 1]] * 4)
+            want = torch.softmax(x.float() / 0.7, -1).gather(1, ids)
+            got = module.probs_of(x, ids, 0.7)
+            assert torch.allclose(got, want, rtol=1e-5, atol=0), (dtype, V)
+            assert got[1, 0] == 0
+            assert not torch.allclose(module.probs_of(x, ids, 0.9), want, rtol=1e-5, atol=0)
+            assert verify.top_probs(x, ids.tolist(), Sampling(temperature=0.7)) == got.tolist()

@@ -297,9 +297,14 @@ def top_probs(logits: torch.Tensor, top: Sequence[Sequence[int]], s: Sampling) -
     sampling temperature (softmax of logits / T, top-k and top-p not applied: what a sampled step
     keeps such a token with, slightly under-estimated where a truncation renormalises). These are
     estimates for drafting (a later step with the same tokens has another context); acceptance
-    never reads them. One logsumexp over the rows and one gather."""
+    never reads them. One logsumexp over the rows and one gather; where the compiled module is
+    loaded, its probs_of (csrc/qmm.cpp: the same probabilities to its exp's 1e-8, a pass a row)."""
     if not top or not top[0]:
         return [[] for _ in top]
+    compiled = quants.GEMM.compiled   # as top_tokens: where it is loaded, in one pass a row
+    if compiled is not None and logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) \
+            and logits.dim() == 2 and len({len(t) for t in top}) == 1:
+        return compiled.probs_of(logits, torch.tensor(top, dtype=torch.long), float(s.temperature)).tolist()
     x = logits.float() / s.temperature
     idx = torch.tensor(top, dtype=torch.long, device=x.device)
     return (x.gather(1, idx) - torch.logsumexp(x, -1, keepdim=True)).exp().tolist()
