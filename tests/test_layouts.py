@@ -264,6 +264,21 @@ def test_another_key_is_written_beside_and_replaces_the_old(tiny_gguf, cache, tm
     assert new != old
 
 
+def test_a_written_layout_removes_those_of_gone_files_only(tiny_gguf, tiny_q4_0, cache, tmp_path):
+    """Writing a layout file removes the files of GGUFs that no longer exist (a deleted model's,
+    5 GB at 8B), and leaves another model's that still exists."""
+    import shutil
+    kern = _kernels()[0]
+    gone = tmp_path / "gone.gguf"
+    shutil.copy(tiny_q4_0, gone)
+    _load(gone, kern)
+    _load(tiny_q4_0, kern)
+    assert {layouts.read_source(p) for p in cache.glob("*.hdl")} == {str(gone.resolve()), str(tiny_q4_0.resolve())}
+    gone.unlink()
+    _load(tiny_gguf, kern)
+    assert {layouts.read_source(p) for p in cache.glob("*.hdl")} == {str(tiny_q4_0.resolve()), str(tiny_gguf.resolve())}
+
+
 def test_off_writes_nothing(tiny_gguf, cache, monkeypatch):
     monkeypatch.setenv("HD_LAYOUT_CACHE", "off")
     lm, _ = _load(tiny_gguf, _kernels()[0])

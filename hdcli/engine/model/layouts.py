@@ -36,8 +36,8 @@ Invariants
     one line; its bytes are never used.
   * A packing read from the cache is the one pack() made for the same key; a name the index lacks
     is packed in the process (and the cache left as it is).
-  * One file per GGUF path: writing a new one removes the older ones of the same path, and the
-    temporary files of processes that no longer run.
+  * One file per GGUF path: writing a new one removes the older ones of the same path, those of
+    GGUF files that no longer exist, and the temporary files of processes that no longer run.
   * A folder the cache cannot be written to (read-only) is found before the writer starts (`keep`
     makes its temporary file) and said in one line, once per process and folder; the writer's own
     failures (a full disk) are one line too, never a traceback.
@@ -276,12 +276,14 @@ class LayoutCache:
 
     def _remove_older(self) -> None:
         """Other layout files of the same GGUF path (another modification time, another build of the
-        kernel): one file per model is kept."""
+        kernel): one file per model is kept. And those whose GGUF is gone (a model deleted, a
+        checkout removed): nothing would map them again, and an 8B's is 5 GB."""
         for other in self.path.parent.glob("*.hdl"):
             if other == self.path:
                 continue
             try:
-                if read_source(other) == self.source:
+                source = read_source(other)
+                if source == self.source or (source is not None and not os.path.exists(source)):
                     other.unlink()
             except OSError:
                 pass
