@@ -76,7 +76,8 @@ def _pad_rows(x: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
 def _visible(mask: torch.Tensor | None, m: int, n: int, device) -> torch.Tensor:
     """[m, n] bool: which keys each query row sees (no mask: causal, the last m keys are the rows)."""
     if mask is None:
-        return torch.ones(m, n, dtype=torch.bool, device=device).tril(n - m)
+        ones = torch.ones(m, n, dtype=torch.bool, device=device)
+        return ones if m == 1 else ones.tril(n - m)   # one row sees every key
     mask = mask[0, 0] if mask.dim() == 4 else mask
     mask = mask[:, -n:] if mask.shape[-1] != n else mask
     return mask if mask.dtype == torch.bool else mask == 0

@@ -19,6 +19,8 @@ every layer of that kind.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -36,13 +38,10 @@ class Step:
         self.m = m = sum(sizes)
         self.pasts = pasts = [p[1].get_seq_length() for p in parts]
         self.ids = (parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], 1))[0]
-        device = self.ids.device
-        pos = [p[2] if p[2] is not None else torch.arange(past, past + k, device=device).unsqueeze(0)
-               for p, past, k in zip(parts, pasts, sizes)]
-        # the rope table's reach where every part's positions are its next ones (no tensor to reduce)
-        self.top = None if any(p[2] is not None for p in parts) else max(a + k for a, k in zip(pasts, sizes))
-        self.positions = pos
-        self.pos = (pos[0] if len(parts) == 1 else torch.cat(pos, 1))[0]
+        # every part at its next positions (none given): the rope table's reach is known, and one
+        # part's cos and sin are a slice of it (no position tensor made, reduced or gathered by)
+        self.next_positions = all(p[2] is None for p in parts)
+        self.top = max(a + k for a, k in zip(pasts, sizes)) if self.next_positions else None
         self.bounds = invariant.row_bounds(sizes)
         self.hq, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.kernel = model.attention_kernel
@@ -59,11 +58,27 @@ class Step:
             return PROMPT
         return ONE if len(self.parts) == 1 else MANY
 
+    @functools.cached_property
+    def positions(self) -> list[torch.Tensor]:
+        """Each part's positions [1, m_j]: as given, else its next ones."""
+        return [p[2] if p[2] is not None else torch.arange(past, past + k, device=self.ids.device).unsqueeze(0)
+                for p, past, k in zip(self.parts, self.pasts, self.sizes)]
+
+    @functools.cached_property
+    def pos(self) -> torch.Tensor:
+        """Every row's position [m], the parts' in order."""
+        pos = self.positions
+        return (pos[0] if len(pos) == 1 else torch.cat(pos, 1))[0]
+
     def rope(self, kind: str):
         """(rope, cos, sin) of the positions for a layer of `kind`."""
         if kind not in self._rope:
             rope = self.model.rope_for(kind)
-            self._rope[kind] = (rope, *rope(self.pos, self.model.dtype, self.top))
+            if self.next_positions and len(self.parts) == 1:
+                cos_sin = rope.span(self.pasts[0], self.pasts[0] + self.m, self.model.dtype)
+            else:
+                cos_sin = rope(self.pos, self.model.dtype, self.top)
+            self._rope[kind] = (rope, *cos_sin)
         return self._rope[kind]
 
     def layers(self, i: int) -> list:

@@ -60,6 +60,12 @@ class Rope:
             self._grow(top, dtype)
         return self.cos[positions], self.sin[positions]
 
+    def span(self, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [stop - start, d] for positions start .. stop - 1: rows of the table (views)."""
+        if self.cos is None or self.cos.shape[0] < stop or self._dtype != dtype:
+            self._grow(max(stop, 1), dtype)
+        return self.cos[start:stop], self.sin[start:stop]
+
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [heads, m, d] rotated: x * cos + rotate(x) * sin (transformers' apply_rotary_pos_emb)."""
         if self.interleaved:
