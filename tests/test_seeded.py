@@ -314,7 +314,8 @@ def test_compiled_draw_is_its_stated_arithmetic(dtype):
     the CDF in token order instead of by lanes draws other tokens for some u, so the comparison
     sees an order. A row with a NaN is left to the torch ops (-1)."""
     from hdcli.engine.kernels import quants
-    module = quants.compiled_module()
+    quants.GEMM.load()
+    module = quants.GEMM.compiled
     if module is None:
         pytest.skip(f"csrc/qmm.cpp does not build here ({quants.failure()})")
     g = torch.Generator().manual_seed(3)
@@ -334,6 +335,13 @@ def test_compiled_draw_is_its_stated_arithmetic(dtype):
                         w = torch.softmax(row.float() / T, -1).double().cumsum(-1)
                         caught |= got != int(torch.searchsorted(w, torch.tensor([u * float(w[-1])], dtype=torch.float64), right=True)[0])
     assert caught, "the token-order CDF drew the same tokens everywhere: the comparison would not see the order"
+    for name, row in ROWS.items():   # its law, read off a fine grid of u, is the target's
+        grid = 20000
+        counts = torch.zeros(row.shape[-1])
+        for j in range(grid):
+            counts[module.draw(row.to(dtype), 0.7, (j + 0.5) / grid)] += 1
+        want = target_probs(row.to(dtype)[None].float(), Sampling(temperature=0.7))[0]
+        assert float((counts / grid - want).abs().max()) < 2e-4, name
     bad = torch.randn(64, generator=g).to(dtype)
     bad[10] = float("nan")
     assert module.draw(bad, 0.7, 0.5) == -1
@@ -346,7 +354,8 @@ def test_compiled_probabilities_of_recorded_tokens_are_the_softmax():
     temperature the same comparison fails."""
     from hdcli.engine.decode import verify
     from hdcli.engine.kernels import quants
-    module = quants.compiled_module()
+    quants.GEMM.load()
+    module = quants.GEMM.compiled
     if module is None:
         pytest.skip(f"csrc/qmm.cpp does not build here ({quants.failure()})")
     g = torch.Generator().manual_seed(5)

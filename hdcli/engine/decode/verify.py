@@ -236,6 +236,15 @@ def _ranked(z: torch.Tensor, k: int, top_p: float) -> tuple[torch.Tensor, torch.
         m = min(vocab, m * NUCLEUS_GROWTH)
 
 
+_DRAWER: list = []   # [the compiled module or None], decided at the process's first draw (coupled_choice)
+
+
+def _drawer():
+    if not _DRAWER:
+        _DRAWER.append(quants.GEMM.compiled)
+    return _DRAWER[0]
+
+
 def coupled_choice(row: torch.Tensor, s: Sampling, u: float) -> int:
     """The target's token at one (processed) row [V] for the position whose uniform is u: the
     inverse CDF at u of the distribution plain sampling draws from (target_probs: temperature, then
@@ -247,15 +256,17 @@ def coupled_choice(row: torch.Tensor, s: Sampling, u: float) -> int:
     plain decoding's for the same row bits, however many rows were verified beside it.
 
     On the CPU, without top-k or top-p, the compiled module draws (csrc/qmm.cpp's draw: the same
-    law, the CDF's order by lanes of eight and its exp its own, every build the same bits), where
-    the module is built (it is wherever hd's forward runs on the CPU; built here otherwise, once a
-    machine): the torch ops took 120-170 us a draw over the bundled model's 49152 logits (AMD
-    EPYC), the compiled pass ~20. Plain and speculative decoding draw through here alike, so a
-    seed gives one answer with or without drafts either way."""
+    law, the CDF's order by lanes of eight and its exp its own, every build the same bits) where
+    it was loaded when the process first drew (it is wherever hd's own forward runs on the CPU;
+    never built for this alone: a transformers forward's first sampled token paying a minute's
+    compile), decided then for the process so that the law a seed draws by never changes in it:
+    the torch ops took 115-154 us a draw over the bundled model's 49152 logits (AMD EPYC), the
+    compiled pass 47-58. Plain and speculative decoding draw through here alike, so a seed gives
+    one answer with or without drafts either way."""
     vocab = row.shape[-1]
     k = s.top_k if 0 < s.top_k < vocab else vocab
     if k == vocab and s.top_p >= 1.0 and row.device.type == "cpu" and row.dtype in (torch.bfloat16, torch.float32):
-        compiled = quants.compiled_module()
+        compiled = _drawer()
         if compiled is not None:   # the same law by a fixed-order inverse CDF in one pass (qmm.cpp's draw)
             got = compiled.draw(row, float(s.temperature), float(u))
             if got >= 0:
@@ -333,7 +344,8 @@ def top_tokens(logits: torch.Tensor, k: int = 1) -> list[list[int]]:
     verification step needs both (acceptance, the recycle layer). Where the compiled GEMM is
     already loaded (csrc/qmm.cpp's top_indices: the same indices, one pass a row) it does it
     instead: numpy's two argmaxes over the step's rows, its widening copy and lists took ~170 us of
-    a 6.4 ms step in the decode loop (bundled model, AMD EPYC), the compiled pass ~20."""
+    a 6.4 ms step in the decode loop (bundled model, AMD EPYC), the compiled pass ~45-80 there
+    (5 rows alone: 262 against 34 us)."""
     if logits.device.type == "cpu":
         compiled = quants.GEMM.compiled   # never built here for this: only where it is already
         if compiled is not None and logits.dim() == 2 and logits.dtype in (torch.bfloat16, torch.float32) \

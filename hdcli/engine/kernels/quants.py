@@ -147,14 +147,6 @@ def gemm_module(quiet: bool = True):
     return GEMM.load(quiet)
 
 
-def compiled_module():
-    """csrc/qmm.cpp's module as built, built here if need be, also where this CPU has no GEMM of it
-    (its other functions run on any x86 CPU: the row choosers of verify.py), or None where it
-    cannot be built."""
-    GEMM.load(quiet=True)
-    return GEMM.compiled
-
-
 def kernel_available(quiet: bool = True) -> bool:
     """Whether QLinear can be made here, for bf16 or int8 activations (the GEMM compiled and this
     CPU has AVX512-BF16, or AVX512-VNNI or AVX2)."""
