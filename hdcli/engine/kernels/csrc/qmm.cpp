@@ -1787,6 +1787,8 @@ torch::Tensor top_indices(torch::Tensor scores, int64_t k) {
 // row this does not take (a NaN, or no finite score): the caller's torch ops then draw.
 // The torch ops it replaces (exp, an fp64 cumsum in token order, searchsorted) took 120-170 us a
 // draw on the bundled model's 49152 logits (AMD EPYC), most of it the one long chain of fp64 adds.
+// expn is attend.cpp's exp_nonpositive, the same operations: each extension is one source file,
+// hashed alone into its build's name (build.extension_name), so each keeps its own copy.
 static inline float expn(float x) {   // exp(x) for x <= 0: 2^k e^r, e^r by its Taylor polynomial of degree 7
   const float magic = 12582912.0f;   // 1.5 * 2^23: adding it rounds to an integer
   const float t = x * 1.44269504088896341f + magic, kf = t - magic;
