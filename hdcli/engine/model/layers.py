@@ -162,11 +162,15 @@ class Embedding(nn.Module):
             return torch.empty(0, self.dim, dtype=self.num.torch_dtype, device=self.num.device)
         if len(new) > self._most:   # a long prompt's: looked up, not kept
             return self._dequantized(idx)
-        if new:
+        got = dict(zip(new, self._dequantized(new).unbind(0))) if new else {}
+        if got:
             if len(kept) + len(new) > self._most:
                 kept.clear()
-            kept.update(zip(new, self._dequantized(new).unbind(0)))
-        return torch.stack([kept[i] for i in idx])
+            kept.update(got)
+        rows = [got[i] if i in got else kept.get(i) for i in idx]
+        if any(r is None for r in rows):   # dropped meanwhile by another thread's lookup
+            return self._dequantized(idx)
+        return torch.stack(rows)
 
     def _dequantized(self, idx: list[int]) -> torch.Tensor:
         return dequantize(self.qtype, self.raw, self.rows, self.dim, self.num.torch_dtype,
