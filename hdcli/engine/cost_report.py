@@ -15,9 +15,10 @@ def layers_call(model) -> dict:
     """{"compiled": True} where the model's decoder layers run as one compiled call, else
     {"compiled": False, "why": ...} (compiled.why_not; transformers' forward has blocks of its own)."""
     from .model import is_owned
+    from .model.attention import attends_fused
     from .model.compiled import why_not
     why = why_not(model) if is_owned(model) else "transformers' forward"
-    if why is None and not (model.invariant and model.attention_kernel.runs_on(model.device)):
+    if why is None and not attends_fused(model, model.device):
         why = "its attention is not the fused one, which the compiled call runs (model/attention.py: Step)"
     return {"compiled": True} if why is None else {"compiled": False, "why": why}
 

@@ -236,6 +236,14 @@ def _ranked(z: torch.Tensor, k: int, top_p: float) -> tuple[torch.Tensor, torch.
         m = min(vocab, m * NUCLEUS_GROWTH)
 
 
+def _loaded_for(scores: torch.Tensor):
+    """csrc/qmm.cpp's module where it is already loaded and `scores` are what its row choosers
+    read (bf16 or fp32 on the CPU), else None: it is never built for them alone."""
+    if scores.device.type != "cpu" or scores.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    return quants.GEMM.compiled
+
+
 _DRAWER: list = []   # [the compiled module or None], decided at the process's first draw (coupled_choice)
 
 
@@ -265,7 +273,7 @@ def coupled_choice(row: torch.Tensor, s: Sampling, u: float) -> int:
     one answer with or without drafts either way."""
     vocab = row.shape[-1]
     k = s.top_k if 0 < s.top_k < vocab else vocab
-    if k == vocab and s.top_p >= 1.0 and row.device.type == "cpu" and row.dtype in (torch.bfloat16, torch.float32):
+    if k == vocab and s.top_p >= 1.0 and _loaded_for(row) is not None:
         compiled = _drawer()
         if compiled is not None:   # the same law by a fixed-order inverse CDF in one pass (qmm.cpp's draw)
             got = compiled.draw(row, float(s.temperature), float(u))
@@ -312,9 +320,8 @@ def top_probs(logits: torch.Tensor, top: Sequence[Sequence[int]], s: Sampling) -
     loaded, its probs_of (csrc/qmm.cpp: the same probabilities to its exp's 1e-8, a pass a row)."""
     if not top or not top[0]:
         return [[] for _ in top]
-    compiled = quants.GEMM.compiled   # as top_tokens: where it is loaded, in one pass a row
-    if compiled is not None and logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) \
-            and logits.dim() == 2 and len({len(t) for t in top}) == 1:
+    compiled = _loaded_for(logits)
+    if compiled is not None and logits.dim() == 2 and len({len(t) for t in top}) == 1:
         return compiled.probs_of(logits, torch.tensor(top, dtype=torch.long), float(s.temperature)).tolist()
     x = logits.float() / s.temperature
     idx = torch.tensor(top, dtype=torch.long, device=x.device)
@@ -347,9 +354,8 @@ def top_tokens(logits: torch.Tensor, k: int = 1) -> list[list[int]]:
     a 6.4 ms step in the decode loop (bundled model, AMD EPYC), the compiled pass ~45-80 there
     (5 rows alone: 262 against 34 us)."""
     if logits.device.type == "cpu":
-        compiled = quants.GEMM.compiled   # never built here for this: only where it is already
-        if compiled is not None and logits.dim() == 2 and logits.dtype in (torch.bfloat16, torch.float32) \
-                and 0 < k <= logits.shape[-1]:
+        compiled = _loaded_for(logits)
+        if compiled is not None and logits.dim() == 2 and 0 < k <= logits.shape[-1]:
             return compiled.top_indices(logits, k).tolist()
         return numpy_top(logits, k)
     x = logits.float()

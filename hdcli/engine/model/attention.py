@@ -27,6 +27,12 @@ from torch import nn
 from ..kernels import invariant
 
 
+def attends_fused(model, device) -> bool:
+    """Whether a forward of `model` on `device` attends by the fused attention (Step's FUSED: the
+    M-invariant mode on, the process's attention kernel running there)."""
+    return model.numerics.invariant and model.attention_kernel.runs_on(device)
+
+
 class Step:
     """What one forward over some parts derives once and every layer reads: rows, positions,
     the rope of each attention kind, each part's attention layout by kind, and the attention."""
@@ -52,7 +58,7 @@ class Step:
     def _attention(self, invariant_mode: bool, wide_prompt: bool):
         if not invariant_mode:
             return PLAIN
-        if self.kernel.runs_on(self.ids.device):   # it takes a prompt as it is
+        if attends_fused(self.model, self.ids.device):   # it takes a prompt as it is
             return FUSED
         if wide_prompt:
             return PROMPT

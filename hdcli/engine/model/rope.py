@@ -56,15 +56,18 @@ class Rope:
         the caller knows it (else read off the positions: a reduction and a sync)."""
         if top is None:
             top = int(positions.max()) + 1 if positions.numel() else 1
-        if self.cos is None or self.cos.shape[0] < top or self._dtype != dtype:
-            self._grow(top, dtype)
+        self._reach(top, dtype)
         return self.cos[positions], self.sin[positions]
 
     def span(self, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [stop - start, d] for positions start .. stop - 1: rows of the table (views)."""
-        if self.cos is None or self.cos.shape[0] < stop or self._dtype != dtype:
-            self._grow(max(stop, 1), dtype)
+        self._reach(stop, dtype)
         return self.cos[start:stop], self.sin[start:stop]
+
+    def _reach(self, top: int, dtype) -> None:
+        """The table in `dtype` holding positions 0 .. top - 1 at least."""
+        if self.cos is None or self.cos.shape[0] < top or self._dtype != dtype:
+            self._grow(max(top, 1), dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [heads, m, d] rotated: x * cos + rotate(x) * sin (transformers' apply_rotary_pos_emb)."""

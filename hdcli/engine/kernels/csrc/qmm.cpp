@@ -1692,6 +1692,14 @@ static float score_at(const T* p, int64_t i) {
   else return f32_of_bf16(reinterpret_cast<const uint16_t*>(p)[i]);
 }
 
+#ifdef __AVX2__
+template <typename T>
+static inline __m256 load8(const T* p, int64_t i) {   // 8 scores widened to fp32 (bf16: exactly)
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p + i);
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i))), 16));
+}
+#endif
+
 template <typename T>
 static void top_row(const T* p, int64_t V, int k, int64_t* out) {
   std::vector<std::pair<float, int64_t>> best;   // the k best so far, best first (a tie keeps the earlier)
@@ -1712,9 +1720,7 @@ static void top_row(const T* p, int64_t V, int k, int64_t* out) {
   // whole blocks of 8 below the k-th best so far are skipped (none of them can enter: a NaN is
   // not below anything, so a block with one is offered)
   for (; i + 8 <= V; i += 8) {
-    __m256 v;
-    if constexpr (std::is_same_v<T, float>) v = _mm256_loadu_ps(p + i);
-    else v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i))), 16));
+    const __m256 v = load8(p, i);
     if (static_cast<int>(best.size()) == k && !std::isnan(best.back().first)) {
       // every lane a number <= the k-th best (NLE_UQ: greater, or a NaN), and no -inf still to
       // note: nothing in the block changes the answer
@@ -1828,24 +1834,10 @@ static inline __m256 expn8(__m256 x) {   // expn on 8 lanes, operation for opera
 }
 #endif
 
-#ifdef __AVX2__
+// A row's greatest score (a max: exact in any order; a NaN ignored by it, and said in nan).
 template <typename T>
-static inline __m256 load8(const T* p, int64_t i) {   // 8 scores widened to fp32 (bf16: exactly)
-  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p + i);
-  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(p) + i))), 16));
-}
-#endif
-
-template <typename T>
-static int64_t draw_row(const T* p, int64_t V, float temperature, double u) {
-  // C[j]: token j's cumulative sum within its lane (lane j % 8, slot j / 8): the running sums as
-  // they were added, kept so that the search is a binary search in the lane
-  thread_local std::vector<double> C;
-  C.resize(static_cast<size_t>((V + 7) / 8 * 8));
-  const float inv = 1.0f / temperature;
-  // max z = (max x) inv: multiplying by inv > 0 rounds monotonically, so it keeps the order
+static float row_max(const T* p, int64_t V, bool& nan) {
   float top = -INFINITY;
-  bool nan = false;
   int64_t i = 0;
 #ifdef __AVX2__
   __m256 mx = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
@@ -1856,18 +1848,30 @@ static int64_t draw_row(const T* p, int64_t V, float temperature, double u) {
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, mx);
-  for (float v : lanes) top = std::max(top, v);   // a max: exact in any order
-  nan = _mm256_movemask_ps(bad) != 0;
+  for (float v : lanes) top = std::max(top, v);
+  nan = nan || _mm256_movemask_ps(bad) != 0;
 #endif
   for (; i < V; ++i) {
     const float x = score_at(p, i);
     nan = nan || std::isnan(x);
     top = std::max(top, x);
   }
-  top = top * inv;
+  return top;
+}
+
+template <typename T>
+static int64_t draw_row(const T* p, int64_t V, float temperature, double u) {
+  // C[j]: token j's cumulative sum within its lane (lane j % 8, slot j / 8): the running sums as
+  // they were added, kept so that the search is a binary search in the lane
+  thread_local std::vector<double> C;
+  C.resize(static_cast<size_t>((V + 7) / 8 * 8));
+  const float inv = 1.0f / temperature;
+  // max z = (max x) inv: multiplying by inv > 0 rounds monotonically, so it keeps the order
+  bool nan = false;
+  const float top = row_max(p, V, nan) * inv;
   if (nan || !std::isfinite(top)) return -1;
   double S[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  i = 0;
+  int64_t i = 0;
 #ifdef __AVX2__
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();   // lanes 0-3 and 4-7
   const __m256 iv = _mm256_set1_ps(inv), tops = _mm256_set1_ps(top);
@@ -1908,19 +1912,10 @@ static int64_t draw_row(const T* p, int64_t V, float temperature, double u) {
 // rows of the bundled model's 49152 logits and 1.3 ms for 9 (AMD EPYC).
 template <typename T>
 static void probs_row(const T* p, int64_t V, float inv, const int64_t* ids, int64_t k, float* out) {
-  float top = -INFINITY;
-  int64_t i = 0;
-#ifdef __AVX2__
-  __m256 mx = _mm256_set1_ps(-INFINITY);
-  for (; i + 8 <= V; i += 8) mx = _mm256_max_ps(mx, load8(p, i));
-  alignas(32) float most[8];
-  _mm256_store_ps(most, mx);
-  for (float v : most) top = std::max(top, v);
-#endif
-  for (; i < V; ++i) top = std::max(top, score_at(p, i));
-  top = top * inv;
+  bool nan = false;
+  const float top = row_max(p, V, nan) * inv;
   double sum = 0.0;
-  i = 0;
+  int64_t i = 0;
 #ifdef __AVX2__
   __m256 acc = _mm256_setzero_ps();
   const __m256 iv = _mm256_set1_ps(inv), tops = _mm256_set1_ps(top);
