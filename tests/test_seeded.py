@@ -370,3 +370,25 @@ def test_compiled_probabilities_of_recorded_tokens_are_the_softmax():
             assert got[1, 0] == 0
             assert not torch.allclose(module.probs_of(x, ids, 0.9), want, rtol=1e-5, atol=0)
             assert verify.top_probs(x, ids.tolist(), Sampling(temperature=0.7)) == got.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_without_a_distribution_draws_greedys_token(dtype):
+    """coupled_choice on a row holding a NaN, +inf (inf - inf) or only -inf (no distribution to draw from),
+    gives the token greedy decoding takes there (numpy's argmax: the first NaN, else the lowest
+    index of the max) at every u, through every path: the compiled draw (which leaves such a row
+    to the torch ops), top-k, top-p. Before, the cumulative sum's NaN sent the search past the end
+    (token V, outside the vocabulary) or top-p kept no token (an IndexError). A finite row still draws
+    by u (the control: across u it gives more than one token)."""
+    from hdcli.engine.decode import verify
+    g = torch.Generator().manual_seed(11)
+    V = 4099
+    nan = (torch.randn(V, generator=g) * 3).to(dtype)
+    nan[[2000, 77]] = float("nan")
+    inf = (torch.randn(V, generator=g) * 3).to(dtype)
+    inf[[3001, 1234]] = float("inf")
+    finite = (torch.randn(V, generator=g) * 0.1).to(dtype)
+    for s in (Sampling(temperature=0.7), Sampling(temperature=0.7, top_k=50), Sampling(temperature=0.7, top_p=0.9)):
+        for row, want in ((nan, 77), (inf, 1234), (torch.full((V,), float("-inf"), dtype=dtype), 0)):
+            assert {verify.coupled_choice(row, s, (j + 0.5) / 9) for j in range(9)} == {want}, (s, want)
+        assert len({verify.coupled_choice(finite, s, (j + 0.5) / 9) for j in range(9)}) > 1, s

@@ -280,6 +280,11 @@ def coupled_choice(row: torch.Tensor, s: Sampling, u: float) -> int:
             if got >= 0:
                 return int(got)
     z = row.float() / s.temperature
+    if not math.isfinite(float(z.max())):
+        # a NaN in the row, +inf (inf - inf) or every token -inf: no distribution to draw from. The
+        # token greedy decoding takes there (numpy's argmax: the first NaN, else the lowest index
+        # of the max), in plain and speculative decoding alike, not an index past the vocabulary.
+        return int(np.argmax(z.cpu().numpy()))
     if k == vocab and s.top_p >= 1.0:
         ids, w = None, torch.exp(z - z.max())
     else:
