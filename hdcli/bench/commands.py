@@ -4,6 +4,7 @@ agents.py), the report put together and saved.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -11,7 +12,7 @@ from ..compose import Status, check_tokenizers, load_model_for, open_dbs, resolv
 from ..config import DecodingConfig
 from ..drafting import suffix
 from ..errors import HdError
-from . import agents, runner, specbench
+from . import agents, drafts, runner, specbench
 from .report import chart
 
 
@@ -97,4 +98,47 @@ def bench_agents(cfg: DecodingConfig, methods: Sequence[str] | None = None, *,
         report["llama_cpp"] = runners["llama-cpp"].llama.settings()
     if out is not None:
         agents.save(out, report, results, checks, items)
+    return report
+
+
+def bench_drafts(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, data: Path | None = None,
+                 limit: int | None = None, categories: Sequence[str] | None = None, ablate: bool = False,
+                 budgets: Sequence[int] = drafts.BUDGETS, cache: Path | None = None, record: bool = False,
+                 prefill: bool = False, out: Path | None = None, progress=None,
+                 on_status: Status = lambda m: None) -> dict:
+    """hd bench drafts: drafting configurations replayed over the target's recorded greedy answers
+    (hdcli/bench/drafts.py): per configuration its mean accepted tokens, predicted speedup and
+    per-layer share as this machine runs it, and its MAT per tree budget. methods: hd's methods of
+    `hd bench spec-bench` and suffix (default: hd, each layer alone whose DB is given, suffix
+    where installed); ablate adds hd-no-<layer> for each default layer. cache: the recording's
+    file (default: under HD_CACHE_DIR, by its key); record: record again."""
+    cfg.validate()
+    if limit is not None and limit < 1:
+        raise HdError(f"--limit must be >= 1, not {limit}")
+    bad = [b for b in budgets if not 2 <= b <= 64]
+    if bad:
+        raise HdError(f"--budgets: {bad[0]} is not a tree budget from 2 to 64 verified tokens")
+    if methods is None:
+        methods = ["hd"] + [n for n, spec in runner.registry.LAYERS.items()
+                            if spec.bench_default and not spec.missing(cfg)] + ["suffix"] * suffix.available()
+    methods = list(methods) + (runner.ablations(cfg) if ablate else [])
+    methods = [m for m in dict.fromkeys(methods) if m != "ar"]
+    runner.check_methods(["ar", *methods])
+    path = specbench.find(data)
+    questions = specbench.select(specbench.load(path), limit, categories)
+    dbs = open_dbs(cfg)
+    on_status(f"loading {cfg.model} ...")
+    lm = load_model_for(cfg.replace(layers=None))
+    check_tokenizers(dbs, lm)
+    makers = drafts.configurations(lm, cfg, dbs, methods)
+    rec, where = drafts.recorded(lm, questions, cfg.max_new_tokens, cache, record,
+                                 progress=lambda n, total: on_status(f"recorded {n}/{total} answers"))
+    report = drafts.bench(lm, rec, makers, budgets, prefill,
+                          progress=lambda name: progress(name) if progress else None)
+    report = {"model": lm.name, "source": str(lm.source), "dtype": lm.dtype, "kernels": lm.kernels,
+              "data": str(path), "max_new_tokens": cfg.max_new_tokens, "cache": str(where),
+              "machine": runner.machine(), "config": resolved(cfg, lm, dbs).to_dict(), **report}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
     return report

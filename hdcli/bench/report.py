@@ -141,12 +141,16 @@ def chart(report: dict, path: Path) -> None:
     cats = list(next(iter(methods.values()))["categories"]) + ["overall"]
     panels = [("speedup", "ar")] + [(k, LABELS[b][1]) for k, b in _bases(methods)] + [("tokens_per_second", None)]
     width = 0.8 / len(methods)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.4 * len(cats)), 4.2 * len(panels)),
+    # one colour a method at any count (matplotlib's default cycle repeats after 10) and hatches
+    # past 20; the legend sits beside the bars, never over them
+    colours = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.4 * len(cats)) + 3, 4.2 * len(panels)),
                              squeeze=False)
     for ax, (key, base) in zip(axes[:, 0], panels):
         for i, (m, f) in enumerate(methods.items()):
             vals = [f["categories"][c][key] if c != "overall" else f["overall"][key] for c in cats]
-            ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
+            ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m,
+                   color=colours[(2 * i + i // 10) % 20], hatch=("", "//", "..")[i // 20 % 3], edgecolor="white")
         if base is not None:
             ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(cats))], cats, rotation=20)
@@ -154,7 +158,7 @@ def chart(report: dict, path: Path) -> None:
         ax.set_title(f"Spec-Bench, {meta['model']} ({meta['dtype']}, {meta['device']}), "
                      f"{meta['max_new_tokens']} new tokens: "
                      + (f"speedup over {base}" if base else "tokens per second"), fontsize=10)
-        ax.legend(fontsize=8, ncol=min(len(methods), 5))
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

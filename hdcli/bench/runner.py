@@ -28,7 +28,7 @@ import torch
 
 from ..compose import DBs, build_drafter, warm_up
 from ..config import DEFAULT_CANDIDATES, DEFAULT_POLICY, DecodingConfig
-from ..drafting import AnswerIndex, RecycledTable, registry
+from ..drafting import AnswerIndex, LayerInputs, RecycledTable, registry
 from ..drafting import answer_index as model_layer
 from ..engine import records
 from ..engine.decode import costs
@@ -55,7 +55,9 @@ def _db_methods() -> dict[str, dict]:
             "context+recycle+stats": {"layers": ["context", "recycle", "stats"]},
             "hd": {}, "hd-chain": {"candidates": 1}, "hd-first-hit": {"policy": "first-hit"},
             "hd-fill": {"policy": "fill"}, "hd-fill-tracked": {"policy": "fill-tracked"},
-            "hd-adaptive": {"policy": "adaptive"}}
+            "hd-adaptive": {"policy": "adaptive"},
+            # leave-one-out: the default hierarchy of the run's DBs without one layer (--ablate)
+            **{f"hd-no-{n}": {"without": n} for n in registry.LAYERS}}
 
 
 DB_METHODS = _db_methods()
@@ -78,6 +80,8 @@ METHOD_HELP = {
     "hd-fill": "every layer, fill policy, token trees",
     "hd-fill-tracked": "every layer, fill-tracked policy (fill's order, trees cut by this answer's acceptance), token trees",
     "hd-adaptive": "every layer, adaptive policy, token trees",
+    **{f"hd-no-{n}": f"hd without the {n} layer (an ablation; --ablate adds one for each default layer)"
+       for n in registry.LAYERS},
     "hf-ar": "transformers' generate, greedy, on the stock model (torch's kernels): what users run today",
     "hf-pld": "transformers' generate(prompt_lookup_num_tokens=10) on the stock model",
     "suffix": "SuffixDecoding (arctic-inference, vLLM's suffix method) drafts, verified by hd",
@@ -221,12 +225,45 @@ def method_help(helps: dict[str, str] = METHOD_HELP) -> str:
 
 def method_config(name: str, cfg: DecodingConfig) -> DecodingConfig:
     """The configuration of one of hd's methods, refusing one whose layer's DB is not given."""
-    method = cfg.replace(**DB_METHODS[name])
+    changes = dict(DB_METHODS[name])
+    if "without" in changes:
+        without = changes.pop("without")
+        changes = {"layers": [n for n in default_layers(cfg) if n != without]}
+    method = cfg.replace(**changes)
     for layer in method.layers or []:
         lacks = registry.LAYERS[layer].missing(cfg)
         if lacks:
             raise HdError(f"method '{name}' needs {lacks}")
     return method.validate()
+
+
+def default_layers(cfg: DecodingConfig) -> list[str]:
+    """The layers of `hd` (the default hierarchy) with the run's DBs."""
+    return registry.default_layers(LayerInputs(stats_stores=cfg.stats_dbs, model_db=cfg.model_db))
+
+
+def ablations(cfg: DecodingConfig) -> list[str]:
+    """hd-no-<layer> for each layer of the default hierarchy with the run's DBs (--ablate)."""
+    return [f"hd-no-{n}" for n in default_layers(cfg)]
+
+
+def drafter_factory(name: str, lm, cfg: DecodingConfig, dbs: DBs) -> tuple[Callable | None, bool]:
+    """(a factory of the method's drafter, one per answer, or None for `ar`; whether its trees are
+    cut by cost) for hd's methods and `suffix`: what a method shares across answers (the recycle
+    table, SuffixDecoding's global tree, the model DB's answers) is made here, once per run."""
+    if name == "ar":
+        return None, True
+    if name == "suffix":
+        cache = suffix.new_cache()  # one per run: its global tree learns across the questions
+        return (lambda: suffix.SuffixDrafter(cache)), False   # sent whole, as vLLM does
+    method = method_config(name, cfg)
+    build_drafter(method, lm, dbs)  # fail now, not mid-run
+    table = RecycledTable()  # one per method and run: the target's predictions carry across questions
+    # and so do its answers: each method learns from its own (another method's answer to the
+    # same question would draft this one's whole)
+    drafts_answers = model_layer.uses_answers(dbs.model) and (method.layers is None or "model" in method.layers)
+    index = AnswerIndex(dbs.model.sequences()) if drafts_answers else None
+    return (lambda: build_drafter(method, lm, dbs, recycle_table=table, answer_index=index)), True
 
 
 def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
@@ -236,25 +273,13 @@ def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
     for name in names:
         if name in ("hf-ar", "hf-pld"):
             runners[name] = HfGenerate(name, stock, prompt_lookup=10 if name == "hf-pld" else None)
-        elif name == "suffix":
-            cache = suffix.new_cache()  # one per run: its global tree learns across the questions
-            runners[name] = Runner(name, lm, lambda cache=cache: suffix.SuffixDrafter(cache), capped=False)
+        elif name in ("suffix", "ar") or name in DB_METHODS:
+            factory, capped = drafter_factory(name, lm, cfg, dbs)
+            runners[name] = Runner(name, lm, factory, capped)
         elif name == "llama-cpp":
             runners[name] = LlamaCpp(name, lm)
-        elif name in llamaserver.METHODS:
-            runners[name] = None  # started last, once every other method is known to build
-        elif name == "ar":
-            runners[name] = Runner(name, lm)
         else:
-            method = method_config(name, cfg)
-            build_drafter(method, lm, dbs)  # fail now, not mid-run
-            table = RecycledTable()  # one per method and run: the target's predictions carry across questions
-            # and so do its answers: each method learns from its own (another method's answer to the
-            # same question would draft this one's whole)
-            drafts_answers = model_layer.uses_answers(dbs.model) and (method.layers is None or "model" in method.layers)
-            index = AnswerIndex(dbs.model.sequences()) if drafts_answers else None
-            runners[name] = Runner(name, lm, lambda m=method, t=table, i=index:
-                                   build_drafter(m, lm, dbs, recycle_table=t, answer_index=i))
+            runners[name] = None  # a llama-server: started last, once every other method is known to build
     try:
         for name in [n for n in names if n in llamaserver.METHODS]:
             runners[name] = LlamaServerPeer(name, lm)

@@ -26,11 +26,31 @@ class RecycledTable:
       probabilities (verify.top_probs), else None; a newer row replaces an older one.
     """
 
-    def __init__(self, top_k: int = 2):
+    # a greedy record's rank-r prediction was the target's next token this often (rank 0 first),
+    # where the table had a row for the key: the prior of `rank_rate`, measured by replay
+    # (hd bench drafts: the bundled model's Spec-Bench answers, the prompts recorded)
+    RANK_PRIOR = (0.35, 0.11, 0.06, 0.035, 0.03, 0.02, 0.02, 0.015)
+
+    def __init__(self, top_k: int = 2, weight: float = 8.0, decay: float = 0.995):
         self.top_k = top_k
         self.bigram: dict[tuple[int, int], tuple] = {}
         self.unigram: dict[int, tuple] = {}
         self.sampled = False   # the last record came with probabilities (a sampled step)
+        # per rank: drafted nodes the verification reached and those it kept, decayed a step; kept
+        # with the table (across requests: how well the target's rank-r guess holds is the model's)
+        self.tested = [0.0] * max(top_k, len(self.RANK_PRIOR))
+        self.kept = [0.0] * len(self.tested)
+        self.weight, self.decay = weight, decay
+
+    def rank_rate(self, r: int) -> float:
+        """Estimated chance that a greedy rank-r prediction is the target's next token."""
+        prior = self.RANK_PRIOR[min(r, len(self.RANK_PRIOR) - 1)]
+        return (self.kept[r] + prior * self.weight) / (self.tested[r] + self.weight)
+
+    def observe_ranks(self, tested: Sequence[int], kept: Sequence[int]) -> None:
+        for r in range(len(self.tested)):
+            self.tested[r] = self.tested[r] * self.decay + tested[r]
+            self.kept[r] = self.kept[r] * self.decay + kept[r]
 
     def record(self, before: Sequence[int], tokens: Sequence[int], parents: Sequence[int],
                top: Sequence[Sequence[int]], probs: Sequence[Sequence[float]] | None = None) -> None:
@@ -98,16 +118,17 @@ class RecycledLayer:
     name = "recycle"
 
     def __init__(self, table: RecycledTable | None = None, tree_nodes: int = 16, min_path_prob: float = 0.02,
-                 weight: float = 2.0, decay: float = 0.95, next_next: bool = False):
+                 weight: float = 2.0, decay: float = 0.95, next_next: bool = False, greedy_tree: bool = False):
         self.table = RecycledTable() if table is None else table
         self.tree_nodes, self.min_path_prob = tree_nodes, min_path_prob
-        self.next_next = next_next
+        self.next_next, self.greedy_tree = next_next, greedy_tree
         self.weight, self.decay = weight, decay
         self.reset(())
 
     def reset(self, tokens: Sequence[int]) -> None:
         self.kept = self.predicted = 0.0
         self.proposed: list[tuple] = []   # the last sampled tree's nodes: (token, parent, probability)
+        self.ranked: list[tuple] = []     # the last greedy tree's nodes: (token, parent, rank)
 
     @property
     def calibration(self) -> float:
@@ -116,6 +137,8 @@ class RecycledLayer:
     def extend(self, tokens: Sequence[int]) -> None:
         """Calibrate on the last tree: a node whose parent the output followed was kept iff the
         output's next token is its token."""
+        if self.ranked:
+            self._observe_ranks(tokens)
         if not self.proposed:
             return
         self.kept *= self.decay
@@ -131,15 +154,66 @@ class RecycledLayer:
                 followed[i] = depth + 1
         self.proposed = []
 
+    def _observe_ranks(self, tokens: Sequence[int]) -> None:
+        """The greedy tree's nodes the output reached (parent followed), by rank, and those kept."""
+        n = len(self.table.tested)
+        tested, kept = [0] * n, [0] * n
+        followed = {-1: 0}
+        for i, (t, parent, r) in enumerate(self.ranked):
+            depth = followed.get(parent)
+            if depth is None or depth >= len(tokens):
+                continue
+            tested[r] += 1
+            if tokens[depth] == t:
+                kept[r] += 1
+                followed[i] = depth + 1
+        self.table.observe_ranks(tested, kept)
+        self.ranked = []
+
     @property
     def top_k(self) -> int:
         return self.table.top_k
 
     @property
     def priced(self) -> bool:
-        """Whether its drafts now carry the target's probabilities (the table's last record was a
-        sampled step's): the hierarchy then gives it no share of the slots (Hierarchy.propose)."""
-        return self.table.sampled
+        """Whether its drafts carry estimates of the target's probabilities (a sampled step's
+        record, or the greedy tree's rank estimates): the hierarchy then gives it no share of the
+        slots (Hierarchy.propose); the tree prices its nodes by them (tree.node_estimates)."""
+        return self.table.sampled or self.greedy_tree
+
+    def _grow_ranked(self, a: int, b: int, max_len: int) -> list[Draft]:
+        """Greedy records: the best-first tree of the table's predictions (bigram key, else the
+        last token's), a rank-r child estimated at the table's rank_rate(r) times its parent's path
+        estimate, up to tree_nodes nodes or none above min_path_prob; each root-to-leaf path a
+        candidate, carrying its nodes' estimates (Draft.p), by which the tree is capped."""
+        heap: list[tuple] = []   # (-path estimate, order, parent node, a, token, rank, depth)
+        order = itertools.count()
+        rates = [self.table.rank_rate(r) for r in range(self.table.top_k)]
+
+        def push(parent: int, a: int, b: int, reach: float, depth: int) -> None:
+            if depth > max_len:
+                return
+            for r, t in enumerate(self.table.next(a, b)):
+                if reach * rates[r] >= self.min_path_prob:
+                    heapq.heappush(heap, (-reach * rates[r], next(order), parent, b, t, r, depth))
+
+        nodes: list[tuple] = []  # (token, parent, rank, path estimate)
+        push(-1, a, b, 1.0, 1)
+        while heap and len(nodes) < self.tree_nodes:
+            neg, _, parent, prev, t, r, depth = heapq.heappop(heap)
+            nodes.append((t, parent, r, -neg))
+            push(len(nodes) - 1, prev, t, -neg, depth + 1)
+        self.ranked = [(t, parent, r) for t, parent, r, _ in nodes]
+        parents = {parent for _, parent, _, _ in nodes}
+        out = []
+        for leaf in sorted((i for i in range(len(nodes)) if i not in parents), key=lambda i: -nodes[i][3]):
+            path, i = [], leaf
+            while i >= 0:
+                path.append(i)
+                i = nodes[i][1]
+            path.reverse()
+            out.append(Draft(tuple(nodes[i][0] for i in path), self.name, p=tuple(rates[nodes[i][2]] for i in path)))
+        return out
 
     def record(self, before, tokens, parents, top, probs=None) -> None:
         self.table.record(before, tokens, parents, top, probs)
@@ -194,6 +268,8 @@ class RecycledLayer:
         a, b = (history[-2] if len(history) > 1 else -1), history[-1]
         if self.table.bigram.get((a, b), ((), None))[1] is not None:
             return self._grow(a, b, max_len, max_candidates)
+        if self.greedy_tree and not self.table.sampled:
+            return self._grow_ranked(a, b, max_len)
         firsts = self.table.next(a, b)
         out: list = [[f] + self._walk(b, f, max_len - 1) for f in firsts[:max_candidates]]
         if self.next_next and len(history) > 2 and len(out) < max_candidates:

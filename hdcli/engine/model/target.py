@@ -131,8 +131,9 @@ class TransformersForward:
 
 
 def as_target(model) -> TargetModel:
-    """`model` as a TargetModel: hd's own forward and an adapter as they are, a transformers model
-    wrapped in TransformersForward."""
-    if isinstance(model, (LlamaForward, TransformersForward)):
+    """`model` as a TargetModel: hd's own forward, an adapter and any other object that is not a
+    torch module (a stand-in that implements the protocol itself: bench/drafts.py's replay) as they
+    are, a transformers model wrapped in TransformersForward."""
+    if isinstance(model, (LlamaForward, TransformersForward)) or not isinstance(model, torch.nn.Module):
         return model
     return TransformersForward(model)
