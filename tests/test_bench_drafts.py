@@ -116,9 +116,9 @@ def test_a_recording_for_anything_else_is_refused_in_one_line(tiny_lm, rec, tmp_
 
 def test_ablation_leaves_one_default_layer_out():
     cfg = DecodingConfig(stats_dbs=["s.lmdb"])
-    assert runner.ablations(cfg) == ["hd-no-context", "hd-no-stats", "hd-no-recycle"]
-    assert runner.ablations(DecodingConfig()) == ["hd-no-context", "hd-no-recycle"]
-    assert runner.method_config("hd-no-stats", cfg).layers == ["context", "recycle"]
+    assert runner.ablations(cfg) == ["hd-no-context", "hd-no-stats"]
+    assert runner.ablations(DecodingConfig()) == ["hd-no-context"]
+    assert runner.method_config("hd-no-stats", cfg).layers == ["context"]
 
 
 def test_bench_drafts_command(tiny_model_dir, tmp_path):
@@ -128,7 +128,7 @@ def test_bench_drafts_command(tiny_model_dir, tmp_path):
                 "context,recycle", "--ablate", "--budgets", "4,16", "--cache", tmp_path / "rec.json", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert set(report["methods"]) == {"context", "recycle", "hd-no-context", "hd-no-recycle"}
+    assert set(report["methods"]) == {"context", "recycle", "hd-no-context"}
     row = report["methods"]["context"]
     assert set(row["budgets"]) == {"4", "16"} and row["machine"]["mean_accepted"] >= 1.0
     assert (tmp_path / "rec.json").exists()

@@ -63,7 +63,7 @@ def test_from_file_reads_a_run_record_a_bare_config_and_refuses_junk(tmp_path):
 def test_build_drafter_gives_nothing_a_hierarchy_or_a_stack(tiny_lm):
     assert compose.build_drafter(DecodingConfig(layers=[]), tiny_lm) is None
     h = compose.build_drafter(DecodingConfig(candidates=3, policy="adaptive"), tiny_lm)
-    assert isinstance(h, Hierarchy) and [l.name for l in h.layers] == ["context", "recycle"]
+    assert isinstance(h, Hierarchy) and [l.name for l in h.layers] == ["context"]
     assert (h.max_candidates, h.policy) == (3, "adaptive")
     stack = compose.build_drafter(DecodingConfig(draft_models=["self:layers=1"], level_tokens=[3]), tiny_lm)
     assert isinstance(stack, ModelStack)
@@ -110,7 +110,7 @@ def test_generate_json_records_a_config_that_repeats_the_run(tiny_model_dir, tmp
     run = tmp_path / "run.json"
     run.write_text(first.stdout)
     rec = json.loads(first.stdout)
-    assert rec["config"]["candidates"] == 2 and rec["config"]["layers"] == ["context", "recycle"]
+    assert rec["config"]["candidates"] == 2 and rec["config"]["layers"] == ["context"]
     assert rec["config"]["kernels"] in ("torch", "onednn") and rec["config"]["min_n"] in (1, 2)
     again = hd_main("generate", "-p", "the cat sat on the", "--config", str(run), "--json")
     assert again.returncode == 0, again.stderr

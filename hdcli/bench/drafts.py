@@ -380,15 +380,21 @@ def table(report: dict):
     t = Table(title=f"Drafting replay · {report['questions']} answers · {report['tokens']} tokens · "
                     f"one-token forward {report['one_token_ms']:.2f} ms",
               caption="MAT: mean accepted tokens a step · pred.: predicted speedup over plain (forwards by the "
-                      "cost curve, and drafting time) · b<b>: MAT where every drafted node is sent, b tokens verified at most",
+                      "cost curve, and drafting time) · tree: drafted nodes a step · ms: drafting a step · "
+                      "bN: MAT where every drafted node is sent, N tokens verified at most",
               box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("method", "MAT", "pred.", "tree", "draft ms", "accepted by layer", *[f"b{b}" for b in budgets]):
+    from ..drafting import registry
+    for col in ("method", "MAT", "pred.", "tree", "ms", *[f"b{b}" for b in budgets], "accepted by layer"):
         t.add_column(col, justify="left" if col in ("method", "accepted by layer") else "right")
+
+    def short(layer: str) -> str:
+        spec = registry.LAYERS.get(layer.split(":", 1)[0])
+        return spec.short if spec is not None and spec.short and ":" not in layer else layer
     for name, row in report["methods"].items():
         m = row["machine"]
-        shares = " ".join(f"{k} {v['share_of_accepted']:.0%}" for k, v in
+        shares = " ".join(f"{short(k)} {v['share_of_accepted']:.0%}" for k, v in
                           sorted(m["layers"].items(), key=lambda kv: -kv[1]["accepted"]) if v["accepted"])
         t.add_row(name, f"{m['mean_accepted']:.2f}", f"{m['predicted_speedup']:.2f}x", f"{m['mean_tree']:.1f}",
-                  f"{m['draft_ms_per_step']:.2f}", shares,
-                  *[f"{row['budgets'][b]['mean_accepted']:.2f}" for b in budgets])
+                  f"{m['draft_ms_per_step']:.2f}", *[f"{row['budgets'][b]['mean_accepted']:.2f}" for b in budgets],
+                  shares)
     return t

@@ -10,11 +10,11 @@ them (the engine's Drafter, hdcli/engine/decode/draft.py).
     suffix.py      SuffixDecoding's drafts (arctic-inference): a peer `hd bench` runs, not a layer
 
 The imports below register the layers; each LayerSpec's `rank` gives its place in the default
-hierarchy: context, stats, model, recycle. The model DB comes before the recycled predictions: both
-are the target's own writing, and a long match in its earlier answers is the stronger evidence
-(measured: docs/model-db.md, "Place in the hierarchy"). The statistics DB comes before both: with
-it after recycle, hd ran 1.090x plain against 1.133x in the same process (bundled model, greedy,
-`hd bench spec-bench -n 128 --limit 2 --methods ar,hd,context+recycle+stats`, AMD EPYC Zen 3).
+hierarchy: context, stats, model; recycle, in no default hierarchy, goes last where named. The
+model DB comes before the recycled predictions: both are the target's own writing, and a long
+match in its earlier answers is the stronger evidence (docs/model-db.md, "Place in the
+hierarchy"). The statistics DB comes before both (docs/benchmarks.md). Recycle left the default
+when leaving it out made hd faster (`hd bench spec-bench --ablate`, docs/benchmarks.md).
 """
 from ..engine.decode.draft import Draft, base_name, bucket
 from . import context, answer_index, recycle, db_layers  # noqa: F401  (registers them; order: LayerSpec.rank)

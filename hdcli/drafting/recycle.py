@@ -286,5 +286,7 @@ class RecycledLayer:
 register(LayerSpec(
     name="recycle", rank=30, prior=(0.1, 0.3, 0.45, 0.55), style="yellow", short="rec",
     help="the target's own recycled predictions only (Token Recycling with bigram keys)",
-    build=lambda s: [RecycledLayer(s.recycle_table)], in_default=lambda s: True,
+    # not in the default hierarchy: left out of it, hd ran faster on the tuning set and on the
+    # held-out questions alike (hd bench spec-bench --ablate, docs/benchmarks.md)
+    build=lambda s: [RecycledLayer(s.recycle_table)], in_default=lambda s: False,
     bench_default=False))
