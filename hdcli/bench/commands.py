@@ -16,6 +16,18 @@ from . import agents, drafts, runner, specbench
 from .report import chart
 
 
+def _questions_and_model(cfg: DecodingConfig, data, limit, categories, on_status: Status):
+    """The questions file and its selection, the run's DBs and its model, the DBs' tokenizer
+    checked against the model's (the DBs open first: a bad path fails before the load)."""
+    path = specbench.find(data)
+    questions = specbench.select(specbench.load(path), limit, categories)
+    dbs = open_dbs(cfg)
+    on_status(f"loading {cfg.model} ...")
+    lm = load_model_for(cfg.replace(layers=None))
+    check_tokenizers(dbs, lm)
+    return path, questions, dbs, lm
+
+
 def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, data: Path | None = None,
                      limit: int | None = None, categories: Sequence[str] | None = None,
                      out_dir: Path | None = None, progress=None, on_status: Status = lambda m: None) -> dict:
@@ -31,12 +43,7 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
     for why in skipped.values():
         on_status(f"warning: {why}")
     names = [n for n in names if n not in skipped]
-    path = specbench.find(data)
-    questions = specbench.select(specbench.load(path), limit, categories)
-    dbs = open_dbs(cfg)
-    on_status(f"loading {cfg.model} ...")
-    lm = load_model_for(cfg.replace(layers=None))
-    check_tokenizers(dbs, lm)
+    path, questions, dbs, lm = _questions_and_model(cfg, data, limit, categories, on_status)
     runners = runner.make_runners(lm, names, cfg, dbs)
     try:
         results = runner.run(lm, questions, runners, cfg.max_new_tokens, cfg.sampling, cfg.seed,
@@ -124,12 +131,7 @@ def bench_drafts(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, d
     methods = list(methods) + (runner.ablations(cfg) if ablate else [])
     methods = [m for m in dict.fromkeys(methods) if m != "ar"]
     runner.check_methods(["ar", *methods])
-    path = specbench.find(data)
-    questions = specbench.select(specbench.load(path), limit, categories)
-    dbs = open_dbs(cfg)
-    on_status(f"loading {cfg.model} ...")
-    lm = load_model_for(cfg.replace(layers=None))
-    check_tokenizers(dbs, lm)
+    path, questions, dbs, lm = _questions_and_model(cfg, data, limit, categories, on_status)
     makers = drafts.configurations(lm, cfg, dbs, methods)
     rec, where = drafts.recorded(lm, questions, cfg.max_new_tokens, cache, record,
                                  progress=lambda n, total: on_status(f"recorded {n}/{total} answers"))

@@ -181,40 +181,6 @@ class RecycledLayer:
         slots (Hierarchy.propose); the tree prices its nodes by them (tree.node_estimates)."""
         return self.table.sampled or self.greedy_tree
 
-    def _grow_ranked(self, a: int, b: int, max_len: int) -> list[Draft]:
-        """Greedy records: the best-first tree of the table's predictions (bigram key, else the
-        last token's), a rank-r child estimated at the table's rank_rate(r) times its parent's path
-        estimate, up to tree_nodes nodes or none above min_path_prob; each root-to-leaf path a
-        candidate, carrying its nodes' estimates (Draft.p), by which the tree is capped."""
-        heap: list[tuple] = []   # (-path estimate, order, parent node, a, token, rank, depth)
-        order = itertools.count()
-        rates = [self.table.rank_rate(r) for r in range(self.table.top_k)]
-
-        def push(parent: int, a: int, b: int, reach: float, depth: int) -> None:
-            if depth > max_len:
-                return
-            for r, t in enumerate(self.table.next(a, b)):
-                if reach * rates[r] >= self.min_path_prob:
-                    heapq.heappush(heap, (-reach * rates[r], next(order), parent, b, t, r, depth))
-
-        nodes: list[tuple] = []  # (token, parent, rank, path estimate)
-        push(-1, a, b, 1.0, 1)
-        while heap and len(nodes) < self.tree_nodes:
-            neg, _, parent, prev, t, r, depth = heapq.heappop(heap)
-            nodes.append((t, parent, r, -neg))
-            push(len(nodes) - 1, prev, t, -neg, depth + 1)
-        self.ranked = [(t, parent, r) for t, parent, r, _ in nodes]
-        parents = {parent for _, parent, _, _ in nodes}
-        out = []
-        for leaf in sorted((i for i in range(len(nodes)) if i not in parents), key=lambda i: -nodes[i][3]):
-            path, i = [], leaf
-            while i >= 0:
-                path.append(i)
-                i = nodes[i][1]
-            path.reverse()
-            out.append(Draft(tuple(nodes[i][0] for i in path), self.name, p=tuple(rates[nodes[i][2]] for i in path)))
-        return out
-
     def record(self, before, tokens, parents, top, probs=None) -> None:
         self.table.record(before, tokens, parents, top, probs)
 
@@ -228,39 +194,64 @@ class RecycledLayer:
             out.append(b)
         return out
 
-    def _grow(self, a: int, b: int, max_len: int, max_candidates: int) -> list[Draft]:
-        """The best-first tree of the recorded probabilities (see the class), as its paths."""
-        heap: list[tuple] = []   # (-path probability, order, parent node, a, token, probability, depth)
+    def _best_first(self, a: int, b: int, max_len: int, children) -> list[tuple]:
+        """A tree grown best first from the root after (a, b): children(a, b) gives a node's
+        (token, factor, tag) choices, a child's path estimate is its parent's times its factor; up
+        to tree_nodes nodes, none under min_path_prob, none deeper than max_len. Returns the nodes
+        (token, parent, tag, path estimate), a parent before its children."""
+        heap: list[tuple] = []   # (-path estimate, order, parent node, a, token, tag, depth)
         order = itertools.count()
 
         def push(parent: int, a: int, b: int, reach: float, depth: int) -> None:
-            tokens, probs = self.table.bigram.get((a, b), ((), None))   # bigram only: see the class
-            if probs is None or depth > max_len:
+            if depth > max_len:
                 return
-            for t, p in zip(tokens, probs):
-                if reach * p >= self.min_path_prob:
-                    heapq.heappush(heap, (-reach * p, next(order), parent, b, t, p, depth))
+            for t, factor, tag in children(a, b):
+                if reach * factor >= self.min_path_prob:
+                    heapq.heappush(heap, (-reach * factor, next(order), parent, b, t, tag, depth))
 
-        nodes: list[tuple] = []  # (token, parent, probability, path probability)
+        nodes: list[tuple] = []
         push(-1, a, b, 1.0, 1)
         while heap and len(nodes) < self.tree_nodes:
-            neg, _, parent, prev, t, p, depth = heapq.heappop(heap)
-            nodes.append((t, parent, p, -neg))
+            neg, _, parent, prev, t, tag, depth = heapq.heappop(heap)
+            nodes.append((t, parent, tag, -neg))
             push(len(nodes) - 1, prev, t, -neg, depth + 1)
-        self.proposed = [(t, parent, p) for t, parent, p, _ in nodes]
-        scale = self.calibration
+        return nodes
+
+    @staticmethod
+    def _paths(nodes: Sequence[tuple]) -> list[list[int]]:
+        """Each root-to-leaf path of a _best_first tree (node ids), likeliest leaf first."""
         parents = {parent for _, parent, _, _ in nodes}
-        leaves = sorted((i for i in range(len(nodes)) if i not in parents), key=lambda i: -nodes[i][3])
         out = []
-        for leaf in leaves[:max_candidates]:
+        for leaf in sorted((i for i in range(len(nodes)) if i not in parents), key=lambda i: -nodes[i][3]):
             path, i = [], leaf
             while i >= 0:
                 path.append(i)
                 i = nodes[i][1]
-            path.reverse()
-            out.append(Draft(tuple(nodes[i][0] for i in path), self.name,
-                             p=tuple(min(1.0, scale * nodes[i][2]) for i in path)))
+            out.append(path[::-1])
         return out
+
+    def _grow_ranked(self, a: int, b: int, max_len: int) -> list[Draft]:
+        """Greedy records: the best-first tree of the table's predictions (bigram key, else the
+        last token's), a rank-r child estimated at the table's rank_rate(r) times its parent's path
+        estimate; each root-to-leaf path a candidate, carrying its nodes' estimates (Draft.p), by
+        which the tree is capped."""
+        rates = [self.table.rank_rate(r) for r in range(self.table.top_k)]
+        nodes = self._best_first(a, b, max_len, lambda a, b: ((t, rates[r], r) for r, t in enumerate(self.table.next(a, b))))
+        self.ranked = [(t, parent, r) for t, parent, r, _ in nodes]
+        return [Draft(tuple(nodes[i][0] for i in path), self.name, p=tuple(rates[nodes[i][2]] for i in path))
+                for path in self._paths(nodes)]
+
+    def _grow(self, a: int, b: int, max_len: int, max_candidates: int) -> list[Draft]:
+        """The best-first tree of the recorded probabilities (see the class), as its paths."""
+        def children(a: int, b: int):
+            tokens, probs = self.table.bigram.get((a, b), ((), None))   # bigram only: see the class
+            return () if probs is None else ((t, p, p) for t, p in zip(tokens, probs))
+
+        nodes = self._best_first(a, b, max_len, children)
+        self.proposed = [(t, parent, p) for t, parent, p, _ in nodes]
+        scale = self.calibration
+        return [Draft(tuple(nodes[i][0] for i in path), self.name, p=tuple(min(1.0, scale * nodes[i][2]) for i in path))
+                for path in self._paths(nodes)[:max_candidates]]
 
     def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list:
         if not history:
