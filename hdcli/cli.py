@@ -366,11 +366,16 @@ def bench_spec_bench(
                                           "Known: " + bench.method_help()),
     limit: Optional[int] = typer.Option(None, "--limit", help="Questions per category (default: all)."),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated (default: all)."),
+    ablate: bool = typer.Option(False, "--ablate", help="Add hd-no-<layer> for each layer of the default "
+                                "hierarchy (leave one out, in the same run)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json, answers/<method>.jsonl "
                                            "(Spec-Bench's answer schema) and speedup.png here."),
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
 ):
     """Run Spec-Bench with several methods on one model, interleaved, and report speedups."""
+    if ablate:
+        methods = ",".join([*(split_list(methods) if methods else bench.default_methods(cfg)),
+                            *bench.ablations(cfg)])
     with show.answered(lambda q: q["category"]) as progress:   # on stderr under --json too
         report = bench_commands.bench_spec_bench(cfg, split_list(methods) if methods else None, data=data,
                                                  limit=limit,
@@ -383,6 +388,43 @@ def bench_spec_bench(
     if out_dir is not None:
         Console(stderr=True, highlight=False).print(
             f"wrote {out_dir}/summary.json, {out_dir}/answers/*.jsonl, {out_dir}/speedup.png")
+
+
+@bench_app.command("drafts")
+@takes(DecodingConfig, [*BENCH, "max_new_tokens"], into="cfg", **BENCH_CHANGES)
+def bench_drafts(
+    cfg: DecodingConfig,
+    data: Optional[Path] = typer.Option(None, "--data", help="Questions in Spec-Bench's format (default: "
+                                        "data/spec_bench/question.jsonl here or under ../shared/)."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated hd methods of `hd bench "
+                                          "spec-bench` and suffix (default: hd, each layer alone whose DB is "
+                                          "given, suffix where installed)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Questions per category (default: all)."),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated (default: all)."),
+    ablate: bool = typer.Option(False, "--ablate", help="Add hd-no-<layer> for each default layer."),
+    budgets: str = typer.Option("4,8,16,32,64", "--budgets", help="Tree budgets (most tokens verified a "
+                                "step, the root included; 64 at most) at which every drafted node is sent."),
+    cache: Optional[Path] = typer.Option(None, "--cache", help="The recording's file (default: under "
+                                         "HD_CACHE_DIR, by model, tokenizer and questions)."),
+    record: bool = typer.Option(False, "--record", help="Record the answers again."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the report here (JSON)."),
+    as_json: bool = typer.Option(False, "--json", help="Write the report as JSON to stdout."),
+):
+    """Replay drafting configurations over the target's recorded greedy answers: MAT, predicted
+    speedup and each layer's share, without running the model (after one recording)."""
+    try:
+        sizes = [int(b) for b in split_list(budgets)]
+    except ValueError:
+        raise HdError(f"--budgets: {budgets!r} is not a comma-separated list of integers") from None
+    say = show.status(False)   # progress on stderr, --json included
+    report = bench_commands.bench_drafts(cfg, split_list(methods) if methods else None, data=data, limit=limit,
+                                         categories=split_list(categories) if categories else None,
+                                         ablate=ablate, budgets=sizes, cache=cache, record=record, out=out,
+                                         progress=lambda name: say(f"replayed {name}"), on_status=say)
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    Console(highlight=False).print(bench.drafts.table(report))
 
 
 @bench_app.command("agents")
