@@ -31,14 +31,27 @@ functions), so that what can change a run from outside its options is listed in 
   HF_HUB_OFFLINE, HF_ENDPOINT
                       Hugging Face's own: whether a hub id may be looked up online, and where.
 
-hd also sets one variable, for the processes it starts: kernels/build.py puts pip's ninja on PATH
-for torch's extension build (tests/test_docs_truth.py lists what may touch os.environ).
+hd also sets two variables: kernels/build.py puts pip's ninja on PATH for torch's extension build,
+and `cap_onednn_isa` caps oneDNN below AMX where it is unset (tests/test_docs_truth.py lists what
+may touch os.environ).
+  ONEDNN_MAX_CPU_ISA  oneDNN's own; unset, hd sets AVX512_CORE_FP16 before torch loads (below).
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from ..errors import HdError
+
+
+def cap_onednn_isa() -> None:
+    """oneDNN's AMX kernels (Intel Xeon 4th generation and newer) split a bf16 matmul by its row
+    count, so a row's result depends on the rows beside it: the M-invariant calibration finds no
+    padding that holds and the exact mode is refused. Its AVX-512 kernels below AMX hold. So the
+    cap, set before torch loads (hdcli/__init__.py) and only where the variable is unset; a CPU
+    without AMX is not affected (a cap above its own ISA)."""
+    import sys
+    if "torch" not in sys.modules and "ONEDNN_MAX_CPU_ISA" not in os.environ and not cpu_cap():   # HD_CPU: AVX2's own caps
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_FP16"
 
 
 def cache_dir() -> Path:
