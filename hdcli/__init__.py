@@ -1,6 +1,6 @@
 """hd: lossless speculative decoding with drafts from a hierarchy of sources."""
 __version__ = "0.1.0"
 
-from .engine import environment as _environment
+from .engine.environment import cap_onednn_isa as _cap_onednn_isa
 
-_environment.cap_onednn_isa()   # before anything loads torch: see the function
+_cap_onednn_isa()   # before anything loads torch: see the function

@@ -23,6 +23,10 @@ def unit(module: str) -> str:
     """'hdcli.engine.decode.loop' -> 'engine.decode'; 'hdcli.db.stores' -> 'db'; 'hdcli.db.commands'
     -> 'db.commands'; 'hdcli' (the package: __version__) -> 'errors'."""
     parts = module.split(".")
+    if parts[1:] == ["__init__"]:   # the package itself: it asks engine/environment.py for oneDNN's cap first
+        return "engine.environment"
+    if parts[1:] == ["__main__"]:   # `python -m hdcli`: the command line's entry, at the top
+        return "cli"
     if len(parts) > 2 and parts[1] == "engine" and f"engine.{parts[2]}" in ENGINE:
         return f"engine.{parts[2]}"
     if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in COMMANDS:
