@@ -373,14 +373,11 @@ def bench_spec_bench(
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),
 ):
     """Run Spec-Bench with several methods on one model, interleaved, and report speedups."""
-    if ablate:
-        methods = ",".join([*(split_list(methods) if methods else bench.default_methods(cfg)),
-                            *bench.ablations(cfg)])
     with show.answered(lambda q: q["category"]) as progress:   # on stderr under --json too
         report = bench_commands.bench_spec_bench(cfg, split_list(methods) if methods else None, data=data,
                                                  limit=limit,
                                                  categories=split_list(categories) if categories else None,
-                                                 out_dir=out_dir, progress=progress, on_status=show.status(as_json))
+                                                 ablate=ablate, out_dir=out_dir, progress=progress, on_status=show.status(as_json))
     if as_json:
         typer.echo(json.dumps(report))
         return

@@ -139,3 +139,12 @@ def test_bench_drafts_command(tiny_model_dir, tmp_path):
     assert "Traceback" not in again.stderr
     bad = hd_main("bench", "drafts", "--model", tiny_model_dir, "--data", data, "--budgets", "65")
     assert bad.returncode != 0 and "--budgets: 65" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_spec_bench_ablate_adds_one_method_per_default_layer(tiny_model_dir, tmp_path):
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS[:2]))
+    r = hd_main("bench", "spec-bench", "--data", data, "--model", tiny_model_dir, "--methods", "ar,hd", "--ablate",
+                "-n", "4", "--dtype", "fp32", "--json")
+    assert r.returncode == 0, r.stderr
+    assert list(json.loads(r.stdout)["methods"]) == ["ar", "hd", "hd-no-context"]

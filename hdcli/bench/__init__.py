@@ -11,11 +11,11 @@
     commands.py    `hd bench spec-bench`, `hd bench agents` and `hd bench drafts` as the CLI calls them
 """
 from . import drafts
-from .runner import (METHOD_HELP, METHODS, HfGenerate, LlamaServerPeer, Runner, Turn, ablations, check_methods, close,
+from .runner import (METHOD_HELP, METHODS, HfGenerate, LlamaServerPeer, Runner, Turn, check_methods, close,
                      method_help, default_methods, machine, make_runners, method_config, run, run_question, save,
                      summarize, unavailable)
 
-__all__ = ["METHOD_HELP", "METHODS", "HfGenerate", "LlamaServerPeer", "Runner", "Turn", "ablations", "check_methods",
+__all__ = ["METHOD_HELP", "METHODS", "HfGenerate", "LlamaServerPeer", "Runner", "Turn", "check_methods",
            "close", "drafts",
            "method_help", "default_methods", "machine", "make_runners", "method_config", "run", "run_question",
            "save", "summarize", "unavailable"]

@@ -29,7 +29,7 @@ def _questions_and_model(cfg: DecodingConfig, data, limit, categories, on_status
 
 
 def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, data: Path | None = None,
-                     limit: int | None = None, categories: Sequence[str] | None = None,
+                     limit: int | None = None, categories: Sequence[str] | None = None, ablate: bool = False,
                      out_dir: Path | None = None, progress=None, on_status: Status = lambda m: None) -> dict:
     """Spec-Bench with several methods on one model, interleaved (hdcli/bench/runner.py): the
     summary, with the configuration the methods were built from. progress(method, question,
@@ -38,6 +38,7 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
     if limit is not None and limit < 1:
         raise HdError(f"--limit must be >= 1, not {limit}")
     names = runner.default_methods(cfg) if methods is None else list(methods)
+    names += runner.ablations(cfg) if ablate else []   # leave one default layer out, in the same run
     runner.check_methods(names)
     skipped = runner.unavailable(names)   # llama-server methods without their binary: said, not run
     for why in skipped.values():
@@ -126,8 +127,7 @@ def bench_drafts(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, d
     if bad:
         raise HdError(f"--budgets: {bad[0]} is not a tree budget from 2 to 64 verified tokens")
     if methods is None:
-        methods = ["hd"] + [n for n, spec in runner.registry.LAYERS.items()
-                            if spec.bench_default and not spec.missing(cfg)] + ["suffix"] * suffix.available()
+        methods = ["hd"] + runner.single_layer_methods(cfg) + ["suffix"] * suffix.available()
     methods = list(methods) + (runner.ablations(cfg) if ablate else [])
     methods = [m for m in dict.fromkeys(methods) if m != "ar"]
     runner.check_methods(["ar", *methods])

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,6 @@ from ..db.fingerprint import tokenizer_fingerprint
 from ..engine.decode import costs
 from ..engine.decode.draft import Drafter
 from ..engine.decode.loop import Decoder
-from ..engine.decode.prefix import prefill_pieces
 from ..engine.decode.request import Request
 from ..engine.decode.tree import forward_cost
 from ..engine.decode.verify import top_tokens
@@ -44,6 +42,7 @@ from ..engine.kernels import invariant
 from ..engine.records import cpu_name, write_json
 from ..engine.text.prompts import encode_messages
 from ..errors import HdError
+from . import runner
 
 FORMAT = 1
 TOP_K = 8        # best tokens kept per position: Token Recycling keeps top-8
@@ -332,11 +331,10 @@ def replay(rec: Recording, make_drafter: Callable[[], Drafter | None], vocab: in
     return out
 
 
-def configurations(lm, cfg, dbs, methods: Sequence[str], record_prefill: bool = False):
-    """name -> a maker of (drafter factory, capped) for each method (bench/runner.py's names):
-    called once per replay, so what a method shares across answers starts empty each time."""
-    from . import runner
-    runner.check_methods(["ar", *methods])
+def configurations(lm, cfg, dbs, methods: Sequence[str]):
+    """name -> a maker of (drafter factory, capped) for each method (bench/runner.py's names,
+    checked by the caller): called once per replay, so what a method shares across answers starts
+    empty each time."""
     for name in methods:   # fail now, not after the recording
         runner.drafter_factory(name, lm, cfg, dbs)
     return {name: (lambda name=name: runner.drafter_factory(name, lm, cfg, dbs)) for name in methods}

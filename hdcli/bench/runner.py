@@ -93,11 +93,15 @@ METHOD_HELP = {
 }
 
 
+def single_layer_methods(cfg: DecodingConfig) -> list[str]:
+    """Each layer alone (a bench default) whose DB the run gives."""
+    return [n for n, spec in registry.LAYERS.items() if spec.bench_default and not spec.missing(cfg)]
+
+
 def default_methods(cfg: DecodingConfig) -> list[str]:
     """ar and hf-ar, each layer alone whose DB is given, hd, hf-pld, suffix where installed, and
     llama-cpp where installed and the model is a GGUF file."""
-    single = [n for n, spec in registry.LAYERS.items() if spec.bench_default and not spec.missing(cfg)]
-    return (["ar", "hf-ar"] + single + ["hd", "hf-pld"] + ["suffix"] * suffix.available()
+    return (["ar", "hf-ar"] + single_layer_methods(cfg) + ["hd", "hf-pld"] + ["suffix"] * suffix.available()
             + ["llama-cpp"] * llamacpp.runs_model(cfg.model))
 
 

@@ -221,8 +221,8 @@ class Hierarchy(Drafter):
             out: list[Draft] = []
             priced: list[Draft] = []
             for layer in self.layers:
-                if getattr(layer, "priced", False):   # as many candidates as its own tree has
-                    priced += self._ask(layer, history, max_len, max(C, getattr(layer, "tree_nodes", C)), stats)
+                if getattr(layer, "priced", False):
+                    priced += self._ask(layer, history, max_len, C, stats)
                 elif len(out) < C:
                     out += self._ask(layer, history, max_len, C - len(out), stats)
             return out + priced

@@ -233,8 +233,9 @@ class RecycledLayer:
     def _grow_ranked(self, a: int, b: int, max_len: int) -> list[Draft]:
         """Greedy records: the best-first tree of the table's predictions (bigram key, else the
         last token's), a rank-r child estimated at the table's rank_rate(r) times its parent's path
-        estimate; each root-to-leaf path a candidate, carrying its nodes' estimates (Draft.p), by
-        which the tree is capped."""
+        estimate; each root-to-leaf path a candidate (all of them: the tree_nodes bound sizes it,
+        not the hierarchy's slots), carrying its nodes' estimates (Draft.p), by which the tree is
+        capped."""
         rates = [self.table.rank_rate(r) for r in range(self.table.top_k)]
         nodes = self._best_first(a, b, max_len, lambda a, b: ((t, rates[r], r) for r, t in enumerate(self.table.next(a, b))))
         self.ranked = [(t, parent, r) for t, parent, r, _ in nodes]
