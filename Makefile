@@ -34,10 +34,12 @@ demo: setup
 # The suite on TEST_WORKERS pytest-xdist workers, one a core up to 4 (each worker its share of
 # the cores' threads: tests/conftest.py), a test file to a worker (--dist loadfile: a module's
 # fixtures start once). --durations=15: the slowest tests close every run, so a slow one is seen
-# the day it lands.
+# the day it lands. --max-worker-restart 0: a worker that crashes (a segfault in a library) ends
+# the run, failed and named; restarted, its replacement left pytest-xdist's controller waiting
+# for tests it never sent, until CI's limit (llama.cpp's AMX path, bench/llamacpp.py amx_off).
 TEST_WORKERS ?= $(shell $(PY) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 --durations=15
 
 # llama.cpp's own server, for the llama-server* methods of `hd bench spec-bench` (llama.cpp's
 # plain decoding and its n-gram --spec-type drafters on the same GGUF): the vendored llama.cpp of

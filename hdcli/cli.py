@@ -5,9 +5,13 @@ The decoding options are DecodingConfig's fields (hdcli/config.py) and `hd serve
 ServeOptions' (hdcli/serve/options.py): each is declared once there, and a command here names
 the fields it takes (hdcli/flags.py makes their options). What a command shows a person is
 hdcli/show.py's. Every error the user can fix is an HdError: printed as one line on stderr,
-exit code 2.
+exit code 2. Ctrl-C and SIGTERM end any command at once, in one line (hdcli/interrupts.py).
 """
 from __future__ import annotations
+
+if __name__ == "__main__":   # `python -m hdcli.cli`: a signal during the imports below ends hd cleanly too
+    from hdcli import interrupts
+    interrupts.install()
 
 import dataclasses
 import json
@@ -19,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from . import __version__, bench, generation, show
+from . import __version__, bench, generation, interrupts, show
 from .bench import agents as bench_agents_mod
 from .bench import commands as bench_commands
 from .bench import report as bench_report
@@ -124,6 +128,7 @@ def models_cmd(as_json: bool = typer.Option(False, "--json", help="Write the lis
     """List the GGUF models in Ollama's and LM Studio's stores, by the --model name that runs them."""
     rep = local_models.report()
     if as_json:
+        show.warnings(rep["warnings"])
         typer.echo(json.dumps(rep))
     else:
         show.local_models(rep)
@@ -469,10 +474,10 @@ def bench_report_cmd(
     Console(highlight=False).print(bench_report.tables(report))
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> int:
     Console(stderr=True, highlight=False, soft_wrap=True).print(
         Text.assemble(("error: ", "red"), " ".join(message.split())))  # one line, always
-    sys.exit(code)
+    return code
 
 
 def _finish_layout_cache() -> None:
@@ -487,7 +492,8 @@ def _finish_layout_cache() -> None:
             raise typer.Abort() from None
 
 
-def main() -> None:
+def _run() -> int:
+    """The command's exit code, its errors said in one line."""
     # click's exceptions, wherever this typer takes click from (recent ones vendor it)
     cx = sys.modules[typer.BadParameter.__module__]
     no_args = getattr(cx, "NoArgsIsHelpError", ())
@@ -495,26 +501,39 @@ def main() -> None:
         # standalone_mode=False: click hands usage errors to us instead of printing its boxed
         # multi-line form, so they are one line like every other error
         code = app(standalone_mode=False)
-        _finish_layout_cache()
     except no_args as exc:  # bare `hd` or `hd db`: the help (rich has printed it already)
         exc.show()
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except cx.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx else "hd"
-        _fail(f"{exc.format_message()} (see `{where} --help`)", exc.exit_code)
+        return _fail(f"{exc.format_message()} (see `{where} --help`)", exc.exit_code)
     except cx.ClickException as exc:
-        _fail(exc.format_message(), exc.exit_code)
+        return _fail(exc.format_message(), exc.exit_code)
     except typer.Abort:
-        _fail("interrupted", 130)
+        return _fail("interrupted", 130)
     except HdError as exc:
-        _fail(str(exc))
+        return _fail(str(exc))
     except Exception as exc:  # noqa: BLE001 - only disk refusals are turned into one line
         msg = disk_error(exc)
         if msg is None:
             raise
-        _fail(msg)
-    sys.exit(code if isinstance(code, int) else 0)
+        return _fail(msg)
+    return code if isinstance(code, int) else 0
+
+
+def main() -> None:
+    previous = interrupts.install()   # the console script's entry (hdcli/__main__.py) did it before the imports
+    try:
+        code = _run()
+        try:   # on every path: the writer is waited for by the interpreter otherwise, silently
+            _finish_layout_cache()
+        except typer.Abort:
+            code = _fail("interrupted", 130)
+        interrupts.finish()
+    finally:
+        interrupts.restore(previous)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    interrupts.run(main)

@@ -376,6 +376,10 @@ class DecodingConfig:
         if unknown:
             raise HdError(f"{where}: unknown field '{unknown[0]}' (known: {', '.join(sorted(known))})")
         for name, value in data.items():
+            if _not_finite(value):   # NaN and Infinity parse as numbers (JSON, typer) and pass every `<`
+                flag = FIELD_FLAGS.get(name) if where == "options" else None
+                raise HdError(f"{where}: {flag or f'field {name!r}'} must be a finite number, not "
+                              f"{_not_finite(value)}")
             check, what = FIELD_TYPES.get(name, (None, ""))
             if check is not None and not check(value):
                 shown = json.dumps(value, default=str)
@@ -416,6 +420,7 @@ class DecodingConfig:
 # What each field takes, from its declaration (from_dict checks it; hsd/planner reads plans by it)
 FIELD_TYPES = {f.name: (f.metadata["kind"].check, f.metadata["kind"].what)
                for f in dataclasses.fields(DecodingConfig) if "kind" in f.metadata}
+FIELD_FLAGS = {f.name: f.metadata["flags"][0] for f in dataclasses.fields(DecodingConfig) if f.metadata.get("flags")}
 # the numbers each number field takes, and hd serve's where OpenAI's API takes fewer
 RANGES = {f.name: f.metadata["range"] for f in dataclasses.fields(DecodingConfig) if "range" in f.metadata}
 SERVED_RANGES = {**RANGES, **{f.name: f.metadata["served"] for f in dataclasses.fields(DecodingConfig)
@@ -472,6 +477,22 @@ def parse_draft_len(spec: str | int) -> int | dict[str, int]:
     except ValueError:
         raise HdError(f"--draft-len takes a number or layer=number pairs (context=16,stats=8), "
                       f"not {spec!r}") from None
+
+
+def _not_finite(value) -> str | None:
+    """The first NaN or infinity in a value (a number, or a dict's values or a list's items, as
+    --logit-bias's), as written; None where there is none."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+    for v in items:
+        if isinstance(v, str) and "=" in v:   # a CLI item TOKEN=BIAS
+            v = v.partition("=")[2].strip()
+            try:
+                v = float(v)
+            except ValueError:
+                continue
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+    return None
 
 
 def parse_logit_bias(spec) -> dict[int, float]:

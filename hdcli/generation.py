@@ -40,10 +40,13 @@ class Result:
     # per token where asked: (log-probability, [(token, log-probability) of the best ones])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     prediction_usage: dict | None = None   # with a prediction: accepted/rejected_prediction_tokens
+    # what hd changed of the request, one line each as on stderr ("warning: ..."): a cap said
+    # only on stderr is lost to a program reading --json
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self, tokenizer=None) -> dict:
         out = {"text": self.text, "tokens": self.tokens, "stop_reason": self.stop_reason,
-               "stats": self.stats.to_dict()}
+               "stats": self.stats.to_dict(), "warnings": list(self.warnings)}
         if self.logprobs is not None:
             def text(t):
                 return tokenizer.decode([t]) if tokenizer is not None else None
@@ -68,8 +71,9 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     default one: context DB and recycled predictions). cost: the forward-cost curve that caps
     draft trees (default: measured once for this model and machine, see costs.curve_for).
     logprobs: None, or k to return each token's log-probability and its k best alternatives
-    (Result.logprobs; plain decoding's numbers exactly, verify.logprobs_of). on_status: told in
-    one line when max_new_tokens is more than the context leaves after the prompt (then cut to it).
+    (Result.logprobs; plain decoding's numbers exactly, verify.logprobs_of). on_status: told each
+    change made to the request, one line each (Result.warnings has them too): max_new_tokens
+    more than the context leaves after the prompt is cut to it.
     grammar: constrain.compile(lm, kind, source): the output follows it (engine/text/constrain.py).
     prediction: text (or token ids) the answer is expected to repeat, drafted by its own layer at
     the top of the hierarchy (engine/decode/prediction.py); it drafts with drafter None too.
@@ -86,9 +90,12 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     if room < 1:
         raise HdError(f"the prompt is {len(prompt_ids)} tokens but the model's context is "
                       f"{lm.max_context}: shorten the prompt")
-    if max_new_tokens > room and on_status is not None:
-        on_status(f"warning: --max-new-tokens {max_new_tokens} exceeds the room left in the model's context "
-                  f"({room} tokens after the prompt): generating at most {room}")
+    warnings = []
+    if max_new_tokens > room:
+        warnings.append(f"warning: --max-new-tokens {max_new_tokens} exceeds the room left in the model's "
+                        f"context ({room} tokens after the prompt): generating at most {room}")
+    for line in warnings if on_status is not None else ():
+        on_status(line)
     vocab = lm.model.config.vocab_size
     outside = [t for t, _ in cfg.sampling.logit_bias if t >= vocab]
     if outside:
@@ -107,7 +114,7 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), request.stop)
     return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
                   stats=g.stats, prompt_ids=list(prompt_ids), logprobs=g.logprobs,
-                  prediction_usage=g.prediction_usage)
+                  prediction_usage=g.prediction_usage, warnings=warnings)
 
 
 def compile_grammar(lm: models.LoadedModel, kind: str, source=None) -> constrain.Grammar:
@@ -253,7 +260,13 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     if not prompt or not prompt.strip():
         raise HdError("the prompt is empty: pass --prompt TEXT or --prompt-file FILE")
     output.compile(None)   # a bad schema or grammar is said before the model loads
-    run = prepare(cfg, lm, on_status)
+    warned: list[str] = []   # every change made to the run, said and kept for --json
+
+    def say(message: str) -> None:
+        if message.startswith("warning:"):
+            warned.append(message)
+        on_status(message)
+    run = prepare(cfg, lm, say)
     cfg, lm = run.config, run.lm
     grammar = output.compile(lm)
     prompt_ids = encode_prompt(lm.tokenizer, prompt, chat=cfg.chat, system=cfg.system, max_tokens=lm.max_context)
@@ -261,7 +274,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     if compare:
         warm_up(lm)
     res = generate(lm, prompt_ids=prompt_ids, config=cfg, drafter=run.drafter, on_text=on_text,
-                   on_status=on_status, grammar=grammar, prediction=predicted)
+                   on_status=say, grammar=grammar, prediction=predicted)
     used = resolved(cfg, lm, run.dbs)
     data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
             "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
@@ -271,7 +284,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
             "layers": used.layers,
             "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
             "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "plan": cfg.plan,
-            "sampling": vars(cfg.sampling) | {"seed": cfg.seed}, "config": used.to_dict(), **res.to_dict(lm.tokenizer)}
+            "sampling": vars(cfg.sampling) | {"seed": cfg.seed}, "config": used.to_dict(), **res.to_dict(lm.tokenizer), "warnings": warned}
     if grammar is not None:
         rows = res.stats.grammar_rows
         data["grammar"] = {"kind": grammar.kind, "seconds": res.stats.grammar_seconds, "rows": rows,

@@ -101,16 +101,24 @@ def answered(category_of):
         progress.close()
 
 
+def warnings(lines) -> None:
+    """Lines "warning: ..." on stderr (under --json too: stdout carries them in its `warnings`)."""
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    for line in lines:
+        err.print(Text.assemble(("warning:", "yellow"), line.removeprefix("warning:")))
+
+
 def status(as_json: bool):
-    """Where progress and warnings go: dim lines on stderr, nothing under --json."""
+    """Where progress and warnings go: dim lines on stderr; under --json only the warnings (what
+    was changed of the request is said on stderr whatever stdout carries; --json lists it too)."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def say(message: str) -> None:
         if message.startswith("warning:"):
             err.print(Text.assemble(("warning:", "yellow"), message[len("warning:"):]))
-        else:
+        elif not as_json:
             err.print(Text(message, style="dim"))
-    return (lambda m: None) if as_json else say
+    return say
 
 
 
@@ -178,6 +186,7 @@ def local_models(rep: dict) -> None:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     for bad in rep.get("skipped", []):
         err.print(Text.assemble(("warning: ", "yellow"), f"skipped {bad['name']}: " + " ".join(bad["problem"].split())))
+    warnings(rep.get("warnings", []))
     if not rep["models"]:
         where = rep["searched"]
         con.print(f"no models found in Ollama's store ({where['ollama']}) or LM Studio's "

@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 
+from hdcli.bench import llamacpp
 from hdcli.engine import loader
 from hdcli.engine.decode.loop import Decoder
 
@@ -130,7 +131,7 @@ def _file(files, arch: str, outtype: str = "f32") -> tuple[Path, Path]:
 def llama_cpp_run(path: Path, n: int) -> tuple[np.ndarray, list[int]]:
     """llama.cpp's prompt logits and n greedy tokens on the file, its KV cache in fp32."""
     f32 = llama_cpp.GGML_TYPE_F32
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, logits_all=True, verbose=False, type_k=f32, type_v=f32)
+    llm = llamacpp.open_model(path, n_ctx=256, n_threads=1, logits_all=True, verbose=False, type_k=f32, type_v=f32)
     try:
         llm.eval(IDS)
         logits = np.array(llm.scores[:len(IDS)], dtype=np.float32)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from hdcli.bench import llamacpp
 from hdcli.engine import loader
 from hdcli.engine.model.gguf import GGUFFile
 from hdcli.engine.model.layers import dequantize
@@ -76,7 +77,7 @@ def _logits_both(path: Path) -> tuple[np.ndarray, np.ndarray]:
     ids = lm.tokenizer(PROMPT).input_ids
     with torch.inference_mode():
         ours = lm.model.forward(torch.tensor([ids])).float().numpy().reshape(len(ids), -1)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, logits_all=True, verbose=False)   # bit-equal on 2
+    llm = llamacpp.open_model(path, n_ctx=256, n_threads=1, logits_all=True, verbose=False)   # bit-equal on 2
     try:
         llm.eval(ids)
         theirs = np.array(llm.scores[:len(ids)], dtype=np.float32)

@@ -67,6 +67,7 @@ def bench_spec_bench(cfg: DecodingConfig, methods: Sequence[str] | None = None, 
         meta["llama_server"] = servers
     if skipped:
         meta["skipped"] = skipped
+    meta["warnings"] = [f"warning: {why}" for why in skipped.values()]   # as said on stderr
     if out_dir is not None:
         runner.save(out_dir, summary, results, meta, lm.name)
         chart({**meta, "methods": summary}, out_dir / "speedup.png")

@@ -16,15 +16,54 @@ method is refused in one line that says how to install it.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
-from ..engine import loader
+from ..engine import loader, records
 from ..errors import HdError
 
 INSTALL = "pip install 'llama-cpp-python>=0.3' (or pip install -e '.[llama-cpp]'; builds in ~4 min)"
 MAX_CONTEXT = 8192  # llama.cpp allocates its whole KV cache up front: no more than a bench needs
+
+
+def amx_off() -> bool:
+    """Whether llama.cpp's AMX weight buffers are turned off here: on a CPU with AMX (Intel Xeon of
+    the 4th generation and later) llama.cpp repacks the weights for its AMX kernels, and its first
+    decode then segfaults on some of them (llama.cpp#20824, open; one Xeon of family 6 model 167 on
+    every model tried: the bundled SmolLM2 and the tiny test models). Off, it runs its AVX-512
+    kernels, as on the CPUs before. llama-server's --no-repack, llama-cpp-python's
+    use_extra_bufts=False: both runners record it (settings)."""
+    return "amx_int8" in records.cpu_flags()
+
+
+@contextlib.contextmanager
+def _amx_buffers_off():
+    """llama_cpp.Llama builds its model parameters from llama.cpp's defaults inside __init__ and
+    takes no use_extra_bufts: the defaults are changed for the construction."""
+    if not amx_off():
+        yield
+        return
+    import llama_cpp.llama as high
+    low, real = high.llama_cpp, high.llama_cpp.llama_model_default_params
+
+    def defaults():
+        params = real()
+        params.use_extra_bufts = False
+        return params
+    low.llama_model_default_params = defaults
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = real
+
+
+def open_model(path, **kw):
+    """llama_cpp.Llama(model_path=path, **kw), without the AMX buffers where amx_off()."""
+    from llama_cpp import Llama
+    with _amx_buffers_off():
+        return Llama(model_path=str(path), **kw)
 
 
 def available() -> bool:
@@ -60,16 +99,14 @@ class LlamaCppModel:
         if not str(lm.source).lower().endswith(".gguf"):
             raise HdError(f"method 'llama-cpp' runs a GGUF file; model '{lm.name}' was loaded from "
                           f"{lm.source}: pass a .gguf file or a bundled name with --model")
-        try:
-            from llama_cpp import Llama
-        except ImportError:
-            raise HdError(f"method 'llama-cpp' needs llama-cpp-python, which is not installed: {INSTALL}") from None
+        if not available():
+            raise HdError(f"method 'llama-cpp' needs llama-cpp-python, which is not installed: {INSTALL}")
         self.lm = lm
         self.threads = threads or torch.get_num_threads()
         self.n_ctx = min(lm.max_context, MAX_CONTEXT)
         try:
-            self.llm = Llama(model_path=str(lm.source), n_ctx=self.n_ctx, n_threads=self.threads,
-                             n_threads_batch=self.threads, n_gpu_layers=0, verbose=False)
+            self.llm = open_model(lm.source, n_ctx=self.n_ctx, n_threads=self.threads,
+                                  n_threads_batch=self.threads, n_gpu_layers=0, verbose=False)
         except Exception as exc:  # llama.cpp says little more than "failed to load"
             raise HdError(f"llama-cpp-python could not load {lm.source}: {exc}") from None
         if self.llm.n_vocab() != lm.model.config.vocab_size:
@@ -78,7 +115,7 @@ class LlamaCppModel:
 
     def settings(self) -> dict:
         """What a bench run records of it."""
-        return {"version": version(), "threads": self.threads, "n_ctx": self.n_ctx}
+        return {"version": version(), "threads": self.threads, "n_ctx": self.n_ctx, "amx_buffers": not amx_off()}
 
     def answer(self, prompt_ids, max_new_tokens: int, sampling, seed: int | None,
                grammar=None) -> tuple[list[int], float]:

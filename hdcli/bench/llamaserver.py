@@ -44,7 +44,7 @@ import torch
 
 from ..engine import environment
 from ..errors import HdError
-from .llamacpp import MAX_CONTEXT
+from .llamacpp import MAX_CONTEXT, amx_off
 
 # the n-gram drafters of the vendored llama.cpp (common/speculative.cpp; `llama-server --help`
 # lists them under --spec-type, beside the draft-model ones: draft-simple, -eagle3, -mtp, ...)
@@ -133,6 +133,8 @@ class LlamaServer:
                 "-ngl", "0", "--cache-ram", "0", "--no-webui"]
         if self.spec:
             args += ["--spec-type", self.spec]
+        if amx_off():   # its AMX weight buffers crash its decode (llamacpp.amx_off)
+            args += ["--no-repack"]
         self.args, self.keep_log = args, False
         self.log = tempfile.NamedTemporaryFile("w+b", prefix=f"hd-{method}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,

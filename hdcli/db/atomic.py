@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from .. import interrupts
 from ..errors import HdError
 from . import envs
 from .codec import digest_hex, record_hash
@@ -201,8 +202,8 @@ def writing(path: str | Path, overwrite: bool = False) -> Iterator[StoreWriter]:
     """`with writing(out) as w: w.put(...); w.commit(header)`: nothing reaches `out` unless
     commit() ran; any exception (Ctrl-C included) removes the temporary files, and so does SIGTERM
     (raised as KeyboardInterrupt while writing: its default action would end the process with
-    no cleanup)."""
-    with _sigterm_interrupts():
+    no cleanup; under the command line's handler, interrupts.deferred)."""
+    with _sigterm_interrupts(), interrupts.deferred():
         w = StoreWriter(path, overwrite=overwrite)
         try:
             yield w

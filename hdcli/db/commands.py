@@ -5,6 +5,8 @@ hierarchy; a query drafts as the stats layer does), hence apart from the store m
 """
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Sequence
 
@@ -100,6 +102,8 @@ def db_info(path: Path, verify: bool = False) -> dict:
 def db_query(path: Path, text: str, model: str | None = None, *, max_len: int = 16, min_prob: float = 0.0) -> dict:
     """hd db query: each key of the text's end the DB holds (longest first) with its
     continuations, and the draft it would give (tokenized by `model`, default the DB's)."""
+    if not (math.isfinite(min_prob) and 0 <= min_prob <= 1):
+        raise HdError(f"--min-prob must be a finite number between 0 and 1, not {min_prob}")
     db = Store(path)
     tok = models.load_tokenizer(model or db.header.get("model", "smollm2-135m"))
     db.check_tokenizer(tok, model or db.header.get("model", ""))

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import HdError
-from . import local_models
+from . import local_models, records
 from .environment import cache_dir as configured
 from .environment import check_cache_dir
 from .environment import cpu_cap
@@ -154,13 +154,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def native_bf16() -> bool:
     """Whether the CPU computes in bf16 natively (AVX-512 BF16 or AMX): else bf16 is emulated and
     never the faster dtype. False where HD_CPU runs hd as an AVX2 CPU (environment.CPU_CAPS)."""
-    if cpu_cap():
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_cap() and bool({"avx512_bf16", "amx_bf16"} & records.cpu_flags())
 
 
 def torch_dtype(name: str):

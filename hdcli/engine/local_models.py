@@ -26,6 +26,7 @@ can and says each one it cannot in one line.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -277,8 +278,29 @@ def searched() -> dict:
     return {"ollama": str(ollama_root()), "lmstudio": [str(r) for r in lmstudio_roots()]}
 
 
+def store_warnings() -> list[str]:
+    """A line for each store folder that is there but cannot be listed (a file, or a folder hd may
+    not read): listing finds nothing in it, which said nothing (OLLAMA_MODELS=/etc/passwd listed
+    no models). A default folder that is absent is no store, and says nothing."""
+    roots = [("$OLLAMA_MODELS" if environment.ollama_models() else "Ollama's default folder", ollama_root())]
+    roots += [("$LMSTUDIO_MODELS" if environment.lmstudio_models() else "LM Studio's default folder", r)
+              for r in lmstudio_roots()]
+    out = []
+    for what, root in roots:
+        if not os.path.lexists(root):
+            continue
+        if not root.is_dir():
+            out.append(f"warning: {what} {root} is not a folder: no models are listed from it; point it at "
+                       "the store's folder")
+        elif not os.access(root, os.R_OK | os.X_OK):
+            out.append(f"warning: {what} {root} cannot be read (permission denied): no models are listed from "
+                       "it; make it readable, or point it at another folder")
+    return out
+
+
 def report() -> dict:
-    """What `hd models` shows: every GGUF in the stores, where hd looked, and the entries skipped
-    (each with its problem)."""
+    """What `hd models` shows: every GGUF in the stores, where hd looked, the entries skipped
+    (each with its problem) and a warning for each store that is there but cannot be listed."""
     found, skipped = list_models()
-    return {"searched": searched(), "models": [m.to_dict() for m in found], "skipped": skipped}
+    return {"searched": searched(), "models": [m.to_dict() for m in found], "skipped": skipped,
+            "warnings": store_warnings()}

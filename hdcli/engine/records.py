@@ -20,6 +20,19 @@ from .environment import cache_dir, cpu_cap
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The first processor's flags in /proc/cpuinfo (none where there is no such file)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
 def cpu_name() -> str:
     """The CPU model (lscpu's 'Model name'), with its family and model numbers where it names an
     x86 CPU, part of every cache key: curves do not travel. The numbers matter where a VM names

@@ -160,9 +160,10 @@ class Routes:
         created = int(time.time())
         # the fields taken and not acted on (reasoning_effort...), so that a client can tell
         ignored = {IGNORED_HEADER: ", ".join(req.ignored())} if req.ignored() else {}
+        warned = warnings_of(req, jobs)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(server, jobs, events, rid, created, chat, include_usage, endpoint),
+            return StreamingResponse(_sse(server, jobs, events, rid, created, chat, include_usage, endpoint, warned),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **ignored})
         waiter = asyncio.ensure_future(_until_done(events, len(jobs)))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -178,7 +179,8 @@ class Routes:
         if failed is not None:
             return self.error(ApiError(500, f"generation failed: {failed.error}"), endpoint)
         server.metrics.requests.labels(endpoint, "200").inc()
-        return JSONResponse(_answer(server, jobs, rid, created, chat), headers=ignored or None)
+        answer = _answer(server, jobs, rid, created, chat) | ({"warnings": warned} if warned else {})
+        return JSONResponse(answer, headers=ignored or None)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -285,13 +287,22 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+def warnings_of(req, jobs: list[Job]) -> list[str]:
+    """What hd changed of a request or left undone, one line each: an answer's `warnings` (a field
+    OpenAI's responses do not have, which its clients keep as an extra; absent when empty)."""
+    out = [f"{name}: taken and not acted on (hd serve does not implement it)" for name in req.ignored()]
+    return out + (list(jobs[0].warnings) if jobs else [])
+
+
 async def _sse(server, jobs: list[Job], events: asyncio.Queue, rid: str, created: int, chat: bool,
-               include_usage: bool, endpoint: str):
+               include_usage: bool, endpoint: str, warned: list[str] = ()):
     """Server-sent events: one chunk per text piece of a choice (its `index`), a last one per choice
     with its finish_reason, the usage chunk when asked (after every choice ended), then [DONE].
-    Leaving early (the client disconnected) cancels the jobs."""
+    The first chunk carries the request's `warnings` (warnings_of), where it has any. Leaving
+    early (the client disconnected) cancels the jobs."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     offsets = [0] * len(jobs)   # characters sent per choice: completions' text_offset
+    unsaid = list(warned)
 
     def chunk(i: int, piece: str | None, finish: str | None, usage=None, choices=True, role=False,
               entries=None, calls=None) -> bytes:
@@ -307,6 +318,9 @@ async def _sse(server, jobs: list[Job], events: asyncio.Queue, rid: str, created
                "choices": [choice] if choices else []}
         if usage is not None or include_usage:
             doc["usage"] = usage
+        if unsaid:
+            doc["warnings"] = list(unsaid)
+            unsaid.clear()
         return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
     left = len(jobs)

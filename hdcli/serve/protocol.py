@@ -61,7 +61,9 @@ def _served(name: str, default=None):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: JSON's NaN and Infinity parse as floats, and NaN passes every range check
+    # (a NaN temperature was called too big); refused as "not a finite number", naming the field
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TextPart(_Strict):

@@ -75,6 +75,7 @@ class Job:
     tool_family: str | None = None         # parse the answer for tool calls in this format (engine/text/tools.py)
     tools: list = field(default_factory=list)   # the tools offered (engine/text/tools.Tool): calls name one
     calls: list | None = None              # the tool calls the answer is (OpenAI's shape), or None
+    warnings: list[str] = field(default_factory=list)   # what hd changed of the request (the body's `warnings`)
     id: str = ""
     submitted: float = field(default_factory=time.perf_counter)
     started: float = 0.0                   # prefill done

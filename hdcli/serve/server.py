@@ -233,12 +233,17 @@ class Server:
             grammar = structured.grammar_for(req, self.lm, spec, family, self.scheduler.tokenizer_lock)
             with self.scheduler.tokenizer_lock:
                 prediction = structured.prediction_ids(req, self.lm, room)
+        warnings = []
+        if limit is None and cfg.max_new_tokens > room:   # the server's default, not the client's ask
+            warnings.append(f"max_tokens: unset, and the server's default of {cfg.max_new_tokens} new tokens "
+                            f"exceeds the room the model's context leaves after the {len(ids)}-token prompt: "
+                            f"at most {room}")
         request = Request(ids, min(limit or cfg.max_new_tokens, room), self._sampling(req),
                           seed=cfg.seed if req.seed is None else req.seed, stop=tuple(req.stops() or cfg.stop),
                           logprobs=req.logprobs_wanted(), grammar=grammar, prediction=prediction, scope=scope)
         return Job(request, emit=lambda ev: None, streamed=req.stream,
                    tool_family=family if structured.parses_calls(req, spec) else None,
-                   tools=spec.tools if spec is not None else [])
+                   tools=spec.tools if spec is not None else [], warnings=warnings)
 
     def _sampling(self, req) -> Sampling:
         """The request's sampling and logits processors; what it leaves out, the server's."""

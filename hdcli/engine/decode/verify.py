@@ -92,6 +92,10 @@ class Sampling:
 
     def __post_init__(self):
         r = SAMPLING_RANGES
+        for name in r:   # NaN passes every comparison: said as what it is, before any range
+            v = getattr(self, name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, not {v}")
         if not r["temperature"].holds(self.temperature):
             raise ValueError(f"temperature must be a finite number >= {r['temperature'].low:g}, not {self.temperature}")
         if not r["top_k"].holds(self.top_k):
@@ -104,6 +108,8 @@ class Sampling:
                 raise ValueError(f"{name} must be in [{r[name].low:g}, {r[name].high:g}], not {v}")
         bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
         for t, b in bias:
+            if not math.isfinite(b):
+                raise ValueError(f"logit_bias: the bias of token {t} must be a finite number, not {b}")
             if t < 0 or not -MAX_BIAS <= b <= MAX_BIAS:
                 raise ValueError(f"logit_bias: token ids must be >= 0 and biases in [-{MAX_BIAS:g}, "
                                  f"{MAX_BIAS:g}], not {t}: {b}")

@@ -5,19 +5,30 @@ and the flags, so a binary built for another CPU or source is never loaded.
   * -O3 -march=native -ffp-contract=off, no -ffast-math: vector and scalar code round alike and no
     sum is reordered, whatever the compiler vectorises (the kernels' exactness rests on this).
     -march=x86-64-v3 (AVX2, FMA, F16C) instead where HD_CPU=avx2 asks for the AVX2-only path.
-  * A build lock left by a killed build is removed after STALE_LOCK_SECONDS, said in one line.
+  * One process builds or loads an extension at a time: it holds `hd.lock` in the extension's
+    folder (build_lock), which names the holder (PID, host, when it took it). A waiter says
+    whom it waits for; the lock of a process that is gone is free at once (an flock, released
+    by the kernel when its holder dies), and a waiter finding a gone holder's name in it says so
+    in one line. torch's own `lock` there is then a dead build's: removed, never waited on.
+  * No build begins in a process that is ending (interrupts.stopping), and one that is running
+    when the process ends is stopped with it: its compiler killed, both locks left free.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import json
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from ... import interrupts
 from ..environment import cpu_cap
 from ..records import cpu_name
 
@@ -36,7 +47,8 @@ class OnePerProcess:
         return self
 
 
-STALE_LOCK_SECONDS = 180   # a build takes ~30 s (a minute on a loaded machine); a lock older is dead
+LOCK_NAME = "hd.lock"        # build_lock's, in the extension's folder
+TORCH_LOCK_NAME = "lock"     # torch.utils.cpp_extension's FileBaton there
 
 
 def extension_name(source: Path, prefix: str) -> str:
@@ -75,33 +87,36 @@ def compile_extension(source: Path, name: str, what: str, quiet: bool = False):
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             except (ImportError, AttributeError):
                 pass
-        # a build already there loads in a moment: say "compiling" only when it compiles
-        folder, built = _build_folder(name), is_built(name)
-        if folder is not None:
-            _wait_for_build_lock(folder, what)
-        t0 = time.perf_counter()
-        if not quiet and not built:
-            print(f"hd: compiling {what} (once per machine, ~30 s)...", file=sys.stderr, flush=True)
+        folder = _build_folder(name)
+        with build_lock(folder, what) if folder is not None else contextlib.nullcontext():
+            if interrupts.stopping():   # never a compiler started by a process that is ending
+                return None, "hd is stopping"
+            # a build already there (maybe the one just waited for) loads in a moment: say
+            # "compiling" only when it compiles
+            built = is_built(name)
+            t0 = time.perf_counter()
+            if not quiet and not built:
+                print(f"hd: compiling {what} (once per machine, ~30 s)...", file=sys.stderr, flush=True)
 
-        def build():
-            return cpp_extension.load(name=name, sources=[str(_beside_build(source, folder))], extra_cflags=flags(),
-                                      extra_ldflags=["-fopenmp"], verbose=False)
-        try:
-            module = build()
-        except (ImportError, OSError) as exc:
-            if not built:
-                raise
-            # a build that does not load (a truncated or foreign .so in the cache): dropped and
-            # built again once, said, so the kernels in use never change without a word
-            print(f"warning: {folder / (name + '.so')} does not load ({_why(exc)}); rebuilding {what} (~30 s)",
-                  file=sys.stderr, flush=True)
-            shutil.rmtree(folder, ignore_errors=True)
-            cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)   # else this process skips the build
-            built, rebuilt = False, True
-            module = build()
-        if not quiet and not built:
-            print(f"hd: {what} ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
-        return module, None
+            def build():
+                return cpp_extension.load(name=name, sources=[str(_beside_build(source, folder))],
+                                          extra_cflags=flags(), extra_ldflags=["-fopenmp"], verbose=False)
+            try:
+                module = build()
+            except (ImportError, OSError) as exc:
+                if not built:
+                    raise
+                # a build that does not load (a truncated or foreign .so in the cache): dropped and
+                # built again once, said, so the kernels in use never change without a word
+                print(f"warning: {folder / (name + '.so')} does not load ({_why(exc)}); rebuilding {what} (~30 s)",
+                      file=sys.stderr, flush=True)
+                _empty(folder)
+                cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)   # else this process skips the build
+                built, rebuilt = False, True
+                module = build()
+            if not quiet and not built:
+                print(f"hd: {what} ready ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+            return module, None
     except Exception as exc:   # no compiler, no ninja, a read-only home: the torch path stays
         why = _why(exc)
         if rebuilt:
@@ -130,27 +145,73 @@ def _beside_build(source: Path, folder: Path | None) -> Path:
     return copy
 
 
-def _wait_for_build_lock(folder: Path, what: str) -> None:
-    """torch's build lock (`lock` in the extension's folder) is a file that a process killed while
-    compiling leaves behind, and torch waits on it forever, saying nothing: every later hd run
-    hung at load. Wait here for another process's build, saying so, and remove a lock older
-    than STALE_LOCK_SECONDS, in one line."""
-    lock = folder / "lock"
-    said = False
-    while True:
+def _empty(folder: Path) -> None:
+    """Everything in an extension's folder but the lock this process holds in it (removing the
+    lock file would let another process lock a new one beside it)."""
+    for p in folder.iterdir():
+        if p.name != LOCK_NAME:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _holder(f) -> dict | None:
+    """Who the lock file names (build_lock's record), None where it names no one."""
+    f.seek(0)
+    try:
+        held = json.loads(f.read() or "null")
+    except ValueError:
+        return None
+    return held if isinstance(held, dict) else None
+
+
+def _who(held: dict | None) -> str:
+    if held is None:
+        return "another process"
+    since = time.strftime("%H:%M:%S", time.localtime(held.get("since", 0)))
+    host = held.get("host")
+    return f"PID {held.get('pid')}{'' if host in (None, socket.gethostname()) else ' on ' + str(host)} (since {since})"
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path, what: str):
+    """Extension `folder`'s build lock, held while it builds or loads. torch's own `lock` is a
+    file a killed build leaves behind, which torch waits on forever without a word (every later
+    start hung); hd's is an flock, free the moment its holder's process is gone, on a file that
+    names the holder. So a waiter waits only for a live holder, says whom, and a holder that is
+    gone is said in one line; torch's `lock` found under it is a dead build's and is removed."""
+    path, stale = folder / LOCK_NAME, folder / TORCH_LOCK_NAME
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError:   # a folder hd cannot write: the build fails there too, and says so
+        yield
+        return
+    with f:
         try:
-            age = time.time() - lock.stat().st_mtime
-        except OSError:   # no lock (or none left): build or load
-            return
-        if age > STALE_LOCK_SECONDS:
-            print(f"warning: {lock} is {age / 60:.0f} min old, left by a build that was killed: removing "
-                  f"it and building {what}", file=sys.stderr, flush=True)
-            lock.unlink(missing_ok=True)
-            return
-        if not said:
-            print(f"hd: waiting for another process building {what} ({lock})...", file=sys.stderr, flush=True)
-            said = True
-        time.sleep(0.5)
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"hd: waiting for {_who(_holder(f))}, building {what} ({path})...", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)   # a signal meanwhile ends hd here (interrupts)
+        gone = _holder(f)   # a holder that let go emptied the file: a name left is a process killed
+        if gone is not None or stale.exists():
+            whose = f"{_who(gone)}, which is gone (killed while building)" if gone else "a build that was killed"
+            print(f"warning: {path if gone else stale} was left by {whose}: taking it"
+                  + (f" and removing {stale}" if gone and stale.exists() else "") + f"; building {what}",
+                  file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+        f.flush()
+
+        def release() -> None:   # also as the process ends mid-build: torch's lock is this build's
+            stale.unlink(missing_ok=True)
+            os.ftruncate(f.fileno(), 0)
+        forget = interrupts.at_exit(release)
+        try:
+            yield
+        finally:
+            forget()
+            release()   # torch's FileBaton removes its own lock as a build ends; one left is this build's
 
 
 def _why(exc: Exception) -> str:

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 from xxhash import xxh3_64
 
+from ... import interrupts
 from ..kernels import quants
 
 MAGIC = b"HDLAYT01"        # the footer's last 8 bytes
@@ -224,7 +225,10 @@ class LayoutCache:
         self.note = (f"hd: keeping the weights in the GEMM's layout ({size / 1e9:.2f} GB of disk, as much again as "
                      f"they take in the file) in {self.path}: later starts map them instead of repacking; "
                      "HD_LAYOUT_CACHE=0 turns this off (delete the file to free the space)")
-        writer = threading.Thread(target=self._write, args=(kernels, tmp, out), name="hd-layout-writer", daemon=False)
+        # a signal ends the process without waiting for the writer: its file is removed then
+        forget = interrupts.at_exit(lambda: _discard(tmp))
+        writer = threading.Thread(target=self._write, args=(kernels, tmp, out, forget), name="hd-layout-writer",
+                                  daemon=False)
         _WRITERS.append((writer, self))
         writer.start()
 
@@ -238,7 +242,7 @@ class LayoutCache:
                              f"({exc.strerror or exc}): later starts repack the weights; make it writable, set "
                              "HD_CACHE_DIR to a writable folder, or HD_LAYOUT_CACHE=0 to stop trying")
 
-    def _write(self, kernels: list, tmp: Path, out) -> None:
+    def _write(self, kernels: list, tmp: Path, out, forget=lambda: None) -> None:
         """The packings, the index and the footer into `tmp` (opened as `out`), then renamed to
         `path`. A failure leaves nothing (the temporary file removed): later starts repack, and try
         again."""
@@ -271,6 +275,7 @@ class LayoutCache:
             print(f"hd: the layout cache {self.path} could not be written ({exc.strerror or exc}): later starts "
                   "repack the weights", file=sys.stderr, flush=True)
         finally:
+            forget()
             if (threading.current_thread(), self) in _WRITERS:
                 _WRITERS.remove((threading.current_thread(), self))
 
