@@ -13,7 +13,7 @@ them:
   configuration   DecodingConfig: everything a run is built from, validated in one place;
                   Sampling: how each next token is chosen (temperature 0: greedy; top_k,
                   top_p, penalties, logit_bias; generate takes them as the configuration's
-                  fields, and as sampling= too, its older form);
+                  fields: config.sampling_fields(s) gives a Sampling's);
                   HdError: every error a user can fix, one line
   models, text    load_model(name, dtype=, device=, kernels=): a target by bundled name, GGUF,
                   folder or hub id; load_model_for(cfg): the configuration's;

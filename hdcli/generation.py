@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from . import inputs
 from .bench.baselines import first_difference, hf_generate, stock_model
 from .compose import DBs, Status, build_drafter, check_tokenizers, load_model_for, open_dbs, resolved, warm_up
-from .config import DecodingConfig, sampling_fields
+from .config import DecodingConfig
 from .db.modeldb import learn
 from .drafting import answer_index as model_layer
 from .engine.text import constrain
@@ -21,7 +21,6 @@ from .engine import loader as models
 from .engine.decode.prediction import prediction_ids
 from .engine.decode.loop import Decoder, Generation
 from .engine.text.prompts import TextStream, cut_at_stop, encode_prompt, stop_checker
-from .engine.decode.verify import Sampling
 from .errors import HdError
 from .hsd.planner import read_plan
 from .hsd.stack import ModelStack
@@ -61,14 +60,14 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
              on_text: Callable[[str, str | None], None] | None = None,
              cost: costs.CostCurve | None = None, on_status: Callable[[str], None] | None = None,
              grammar: constrain.Grammar | None = None, prediction: str | Sequence[int] | None = None,
-             sampling: Sampling | None = None, **options) -> Result:
+             **options) -> Result:
     """Generate a completion. config: the generation settings (max_new_tokens, sampling, seed,
     chat, system, stop, logprobs) and, with drafter "default", the drafter; options: any of its
     fields by name (e.g. max_new_tokens=30, temperature=0.7, seed=7), over config's or the
-    defaults: the one way sampling is given (sampling=, a Sampling, is its older form, taken as
-    those fields). The request decoded is config.request's (engine/decode/request.py). drafter: a
-    Hierarchy or ModelStack, None for plain decoding, "default" for the configuration's (or the
-    default one: context DB and recycled predictions). cost: the forward-cost curve that caps
+    defaults: the one way sampling is given (config.sampling_fields turns a Sampling into them).
+    The request decoded is config.request's (engine/decode/request.py). drafter: a Hierarchy
+    or ModelStack, None for plain decoding, "default" for the configuration's (or the default
+    one: context DB and recycled predictions). cost: the forward-cost curve that caps
     draft trees (default: measured once for this model and machine, see costs.curve_for).
     logprobs: None, or k to return each token's log-probability and its k best alternatives
     (Result.logprobs; plain decoding's numbers exactly, verify.logprobs_of). on_status: told each
@@ -79,8 +78,6 @@ def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     the top of the hierarchy (engine/decode/prediction.py); it drafts with drafter None too.
     Greedy output equals plain greedy decoding (under the same grammar) token for token whatever
     the drafts."""
-    if sampling is not None:   # the older form of the sampling fields: taken as them
-        options = {**sampling_fields(sampling), **options}
     cfg = (config or DecodingConfig()).replace(**options).validate()
     max_new_tokens = cfg.max_new_tokens
     if prompt_ids is None:

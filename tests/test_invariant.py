@@ -153,7 +153,7 @@ def test_greedy_trees_equal_plain_decoding_bit_for_bit(invariant_model):
 def test_the_plain_forward_is_not_invariant(dtype, kern):
     """The same check with the mode off fails: so the tests above can fail."""
     model = build("llama", dtype, kern)
-    assert not invariant.is_enabled(model)
+    assert not model.invariant
     rng = random.Random(0)
     rows = []
     for prefix_len in (40, 75):
@@ -197,7 +197,7 @@ def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_m
         model = build("llama", torch.float32, "torch")
         with pytest.raises(calibrate.NotInvariant, match="self-check"):
             calibrate.enable(model)
-    assert not invariant.is_enabled(model) and not model.numerics.min_rows
+    assert not model.invariant and not model.numerics.min_rows
     assert all(lin.min_rows == 1 for lin in model.linears())
     monkeypatch.setattr(calibrate, "try_enable", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
     with pytest.raises(HdError, match="--invariant on"):

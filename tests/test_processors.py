@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hdcli import api
+from hdcli.config import sampling_fields
 from hdcli.engine.decode.loop import Decoder, first_difference
 from hdcli.engine.decode.tree import Tree, tree_forward
 from hdcli.engine.decode.verify import Sampling, logprobs_of, processed
@@ -66,8 +67,8 @@ def test_penalties_and_logprobs_exact_under_speculation(bundled_lm):
     assert lm.invariant, "the bundled model runs in the M-invariant mode"
     changed = drafted = 0
     for prompt in PROMPTS:
-        ref = api.generate(lm, prompt, max_new_tokens=24, drafter=None, sampling=PENALISED, logprobs=3)
-        got = api.generate(lm, prompt, max_new_tokens=24, sampling=PENALISED, logprobs=3)
+        ref = api.generate(lm, prompt, max_new_tokens=24, drafter=None, **sampling_fields(PENALISED), logprobs=3)
+        got = api.generate(lm, prompt, max_new_tokens=24, **sampling_fields(PENALISED), logprobs=3)
         assert got.tokens == ref.tokens, first_difference(got.tokens, ref.tokens)
         assert got.logprobs == ref.logprobs          # every float, every alternative, exactly
         assert len(got.logprobs) == len(got.tokens)
@@ -88,7 +89,7 @@ def test_sampled_logprobs_equal_plain_rows(bundled_lm):
     lm = bundled_lm
     s = Sampling(temperature=0.8, top_p=0.95, frequency_penalty=0.5, logit_bias=((13, 1.0),))
     prompt = PROMPTS[0]
-    got = api.generate(lm, prompt, max_new_tokens=32, sampling=s, seed=7, logprobs=2)
+    got = api.generate(lm, prompt, max_new_tokens=32, **sampling_fields(s), seed=7, logprobs=2)
     ids = api.encode_prompt(lm.tokenizer, prompt)
     assert got.logprobs == forced_plain_logprobs(lm, ids, got.tokens, s, 2)
     assert sum(st.accepted for st in got.stats.layers.values()) > 0

@@ -119,6 +119,3 @@ def load(name: str, target: models.LoadedModel) -> DraftModel:
                       "a draft must tokenize exactly like its target")
     return DraftModel(name, lm.model, time.perf_counter() - t0, _count(lm.model))
 
-
-def load_all(names, target: models.LoadedModel) -> list[DraftModel]:
-    return [load(n, target) for n in names]

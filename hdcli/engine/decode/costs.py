@@ -370,12 +370,3 @@ def curve_for(lm, remeasure: bool = False, quiet: bool = False) -> CostCurve:
     return cached_curve(_key_of(lm), lm.model, remeasure, quiet,
                         desc=f"measuring forward cost ({lm.dtype}, {getattr(lm, 'kernels', 'torch')} kernels)")
 
-
-def forget(key: str) -> bool:
-    """Drop the cached curve for key (disk and this process); True if there was one on disk."""
-    _CURVES.pop(key, None)
-    try:
-        _cache_path(key).unlink()
-        return True
-    except OSError:
-        return False

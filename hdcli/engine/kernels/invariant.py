@@ -28,7 +28,7 @@ Why rows differ otherwise (measured op by op and shape by shape; benchmarks/inva
     invariant, and checked with the rest by the per-row test (tests/test_invariant.py).
 
 The mode is a property of hd's own forward (hdcli/engine/model/): its Numerics record says
-whether it is on (`is_enabled`), each of its Linear layers holds its row padding, and its Step
+whether it is on (the model's `invariant`), each of its Linear layers holds its row padding, and its Step
 calls the attention here. transformers' models never run in it (engine/loader.py).
 
 Invariants
@@ -364,13 +364,6 @@ def _device(layer: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def is_enabled(model) -> bool:
-    """Whether `model` computes in the M-invariant mode (an owned forward whose Numerics say so;
-    transformers' models never do)."""
-    num = getattr(model, "numerics", None)
-    return bool(num is not None and num.invariant)
-
-
 # Which implementation the invariant attention runs in this process: fused.py's compiled function or
 # the torch ops above (fused.py's module docstring says how it is decided), kept on the process's
 # fused.AttentionKernel (its `decision` and `on`).
@@ -420,8 +413,7 @@ def decide(model, quiet: bool = True, kernel: fused.AttentionKernel = fused.KERN
 
 def _decision(model, quiet: bool, kernel: fused.AttentionKernel) -> dict:
     asked = fused_attention()
-    cfg = getattr(model, "config", None)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    cfg = model.config   # hd's own forward's ModelConfig: only it runs the invariant mode
     hq = getattr(cfg, "num_attention_heads", None)
     hkv = getattr(cfg, "num_key_value_heads", None) or hq
     d = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // hq if hq else None)
