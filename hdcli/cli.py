@@ -3,7 +3,8 @@ in its package).
 
 The decoding options are DecodingConfig's fields (hdcli/config.py) and `hd serve`'s own are
 ServeOptions' (hdcli/serve/options.py): each is declared once there, and a command here names
-the fields it takes (hdcli/flags.py makes their options). What a command shows a person is
+the fields it takes (hdcli/flags.py makes their options). A command's options of its own work
+(build-stats' counting, a benchmark's data) are declared with the command. What a command shows a person is
 hdcli/show.py's. Every error the user can fix is an HdError: printed as one line on stderr,
 exit code 2. Ctrl-C and SIGTERM end any command at once, in one line (hdcli/interrupts.py).
 """
@@ -33,6 +34,7 @@ from .db.atomic import check_output_path
 from .db.modeldb import SAMPLE_TOP_P
 from .engine import environment, local_models
 from .engine.cost_report import cost_report
+from .engine.loader import DEFAULT_MODEL
 from .errors import HdError, disk_error
 from .flags import groups, takes
 from .hsd import commands as hsd_commands
@@ -155,7 +157,7 @@ def build_stats(
     corpus: List[str] = typer.Argument(..., help="Files, globs or folders: jsonl, json, txt, parquet, "
                                        "csv, or a folder saved by `datasets`."),
     out: Path = typer.Option(..., "--out", "-o", help="The LMDB file to create."),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Whose tokenizer to count with."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Whose tokenizer to count with."),
     field: str = typer.Option("text", help="Record field holding the text."),
     with_prompt: bool = typer.Option(False, "--with-prompt", help="Prepend the `prompt` field."),
     min_n: int = typer.Option(1, "--min-n", help="Shortest key, in tokens."),

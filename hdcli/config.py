@@ -131,6 +131,8 @@ DTYPE_HELP = ("auto|bf16|fp16|fp32. auto: bf16 for a GGUF, on CUDA and on a CPU 
 INVARIANT_HELP = ("auto|on|off: the M-invariant forward, in which every verified row is bit-identical "
                   "to a one-token forward (auto: where it holds on this machine; docs/dtype.md).")
 MODEL, DRAFTING, SAMPLING, OUTPUT = "model", "drafting", "sampling", "output"
+# the drafting defaults compose.py picks by the target's measured forward cost (`hd costs`)
+_BY_COST = "where `hd costs` finds verification cheap on this machine"
 
 
 @dataclass
@@ -162,7 +164,7 @@ class DecodingConfig:
         "an integer or {layer: integer}"), help="Most tokens per candidate: a number, or per layer as "
         "context=16,model=8,stats=8.")
     min_n: int | None = option(None, "--min-n", kind=OPT_INT, group=DRAFTING, help="Shortest n-gram the "
-                               "context DB matches (default: 2 in fp32, 1 in bf16/fp16).")
+                               f"context DB matches (default: 1 {_BY_COST}, else 2).")
     max_n: int = option(4, "--max-n", kind=INT, group=DRAFTING, help="Longest n-gram the context DB matches.")
     stats_dbs: list[str] = option([], "--stats-db", group=DRAFTING, help="Statistics DB from `hd build-stats` "
                                   "(repeatable; asked in the order given).", kind=Kind(
@@ -171,10 +173,10 @@ class DecodingConfig:
                                   help="Model DB from `hd build-model-db`.")
     stats_min_prob: float | None = option(None, "--stats-min-prob", kind=OPT_NUMBER, group=DRAFTING,
                                           help="Least estimated probability of a stats/model draft "
-                                          "(default 0.2 fp32, 0.1 bf16).")
+                                          f"(default: 0.1 {_BY_COST}, else 0.2).")
     stats_min_expected: float | None = option(None, "--stats-min-expected", kind=OPT_NUMBER, group=DRAFTING,
                                               help="Least expected accepted tokens of a stats/model "
-                                              "draft (default 1.0 fp32, 0 bf16).")
+                                              f"draft (default: 0 {_BY_COST}, else 1).")
     learn: bool = option(False, "--learn", kind=BOOL, group=DRAFTING,
                          help="Add what was generated to the model DB.")
     # draft models stacked above the database hierarchy (hdcli/hsd), or a plan that chose them

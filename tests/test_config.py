@@ -163,3 +163,35 @@ def test_serve_takes_each_range_from_the_configuration():
     assert refused(seed=2 ** 63) and DecodingConfig(seed=2 ** 63).problems() == []
     assert any("--frequency-penalty" in p or "frequency_penalty" in p
                for p in DecodingConfig(frequency_penalty=2.5).problems())
+
+
+def test_each_option_states_the_default_the_code_takes():
+    """Every default a help text states is the one the code takes: the machine's drafting
+    defaults (compose.py, by the measured cost curve), the default hierarchy and hd serve's."""
+    import dataclasses
+    import re
+
+    from hdcli.serve import tenants
+    from hdcli.serve.options import ServeOptions
+    helps = {f.name: f.metadata.get("help") or "" for cls in (DecodingConfig, ServeOptions)
+             for f in dataclasses.fields(cls)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ServeOptions)}
+    by_cost = {"min_n": compose.default_min_n, "stats_min_prob": compose.default_min_prob,
+               "stats_min_expected": compose.default_min_expected}
+    for name, choose in by_cost.items():
+        cheap, costly = re.search(r"default: (\S+) where `hd costs` finds verification cheap[^,]*, else ([\d.]+)",
+                                  helps[name]).groups()
+        assert (float(cheap), float(costly)) == (choose(True), choose(False)), name
+    assert DecodingConfig().layers is None
+    stated = re.search(r"Default: (\w+), then (\w+) and (\w+) when their DBs are given \((\w+): when named\)",
+                       helps["layers"]).groups()
+    assert registry.default_layers(registry.LayerInputs()) == [stated[0]]
+    assert registry.default_layers(registry.LayerInputs(stats_stores=["s"], model_db="m")) == list(stated[:3])
+    assert stated[3] in registry.names() and stated[3] not in stated[:3]
+    assert "loopback by default" in helps["host"] and defaults["host"] == "127.0.0.1"
+    assert "default: key with several keys, else shared" in helps["learn_scope"]
+    assert defaults["learn_scope"] is None
+    assert tenants.default_scope(tenants.Keys([("a", "1"), ("b", "2")])) == "key"
+    assert tenants.default_scope(tenants.Keys([("a", "1")])) == tenants.default_scope(None) == "shared"
+    assert "default: open" in helps["protect_metrics"] and defaults["protect_metrics"] is False
+    assert "default: the --model given" in helps["name"] and defaults["name"] is None

@@ -105,7 +105,7 @@ def db_query(path: Path, text: str, model: str | None = None, *, max_len: int = 
     if not (math.isfinite(min_prob) and 0 <= min_prob <= 1):
         raise HdError(f"--min-prob must be a finite number between 0 and 1, not {min_prob}")
     db = Store(path)
-    tok = models.load_tokenizer(model or db.header.get("model", "smollm2-135m"))
+    tok = models.load_tokenizer(model or db.header.get("model", models.DEFAULT_MODEL))
     db.check_tokenizer(tok, model or db.header.get("model", ""))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     if not ids:

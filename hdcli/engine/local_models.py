@@ -1,4 +1,4 @@
-"""Models a user already has, found by the names their other tools give them (issue 51).
+"""Models a user already has, found by the names their other tools give them.
 
 Two local stores are read; neither is ever written:
 

@@ -1,8 +1,8 @@
 """A model's chat template rendered with bounded time and size.
 
 A chat template comes with the model's files: jinja in transformers' sandbox, which keeps it from
-the system but not from looping for ever or building gigabytes (issue 47: nested loops never
-returned and blocked `hd serve`'s event loop; one template built a 1.6 GB string, RSS 3.5-6.5 GB).
+the system but not from looping for ever or building gigabytes (nested loops that never returned
+blocked `hd serve`'s event loop; one template built a string of gigabytes).
 render() runs it in a copy of transformers' own sandboxed environment (its filters, globals and
 extensions, so the text is apply_chat_template's character for character) that enforces a Budget:
 
