@@ -21,7 +21,9 @@ them:
   generation      generate(lm, prompt, config=, drafter=, grammar=, prediction=, **fields) -> Result
                   (text, tokens, the layer of each token, stop_reason, stats), greedy output equal
                   to plain decoding's; compile_grammar(lm, kind, source): a grammar the answer
-                  follows; prepare(cfg): plan applied, DBs open, model loaded, drafter built
+                  follows; prepare(cfg) -> Run: the plan applied, the options checked, the DBs
+                  open, the model loaded, then run.request(prompt_ids) -> Request (the context's
+                  room checked), run.drafter() and run.generate(request, drafter) -> Result
   drafters        build_drafter(cfg, lm): the configuration's drafter (the one place drafters are
                   put together); make_drafter(layers, stats_stores=, model_db=, ...): a DB
                   hierarchy from open DBs; make_stack(lm, draft_models, ...): draft models over
@@ -50,12 +52,12 @@ from .engine import loader as models
 from .engine.decode.verify import Sampling
 from .engine.text.prompts import encode_messages, encode_prompt
 from .errors import HdError
-from .generation import Result, compile_grammar, generate, prepare
+from .generation import NoRoom, Result, Run, compile_grammar, generate, prepare
 
 __all__ = [
     "DecodingConfig", "Sampling", "HdError",
     "load_model", "load_model_for", "encode_prompt", "encode_messages",
-    "generate", "Result", "compile_grammar", "prepare",
+    "generate", "Result", "compile_grammar", "prepare", "Run", "NoRoom",
     "build_drafter", "make_drafter", "make_stack", "default_layers", "open_stats_dbs", "cheap_verification",
     "warm_up",
     "learn"]

@@ -178,9 +178,16 @@ def build_drafter(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None =
                   answer_index=None):
     """The drafter a configuration describes (with_plan applied): a drafting.Hierarchy, a
     hsd.stack.ModelStack over one (or alone, no_db), or None for plain decoding. dbs: the open
-    DBs (default: opened here). loaded: draft models already loaded, by name."""
+    DBs (default: opened here). loaded: draft models already loaded, by name. The configuration is
+    checked here; a run's own (generation.Run) was checked once and calls drafter_for."""
     cfg.validate()
-    dbs = open_dbs(cfg, lm) if dbs is None else dbs
+    return drafter_for(cfg, lm, open_dbs(cfg, lm) if dbs is None else dbs, recycle_table=recycle_table,
+                       loaded=loaded, answer_index=answer_index)
+
+
+def drafter_for(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs, *,
+                recycle_table: RecycledTable | None = None, loaded: dict | None = None, answer_index=None):
+    """build_drafter of a configuration already checked, over its open DBs."""
     cheap = _cheap(cfg, lm)
     if not cfg.draft_models:
         return db_hierarchy(cfg, dbs, cheap, recycle_table=recycle_table, answer_index=answer_index)
@@ -221,5 +228,5 @@ def warm_up(lm: models.LoadedModel) -> None:
 
 
 __all__ = ["DBs", "Status", "build_drafter", "cheap_verification", "db_hierarchy", "default_min_expected",
-           "default_min_n", "default_min_prob", "layer_inputs", "load_model_for", "make_drafter", "make_stack",
-           "open_dbs", "open_stats_dbs", "registry", "resolved", "warm_up"]
+           "default_min_n", "default_min_prob", "drafter_for", "layer_inputs", "load_model_for", "make_drafter",
+           "make_stack", "open_dbs", "open_stats_dbs", "registry", "resolved", "warm_up"]

@@ -324,15 +324,15 @@ class DecodingConfig:
                         frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                         logit_bias=tuple(self.logit_bias.items()))
 
-    def request(self, prompt_ids: Sequence[int], *, max_new_tokens: int | None = None, grammar=None,
-                prediction: Sequence[int] | None = None) -> Request:
+    def request(self, prompt_ids: Sequence[int], **fields) -> Request:
         """What one generation of this configuration asks for (engine/decode/request.py): the
-        prompt's ids with its max_new_tokens (or fewer: the room the context leaves), sampling,
-        seed, stop strings and logprobs; grammar (constrain.Grammar) and prediction (token ids)
-        are the prompt's own. The one place the API and the CLI make a Request."""
-        return Request(prompt_ids, self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                       self.sampling, self.seed, stop=tuple(self.stop), logprobs=self.logprobs,
-                       grammar=grammar, prediction=prediction)
+        prompt's ids with the configuration's max_new_tokens, sampling, seed, stop strings and
+        logprobs, each under a field of the same name in `fields` where one is given (a served
+        request's own); grammar, prediction (token ids) and scope are the prompt's. The one place
+        a Request is made (generation.Run.request checks it against the context's room)."""
+        own = {"max_new_tokens": self.max_new_tokens, "sampling": self.sampling, "seed": self.seed,
+               "stop": tuple(self.stop), "logprobs": self.logprobs}
+        return Request(prompt_ids, **{**own, **fields})
 
     @property
     def drafting(self) -> bool:

@@ -1,28 +1,33 @@
-"""One generation from a configuration (`generate`, `Result`), everything before its first token
-(`prepare`), and `hd generate`'s report: its prompt and grammar files read (`read_prompt`,
-`output_from_files`), the run, and with --compare plain decoding and transformers' generate
-beside it (`generate_report`).
+"""A run put together in one place and its generations: `prepare` makes a DecodingConfig a `Run`
+(plan applied, options checked once, DBs open, target loaded), whose `request` makes each
+prompt's Request against the context's room and whose `generate` decodes it into a `Result`;
+`generate` is the Python API's one call. Then `hd generate`'s report: its prompt and grammar
+files read (`read_prompt`, `output_from_files`), the run, and with --compare plain decoding and
+transformers' generate beside it (`generate_report`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 from . import inputs
 from .bench.baselines import first_difference, hf_generate, stock_model
-from .compose import DBs, Status, build_drafter, check_tokenizers, load_model_for, open_dbs, resolved, warm_up
+from .compose import DBs, Status, check_tokenizers, drafter_for, load_model_for, open_dbs, resolved, warm_up
 from .config import DecodingConfig
 from .db.modeldb import learn
+from .drafting import RecycledTable
 from .drafting import answer_index as model_layer
 from .engine.text import constrain
 from .engine.decode import costs
 from .engine import loader as models
 from .engine.decode.prediction import prediction_ids
 from .engine.decode.loop import Decoder, Generation
+from .engine.decode.request import Request
 from .engine.text.prompts import TextStream, cut_at_stop, encode_prompt, stop_checker
 from .errors import HdError
-from .hsd.planner import read_plan
+from .hsd.planner import check_made_for
 from .hsd.stack import ModelStack
 
 
@@ -55,85 +60,98 @@ class Result:
         return out
 
 
-def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-             config: DecodingConfig | None = None, drafter="default",
-             on_text: Callable[[str, str | None], None] | None = None,
-             cost: costs.CostCurve | None = None, on_status: Callable[[str], None] | None = None,
-             grammar: constrain.Grammar | None = None, prediction: str | Sequence[int] | None = None,
-             **options) -> Result:
-    """Generate a completion. config: the generation settings (max_new_tokens, sampling, seed,
-    chat, system, stop, logprobs) and, with drafter "default", the drafter; options: any of its
-    fields by name (e.g. max_new_tokens=30, temperature=0.7, seed=7), over config's or the
-    defaults: the one way sampling is given (config.sampling_fields turns a Sampling into them).
-    The request decoded is config.request's (engine/decode/request.py). drafter: a Hierarchy
-    or ModelStack, None for plain decoding, "default" for the configuration's (or the default
-    one: context DB and recycled predictions). cost: the forward-cost curve that caps
-    draft trees (default: measured once for this model and machine, see costs.curve_for).
-    logprobs: None, or k to return each token's log-probability and its k best alternatives
-    (Result.logprobs; plain decoding's numbers exactly, verify.logprobs_of). on_status: told each
-    change made to the request, one line each (Result.warnings has them too): max_new_tokens
-    more than the context leaves after the prompt is cut to it.
-    grammar: constrain.compile(lm, kind, source): the output follows it (engine/text/constrain.py).
-    prediction: text (or token ids) the answer is expected to repeat, drafted by its own layer at
-    the top of the hierarchy (engine/decode/prediction.py); it drafts with drafter None too.
-    Greedy output equals plain greedy decoding (under the same grammar) token for token whatever
-    the drafts."""
-    cfg = (config or DecodingConfig()).replace(**options).validate()
-    max_new_tokens = cfg.max_new_tokens
-    if prompt_ids is None:
-        prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=cfg.chat, system=cfg.system,
-                                   max_tokens=lm.max_context)
-    room = lm.max_context - len(prompt_ids)
-    if room < 1:
-        raise HdError(f"the prompt is {len(prompt_ids)} tokens but the model's context is "
-                      f"{lm.max_context}: shorten the prompt")
-    warnings = []
-    if max_new_tokens > room:
-        warnings.append(f"warning: --max-new-tokens {max_new_tokens} exceeds the room left in the model's "
-                        f"context ({room} tokens after the prompt): generating at most {room}")
-    for line in warnings if on_status is not None else ():
-        on_status(line)
-    vocab = lm.model.config.vocab_size
-    outside = [t for t, _ in cfg.sampling.logit_bias if t >= vocab]
-    if outside:
-        raise HdError(f"--logit-bias: token {outside[0]} is not in the model's vocabulary (ids 0..{vocab - 1})")
-    predicted = prediction_ids(lm, prediction, room)
-    if isinstance(drafter, str) and drafter == "default":
-        drafter = build_drafter(cfg, lm)
-    if (drafter or predicted) and cost is None:
-        cost = costs.curve_for(lm)
-    request = cfg.request(prompt_ids, max_new_tokens=min(max_new_tokens, room), grammar=grammar,
-                          prediction=predicted)
-    decoder = Decoder(lm.model, lm.eos_ids, drafter, cost=cost)
-    stream = TextStream(lm.tokenizer, on_text) if on_text else None
-    g: Generation = decoder.generate(request, stop_check=stop_checker(lm.tokenizer, request.stop),
-                                     on_tokens=stream)
-    text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), request.stop)
-    return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
-                  stats=g.stats, prompt_ids=list(prompt_ids), logprobs=g.logprobs,
-                  prediction_usage=g.prediction_usage, warnings=warnings)
+class NoRoom(HdError):
+    """The prompt leaves the model's context no room for a new token, or leaves fewer than were
+    asked for (asked). Its message is the command line's; hd serve words it for its fields."""
+
+    def __init__(self, prompt_tokens: int, context: int, asked: int | None = None):
+        self.prompt_tokens, self.context, self.asked = prompt_tokens, context, asked
+        room = context - prompt_tokens
+        super().__init__(f"the prompt is {prompt_tokens} tokens but the model's context is {context}: "
+                         "shorten the prompt" if asked is None else
+                         f"{asked} new tokens after a {prompt_tokens}-token prompt exceed the model's "
+                         f"context of {context} (at most {room})")
 
 
-def compile_grammar(lm: models.LoadedModel, kind: str, source=None) -> constrain.Grammar:
-    """A grammar for lm's tokenizer (constrain.KINDS); GrammarError (an HdError) when unusable."""
-    return constrain.compile(lm, kind, source)
+class Run:
+    """A configuration made ready to decode, put together in one place (`prepare`: the plan
+    applied, every field checked once, the DBs open and checked against the target's tokenizer,
+    the target loaded). Then for each generation: `request` (its Request, checked against the
+    context's room), `drafter` (one per scope: a request's, a tenant's) and `generate`. The
+    forward-cost curve that caps draft trees (`cost`) is measured once, where first needed.
+    hd generate, the Python API and hd serve all decode through one."""
 
+    def __init__(self, config: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None = None,
+                 plan: dict | None = None):
+        """config: checked (validate) already; dbs: open (default: opened when a drafter asks)."""
+        self.config, self.lm, self.plan, self._dbs = config, lm, plan, dbs
 
-@dataclass
-class Prepared:
-    """A configuration made ready to run: plan applied, DBs open, model loaded, drafter built."""
-    config: DecodingConfig
-    lm: models.LoadedModel
-    dbs: DBs
-    drafter: object
-    plan: dict | None = None
+    @property
+    def dbs(self) -> DBs:
+        if self._dbs is None:
+            self._dbs = open_dbs(self.config, self.lm)
+        return self._dbs
+
+    @functools.cached_property
+    def cost(self) -> costs.CostCurve:
+        """The forward-cost curve of this model and machine (costs.curve_for: measured once, cached)."""
+        return costs.curve_for(self.lm)
+
+    def drafter(self, recycle_table: RecycledTable | None = None, answer_index=None):
+        """The configuration's drafter (None: plain decoding) for one scope: recycle_table and
+        answer_index are what that scope's requests taught (default: the process's own)."""
+        if not self.config.drafting:
+            return None
+        return drafter_for(self.config, self.lm, self.dbs, recycle_table=recycle_table, answer_index=answer_index)
+
+    def room(self, prompt_ids: Sequence[int], asked: int | None = None) -> int:
+        """New tokens the model's context leaves after the prompt; NoRoom where it leaves none, or
+        fewer than asked."""
+        room = self.lm.max_context - len(prompt_ids)
+        if room < 1 or (asked is not None and asked > room):
+            raise NoRoom(len(prompt_ids), self.lm.max_context, None if room < 1 else asked)
+        return room
+
+    def request(self, prompt_ids: Sequence[int], overrides: dict | None = None, *,
+                on_cut: Callable[[int, int], None] | None = None) -> Request:
+        """The Request of one prompt (DecodingConfig.request: the configuration's fields, under a
+        request's own `overrides`; prediction there may be text), checked against the context: a
+        prompt that fills it, or a max_new_tokens in overrides beyond its room, is NoRoom; the
+        configuration's max_new_tokens beyond it is cut to the room, and on_cut(max_new_tokens,
+        room) told."""
+        fields = dict(overrides or {})
+        asked = fields.pop("max_new_tokens", None)
+        room = self.room(prompt_ids, asked)
+        if asked is None and self.config.max_new_tokens > room and on_cut is not None:
+            on_cut(self.config.max_new_tokens, room)
+        vocab = self.lm.model.config.vocab_size
+        outside = [t for t, _ in fields.get("sampling", self.config.sampling).logit_bias if t >= vocab]
+        if outside:
+            raise HdError(f"--logit-bias: token {outside[0]} is not in the model's vocabulary (ids 0..{vocab - 1})")
+        fields["prediction"] = prediction_ids(self.lm, fields.get("prediction"), room)
+        return self.config.request(prompt_ids, max_new_tokens=min(self.config.max_new_tokens if asked is None else asked, room),
+                                   **fields)
+
+    def generate(self, request: Request, drafter=None, on_text: Callable[[str, str | None], None] | None = None,
+                 cost: costs.CostCurve | None = None) -> Result:
+        """Decode one request with drafter (None: plain decoding; a prediction drafts alone).
+        cost: default the run's, where anything drafts."""
+        lm = self.lm
+        if (drafter or request.prediction) and cost is None:
+            cost = self.cost
+        stream = TextStream(lm.tokenizer, on_text) if on_text else None
+        g: Generation = Decoder(lm.model, lm.eos_ids, drafter, cost=cost).generate(
+            request, stop_check=stop_checker(lm.tokenizer, request.stop), on_tokens=stream)
+        text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), request.stop)
+        return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
+                      stats=g.stats, prompt_ids=list(request.prompt_ids), logprobs=g.logprobs,
+                      prediction_usage=g.prediction_usage)
 
 
 def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
-            on_status: Status = lambda m: None) -> Prepared:
-    """Everything before the first token: checked in the order that fails fastest (options, plan
-    and DBs before the model loads)."""
-    cfg.validate()
+            on_status: Status = lambda m: None) -> Run:
+    """A configuration made a Run: everything before the first token, checked in the order that
+    fails fastest (the plan, the options and the DBs before the model loads)."""
     cfg, plan = cfg.with_plan()
     cfg.validate()
     dbs = open_dbs(cfg)
@@ -148,13 +166,68 @@ def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
             on_status(f"M-invariant forward off: {why}")
     check_tokenizers(dbs, lm)
     if plan is not None:
-        read_plan(cfg.plan, lm)  # made for this target and dtype
+        check_made_for(cfg.plan, plan, lm)
         for db in dbs.all():
             planned = plan.get("db_digests", {}).get(str(db.path.resolve()))
             if planned and planned != db.header.get("content_digest"):
                 on_status(f"warning: {db.path} changed since plan {cfg.plan} was measured (learned "
                           "or rebuilt): its predictions may be off; run `hd plan` again")
-    return Prepared(cfg, lm, dbs, build_drafter(cfg, lm, dbs), plan)
+    return Run(cfg, lm, dbs, plan)
+
+
+def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+             config: DecodingConfig | None = None, drafter="default",
+             on_text: Callable[[str, str | None], None] | None = None,
+             cost: costs.CostCurve | None = None, on_status: Callable[[str], None] | None = None,
+             grammar: constrain.Grammar | None = None, prediction: str | Sequence[int] | None = None,
+             **options) -> Result:
+    """Generate a completion. config: the generation settings (max_new_tokens, sampling, seed,
+    chat, system, stop, logprobs) and, with drafter "default", the drafter; options: any of its
+    fields by name (e.g. max_new_tokens=30, temperature=0.7, seed=7), over config's or the
+    defaults: the one way sampling is given (config.sampling_fields turns a Sampling into them).
+    The request decoded is Run.request's. drafter: a Hierarchy or ModelStack, None for plain
+    decoding, "default" for the configuration's (or the default one: context DB and recycled
+    predictions). cost: the forward-cost curve that caps draft trees (default: measured once for
+    this model and machine, see costs.curve_for). logprobs: None, or k to return each token's
+    log-probability and its k best alternatives (Result.logprobs; plain decoding's numbers
+    exactly, verify.logprobs_of). on_status: told each change made to the request, one line each
+    (Result.warnings has them too): max_new_tokens more than the context leaves after the prompt
+    is cut to it. A configuration's plan is applied by prepare (a Run), not here.
+    grammar: constrain.compile(lm, kind, source): the output follows it (engine/text/constrain.py).
+    prediction: text (or token ids) the answer is expected to repeat, drafted by its own layer at
+    the top of the hierarchy (engine/decode/prediction.py); it drafts with drafter None too.
+    Greedy output equals plain greedy decoding (under the same grammar) token for token whatever
+    the drafts."""
+    run = Run((config or DecodingConfig()).replace(**options).validate(), lm)
+    cfg = run.config
+    if prompt_ids is None:
+        prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=cfg.chat, system=cfg.system,
+                                   max_tokens=lm.max_context)
+    return decode(run, prompt_ids, drafter, on_text=on_text, cost=cost, on_status=on_status,
+                  grammar=grammar, prediction=prediction)
+
+
+def decode(run: Run, prompt_ids: Sequence[int], drafter="default", *, on_text=None, cost=None,
+           on_status: Callable[[str], None] | None = None, grammar=None, prediction=None) -> Result:
+    """One prompt of a run, with a cut of max_new_tokens to the context's room said (on_status)
+    and kept (Result.warnings); drafter "default": the run's."""
+    warnings = []
+
+    def cut(asked: int, room: int) -> None:
+        warnings.append(f"warning: --max-new-tokens {asked} exceeds the room left in the model's "
+                        f"context ({room} tokens after the prompt): generating at most {room}")
+        if on_status is not None:
+            on_status(warnings[-1])
+    request = run.request(prompt_ids, {"grammar": grammar, "prediction": prediction}, on_cut=cut)
+    res = run.generate(request, run.drafter() if isinstance(drafter, str) and drafter == "default" else drafter,
+                       on_text, cost)
+    res.warnings = warnings
+    return res
+
+
+def compile_grammar(lm: models.LoadedModel, kind: str, source=None) -> constrain.Grammar:
+    """A grammar for lm's tokenizer (constrain.KINDS); GrammarError (an HdError) when unusable."""
+    return constrain.compile(lm, kind, source)
 
 
 @dataclass(frozen=True)
@@ -264,14 +337,13 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
             warned.append(message)
         on_status(message)
     run = prepare(cfg, lm, say)
-    cfg, lm = run.config, run.lm
+    cfg, lm, drafter = run.config, run.lm, run.drafter()
     grammar = output.compile(lm)
     prompt_ids = encode_prompt(lm.tokenizer, prompt, chat=cfg.chat, system=cfg.system, max_tokens=lm.max_context)
-    predicted = output.prediction_ids(lm, lm.max_context - len(prompt_ids))
+    predicted = output.prediction_ids(lm, run.room(prompt_ids))
     if compare:
         warm_up(lm)
-    res = generate(lm, prompt_ids=prompt_ids, config=cfg, drafter=run.drafter, on_text=on_text,
-                   on_status=say, grammar=grammar, prediction=predicted)
+    res = decode(run, prompt_ids, drafter, on_text=on_text, on_status=say, grammar=grammar, prediction=predicted)
     used = resolved(cfg, lm, run.dbs)
     data = {"model": lm.name, "source": lm.source, "dtype": lm.dtype, "device": lm.device,
             "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
@@ -290,8 +362,8 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
         data["prediction"] = {"tokens": len(predicted)} | (res.prediction_usage or {})
     if run.dbs.model is not None:  # what the model layer drafts from (drafting/answer_index.py)
         data["model_db_index"] = "answers" if model_layer.uses_answers(run.dbs.model) else "ngrams"
-    if isinstance(run.drafter, ModelStack):   # hd's draft models: each level's counts
-        data["levels"] = run.drafter.level_stats()
+    if isinstance(drafter, ModelStack):   # hd's draft models: each level's counts
+        data["levels"] = drafter.level_stats()
     if cfg.learn:   # the answer is shown whatever becomes of learning it (learn_error: why not)
         try:
             data["learned_keys"] = learn(run.dbs.model, res.prompt_ids, res.tokens)
@@ -299,7 +371,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
             data["learned_keys"], data["learn_error"] = 0, f"the answer was not learned: {exc}"
     report = GenerateReport(data, {"hd": res.stats})
     if compare:
-        plain = generate(lm, prompt_ids=prompt_ids, config=cfg, drafter=None, grammar=grammar)
+        plain = decode(run, prompt_ids, None, grammar=grammar)
         report.runs["plain"] = plain.stats
         data["compare"] = compare_with_baselines(lm, cfg, res, plain)
     return report

@@ -385,11 +385,8 @@ def plan_dbs(plan_path, data: dict, stats_dbs: list, model_db) -> tuple[list, ob
     return list(stats_dbs), model_db
 
 
-def read_plan(path, lm=None) -> dict:
-    """The chain saved by `hd plan` ({"bottom": "none"|"db", "levels": [{"model", "T"}]})."""
-    data = read_plan_file(path)
-    chain = data["chain"]
-    if lm is not None and (data.get("target") != lm.name or data.get("dtype") != lm.dtype):
+def check_made_for(path, data: dict, lm) -> None:
+    """Refuse a plan (its document, read_plan_file's) made for another target or dtype than lm."""
+    if data.get("target") != lm.name or data.get("dtype") != lm.dtype:
         raise HdError(f"plan {path} was made for {data.get('target')} in {data.get('dtype')}, not "
                       f"{lm.name} in {lm.dtype}: costs and acceptance differ, run `hd plan` again")
-    return chain

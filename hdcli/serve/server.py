@@ -47,12 +47,11 @@ from typing import Callable
 from .. import compose
 from ..config import DecodingConfig
 from ..engine.text import constrain, tools
-from ..engine.decode import costs, prefix
+from ..engine.decode import prefix
 from ..engine.text.prompts import PromptTooLong, encode_messages, refuse_too_long
-from ..engine.decode.request import Request
 from ..engine.decode.verify import Sampling
 from ..errors import HdError
-from ..generation import prepare
+from ..generation import NoRoom, prepare
 from . import structured, tenants
 from .learner import Learner
 from .limits import http_protocol, limit_log
@@ -137,8 +136,8 @@ class Server:
         self.max_body, self.drain_timeout, self.say = opts.max_body, opts.drain_timeout, on_status
         self.max_connections, self.keep_alive_timeout = opts.max_connections, opts.keep_alive_timeout
         self.header_timeout, self.body_timeout = opts.header_timeout, opts.body_timeout
-        run = prepare(cfg, lm, on_status)
-        self.config, self.lm, self.dbs = run.config, run.lm, run.dbs
+        self.prepared = prepare(cfg, lm, on_status)   # the Run every request decodes in
+        self.config, self.lm, self.dbs = self.prepared.config, self.prepared.lm, self.prepared.dbs
         self.name = opts.name or self.lm.name
         self.created = int(time.time())
         self.metrics = Metrics()
@@ -157,8 +156,7 @@ class Server:
         self.tenants = tenants.Tenants(self.dbs.model, model_layer.uses_answers(self.dbs.model))
         if self.learner is not None:
             self._private(self.config.model_db)
-        drafting = self.config.drafting
-        cost = costs.curve_for(self.lm) if drafting else None
+        cost = self.prepared.cost if self.config.drafting else None
         self.prefix = None
         why = prefix.why_not(self.lm.model) if prefix_cache_mb > 0 else None
         if why:
@@ -180,10 +178,7 @@ class Server:
 
     def _drafter(self, scope: tenants.Scope = tenants.SHARED):
         """A drafter for one request of this scope: its recycled predictions and answers."""
-        if not self.config.drafting:
-            return None
-        return compose.build_drafter(self.config, self.lm, self.dbs, recycle_table=self.tenants.recycled(scope),
-                                     answer_index=self.tenants.answers(scope))
+        return self.prepared.drafter(self.tenants.recycled(scope), self.tenants.answers(scope))
 
     def scope_for(self, key_name: str | None, user: str | None) -> tenants.Scope:
         return tenants.scope_of(self.learn_scope, key_name, user)
@@ -217,16 +212,14 @@ class Server:
         ids, where = self._encode(req, chat, spec)   # takes the tokenizer lock itself (not while a template renders)
         if not ids:
             raise ApiError(400, f"{where}: the prompt is empty", where)
-        room = self.lm.max_context - len(ids)
-        if room < 1:
-            raise ApiError(400, f"{where}: the prompt is {len(ids)} tokens, the model's context "
-                           f"{self.lm.max_context}", where, "context_length_exceeded")
         limit = req.limit()
-        if limit is not None and limit > room:
-            raise ApiError(400, f"max_tokens: {limit} new tokens after a {len(ids)}-token prompt exceed "
-                           f"the model's context of {self.lm.max_context} (at most {room})",
-                           "max_tokens", "context_length_exceeded")
-        cfg = self.config
+        try:
+            room = self.prepared.room(ids, limit)
+        except NoRoom as exc:
+            if exc.asked is None:
+                raise ApiError(400, f"{where}: the prompt is {len(ids)} tokens, the model's context "
+                               f"{self.lm.max_context}", where, "context_length_exceeded") from None
+            raise ApiError(400, f"max_tokens: {exc}", "max_tokens", "context_length_exceeded") from None
         grammar = prediction = family = None
         if chat:
             family = tools.family(self.lm.tokenizer)
@@ -234,13 +227,16 @@ class Server:
             with self.scheduler.tokenizer_lock:
                 prediction = structured.prediction_ids(req, self.lm, room)
         warnings = []
-        if limit is None and cfg.max_new_tokens > room:   # the server's default, not the client's ask
-            warnings.append(f"max_tokens: unset, and the server's default of {cfg.max_new_tokens} new tokens "
-                            f"exceeds the room the model's context leaves after the {len(ids)}-token prompt: "
-                            f"at most {room}")
-        request = Request(ids, min(limit or cfg.max_new_tokens, room), self._sampling(req),
-                          seed=cfg.seed if req.seed is None else req.seed, stop=tuple(req.stops() or cfg.stop),
-                          logprobs=req.logprobs_wanted(), grammar=grammar, prediction=prediction, scope=scope)
+
+        def cut(default: int, room: int) -> None:   # the server's default, not the client's ask
+            warnings.append(f"max_tokens: unset, and the server's default of {default} new tokens exceeds "
+                            f"the room the model's context leaves after the {len(ids)}-token prompt: at most {room}")
+        own = {"sampling": self._sampling(req), "stop": tuple(req.stops()), "logprobs": req.logprobs_wanted(),
+               "grammar": grammar, "prediction": prediction, "scope": scope}
+        own |= {k: v for k, v in (("max_new_tokens", limit), ("seed", req.seed)) if v is not None}
+        if not own["stop"]:   # what the request leaves out is the server's
+            del own["stop"]
+        request = self.prepared.request(ids, own, on_cut=cut)
         return Job(request, emit=lambda ev: None, streamed=req.stream,
                    tool_family=family if structured.parses_calls(req, spec) else None,
                    tools=spec.tools if spec is not None else [], warnings=warnings)

@@ -1,7 +1,8 @@
 """Request: what one generation asks for, as one frozen record.
 
-Every way in builds one, in one place: the API and the CLI from a configuration
-(`DecodingConfig.request`, hdcli/config.py), `hd serve` from a parsed request body
+Every way in builds one in one place, `DecodingConfig.request` (hdcli/config.py), through a
+run's `Run.request` (hdcli/generation.py), which checks it against the context's room: the API
+and the CLI from a configuration, `hd serve` with a parsed request body's own fields
 (`Server.job_for`, hdcli/serve/server.py). The decode loop takes it (`Decoder.generate`,
 `Decoder.stream`, `Stream`: engine/decode/loop.py), and so does the server's decode loop (a
 `Job` is a Request plus how its answer travels and when it ran: hdcli/serve/scheduler.py).
