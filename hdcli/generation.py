@@ -25,7 +25,7 @@ from .engine import loader as models
 from .engine.decode.prediction import prediction_ids
 from .engine.decode.loop import Decoder, Generation
 from .engine.decode.request import Request
-from .engine.text.prompts import TextStream, cut_at_stop, encode_prompt, stop_checker
+from .engine.text.prompts import TextStream, cut_at_stop, encode_prompt
 from .errors import HdError
 from .hsd.planner import check_made_for
 from .hsd.stack import ModelStack
@@ -140,8 +140,8 @@ class Run:
         if (drafter or request.prediction) and cost is None:
             cost = self.cost
         stream = TextStream(lm.tokenizer, on_text) if on_text else None
-        g: Generation = Decoder(lm.model, lm.eos_ids, drafter, cost=cost).generate(
-            request, stop_check=stop_checker(lm.tokenizer, request.stop), on_tokens=stream)
+        g: Generation = Decoder(lm.model, lm.eos_ids, drafter, cost=cost, tokenizer=lm.tokenizer).generate(
+            request, stream)
         text = cut_at_stop(lm.tokenizer.decode(g.tokens, skip_special_tokens=True), request.stop)
         return Result(text=text, tokens=g.tokens, layers=g.layers, stop_reason=g.stop_reason,
                       stats=g.stats, prompt_ids=list(request.prompt_ids), logprobs=g.logprobs,

@@ -48,7 +48,7 @@ import torch
 from ..engine.decode import batch
 from ..engine.text import tools
 from ..engine.decode.loop import Decoder, Stream, speculative_steps
-from ..engine.text.prompts import cut_at_stop, stop_checker
+from ..engine.text.prompts import cut_at_stop
 from ..engine.decode.request import Request
 from .limits import RateLimited
 
@@ -104,7 +104,7 @@ class Scheduler:
         self.prefix = prefix   # engine/decode/prefix.PrefixCache: prompts' keys kept across requests, or None
         self.max_batch, self.max_queue = max_batch, max_queue
         self.on_finish, self.on_step = on_finish, on_step
-        self.decoder = Decoder(lm.model, lm.eos_ids, None, cost=cost, prefix=prefix)
+        self.decoder = Decoder(lm.model, lm.eos_ids, None, cost=cost, prefix=prefix, tokenizer=lm.tokenizer)
         self.batched = batch.can_batch(lm.model)
         self.queue: deque[Job] = deque()
         self.running: list[Job] = []
@@ -253,8 +253,7 @@ class Scheduler:
             return
         try:
             request = job.request
-            job.stream = self.decoder.stream(request, stop_check=stop_checker(self.lm.tokenizer, request.stop),
-                                             drafter=self.drafter_for(request.scope))
+            job.stream = self.decoder.stream(request, drafter=self.drafter_for(request.scope))
         except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
             if self.prefix is not None:   # its prefill may have stored part of an entry
                 self.prefix.clear()

@@ -32,6 +32,7 @@ from .prefix import prefill_pieces
 from .request import Request
 from .stats import RunStats
 from ..text.constrain import FORCED_RATE
+from ..text.prompts import stop_checker
 from .costs import CostCurve
 from .prediction import Prediction
 from . import batch
@@ -63,8 +64,9 @@ class Decoder:
     step's draft tree; None sends every drafted node (up to max_nodes)."""
 
     def __init__(self, model: TargetModel, eos_ids: Sequence[int] = (), drafter: Drafter | None = None,
-                 cost: CostCurve | None = None, max_nodes: int = 63, prefix=None):
+                 cost: CostCurve | None = None, max_nodes: int = 63, prefix=None, tokenizer=None):
         self.model = model = as_target(model)
+        self.tokenizer = tokenizer   # where given, a request's stop strings end its output
         self.prefix = prefix   # engine/decode/prefix.PrefixCache (hd serve), or None
         self.eos_ids = set(int(e) for e in eos_ids)
         self.drafter = drafter
@@ -96,31 +98,28 @@ class Decoder:
         return 0
 
     @torch.inference_mode()
-    def generate(self, request: Request | Sequence[int], *,
-                 stop_check: Callable[[list[int]], int | None] | None = None,
-                 on_tokens: TokenCallback | None = None, **fields) -> Generation:
+    def generate(self, request: Request | Sequence[int], on_tokens: TokenCallback | None = None,
+                 **fields) -> Generation:
         """Decode one request (engine/decode/request.py: prompt, max_new_tokens, sampling, seed
-        and choice, logprobs, grammar, prediction), or prompt ids with those fields by name.
-        stop_check(tokens) may return a length to cut the output at (a stop string was seen);
+        and choice, stop, logprobs, grammar, prediction), or prompt ids with those fields by name.
         on_tokens hears each step's new tokens. Sampled output is keyed by (seed, choice index,
         output position): the same seed gives the same tokens with or without drafts
         (verify.coupled_choice)."""
-        s = self.stream(request, stop_check=stop_check, on_tokens=on_tokens, **fields)
+        s = self.stream(request, on_tokens=on_tokens, **fields)
         while not s.done:
             speculative_step(self.model, s)
         return s.result()
 
     @torch.inference_mode()
-    def stream(self, request: Request | Sequence[int], *,
-               stop_check: Callable[[list[int]], int | None] | None = None,
-               on_tokens: TokenCallback | None = None, drafter: Drafter | None | str = "own",
-               **fields) -> "Stream":
+    def stream(self, request: Request | Sequence[int], *, on_tokens: TokenCallback | None = None,
+               drafter: Drafter | None | str = "own", **fields) -> "Stream":
         """A generation to be stepped by the caller (generate() steps one; a server steps many and
         verifies their trees in one forward, hdcli/engine/decode/batch.py). The prompt is prefilled here.
         request: as generate takes it. drafter: this one's own ("own"), or another (one per
         concurrent stream: drafters keep per-generation state)."""
-        return Stream(self, Request.of(request, **fields), stop_check, on_tokens,
-                      self.drafter if isinstance(drafter, str) else drafter)
+        request = Request.of(request, **fields)
+        stop_check = None if self.tokenizer is None else stop_checker(self.tokenizer, request.stop)
+        return Stream(self, request, stop_check, on_tokens, self.drafter if isinstance(drafter, str) else drafter)
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
