@@ -34,9 +34,9 @@ them:
   learning        learn(model_db, prompt_ids, tokens): add a generation to a model DB
 
 The `hd` commands' own functions live in their packages, and the CLI calls them there:
-`hd generate` generation.generate_report, `hd plan` hsd/commands.plan, `hd bench`
-bench/commands.bench_spec_bench and bench_agents, `hd build-stats`, `hd build-model-db` and
-`hd db info|query` db/commands.py, `hd costs` engine/cost_report.cost_report, `hd models`
+`hd generate` commands/generate.generate_report, `hd plan` commands/plan.plan, `hd bench`
+commands/bench.bench_spec_bench and bench_agents, `hd build-stats`, `hd build-model-db` and
+`hd db info|query` commands/db.py, `hd costs` engine/cost_report.cost_report, `hd models`
 engine/local_models.report, `hd serve` serve/server.Server.
 """
 from __future__ import annotations

@@ -24,12 +24,14 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from . import __version__, bench, generation, interrupts, show
+from . import __version__, bench, interrupts, show
 from .bench import agents as bench_agents_mod
-from .bench import commands as bench_commands
 from .bench import report as bench_report
+from .commands import bench as bench_commands
+from .commands import db as db_commands
+from .commands import generate as generate_commands
+from .commands import plan as plan_commands
 from .config import DecodingConfig, split_list
-from .db import commands as db_commands
 from .db.atomic import check_output_path
 from .db.modeldb import SAMPLE_TOP_P
 from .engine import environment, local_models
@@ -37,7 +39,6 @@ from .engine.cost_report import cost_report
 from .engine.loader import DEFAULT_MODEL
 from .errors import HdError, disk_error
 from .flags import groups, takes
-from .hsd import commands as hsd_commands
 from .serve.options import ServeOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -78,14 +79,14 @@ def generate(
     color: bool = typer.Option(True, "--color/--no-color", help="Colour drafted tokens by layer."),
 ):
     """Generate text with lossless speculative decoding and report per-layer statistics."""
-    text = generation.read_prompt(prompt, prompt_file)
+    text = generate_commands.read_prompt(prompt, prompt_file)
     out = Console(highlight=False, no_color=not color, soft_wrap=True)
 
     def on_text(piece: str, layer: Optional[str]) -> None:
         out.print(piece, end="", style=show.layer_style(layer), markup=False)
 
-    output = generation.output_from_files(json_schema, json_object, grammar, grammar_format, prediction)
-    rep = generation.generate_report(cfg, text, compare=compare, on_text=None if as_json else on_text,
+    output = generate_commands.output_from_files(json_schema, json_object, grammar, grammar_format, prediction)
+    rep = generate_commands.generate_report(cfg, text, compare=compare, on_text=None if as_json else on_text,
                                      on_status=show.status(as_json), output=output)
     if as_json:
         typer.echo(json.dumps(rep.data))
@@ -343,7 +344,7 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Measure costs and acceptance, predict every hierarchy's speed, choose the fastest (DP)."""
-    result = hsd_commands.plan(cfg, draft_models, prompts=prompts, count=count, tokens=tokens, t_max=t_max,
+    result = plan_commands.plan(cfg, draft_models, prompts=prompts, count=count, tokens=tokens, t_max=t_max,
                                no_db=no_db, measure_top=measure_top, max_new_tokens=max_new_tokens,
                                out_path=out_path, on_status=show.status(as_json))
     if as_json:

@@ -156,7 +156,7 @@ def test_compare_says_why_transformers_differs_and_that_drafting_did_not():
     import io
     from rich.console import Console
     from hdcli import show
-    from hdcli.generation import GenerateReport
+    from hdcli.commands.generate import GenerateReport
 
     def line(identical: bool, hf_identical: bool) -> str:
         compare = {"identical": identical, "first_difference": None if identical else 3, "speedup": 2.0,

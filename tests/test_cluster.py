@@ -154,7 +154,7 @@ def test_a_cluster_that_goes_away_leaves_no_output(tiny_model_dir, tmp_path):
 
 def test_without_cluster_dask_is_never_imported(tiny_model_dir, tmp_path):
     paths = corpus(tmp_path, docs=50, files=1)
-    code = ("import sys; from hdcli.db import commands; "
+    code = ("import sys; from hdcli.commands import db as commands; "
             f"commands.build_stats([{str(paths[0])!r}], {str(tmp_path / 's.lmdb')!r}, {str(tiny_model_dir)!r}); "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed')], 'imported'")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

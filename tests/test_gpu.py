@@ -106,7 +106,7 @@ def report_on(device: str, dtype: str, model_dir) -> dict:
     """The whole `hd generate --device D` path: load there, the cost curve measured there, the
     default hierarchy, the comparison with plain decoding and transformers' generate."""
     from hdcli.config import DecodingConfig
-    from hdcli.generation import generate_report
+    from hdcli.commands.generate import generate_report
     cfg = DecodingConfig(model=str(model_dir), device=device, dtype=dtype, max_new_tokens=48)
     data = generate_report(cfg, "the cat sat on the mat and the dog sat on the mat", compare=True).data
     assert data["config"]["device"] == device

@@ -12,12 +12,13 @@ import resource
 
 import pytest
 
-from hdcli import generation
+from hdcli.commands import generate as generate_commands
 from hdcli.bench import specbench
 from hdcli.config import DecodingConfig
 from hdcli.engine import loader, local_models
 from hdcli.errors import HdError
-from hdcli.hsd import commands as hsd_commands, planner
+from hdcli.commands import plan as plan_commands
+from hdcli.hsd import planner
 from hdcli.serve import tenants
 
 from conftest import hd_main
@@ -29,13 +30,13 @@ MiB = 1 << 20
 # flag -> (what reads a file given with it, the file's bound: hdcli/inputs.py's, written out so
 # that this file also runs on the code before it)
 READERS = {
-    "--prompt-file": (lambda p: generation.read_prompt(None, p), 16 * MiB),
-    "--json-schema": (lambda p: generation.output_from_files(p, False, None, None, None), MiB),
-    "--grammar": (lambda p: generation.output_from_files(None, False, p, "lark", None), MiB),
-    "--prediction": (lambda p: generation.output_from_files(None, False, None, None, p), 16 * MiB),
+    "--prompt-file": (lambda p: generate_commands.read_prompt(None, p), 16 * MiB),
+    "--json-schema": (lambda p: generate_commands.output_from_files(p, False, None, None, None), MiB),
+    "--grammar": (lambda p: generate_commands.output_from_files(None, False, p, "lark", None), MiB),
+    "--prediction": (lambda p: generate_commands.output_from_files(None, False, None, None, p), 16 * MiB),
     "--config": (DecodingConfig.from_file, 16 * MiB),
     "--plan": (planner.read_plan_file, 16 * MiB),
-    "--prompts": (lambda p: hsd_commands.calibration_prompts(None, p, 1), 16 * MiB),
+    "--prompts": (lambda p: plan_commands.calibration_prompts(None, p, 1), 16 * MiB),
     "--api-keys-file": (lambda p: tenants.Keys.load((), p), MiB),
     "Spec-Bench file": (specbench.load, 64 * MiB),     # hd bench spec-bench --data
 }

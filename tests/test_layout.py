@@ -12,16 +12,15 @@ ROOT = Path(__file__).resolve().parent.parent / "hdcli"
 # Studio's folders: paths only) and the loader that puts a model together.
 ENGINE = ["engine.environment", "engine.progress", "engine.records", "engine.kernels", "engine.model", "engine.text",
           "engine.decode", "engine.local_models", "engine.loader", "engine"]
-# a package's commands (the functions `hd build-stats`, `hd plan`, ... call) are units of their own,
-# above the composition they use: the rest of their package sits below it
-COMMANDS = ["db.commands", "hsd.commands"]
-ORDER = ["errors", "inputs", *ENGINE, "db", "drafting", "hsd", "config", "compose", "bench", *COMMANDS,
-         "generation", "api", "serve", "flags", "show", "cli"]
+# the commands' own functions (the ones `hd build-stats`, `hd plan`, ... call) are one folder above
+# the run they put together (generation) and the benchmarks, below the faces that call them
+ORDER = ["errors", "inputs", *ENGINE, "db", "drafting", "hsd", "config", "compose", "bench", "generation",
+         "commands", "api", "serve", "flags", "show", "cli"]
 
 
 def unit(module: str) -> str:
-    """'hdcli.engine.decode.loop' -> 'engine.decode'; 'hdcli.db.stores' -> 'db'; 'hdcli.db.commands'
-    -> 'db.commands'; 'hdcli' (the package: __version__) -> 'errors'."""
+    """'hdcli.engine.decode.loop' -> 'engine.decode'; 'hdcli.db.stores' -> 'db'; 'hdcli' (the
+    package: __version__) -> 'errors'."""
     parts = module.split(".")
     if parts[1:] == ["__init__"]:   # the package itself: it asks engine/environment.py for oneDNN's cap first
         return "engine.environment"
@@ -29,8 +28,6 @@ def unit(module: str) -> str:
         return "cli"
     if len(parts) > 2 and parts[1] == "engine" and f"engine.{parts[2]}" in ENGINE:
         return f"engine.{parts[2]}"
-    if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in COMMANDS:
-        return f"{parts[1]}.{parts[2]}"
     return parts[1] if len(parts) > 1 else "errors"
 
 

@@ -695,7 +695,7 @@ def test_a_plan_field_of_the_wrong_type_names_the_plan(tmp_path):
 
 
 def test_a_prompt_file_with_a_bom_is_the_prompt_alone(tmp_path):
-    from hdcli.generation import read_prompt
+    from hdcli.commands.generate import read_prompt
     f = tmp_path / "p.txt"
     f.write_text("\ufeffthe cat sat", encoding="utf-8")
     assert read_prompt(None, f) == "the cat sat"
@@ -714,7 +714,7 @@ def test_empty_stop_and_thresholds_out_of_range_are_refused(tiny_model_dir):
 
 def test_max_new_tokens_past_the_context_is_said(tiny_lm):
     from hdcli.config import DecodingConfig
-    from hdcli.generation import generate_report
+    from hdcli.commands.generate import generate_report
     said = []
     cfg = DecodingConfig(model=tiny_lm.name, max_new_tokens=10_000, layers=[])
     rep = generate_report(cfg, "the cat sat", lm=tiny_lm, on_status=said.append)

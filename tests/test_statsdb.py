@@ -19,7 +19,8 @@ import pytest
 
 from hdcli import api
 from hdcli.engine.decode import costs
-from hdcli.db import codec, commands, envs, fingerprint, statsdb, stores
+from hdcli.commands import db as commands
+from hdcli.db import codec, envs, fingerprint, statsdb, stores
 from hdcli.db.header import FORMAT_VERSION, HEADER_KEY
 from hdcli.drafting import StatsDB
 from hdcli.errors import HdError

@@ -12,8 +12,8 @@ from ..compose import Status, check_tokenizers, load_model_for, open_dbs, resolv
 from ..config import DecodingConfig
 from ..drafting import suffix
 from ..errors import HdError
-from . import agents, drafts, runner, specbench
-from .report import chart
+from ..bench import agents, drafts, runner, specbench
+from ..bench.report import chart
 
 
 def _questions_and_model(cfg: DecodingConfig, data, limit, categories, on_status: Status):

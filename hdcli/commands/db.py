@@ -15,10 +15,10 @@ from ..config import DecodingConfig
 from ..drafting import RecycledTable, StatsDB
 from ..engine import loader as models
 from ..errors import HdError
-from . import corpus as corpus_mod
-from . import modeldb, statsdb
-from .atomic import check_output_path
-from .stores import Store
+from ..db import corpus as corpus_mod
+from ..db import modeldb, statsdb
+from ..db.atomic import check_output_path
+from ..db.stores import Store
 
 
 def parse_shard(shard: str | None) -> tuple[int, int]:

@@ -16,8 +16,8 @@ from ..config import DecodingConfig, level_problems, split_list
 from ..engine import loader as models
 from ..engine.text.prompts import encode_prompt
 from ..errors import HdError
-from . import draft_models as draftmodels
-from . import planner
+from ..hsd import draft_models as draftmodels
+from ..hsd import planner
 
 
 def draft_model_names(draft_models: str | Sequence[str]) -> list[str]:

@@ -111,7 +111,7 @@ def sample(lm, prompts: list[str], samples_path: str | Path, *, max_new_tokens: 
     target's greedy answers; top_p where it samples: SAMPLE_TOP_P, hd build-model-db's --top-p).
     progress(prompts_done, new_tokens) after each batch. stop_after: stop after that many new
     batches (for tests of resume). drafter_factory: a new drafter per answer on hd's own forward
-    (db.commands.build_model_db passes the default hierarchy: speculative, the same tokens), None for plain
+    (commands/db.build_model_db passes the default hierarchy: speculative, the same tokens), None for plain
     decoding. Returns throughput figures."""
     from ..engine.text.prompts import encode_prompt
     samples_path = Path(samples_path)

@@ -313,7 +313,7 @@ def _db_level(hier, prompts, refs, dists, uppers, s) -> tuple[list[float], float
 
 
 # ---------------------------------------------------------------------------------------------
-# Ranking and measuring for `hd plan` (hsd/commands.plan runs them)
+# Ranking and measuring for `hd plan` (commands/plan.plan runs them)
 
 def ranked_rows(p: Params, t_max: int, best_v: float) -> list[dict]:
     """Every chain with its predicted speed, fastest first, as the rows `hd plan` reports."""
