@@ -35,6 +35,10 @@ def groups(*names: str, cls=DecodingConfig, leave_out: Iterable[str] = ()) -> li
             and (not names or f.metadata["group"] in names)]
 
 
+# the target model and how it runs, as most commands take it (the invariant attention's kernel aside)
+MODEL = groups("model", leave_out=["attention"])
+
+
 def _parameter(f: dataclasses.Field, change: dict) -> inspect.Parameter:
     meta = {**f.metadata, **change}
     default = meta.get("default", meta.get("cli_default", f.default if f.default is not dataclasses.MISSING

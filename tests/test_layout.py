@@ -15,7 +15,7 @@ ENGINE = ["engine.environment", "engine.progress", "engine.records", "engine.ker
 # the commands' own functions (the ones `hd build-stats`, `hd plan`, ... call) are one folder above
 # the run they put together (generation) and the benchmarks, below the faces that call them
 ORDER = ["errors", "inputs", *ENGINE, "db", "drafting", "hsd", "config", "compose", "bench", "generation",
-         "commands", "api", "serve", "flags", "show", "cli"]
+         "commands", "api", "serve", "flags", "show", "cli_bench", "cli"]
 
 
 def unit(module: str) -> str:
