@@ -8,7 +8,7 @@ A configuration's target is loaded here too (`load_model_for`) and its DBs opene
 Defaults that depend on the machine are chosen here, from the target's measured forward cost
 (engine/decode/costs.py): where a verification forward over a draft costs about one token's forward
 (bf16, packed kernels: "cheap"), shorter keys and likelier-to-fail drafts pay; where it costs
-~1.65 (fp32 with torch's kernels), they do not. `resolved` writes the choices into the
+much more (fp32 with torch's kernels), they do not. `resolved` writes the choices into the
 configuration a run records.
 """
 from __future__ import annotations
@@ -41,9 +41,9 @@ def cheap_verification(lm: models.LoadedModel) -> bool:
 
 
 def default_min_n(cheap_verify: bool) -> int:
-    """Shortest context-DB key. Where a verification forward costs ~1.65x one token, unigram
-    matches are accepted too rarely to pay for it; where it costs ~1.1x, even unigram drafts pay
-    (benchmarks/tuning/context_tuning.py)."""
+    """Shortest context-DB key. Where a verification forward costs much more than one token's,
+    unigram matches are accepted too rarely to pay for it; where it costs about one token's, even
+    unigram drafts pay (benchmarks/tuning/context_tuning.py)."""
     return 1 if cheap_verify else 2
 
 
@@ -53,11 +53,9 @@ def default_min_prob(cheap_verify: bool) -> float:
 
 
 def default_min_expected(cheap_verify: bool) -> float:
-    """Least expected accepted tokens for a DB draft to be worth a verification forward: ~1 where
-    a forward over a draft costs ~1.65 plain steps, 0 where it costs about one. Both defaults come
-    from replaying Spec-Bench outputs (benchmarks/tuning/stats_tuning.py, docs/stats-db.md); on
-    packed fp32 kernels the cheap defaults raised hd from 1.64x to 1.72x over plain
-    (docs/benchmarks.md)."""
+    """Least expected accepted tokens for a DB draft to be worth a verification forward: 1 where
+    a forward over a draft costs much more than a plain step, 0 where it costs about one. Both defaults come
+    from replaying Spec-Bench outputs (benchmarks/tuning/stats_tuning.py, docs/stats-db.md)."""
     return 0.0 if cheap_verify else 1.0
 
 

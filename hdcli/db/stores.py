@@ -23,8 +23,8 @@ Invariants
     that fails if the output appeared during the build (another build racing to the same path);
     an output path that is a folder is refused;
   * a built file is packed: builds insert keys in hash order, which leaves B-tree pages about half
-    full, so commit() copies the store in key order with MDB_APPEND into full pages (the DB built
-    from ../shared/corpora shrank from 184 MB to 57 MB; the copy took 0.9 s);
+    full, so commit() copies the store in key order with MDB_APPEND into full pages (a built DB
+    shrinks to about a third, for a copy of about a second);
   * the header's `content_digest` is the sum mod 2**128 of blake2b-128(len(key), key, value) over
     all records (header excluded): independent of page layout and build time, so two builds of the
     same counts have the same digest, and additive, so `--learn` keeps it current key by key.
@@ -109,7 +109,7 @@ class Store:
     """A read-only, memory-mapped n-gram store.
 
     No read snapshot outlives the read that needs it: each lookup (get) reads in a transaction
-    of its own (about 1 us). A snapshot held open keeps every page it sees from reuse, and a
+    of its own (cheap beside a lookup). A snapshot held open keeps every page it sees from reuse, and a
     Store kept one from its opening on (the model DB whose answers a model layer indexes once),
     so that each transaction of `--learn` wrote its pages anew (a model DB grew from 80 KB to
     32 MB in 200 answers, 98.8% of its pages free and never reused)."""

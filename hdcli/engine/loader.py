@@ -230,7 +230,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 def _offline_kwargs(kind: str) -> dict:
     """Without a reachable hub, ask only the local cache: huggingface_hub would otherwise retry
-    for ~45 s before failing."""
+    for most of a minute before failing."""
     return {"local_files_only": True} if kind == "hub" and not _hub_reachable() else {}
 
 
@@ -556,7 +556,7 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     dt = owned_dtype(dtype, device, gguf)
     kn = owned_kernels(kernels, device, dt, gguf)
     if kn == "gguf" and device == "cpu" and dt == "bf16":   # (gguf-int8: compiled by the choice above)
-        quants.kernel_available(quiet=quiet)   # compiled once per machine (~30 s): said, not silent
+        quants.kernel_available(quiet=quiet)   # compiled once per machine (a while): said, not silent
     phase("kernels")
     tok = _owned_tokenizer(name, src)
     phase("tokenizer")

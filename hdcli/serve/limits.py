@@ -21,7 +21,7 @@ Invariants
     the client reads it (a 408 to a trickled body arrived as "Connection reset by peer").
   * A request task uvicorn cancels at a stop is logged in one line, without a traceback.
   * Running out of file descriptors is logged once per period with a count, not once per failed
-    accept (asyncio logs each, with a traceback: 60 MB in 15 s once).
+    accept (asyncio logs each, with a traceback: tens of megabytes in seconds).
 """
 from __future__ import annotations
 

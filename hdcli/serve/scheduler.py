@@ -126,8 +126,8 @@ class Scheduler:
     def start(self) -> None:
         """Run the loop in a thread of its own. Slower than run() in the main thread where torch
         uses GNU OpenMP: with a second thread team in the process libgomp stops spinning between
-        parallel regions, and each Linear call pays a wake-up (a 4-bit q_proj took 85 us instead of
-        22 us on the AMD EPYC). hd serve runs the loop in the main thread, HTTP beside it."""
+        parallel regions, and each Linear call pays a wake-up (a small 4-bit GEMM took several
+        times as long). hd serve runs the loop in the main thread, HTTP beside it."""
         self._thread = threading.Thread(target=self.run, name="hd-decode", daemon=True)
         self._thread.start()
         self._running.wait()

@@ -60,8 +60,8 @@ from .options import MAX_BODY, ServeOptions
 from .protocol import ApiError
 from .scheduler import Job, Scheduler
 
-# seconds past drain_timeout a signalled shutdown may take (cancelling what still runs: 30 s,
-# writing what is left to learn) before the watchdog ends the process
+# seconds past drain_timeout a signalled shutdown may take (cancelling what still runs, writing
+# what is left to learn) before the watchdog ends the process
 SHUTDOWN_MARGIN = 60.0
 # seconds uvicorn waits for responses beyond drain_timeout: requests still running then are ended
 # by hd, and their streams need a moment to send their last chunk and [DONE]
@@ -75,8 +75,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
     Its protocol is IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
     connections whose socket says TCP. Without it a response's body, written after its headers,
-    waited for the client's delayed ACK: 40 ms on every request after the first of a kept-alive
-    connection (the openai client keeps them), measured on loopback."""
+    waited for the client's delayed ACK on every request after the first of a kept-alive
+    connection (the openai client keeps them), on loopback too."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -142,7 +142,7 @@ class Server:
         self.created = int(time.time())
         self.metrics = Metrics()
         compose.warm_up(self.lm)
-        # the grammar engine's view of the tokenizer (~0.5-1.4 s), built now rather than by the first
+        # the grammar engine's view of the tokenizer (a second or so), built now rather than by the first
         # request with a schema or tools, which builds it holding the tokenizer lock the decode loop needs
         constrain.prepare(self.lm)
         self.learner = None

@@ -41,7 +41,7 @@ def covering_blocks(model) -> list[int]:
     attention's kind, full or sliding). Every block runs the same code on its kinds of layer, and
     an M-invariant row depends on the kernels' arithmetic, not on the weights' values: these
     blocks take every path the whole model takes, in 2-4 blocks where an 8B model has 32 (its
-    first start's self-check 25 s -> ~5 s on the 2-core EPYC)."""
+    first start's self-check that much shorter)."""
     from ..model.layers import Linear
     seen: set = set()
     chosen = []

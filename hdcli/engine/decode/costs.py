@@ -12,12 +12,12 @@ interpolated linearly; beyond the last it grows linearly with the last slope.
 Two more measured terms price what a chain of w tokens does not have (CostCurve.forward):
   * branch: per row of a tree that branches, over a chain of as many rows. In the M-invariant
     forward a tree's rows gather their own keys (engine/kernels/invariant.py): measured on the bundled
-    model with 4-bit kernels on an AMD EPYC, an 8-row tree cost 0.9 one-token forwards more than an 8-row
+    model with 4-bit kernels, an 8-row tree cost nearly one one-token forward more than an 8-row
     chain, so the chain curve alone made the cap keep branches that did not pay;
   * stream: per stream beyond the first in one batched forward (engine/decode/batch.py: its own cache,
-    its own attention). 4 one-token streams cost 1.77 one-token forwards there, a 4-token chain
-    1.25, so a server that priced streams as rows kept trees that made every forward dearer than
-    they paid for (4 clients were faster with no drafts at all: 70.6 against 58-68 tok/s).
+    its own attention). 4 one-token streams cost far more than a 4-token chain there, so a server
+    that priced streams as rows kept trees that made every forward dearer than they paid for (4
+    clients were faster with no drafts at all).
 
 Measurement, made so that a loaded machine cannot fake the curve
   * rounds: every width is timed once per round, the widths of a round in a rotated order, so a
@@ -57,8 +57,8 @@ MAX_AGE_DAYS = 30    # machines change (firmware, microcode, neighbours): re-mea
 FLAT_LIMIT = 1.05    # cost(64) under this on a CPU means the one-token time was inflated
 # from one width to the next a forward's cost grows at most as its rows do (it reads the same
 # weights; its arithmetic is linear in the rows), times this: a steeper step means the wider
-# width's every round was loaded (a bundled-model curve measured beside a test run read
-# cost(8) 1.50 and cost(12) 9.70, 6.3x for 1.5x the rows; measured again: 2.06)
+# width's every round was loaded (a bundled-model curve measured beside a test run once read six
+# times the cost for one and a half times the rows; measured again, it was not)
 STEEP_LIMIT = 2.0
 MIN_PARAMS_FOR_SLOPE = 20_000_000  # below this a forward is overhead-bound and may be flat
 
@@ -103,8 +103,8 @@ class CostCurve:
 
     def verifies_cheaply(self) -> bool:
         """Whether verifying 8 drafted tokens costs at most CHEAP_VERIFY one-token forwards.
-        Measured here: fp32 on torch's kernels 1.60 (costly); fp32 on packed oneDNN kernels 1.23 and
-        bf16 ~1.1 (cheap). The drafting defaults (compose.default_min_n and its siblings) follow this."""
+        fp32 on torch's kernels is costly, packed kernels and bf16 cheap (docs/dtype.md). The drafting
+        defaults (compose.default_min_n and its siblings) follow this."""
         return self(8) <= CHEAP_VERIFY
 
     def seconds(self, w: int) -> float | None:

@@ -88,7 +88,7 @@ class Decoder:
         invariant.MAX_ROWS rows (prefix.prefill_pieces), cache or not: so `hd generate`, `hd serve`
         with and without its prefix cache write the same keys for a prompt on any machine (one
         forward of all a prompt's rows takes SDPA where the fused attention is off, and Linear
-        widths the mode never calibrated). It cost ~10% of a 1,000-token prefill (AMD EPYC)."""
+        widths the mode never calibrated), at a small price on a long prefill."""
         if self.prefix is not None:
             return self.prefix.prefill(self.model, ids, cache, scope)
         if self.model.invariant:

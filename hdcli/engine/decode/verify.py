@@ -274,8 +274,8 @@ def coupled_choice(row: torch.Tensor, s: Sampling, u: float) -> int:
     it was loaded when the process first drew (it is wherever hd's own forward runs on the CPU;
     never built for this alone: a transformers forward's first sampled token paying a minute's
     compile), decided then for the process so that the law a seed draws by never changes in it:
-    the torch ops took 115-154 us a draw over the bundled model's 49152 logits (AMD EPYC), the
-    compiled pass 47-58. Plain and speculative decoding draw through here alike, so a seed gives
+    the compiled pass draws over the bundled model's 49152 logits in less than half the torch ops'
+    time. Plain and speculative decoding draw through here alike, so a seed gives
     one answer with or without drafts either way."""
     vocab = row.shape[-1]
     k = s.top_k if 0 < s.top_k < vocab else vocab
@@ -357,13 +357,11 @@ def top_tokens(logits: torch.Tensor, k: int = 1) -> list[list[int]]:
     """Per row of logits [rows, V], the k highest-scoring token ids, best first. The first is
     exactly argmax's (the lowest index among equal maxima), so greedy acceptance can take it; each
     next one is the argmax of what is left. One device->host transfer a step. On the CPU the
-    argmaxes are numpy's (vectorised): for 1-12 rows of the bundled model's 49152 logits, two of
-    them took 25-118 us where torch's argmax and topk(2) together took 127-620 (AMD EPYC), and a
-    verification step needs both (acceptance, the recycle layer). Where the compiled GEMM is
-    already loaded (csrc/qmm.cpp's top_indices: the same indices, one pass a row) it does it
-    instead: numpy's two argmaxes over the step's rows, its widening copy and lists took ~170 us of
-    a 6.4 ms step in the decode loop (bundled model, AMD EPYC), the compiled pass ~45-80 there
-    (5 rows alone: 262 against 34 us)."""
+    argmaxes are numpy's (vectorised): over the bundled model's 49152 logits two of them cost a
+    fraction of torch's argmax and topk(2) together, and a verification step needs both
+    (acceptance, the recycle layer). Where the compiled GEMM is already loaded (csrc/qmm.cpp's
+    top_indices: the same indices, one pass a row) it does it instead, in a fraction of numpy's
+    two argmaxes, widening copy and lists."""
     if logits.device.type == "cpu":
         compiled = _loaded_for(logits)
         if compiled is not None and logits.dim() == 2 and 0 < k <= logits.shape[-1]:

@@ -129,7 +129,7 @@ def _beside_build(source: Path, folder: Path | None) -> Path:
     source's hash, so the copy is the same wherever hd is installed). ninja rebuilds where its
     command changed, and the command names the source's path: two installs of the same hd (two
     virtual environments, a checkout beside a wheel) built from their own paths rebuilt each
-    other's kernel at every start that alternated, ~30 s each, waiting on each other's lock."""
+    other's kernel at every start that alternated, waiting on each other's lock."""
     if folder is None:
         return source
     copy = folder / source.name

@@ -1,12 +1,11 @@
 """Prepacked oneDNN linear layers: faster CPU forwards, and cheaper multi-token verification.
 
 On CPU, `nn.Linear` calls MKL's GEMM, which re-packs the weight matrix on every call. For the few
-rows of a decode step that packing is most of the work: a forward over 8 tokens costs ~1.7x one
-token in fp32, and one token is slower than it needs to be. oneDNN can reorder a weight once into
+rows of a decode step that packing is most of the work: a forward over 8 tokens costs much more
+than one token in fp32, and one token is slower than it needs to be. oneDNN can reorder a weight once into
 its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op PyTorch's own CPU inference
-passes use) and then multiply any number of rows by it. Measured on this 2-core CPU, bundled
-SmolLM2-135M (`benchmarks/kernels_bench.py`): fp32 one-token forward 39.6 -> 21.1 ms and an 8-token
-forward 1.69x -> 1.36x one token; bf16 one token 23.5 -> 19.5 ms.
+passes use) and then multiply any number of rows by it: both the one-token forward and the
+8-token one's cost over it fall (`benchmarks/kernels_bench.py`, docs/dtype.md).
 
 Invariants
   * PackedLinear(x) equals nn.Linear(x) up to float rounding (another summation order), so a model
@@ -23,8 +22,8 @@ rows) where this CPU has AVX512-VNNI and its once-measured record (quants.activa
 per CPU) found them faster, else bf16 activations ("gguf"); the two round differently, so the choice
 is the machine's, fixed once, and recorded in the numerics. For a safetensors checkpoint `auto` is
 oneDNN-packed dense layers for a safetensors checkpoint where oneDNN is usable; "torch" keeps
-torch's own Linear. Packing won 1.78x on a 2-core AMD EPYC (Zen 5) and lost (0.82x) on a 2-core
-Intel Xeon with AMX, whose MKL path is better: there `--kernels torch` is the faster choice.
+torch's own Linear. Packing won on the AMD CPUs measured and lost on an Intel CPU with AMX, whose
+MKL path is better: there `--kernels torch` is the faster choice (docs/benchmarks.md).
 `int4`, the older name of the GGUF 4-bit set, is accepted as an alias of `gguf`.
 """
 from __future__ import annotations

@@ -2,9 +2,8 @@
 torch ops on the CPU, where it compiles and where it is measured faster on the machine at hand.
 
 Why: the invariant attention does little arithmetic, but in torch ops its fixed summation order
-costs a dozen small ops and small batched GEMMs per layer: on an AMD EPYC (bundled model, int4,
-caches of ~250 tokens) a fifth of a one-token forward and 40-53% of a forward with 4 requests
-(docs/serve.md). The compiled function fixes each query row's arithmetic (csrc/attend.cpp's
+costs a dozen small ops and small batched GEMMs per layer: with the bundled model a fifth of a
+one-token forward and about half of a forward with 4 requests (docs/serve.md). The compiled function fixes each query row's arithmetic (csrc/attend.cpp's
 header): every score a dot product summed over the head in order, the max over the keys the row
 sees, exp by a polynomial of our own, the values summed in key order. Rows share loops in tiles
 but never a sum, so a row's result cannot depend on the other rows: it is M-invariant by
@@ -17,7 +16,7 @@ calibration).
 
 Parameters and invariants
   * Compiled once per source, CPU model, torch version and flags by torch.utils.cpp_extension
-    (g++ and ninja; ~30 s, a progress line on stderr), cached under torch's extensions folder,
+    (g++ and ninja; a progress line on stderr while it takes), cached under torch's extensions folder,
     named by a hash of all of these, so a binary built for another CPU is never loaded.
   * -O3 -march=native -ffp-contract=off, no -ffast-math: vector and scalar code round alike and
     no sum is reordered, whatever the compiler vectorises. -fopenmp: its parallel loops use
@@ -26,9 +25,8 @@ Parameters and invariants
     attentions on the model's head shape (one token, an 8-node tree and a 16-token chain over 256
     keys, interleaved rounds, least times) and takes the faster. The choice is cached per source,
     CPU, torch, flags, head shape and thread count (HD_CACHE_DIR/attention), so a machine decides
-    once. Whole forwards with it and without (benchmarks/fused_attention.py, docs/dtype.md): on an
-    AMD EPYC (bundled model, int4, caches of ~250 tokens) 1 token 16.8 ms against 19.1, an 8-node
-    tree 27.8 against 35.7, 4 requests of 4-node trees 49.5 against 84.5.
+    once. Whole forwards with it and without: benchmarks/fused_attention.py, docs/dtype.md (it
+    gains most on trees and on several requests a forward).
   * Decided once per process (the first model loaded in the invariant mode): every model and run
     of a process has one numerics.
   * Where it does not compile (no compiler or ninja), the model is not on the CPU or its head is
@@ -75,8 +73,8 @@ class AttentionKernel(OnePerProcess):
         """Start building the function in a thread while another kernel compiles (the GGUF GEMM
         at a first start, quants.GemmKernel.load): g++ compiles one source on one core, so the
         two builds take the longer one's time, not their sum. A first start on a 2-core AVX2
-        EPYC compiled this for a minute after the GEMM, and then timed it slower than torch ops
-        and did not use it. The decision (invariant.decide) waits for the build, as before."""
+        CPU compiled this long after the GEMM, and then timed it slower than torch ops and did
+        not use it. The decision (invariant.decide) waits for the build, as before."""
         if self.module is not None or self.failed is not None or self._beside is not None:
             return
         if fused_attention() == "0" or is_built(_name()):
@@ -161,7 +159,7 @@ def claimed(owners, viss, like: torch.Tensor) -> tuple[list, list, list, list, l
     compiled append_attend_many takes of each owner then: (starts, keys, transposed keys, how
     many of those are valid, [V | 1]). owners may be every layer's of a forward (compiled.py, one
     call a forward): the usual case, room already there, is claim's few integer operations, done
-    here without the call (30 layers' calls were ~60 us of a 5 ms forward, AMD EPYC)."""
+    here without the call (a call a layer was a measurable share of a small model's forward)."""
     starts = []
     for owner, vis in zip(owners, viss):
         m, keys = vis.shape

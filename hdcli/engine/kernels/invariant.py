@@ -2,7 +2,7 @@
 one-token forward (torch.equal on the logits), for chains and token trees on a cached prefix.
 
 Why rows differ otherwise (measured op by op and shape by shape; benchmarks/invariance.py):
-  * Linear. A GEMM picks its kernel and blocking by the number of rows M. On an AMD EPYC, fp32:
+  * Linear. A GEMM picks its kernel and blocking by the number of rows M. On one CPU, in fp32:
     torch's (MKL) rows agree only for M in {4, 8} or M >= 12; oneDNN-packed rows agree for every
     M >= 2 but M = 1 (a GEMV) differs at K = 1536. Rows of one kernel configuration never depend
     on the other rows, so padding every call to at least `min_rows` rows fixes it. min_rows is
@@ -87,8 +87,8 @@ class _Layout:
     """Where each row's keys are, derived once per mask: every layer of a forward that gets the
     same mask (all full-attention layers, all sliding ones) reuses it. The fused attention reads
     vis alone; what the torch ops' attention reads besides (DERIVED) is worked out when first read:
-    a tree's gather plan is some fifteen small torch ops, a tenth of a millisecond a forward spent
-    for nothing where the fused attention runs (AMD EPYC)."""
+    a tree's gather plan is some fifteen small torch ops a forward, spent for nothing where the
+    fused attention runs."""
 
     DERIVED = ("prefix_only", "rows", "n_pad", "shared", "t_pad", "idx", "tail_bias")
 
@@ -335,8 +335,8 @@ def min_rows_for(layer: torch.nn.Module, in_features: int, dtype: torch.dtype, s
                  rows_per_m: int = 256) -> int | None:
     """The least row count r such that, called with any M >= r rows, every row equals the same
     row of a 16-row call; None when no r <= 16 holds. bf16 output rounds to 8 bits and hides most
-    differences of summation order (on the EPYC an M = 1 call differed from 16-row calls in 1 row
-    of 15), so each M is tried on `rows_per_m` rows, with inputs shaped like activations (a gated
+    differences of summation order (an M = 1 call was seen to differ from 16-row calls in one row
+    of fifteen), so each M is tried on `rows_per_m` rows, with inputs shaped like activations (a gated
     SiLU: heavy-tailed, many near zero)."""
     gen = torch.Generator().manual_seed(seed)
     n = rows_per_m + 64
@@ -454,8 +454,7 @@ def time_both(hq: int, hkv: int, d: int, keys: int = 256, rounds: int = 7, calls
     """Least time (ms) of `calls` attention calls, summed over a one-token row, an 8-node tree and
     a 16-token chain over `keys` cached keys, for each path, in interleaved rounds: `rounds`, or
     `least_rounds` where by then one path is `clear` times faster than the other (a first start's
-    timing: 1.1 s -> 0.5 s at 8B on the EPYC, where torch ops were 2.6x faster; a close call
-    takes every round)."""
+    timing about halves where one path is far faster; a close call takes every round)."""
     gen = torch.Generator().manual_seed(0)
     cases = []
     for m, tree in ((1, False), (8, True), (16, False)):

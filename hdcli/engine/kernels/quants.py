@@ -2,8 +2,8 @@
 weight-only GEMMs on the blocks (csrc/qmm.cpp) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
 and Q3_K, IQ4_NL, IQ4_XS written in those formats (below). Q2_K is dequantized to bf16.
 
-Why: one decode step reads every weight once, so bytes per weight bound its speed (2 cores stream
-~33 GB/s on the AMD EPYC). Every type is split into integer codes, one scale and (for some) one
+Why: one decode step reads every weight once, so bytes per weight bound its speed (a CPU's memory
+bandwidth, docs/benchmarks.md). Every type is split into integer codes, one scale and (for some) one
 low per group of GK weights along K, W = scale * code + low, which csrc/qmm.cpp multiplies by the
 bf16 activations with bf16 dot products on the integer codes. The repacked layouts keep the file's
 own constants (fp16 d, 6-bit scales) and compute each group's scale and low in the kernel, so they
@@ -60,11 +60,8 @@ fp32 operations, so the same outputs bit for bit (tests/test_quants.py builds al
 compares); it is the only GEMM there (no AVX512-BF16), and the GGUF's weights are held in about
 the file's bytes there too.
 
-Speed (2-core AMD EPYC, N = K = 2048, 2 threads, another process busy on the machine, least of
-rounds; weights in cache; measured on the wider formats this replaced, whose arithmetic is the
-same): 1 / 4 / 16 rows, Q4_0 70 / 124 / 393 us, Q8_0 90 / 139 / 366, Q4_K 69 / 124 / 394,
-Q5_K 93 / 149 / 396, Q6_K 91 / 143 / 389. One row reads bytes: the 4-bit formats are the fastest
-there, all are alike from 16 rows.
+Speed (benchmarks/kernels_bench.py, docs/benchmarks.md): one row reads bytes, so the 4-bit
+formats are the fastest there; from 16 rows, where arithmetic bounds it, all are alike.
 
 Dequantization (`dequantize`, `dequantize_f32`) computes each type's weights with the op order of
 gguf-py's reference (gguf.quants.dequantize): the fp32 values are equal bit for bit

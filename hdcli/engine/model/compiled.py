@@ -1,8 +1,8 @@
 """A forward's decoder layers, final norm and head in one compiled call (csrc/qmm.cpp's Layers).
 
 The Python blocks (llama.Block) make a dozen calls a layer into torch or hd's kernels: at the
-bundled model's size that Python and dispatch was 2-2.5 ms of an 8.4 ms one-token forward (as
-AVX2, docs/benchmarks.md). CompiledLayers hands every layer of a forward, then the final norm and
+bundled model's size that Python and dispatch was a quarter of a one-token forward
+(docs/benchmarks.md). CompiledLayers hands every layer of a forward, then the final norm and
 the head, to one C++ call that runs the same functions and torch ops the blocks call, in their
 order, on the same tensors: the logits and caches are torch.equal to the Python path's
 (tests/test_invariant.py, tests/test_owned.py), so whatever the blocks guarantee (M-invariant

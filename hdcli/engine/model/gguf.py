@@ -11,7 +11,7 @@ the ones llama.cpp writes for every architecture hd owns a forward for (hdcli/en
 Shapes: gguf-py gives a 2-D tensor's shape as [K, N] (ggml order) and its data as [N, bytes per
 row]: rows are output features.
 
-The tokenizer is transformers' (built from the file's vocabulary once, ~2-5 s, then kept as
+The tokenizer is transformers' (built from the file's vocabulary once, in seconds, then kept as
 tokenizer.json under the cache folder: no weights are ever written there).
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def readable_types() -> set[str]:
 
 # ggml's type ids of the types hd reads itself (quants.TYPES and the floats), as gguf-py's
 # GGMLQuantizationType numbers them (tests/test_owned.py compares them); their blocks are quants.BLOCK's.
-# Other ids are asked of gguf-py, whose import (~0.3 s) a later start of a usual file spares.
+# Other ids are asked of gguf-py, whose import a later start of a usual file spares.
 TYPE_IDS = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
             12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS", 30: "BF16"}
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -151,8 +151,7 @@ class GGUFFile:
     """An open GGUF file: its metadata, tensors by name, the configuration.
 
     The header is parsed here (gguf-py's GGUFReader builds a numpy view of every item of every
-    array: ~25 s for a Llama 3 vocabulary of 128k tokens on a 2-core EPYC, most of an 8B model's
-    later start); the tensors are views of one read-only map of the file."""
+    array: for a Llama 3 vocabulary of 128k tokens, most of an 8B model's later start); the tensors are views of one read-only map of the file."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -439,7 +438,7 @@ def _saved_tokenizer(folder: Path):
     """A tokenizer saved by `tokenizer` below: its class read from its config and loaded directly
     where it is transformers' plain tokenizers one (what a GGUF's llama/qwen vocabularies give),
     else through AutoTokenizer. The same object either way; the direct class spares importing
-    transformers' auto classes (~0.7 s of a later start on the EPYC)."""
+    transformers' auto classes (a noticeable part of a later start)."""
     import json
     try:
         kind = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
@@ -462,8 +461,8 @@ def built_tokenizer(gf: GGUFFile):
     """transformers' tokenizer of the file, the class AutoTokenizer picks for its model_type.
 
     Why not AutoTokenizer itself: for these architectures it first builds the file's whole model
-    config with gguf-py's reader, only to learn the model_type (19 s of a first start of a Llama 3
-    file on the EPYC, for a 128k vocabulary); the tokenizer itself reads the file in 2-3 s.
+    config with gguf-py's reader, only to learn the model_type (most of a first start of a Llama 3
+    file, for its 128k vocabulary); the tokenizer itself reads the file much faster.
     tests/test_architectures.py checks both give the same tokenizer on every such file (olmo2,
     whose GGUF config transformers does not read, against the model's own tokenizer)."""
     from transformers import AutoTokenizer

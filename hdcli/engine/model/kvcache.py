@@ -5,11 +5,9 @@ Why: the invariant attention (invariant.py) computes in fp32 over keys padded to
 over values with a ones column ([V | 1], whose weighted sum is the softmax sum). On transformers'
 DynamicCache every layer of every forward concatenated the whole cache with the new tokens, then
 converted it to fp32, padded it and appended the ones column again: copies of the whole cache,
-per layer, per forward, per request. Measured on an AMD EPYC with the bundled 135M model in bf16
-and 4-bit kernels (torch.profiler): with 4 one-token requests on ~250-token caches, a fifth of a
-forward's op time was those concatenations and copies; against the DynamicCache, interleaved,
-one request's forward on a 1500-token cache took 28 ms instead of 35 (benchmarks/forward_many.py;
-with 4 requests the difference was within the machine's noise). Here the cache is kept in the
+per layer, per forward, per request: with the bundled model and several one-token requests, a
+fifth of a forward's op time (torch.profiler), and a long cache's forward was slower than here
+(benchmarks/forward_many.py). Here the cache is kept in the
 form the attention reads: a forward writes its new rows, and the attention takes views.
 
 Same numerics: a bf16 key converted to fp32 is exact, so the attention sees the values it saw
@@ -41,9 +39,8 @@ Invariants
     reads stale keys.
   * With the fused attention the forward appends nothing itself: claim() counts the new rows
     and the compiled call writes them (fused.append_attend_many), one call a layer for all
-    requests. On the AMD EPYC (bundled model, int4, interleaved) a forward of 4 one-token
-    requests took 12.0 ms instead of 14.3, one request 8.6 instead of 9.1: the per-request copies
-    in Python had been a sixth of the 4-request forward.
+    requests: the per-request copies in Python had been a sixth of a 4-request forward of the
+    bundled model.
 """
 from __future__ import annotations
 
@@ -190,9 +187,8 @@ class InvariantLayer:
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last -tokens_to_remove rows (a negative count).
         The rows are zeroed when something reads past the length (padded, claim), not here: a
-        verification crops every layer of every request, and zeroing took ~5.6 us a layer (AMD
-        EPYC), 0.7 ms a step of 4 requests on the bundled model; the decode loop's acceptance at 4
-        requests went from 0.23 to 0.14-0.16 s a pass of benchmarks/scheduler_widths.py."""
+        verification crops every layer of every request, and zeroing there was a third of the
+        decode loop's acceptance time at 4 requests (benchmarks/scheduler_widths.py)."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
         if tokens_to_remove == 0 or not self.is_initialized:

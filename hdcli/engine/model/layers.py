@@ -137,8 +137,8 @@ class Embedding(nn.Module):
 
     Rows looked up are kept, up to CACHE_BYTES of them (then the kept ones are dropped and it
     starts again): a decode step looks up a few tokens, mostly ones it met before, and
-    dequantizing one row through numpy took ~0.2 ms of a 5 ms forward (bundled model, AMD EPYC,
-    its caches cold from the forward before) where a kept row is a dictionary read. A kept row is
+    dequantizing one row through numpy cost a measurable share of a small model's forward (its
+    caches cold from the forward before) where a kept row is a dictionary read. A kept row is
     the dequantized one, so a lookup gives the same bits either way."""
 
     CACHE_BYTES = 16 << 20

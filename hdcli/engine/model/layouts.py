@@ -1,15 +1,15 @@
 """A GGUF's weights in the GEMM's layout, kept on disk: a later start maps them instead of repacking.
 
-Why: repacking an 8B Q4_K_M file's blocks into csrc/qmm.cpp's layout (quants.pack) takes ~15 s
-on 2 cores, most of a later start; mapping the same bytes from a file takes under a second, and
+Why: repacking an 8B Q4_K_M file's blocks into csrc/qmm.cpp's layout (quants.pack) is most of a
+later start on a small CPU; mapping the same bytes from a file is far quicker, and
 they stay shared with the page cache (resident memory counts them once, as the file's map would).
 The price is disk: as many bytes again as the quantized weights, said in one line by the start
 that writes them, with how to turn it off (HD_LAYOUT_CACHE=0, engine/environment.py).
 
 Writing: once the model is ready (built and self-checked: copying gigabytes into the page cache
-takes a core for ~2 s a GB on the EPYC, which the build's GEMMs would wait on), on a thread of its
+takes a core for seconds a gigabyte, which the build's GEMMs would wait on), on a thread of its
 own (`keep`), from the packings the model holds (no second copy in memory); the disk's write-back
-bounds it (~0.2-0.4 GB/s on the EPYC's disk: an 8B model's 4.7 GB take longer than packing them),
+bounds it (on a slow disk an 8B model's layouts take longer to write than to pack),
 so a first start does not wait for it; the process does, at exit (the thread is not a daemon;
 the CLI shows a bar), or `wait()` does.
 
@@ -74,8 +74,7 @@ def _digest(name: str, offset: int, shape: list, fmt: str, data) -> int:
     """A 64-bit hash (xxh3) of every byte of one packing, begun from its index entry (name, offset,
     shape, fmt; JSON, so where the entry ends is unambiguous): another entry's bytes, or these bytes
     at another place or under another name, do not match. xxh3 because it is the cheapest complete
-    check measured here: 0.04 s a GB on one core of the 2-core EPYC, against 0.18 for zlib.crc32 and
-    0.9 for blake2b (docs/benchmarks.md)."""
+    check measured: several times cheaper than zlib.crc32 and blake2b (docs/benchmarks.md)."""
     entry = json.dumps([name, int(offset), [int(s) for s in shape], fmt]).encode()
     h = xxh3_64(entry)
     h.update(data)
@@ -84,7 +83,7 @@ def _digest(name: str, offset: int, shape: list, fmt: str, data) -> int:
 
 def _mismatch(view: memoryview, entries: list[tuple]) -> str | None:
     """The name of the first entry (name, offset, shape, fmt, digest, bytes) whose bytes in `view` do
-    not match its digest, or None. One thread: a second one was no faster on the 2-core EPYC."""
+    not match its digest, or None. One thread: a second one was measured no faster."""
     for name, offset, shape, fmt, digest, n in entries:
         if _digest(name, offset, shape, fmt, view[offset:offset + n]) != digest:
             return name
@@ -324,7 +323,7 @@ class _Abandoned(Exception):
 def wait(progress: bool = False) -> None:
     """Until this process's layout files are written (tests, benchmarks, a second load, the CLI at
     exit). progress: a bar on stderr while they are (the CLI's exit after a first start: an 8B
-    model's 4.7 GB take ~15 s more on the EPYC's disk); Ctrl-C there abandons them, leaving no
+    model's gigabytes take a while on a slow disk); Ctrl-C there abandons them, leaving no
     file (the next start writes it), and raises KeyboardInterrupt."""
     pending = list(_WRITERS)
     if progress and pending:

@@ -2,8 +2,8 @@
 speculation.
 
 The grammar engine is llguidance (pinned in pyproject.toml): chosen over xgrammar for a light
-install (one abi3 wheel, no torch/triton pulled in) and a mask of ~0.04 ms a row at the bundled
-49k vocabulary (benchmarks/grammar_engines.py, docs/structured.md). Nothing outside this module
+install (one abi3 wheel, no torch/triton pulled in) and a mask cheap beside a forward at the
+bundled 49k vocabulary (benchmarks/grammar_engines.py, docs/structured.md). Nothing outside this module
 imports it.
 
 How a grammar constrains a generation (engine/decode/loop.py):
@@ -74,7 +74,7 @@ _lock = threading.Lock()
 
 
 def _ll_tokenizer(lm):
-    """llguidance's view of the model's tokenizer (~0.5 s to build, so kept per tokenizer): its
+    """llguidance's view of the model's tokenizer (slow to build, so kept per tokenizer): its
     vocabulary padded to the logits' width, and every end-of-sequence id of the model as EOS."""
     import llguidance.hf
     key = id(lm.tokenizer)
@@ -338,7 +338,7 @@ class GrammarState:
         """Tokens the grammar forces next (the grammar layer's draft): the canonical tokenization
         of the text it forces (at most FORCED_BYTES), less its last token, which the model may
         merge with what follows ('"' then ':' written as '":'). A draft like any other: verified.
-        Computed on a copy of the matcher (~20 us for a JSON schema): for a grammar that forces
+        Computed on a copy of the matcher (cheap for a JSON schema): for a grammar that forces
         text without end (start: "x" start) the computation exhausts the parser's item limit and
         leaves its matcher in the error state for good; this generation then drafts no forced text."""
         if max_len <= 0 or not self.forcing or self.matcher.is_stopped():
@@ -475,7 +475,7 @@ class GrammarState:
 def _mask_row(row: np.ndarray, allowed: np.ndarray) -> None:
     """row[~allowed] = -inf in place, touching only the smaller side: a grammar state allows a
     handful of tokens (JSON punctuation, a key) or nearly all (inside a string), and these index
-    writes cost ~0.02 ms at 49k where a whole-row boolean op cost 0.25 (AMD EPYC)."""
+    writes cost a tenth of a whole-row boolean op at a 49k vocabulary."""
     ids = np.flatnonzero(allowed)
     if 2 * len(ids) < len(row):
         kept = row[ids]

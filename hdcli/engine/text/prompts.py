@@ -23,8 +23,8 @@ from .templates import TemplateError
 
 
 # A prompt longer than CHARS_PER_TOKEN characters a token of context is counted in pieces of that
-# many characters before it is tokenized whole: a 20 MB prompt file took 28 s and 3.4 GB to be
-# found too long. A cut between pieces may add a few tokens (PIECE_SLACK) that the whole lacks.
+# many characters before it is tokenized whole: a prompt file of megabytes took tens of seconds and
+# gigabytes to be found too long. A cut between pieces may add a few tokens (PIECE_SLACK) that the whole lacks.
 CHARS_PER_TOKEN = 8
 PIECE_SLACK = 4
 
