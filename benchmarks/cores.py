@@ -353,7 +353,7 @@ def layers_of(lm) -> dict:
     layers: "Q4_K/int8" (a GGUF-kernel QLinear, type/activations) or "dense/bf16" (dequantized
     weights on torch's or oneDNN's GEMM: where the GGUF kernel does not run, e.g. no AVX512-BF16)."""
     from hdcli.engine.kernels import quants
-    from hdcli.engine.model.layers import Linear
+    from hdcli.engine.model.parts import Linear
     weights, nbytes = {}, 0
     for m in lm.model.module.modules():
         if not isinstance(m, Linear):

@@ -6,7 +6,7 @@
    (first turn, round-robin over categories): the plan's top three chains, the best single-level
    chain, and plain decoding; and prints measured beside predicted tokens/s.
 
-    python benchmarks/plan_bench.py --draft-models self:layers=8,self:int8 --stats-db stats.lmdb \
+    python benchmarks/plan_bench.py --draft-models self:blocks=8,self:int8 --stats-db stats.lmdb \
         --model-db model.lmdb --dtype fp32 --out benchmarks/results/plan_fp32.json
 """
 from __future__ import annotations

@@ -326,7 +326,7 @@ def db_query(
 def plan_cmd(
     cfg: DecodingConfig,
     draft_models: str = typer.Option(..., "--draft-models", help="Candidate draft models, smallest "
-                                     "first (self:layers=K, self:int8, or models with the target's tokenizer)."),
+                                     "first (self:blocks=K, self:int8, or models with the target's tokenizer)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Calibration prompts (jsonl or "
                                            "text); default: Spec-Bench's first question per category."),
     count: int = typer.Option(6, "--count", help="Calibration prompts used."),

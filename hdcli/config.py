@@ -182,7 +182,7 @@ class DecodingConfig:
     # draft models stacked above the database hierarchy (hdcli/hsd), or a plan that chose them
     draft_models: list[str] = option([], "--draft-models", group=DRAFTING, cli_default=None, kind=Kind(
         _optional(_either(_str, _list(_str))), "a list of draft model names", Optional[str]), help="Draft models, smallest first, "
-        "comma-separated, stacked above the DB layers (self:layers=K, self:int8, or any model with the "
+        "comma-separated, stacked above the DB layers (self:blocks=K, self:int8, or any model with the "
         "target's tokenizer).")
     level_tokens: list[int] = option([], "--level-tokens", group=DRAFTING, cli_default=None, kind=Kind(
         _optional(_either(_str, _list(_int))), "a list of integers", Optional[str]),
@@ -444,7 +444,7 @@ def level_problems(draft_models: Sequence[str], level_tokens: Sequence[int]) -> 
     """What is wrong with a list of draft models and their T per level (empty names ignored)."""
     names = [n for n in draft_models if n.strip()]
     if not names:
-        return ["--draft-models is empty: name at least one draft model (e.g. self:layers=8)"]
+        return ["--draft-models is empty: name at least one draft model (e.g. self:blocks=8)"]
     Ts = list(level_tokens)
     if Ts and len(Ts) != len(names):
         return [f"--level-tokens gives {len(Ts)} sizes for {len(names)} draft models"]

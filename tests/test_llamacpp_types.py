@@ -26,7 +26,7 @@ import torch
 from hdcli.bench import llamacpp
 from hdcli.engine import loader
 from hdcli.engine.model.gguf import GGUFFile
-from hdcli.engine.model.layers import dequantize
+from hdcli.engine.model.parts import dequantize
 
 from conftest import require_bundled
 

@@ -119,14 +119,14 @@ def test_every_verified_row_equals_its_one_token_row(tiny_gguf, kern):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_embedding_lookups_equal_the_dequantized_table(tiny_gguf, dtype):
-    """The embedding keeps the rows it looked up (layers.Embedding): a lookup of kept rows, new
+    """The embedding keeps the rows it looked up (parts.Embedding): a lookup of kept rows, new
     ones, repeats, after the kept ones were dropped (a bound of 3 rows) and past the bound (a
     prompt's: not kept) is torch.equal to those rows of the whole table dequantized at once. The
     negative control: another token's row differs."""
-    from hdcli.engine.model import layers
+    from hdcli.engine.model import parts
     lm = models.load(str(tiny_gguf), dtype=dtype, device="cpu", invariant="off", quiet=True)
     emb = lm.model.embed
-    table = layers.dequantize(emb.qtype, emb.raw, emb.rows, emb.dim, emb.num.torch_dtype)
+    table = parts.dequantize(emb.qtype, emb.raw, emb.rows, emb.dim, emb.num.torch_dtype)
     emb._kept.clear()
     emb._most = 3
     for ids in ([5], [5, 7], [7, 5, 5], [9, 11], [1, 2, 3, 4, 5], [2], [], [emb.rows - 1, 0]):
@@ -390,7 +390,7 @@ def test_the_self_check_runs_the_blocks_that_cover_every_kind_of_layer(tmp_path,
     leaves the model's head whole, and a break in it is still seen."""
     import synth_gguf
     from hdcli.engine.decode import calibrate
-    from hdcli.engine.model.layers import Linear
+    from hdcli.engine.model.parts import Linear
     if not quants.kernel_available():
         pytest.skip("hd's GGUF GEMM needs AVX512-BF16 or AVX2")
     shape = dict(synth_gguf.SHAPES["tiny"], layers=8)

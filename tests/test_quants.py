@@ -387,7 +387,7 @@ def test_compiled_row_ops():
     sum's order, and each row's result depends on that row only (a changed row changes only its
     own output: the control)."""
     kernel()
-    from hdcli.engine.model.layers import rms_norm
+    from hdcli.engine.model.parts import rms_norm
     from hdcli.engine.model.rope import Rope
     ops = quants.gemm_module()
     gen = torch.Generator().manual_seed(4)

@@ -183,3 +183,12 @@ def test_plan_and_generate_with_draft_models_through_the_cli(tiny_model_dir, tmp
     assert isinstance(r, HdError) and "run `hd plan` again" in str(r)
     r = run("generate", "--model", m, "-p", "x", "--no-db")
     assert isinstance(r, HdError) and "--draft-models" in str(r)
+
+
+def test_a_self_draft_of_k_blocks_is_named_either_way(tiny_lm):
+    """`self:blocks=K` names the target's first K blocks; `self:layers=K`, its older spelling, the
+    same draft ("layer" is a drafting source's word)."""
+    blocks, layers = draftmodels.load("self:blocks=1", tiny_lm), draftmodels.load("self:layers=1", tiny_lm)
+    assert blocks.params == layers.params and blocks.model.config.num_hidden_layers == 1
+    with pytest.raises(HdError, match="self:blocks=K"):
+        draftmodels.load("self:blocks=x", tiny_lm)

@@ -1,8 +1,10 @@
 """Draft models for the model hierarchy: any model sharing the target's tokenizer, or a self-draft.
 
 Names (`--draft-models A,B`, smallest first):
-  self:layers=K   the target's first K decoder layers, its final norm and head: a real, smaller
-                  model of the same family (weights copied, the target is untouched);
+  self:blocks=K   the target's first K decoder blocks (transformer layers), its final norm and
+                  head: a real, smaller model of the same family (weights copied, the target is
+                  untouched); self:layers=K is its older spelling, still taken ("layer" is hd's
+                  word for a drafting source);
   self:int8       the target with every Linear layer dynamically quantised to int8
                   (torch.ao.quantization.quantize_dynamic; CPU only, computes in fp32);
   anything else   loaded like a target (bundled name, .gguf, folder, hub id) and refused unless
@@ -40,10 +42,10 @@ def _count(model: TargetModel) -> int:
 
 
 def truncated(target: TargetModel, k: int) -> TargetModel:
-    """A copy of a decoder-only model keeping its first k layers (and embeddings, norm, head)."""
+    """A copy of a decoder-only model keeping its first k blocks (and embeddings, norm, head)."""
     n = int(target.config.num_hidden_layers)
     if not 1 <= k < n:
-        raise HdError(f"self:layers={k}: the target has {n} layers, pass 1 <= K < {n}")
+        raise HdError(f"self:blocks={k}: the target has {n} blocks, pass 1 <= K < {n}")
     if is_owned(target):   # hd's own forward: its first k blocks, shared, not copied
         return target.truncated(k)
     model = target.module
@@ -60,7 +62,7 @@ def truncated(target: TargetModel, k: int) -> TargetModel:
     missing, unexpected = small.load_state_dict(keep, strict=False)
     missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
-        raise HdError(f"self:layers={k}: cannot slice this architecture (missing {missing[:2]})")
+        raise HdError(f"self:blocks={k}: cannot slice this architecture (missing {missing[:2]})")
     small = small.to(dtype=model.dtype, device=next(model.parameters()).device).eval()
     if kernels.is_packed(model):  # as fast per token as its target
         kernels.pack(small)
@@ -72,7 +74,7 @@ def int8(model: TargetModel, target=None) -> TargetModel:
     fly). CPU only; the copy computes in fp32 whatever the target's dtype. An owned forward's
     copy is loaded from its file with dense fp32 weights, one tensor at a time, then quantised."""
     if model.device.type != "cpu":
-        raise HdError("self:int8 is CPU only (torch dynamic quantisation); use self:layers=K on CUDA")
+        raise HdError("self:int8 is CPU only (torch dynamic quantisation); use self:blocks=K on CUDA")
     try:
         from torch.ao.quantization import quantize_dynamic
     except ImportError:  # pragma: no cover
@@ -102,14 +104,14 @@ def load(name: str, target: models.LoadedModel) -> DraftModel:
         spec = name[5:]
         if spec == "int8":
             m = int8(target.model, target)
-        elif spec.startswith("layers="):
+        elif spec.startswith(("blocks=", "layers=")):
             try:
-                k = int(spec[7:])
+                k = int(spec.partition("=")[2])
             except ValueError:
-                raise HdError(f"draft model '{name}': write self:layers=K with K a number") from None
+                raise HdError(f"draft model '{name}': write self:blocks=K with K a number") from None
             m = truncated(target.model, k)
         else:
-            raise HdError(f"unknown self-draft '{name}': use self:layers=K or self:int8")
+            raise HdError(f"unknown self-draft '{name}': use self:blocks=K or self:int8")
         return DraftModel(name, m, time.perf_counter() - t0, _count(m))
     # the draft's own kernels (a GGUF's blocks for a GGUF draft), in the target's dtype; a draft
     # only proposes: the plain forward will do

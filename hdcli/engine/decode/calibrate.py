@@ -42,7 +42,7 @@ def covering_blocks(model) -> list[int]:
     an M-invariant row depends on the kernels' arithmetic, not on the weights' values: these
     blocks take every path the whole model takes, in 2-4 blocks where an 8B model has 32 (its
     first start's self-check that much shorter)."""
-    from ..model.layers import Linear
+    from ..model.parts import Linear
     seen: set = set()
     chosen = []
     last = len(model.blocks) - 1

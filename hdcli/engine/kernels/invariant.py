@@ -7,7 +7,7 @@ Why rows differ otherwise (measured op by op and shape by shape; benchmarks/inva
     M >= 2 but M = 1 (a GEMV) differs at K = 1536. Rows of one kernel configuration never depend
     on the other rows, so padding every call to at least `min_rows` rows fixes it. min_rows is
     measured per weight shape, dtype and kernel on the machine at hand (`enable`, min_rows_for)
-    and kept in each layer (model/layers.py: Linear) and in the model's Numerics record.
+    and kept in each layer (model/parts.py: Linear) and in the model's Numerics record.
   * Attention (the first op that differs with packed fp32 Linear layers). SDPA reduces a row's
     softmax and its weighted sum of values in an order that depends on the number of keys and
     where they sit: a tree node's ancestors sit at cache slots past + node id, in its one-token

@@ -7,7 +7,7 @@ transformers checkpoint's safetensors.
   checkpoint.py  a transformers checkpoint read as a GGUF is: GGUF tensor names mapped to its own
   checks.py      what the forwards expect of a file (numbers, every tensor's shape and type), checked at open
   layouts.py     a GGUF's weights in the GEMM's layout kept on disk, mapped by later starts (the layout cache)
-  layers.py      Linear by kernel, the embedding read from the file, RMSNorm, the row ops (torch or compiled)
+  parts.py       Linear by kernel, the embedding read from the file, RMSNorm, the row ops (torch or compiled)
   attention.py   Step (what a forward derives once) and the attention strategies, one object a way
   compiled.py    the decoder layers of a forward in one compiled call, bit-equal to the blocks
   kvcache.py     the KV cache, in the form the invariant attention reads

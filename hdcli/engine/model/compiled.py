@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import dense, fused, quants
-from .layers import CompiledRowOps, RowOps
+from .parts import CompiledRowOps, RowOps
 
 
 STYLES = ("llama", "gemma3", "olmo2")   # Layers' block styles, by index (csrc/qmm.cpp's Style)

@@ -33,7 +33,7 @@ from torch import nn
 from .llama import Block, LlamaForward
 from .numerics import Numerics
 from .rope import Rope
-from .layers import RowOps, dequantize
+from .parts import RowOps, dequantize
 
 PATTERN = 6             # every 6th layer attends globally
 LOCAL_ROPE_BASE = 10000.0

@@ -55,7 +55,7 @@ from ..kernels import fused, invariant
 from . import kvcache
 from .attention import FUSED, Step
 from .compiled import layers_of
-from .layers import Embedding, Linear, RowOps, row_ops
+from .parts import Embedding, Linear, RowOps, row_ops
 from .numerics import Numerics
 from .rope import Rope
 
@@ -211,7 +211,7 @@ class LlamaForward(nn.Module):
 
     def truncated(self, k: int) -> "LlamaForward":
         """A model of the first k blocks, the final norm and the head, sharing their weights (the
-        `self:layers=K` draft model): no copy."""
+        `self:blocks=K` draft model): no copy."""
         import copy
         small = copy.copy(self)
         small._modules = dict(self._modules)

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 from ..kernels import quants
-from .layers import dequantize
+from .parts import dequantize
 from ..kernels import dense as kernels
-from .layers import Linear
+from .parts import Linear
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 

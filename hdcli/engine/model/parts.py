@@ -1,5 +1,6 @@
-"""The layers an owned forward is made of: Linear (whichever kernel holds a weight, padded to its
-least row count in the M-invariant mode), the embedding (rows dequantized as they are looked up),
+"""The parts an owned forward is made of (its blocks, the transformer layers, are llama.py's and
+gemma3.py's): Linear (whichever kernel holds a weight, padded to its least row count in the
+M-invariant mode), the embedding (rows dequantized as they are looked up),
 RMSNorm (transformers' LlamaRMSNorm, op for op), and a block's row-wise ops (RowOps: torch ops, or
 CompiledRowOps: csrc/qmm.cpp's), chosen once when a model loads."""
 from __future__ import annotations
