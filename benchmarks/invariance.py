@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from hdcli import api
-from hdcli.bench.baselines import first_difference, hf_generate, stock_model
+from hdcli.bench.baselines import hf_generate, stock_model
+from hdcli.engine.decode.loop import first_difference
 from hdcli.engine.decode import costs
 from hdcli.engine.decode.tree import Tree
 from hdcli.engine.decode import calibrate

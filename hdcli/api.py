@@ -48,7 +48,7 @@ from .compose import (build_drafter, cheap_verification, load_model_for, make_dr
 from .config import DecodingConfig
 from .db.modeldb import learn
 from .drafting import registry
-from .engine import loader as models
+from .engine import loader
 from .engine.decode.verify import Sampling
 from .engine.text.prompts import encode_messages, encode_prompt
 from .errors import HdError
@@ -62,7 +62,7 @@ __all__ = [
     "warm_up",
     "learn"]
 
-load_model = models.load
+load_model = loader.load
 
 
 def default_layers(stats_dbs: Sequence = (), model_db=None) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from .config import DecodingConfig
 from .drafting import Hierarchy, LayerInputs, RecycledTable, build_layers, default_layers, registry
 from .engine.decode import costs
-from .engine import loader as models
+from .engine import loader
 from .errors import HdError
 from .db.stores import Store
 from .config import DEFAULT_CANDIDATES, DEFAULT_LEVEL_TOKENS, DEFAULT_POLICY
@@ -34,7 +34,7 @@ from .engine.decode.loop import Decoder
 Status = Callable[[str], None]  # progress and warnings for a person; ignored under --json
 
 
-def cheap_verification(lm: models.LoadedModel) -> bool:
+def cheap_verification(lm: loader.LoadedModel) -> bool:
     """Whether verification is nearly free with this model, dtype, kernels and machine
     (costs.CostCurve.verifies_cheaply on costs.curve_for: measured once, cached)."""
     return costs.curve_for(lm).verifies_cheaply()
@@ -69,7 +69,7 @@ class DBs:
         return self.stats + ([self.model] if self.model is not None else [])
 
 
-def open_dbs(cfg: DecodingConfig, lm: models.LoadedModel | None = None) -> DBs:
+def open_dbs(cfg: DecodingConfig, lm: loader.LoadedModel | None = None) -> DBs:
     """Open the configuration's DBs (the model DB writable with `learn`), refusing those built for
     another tokenizer when lm is given. Opening before the model loads makes a bad path fail fast."""
     dbs = DBs([Store(p) for p in cfg.stats_dbs],
@@ -79,18 +79,18 @@ def open_dbs(cfg: DecodingConfig, lm: models.LoadedModel | None = None) -> DBs:
     return dbs
 
 
-def check_tokenizers(dbs: DBs, lm: models.LoadedModel) -> None:
+def check_tokenizers(dbs: DBs, lm: loader.LoadedModel) -> None:
     for db in dbs.all():
         db.check_tokenizer(lm.tokenizer, lm.name, embedding_rows=lm.model.config.vocab_size)
 
 
-def load_model_for(cfg: DecodingConfig, quiet: bool = False) -> models.LoadedModel:
+def load_model_for(cfg: DecodingConfig, quiet: bool = False) -> loader.LoadedModel:
     """The target of a configuration, with its dtype, device and kernels."""
-    return models.load(cfg.model, dtype=cfg.dtype, device=cfg.device, kernels=cfg.kernels,
+    return loader.load(cfg.model, dtype=cfg.dtype, device=cfg.device, kernels=cfg.kernels,
                        quiet=quiet, invariant=cfg.invariant, attention=cfg.attention)
 
 
-def open_stats_dbs(paths: Sequence[str], lm: models.LoadedModel | None = None,
+def open_stats_dbs(paths: Sequence[str], lm: loader.LoadedModel | None = None,
                    writable: bool = False) -> list:
     """Open statistics or model DBs, refusing those built for another tokenizer. writable: for
     --learn (model DB)."""
@@ -146,7 +146,7 @@ def make_drafter(layers: Sequence[str] = ("context",), draft_len: int | dict[str
                         answer_index=answer_index)
 
 
-def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens: Sequence[int] = (),
+def make_stack(lm: loader.LoadedModel, draft_models: Sequence[str], level_tokens: Sequence[int] = (),
                base: Hierarchy | None = None, sampling=None, seed: int = 0, loaded: dict | None = None):
     """A hierarchy of draft models (smallest first) over the database hierarchy `base` (None:
     the smallest model drafts alone). level_tokens: T_i per model level, the tokens a level holds
@@ -166,12 +166,12 @@ def make_stack(lm: models.LoadedModel, draft_models: Sequence[str], level_tokens
     return ModelStack(levels, base, sampling or Sampling(), seed)
 
 
-def _cheap(cfg: DecodingConfig, lm: models.LoadedModel) -> bool:
+def _cheap(cfg: DecodingConfig, lm: loader.LoadedModel) -> bool:
     """cheap_verification where the run drafts (plain decoding measures no cost curve for it)."""
     return cfg.drafting and cheap_verification(lm)
 
 
-def build_drafter(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None = None, *,
+def build_drafter(cfg: DecodingConfig, lm: loader.LoadedModel, dbs: DBs | None = None, *,
                   recycle_table: RecycledTable | None = None, loaded: dict | None = None,
                   answer_index=None):
     """The drafter a configuration describes (with_plan applied): a drafting.Hierarchy, a
@@ -183,7 +183,7 @@ def build_drafter(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None =
                        loaded=loaded, answer_index=answer_index)
 
 
-def drafter_for(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs, *,
+def drafter_for(cfg: DecodingConfig, lm: loader.LoadedModel, dbs: DBs, *,
                 recycle_table: RecycledTable | None = None, loaded: dict | None = None, answer_index=None):
     """build_drafter of a configuration already checked, over its open DBs."""
     cheap = _cheap(cfg, lm)
@@ -194,7 +194,7 @@ def drafter_for(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs, *,
     return make_stack(lm, cfg.draft_models, cfg.level_tokens, base, cfg.sampling, cfg.seed or 0, loaded)
 
 
-def resolved(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs) -> DecodingConfig:
+def resolved(cfg: DecodingConfig, lm: loader.LoadedModel, dbs: DBs) -> DecodingConfig:
     """The configuration as the run used it: the machine's choices (dtype, device, kernels, the
     drafting defaults, the default layers) written in, so repeating it repeats the run."""
     inputs = layer_inputs(cfg, dbs, _cheap(cfg, lm))
@@ -206,7 +206,7 @@ def resolved(cfg: DecodingConfig, lm: models.LoadedModel, dbs: DBs) -> DecodingC
                        stats_min_expected=inputs.min_expected)
 
 
-def _attention(cfg: DecodingConfig, lm: models.LoadedModel) -> str:
+def _attention(cfg: DecodingConfig, lm: loader.LoadedModel) -> str:
     """Which invariant attention the run used (it changes the numbers: a repeated run must use the
     same), or the configuration's where the mode is off."""
     if not lm.invariant:
@@ -214,7 +214,7 @@ def _attention(cfg: DecodingConfig, lm: models.LoadedModel) -> str:
     return "fused" if fused.enabled() else "torch"
 
 
-def warm_up(lm: models.LoadedModel) -> None:
+def warm_up(lm: loader.LoadedModel) -> None:
     """Short runs so the first timed generation pays for no allocations or kernel set-up: plain
     steps, chain verification and a branching tree (its mask path), and the cost curve."""
     eos = next(iter(lm.eos_ids), 0)

@@ -15,7 +15,7 @@ from .config import DecodingConfig
 from .drafting import RecycledTable
 from .engine.text import constrain
 from .engine.decode import costs
-from .engine import loader as models
+from .engine import loader
 from .engine.decode.prediction import prediction_ids
 from .engine.decode.loop import Decoder, Generation
 from .engine.decode.request import Request
@@ -74,7 +74,7 @@ class Run:
     forward-cost curve that caps draft trees (`cost`) is measured once, where first needed.
     hd generate, the Python API and hd serve all decode through one."""
 
-    def __init__(self, config: DecodingConfig, lm: models.LoadedModel, dbs: DBs | None = None,
+    def __init__(self, config: DecodingConfig, lm: loader.LoadedModel, dbs: DBs | None = None,
                  plan: dict | None = None):
         """config: checked (validate) already; dbs: open (default: opened when a drafter asks)."""
         self.config, self.lm, self.plan, self._dbs = config, lm, plan, dbs
@@ -141,7 +141,7 @@ class Run:
                       prediction_usage=g.prediction_usage)
 
 
-def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
+def prepare(cfg: DecodingConfig, lm: loader.LoadedModel | None = None,
             on_status: Status = lambda m: None) -> Run:
     """A configuration made a Run: everything before the first token, checked in the order that
     fails fastest (the plan, the options and the DBs before the model loads)."""
@@ -168,7 +168,7 @@ def prepare(cfg: DecodingConfig, lm: models.LoadedModel | None = None,
     return Run(cfg, lm, dbs, plan)
 
 
-def generate(lm: models.LoadedModel, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+def generate(lm: loader.LoadedModel, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
              config: DecodingConfig | None = None, drafter="default",
              on_text: Callable[[str, str | None], None] | None = None,
              cost: costs.CostCurve | None = None, on_status: Callable[[str], None] | None = None,
@@ -218,6 +218,6 @@ def decode(run: Run, prompt_ids: Sequence[int], drafter="default", *, on_text=No
     return res
 
 
-def compile_grammar(lm: models.LoadedModel, kind: str, source=None) -> constrain.Grammar:
+def compile_grammar(lm: loader.LoadedModel, kind: str, source=None) -> constrain.Grammar:
     """A grammar for lm's tokenizer (constrain.KINDS); GrammarError (an HdError) when unusable."""
     return constrain.compile(lm, kind, source)

@@ -5,21 +5,20 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..engine import loader as models
-from ..engine.decode.loop import first_difference  # noqa: F401 (re-exported: generation, runner)
+from ..engine import loader
 from ..engine.decode.verify import Sampling
 from ..engine.model import is_owned
 
 
-def stock_model(lm: models.LoadedModel) -> models.LoadedModel:
+def stock_model(lm: loader.LoadedModel) -> loader.LoadedModel:
     """The same model with torch's own kernels and its stock forward, as transformers ships it: lm
     itself where it already is, else transformers' model of the same file or folder."""
     if not is_owned(lm.model) and lm.kernels == "torch":
         return lm
-    return models.load_reference(lm.name, lm.dtype, lm.device)
+    return loader.load_reference(lm.name, lm.dtype, lm.device)
 
 
-def hf_generate(lm: models.LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int,
+def hf_generate(lm: loader.LoadedModel, prompt_ids: Sequence[int], max_new_tokens: int,
                 sampling: Sampling = Sampling(), seed: int | None = None,
                 prompt_lookup: int | None = None) -> tuple[list[int], float]:
     """transformers' own generate() on lm (greedy, or sampling with the same settings), with its

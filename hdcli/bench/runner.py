@@ -32,13 +32,13 @@ from ..drafting import AnswerIndex, LayerInputs, RecycledTable, registry
 from ..drafting import answer_index as model_layer
 from ..engine import records
 from ..engine.decode import costs
-from ..engine.decode.loop import Decoder
+from ..engine.decode.loop import Decoder, first_difference
 from ..engine.decode.request import Request
 from ..engine.text.prompts import encode_messages, encode_prompt
 from ..engine.decode.verify import Sampling
 from ..errors import HdError
 from . import specbench
-from .baselines import first_difference, hf_generate, stock_model
+from .baselines import hf_generate, stock_model
 from ..drafting import suffix
 from . import llamacpp
 from .llamacpp import LlamaCppModel

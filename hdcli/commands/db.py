@@ -13,7 +13,7 @@ from typing import Sequence
 from ..compose import DBs, build_drafter, load_model_for
 from ..config import DecodingConfig
 from ..drafting import RecycledTable, StatsDB
-from ..engine import loader as models
+from ..engine import loader
 from ..errors import HdError
 from ..db import corpus as corpus_mod
 from ..db import modeldb, statsdb
@@ -34,7 +34,7 @@ def parse_shard(shard: str | None) -> tuple[int, int]:
     return i, n
 
 
-def build_stats(corpus: Sequence[str], out, model: str = models.DEFAULT_MODEL, *, field: str = "text",
+def build_stats(corpus: Sequence[str], out, model: str = loader.DEFAULT_MODEL, *, field: str = "text",
                 with_prompt: bool = False, limit: int | None = None, shard: tuple[int, int] = (0, 1),
                 strict: bool = False, num_proc: int = 1, chunk_tokens: int = 4_000_000,
                 overwrite: bool = False, progress=None, **params) -> tuple[dict, dict]:
@@ -43,7 +43,7 @@ def build_stats(corpus: Sequence[str], out, model: str = models.DEFAULT_MODEL, *
     Returns (header, read report: skipped and replaced counts, the first malformed record)."""
     texts, report = corpus_mod.read_corpus(list(corpus), field=field, with_prompt=with_prompt,
                                            limit=limit, shard=shard, strict=strict)
-    tok = models.load_tokenizer(model)
+    tok = loader.load_tokenizer(model)
     try:
         header = statsdb.build(texts, out, tok, model, shard=shard, chunk_tokens=chunk_tokens,
                                num_proc=num_proc, overwrite=overwrite, progress=progress,
@@ -66,7 +66,7 @@ def build_model_db(out: Path, cfg: DecodingConfig, *, prompts: Path | None = Non
     cfg.validate()
     check_output_path(out, overwrite)
     if from_samples is not None:
-        tok = models.load_tokenizer(cfg.model)
+        tok = loader.load_tokenizer(cfg.model)
         return {"path": str(out), "header": modeldb.index(from_samples, out, tok, cfg.model,
                                                           overwrite=overwrite, **params)}
     prompt_list, source = modeldb.load_prompts(prompts, num_prompts)
@@ -105,7 +105,7 @@ def db_query(path: Path, text: str, model: str | None = None, *, max_len: int = 
     if not (math.isfinite(min_prob) and 0 <= min_prob <= 1):
         raise HdError(f"--min-prob must be a finite number between 0 and 1, not {min_prob}")
     db = Store(path)
-    tok = models.load_tokenizer(model or db.header.get("model", models.DEFAULT_MODEL))
+    tok = loader.load_tokenizer(model or db.header.get("model", loader.DEFAULT_MODEL))
     db.check_tokenizer(tok, model or db.header.get("model", ""))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     if not ids:

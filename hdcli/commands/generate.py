@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import inputs
-from ..bench.baselines import first_difference, hf_generate, stock_model
+from ..bench.baselines import hf_generate, stock_model
 from ..compose import Status, resolved, warm_up
 from ..config import DecodingConfig
 from ..db.modeldb import learn
 from ..drafting import answer_index as model_layer
-from ..engine import loader as models
+from ..engine import loader
+from ..engine.decode.loop import first_difference
 from ..engine.decode.prediction import prediction_ids
 from ..engine.text import constrain
 from ..engine.text.prompts import encode_prompt
@@ -34,7 +35,7 @@ class OutputSpec:
     origin: str = "the grammar"
     prediction_origin: str = "the prediction"
 
-    def compile(self, lm: models.LoadedModel | None) -> constrain.Grammar | None:
+    def compile(self, lm: loader.LoadedModel | None) -> constrain.Grammar | None:
         """The grammar for lm; with lm None only checked (before a model is loaded)."""
         if self.kind is None:
             return None
@@ -46,7 +47,7 @@ class OutputSpec:
         except constrain.GrammarError as exc:
             raise HdError(f"{self.origin}: {exc}") from None
 
-    def prediction_ids(self, lm: models.LoadedModel, room: int) -> list[int] | None:
+    def prediction_ids(self, lm: loader.LoadedModel, room: int) -> list[int] | None:
         try:
             return prediction_ids(lm, self.prediction, room)
         except HdError as exc:
@@ -113,7 +114,7 @@ class GenerateReport:
 
 
 def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
-                    lm: models.LoadedModel | None = None, on_text=None,
+                    lm: loader.LoadedModel | None = None, on_text=None,
                     on_status: Status = lambda m: None, output: OutputSpec = OutputSpec()) -> GenerateReport:
     """hd generate: one generation with the configuration's drafter (and, with compare, plain
     decoding and transformers' generate on the same prompt), as a report. output: a grammar the
@@ -141,7 +142,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
             "kernels": lm.kernels, "invariant": lm.info.get("invariant"), "load_seconds": lm.load_seconds,
             "load_phases": lm.info.get("load_phases"), "layout_cache": lm.info.get("layout_cache"),
             "forward": lm.info.get("forward", "transformers"), "numerics": lm.info.get("numerics"),
-            "peak_rss_bytes": models.peak_rss_bytes(),
+            "peak_rss_bytes": loader.peak_rss_bytes(),
             "layers": used.layers,
             "draft_len": cfg.draft_len, "policy": cfg.policy, "candidates": cfg.candidates,
             "stats_dbs": cfg.stats_dbs, "model_db": cfg.model_db, "plan": cfg.plan,
@@ -169,7 +170,7 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
     return report
 
 
-def compare_with_baselines(lm: models.LoadedModel, cfg: DecodingConfig, res: Result, plain: Result) -> dict:
+def compare_with_baselines(lm: loader.LoadedModel, cfg: DecodingConfig, res: Result, plain: Result) -> dict:
     """hd's result against plain decoding (same model, same process) and against transformers'
     generate on the stock model: speedups and whether the outputs are identical."""
     stock = stock_model(lm)

@@ -13,7 +13,7 @@ from ..bench import specbench
 from ..compose import (Status, build_drafter, cheap_verification, check_tokenizers, db_hierarchy,
                        load_model_for, open_dbs, resolved, warm_up)
 from ..config import DecodingConfig, level_problems, split_list
-from ..engine import loader as models
+from ..engine import loader
 from ..engine.text.prompts import encode_prompt
 from ..errors import HdError
 from ..hsd import draft_models as draftmodels
@@ -29,7 +29,7 @@ def draft_model_names(draft_models: str | Sequence[str]) -> list[str]:
     return [n for n in names if n]
 
 
-def calibration_prompts(lm: models.LoadedModel, prompts: Path | None, count: int) -> list[list[int]]:
+def calibration_prompts(lm: loader.LoadedModel, prompts: Path | None, count: int) -> list[list[int]]:
     """Token ids of the calibration prompts (calibration_texts)."""
     return [encode_prompt(lm.tokenizer, t) for t in calibration_texts(prompts, count)]
 

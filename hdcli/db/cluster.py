@@ -35,7 +35,7 @@ from typing import Sequence
 from ..errors import HdError
 from . import corpus as corpus_mod
 from . import statsdb
-from ..engine import loader as models
+from ..engine import loader
 from . import atomic
 
 RETRIES = 2  # a task whose worker died is run again this many times (dask reschedules it)
@@ -53,7 +53,7 @@ def _map_task(corpus: Sequence[str], model: str, shard: tuple[int, int], partiti
     a traceback for it."""
     try:
         texts, report = corpus_mod.read_corpus(list(corpus), shard=shard, **read_opts)
-        tok = models.load_tokenizer(model)
+        tok = loader.load_tokenizer(model)
         chunks = statsdb._token_chunks(texts, tok, statsdb.CHUNK_TOKENS,
                                        overlap=(count_opts["max_n"] - 1, count_opts["draft_len"]))
         parts, n_docs, n_tokens = statsdb.count_partitions(chunks, partitions, **count_opts)
@@ -115,7 +115,7 @@ def build_stats(corpus: Sequence[str], out, model: str, *, address: str, tasks: 
     workers, seconds and peak memory per phase)."""
     atomic.check_output_path(Path(out), overwrite)
     statsdb.check_params(min_n, max_n, draft_len, top_k, min_count)
-    tok = models.load_tokenizer(model)  # here too: the header's fingerprint, and a bad name fails fast
+    tok = loader.load_tokenizer(model)  # here too: the header's fingerprint, and a bad name fails fast
     t0 = time.time()
     client, cluster = connect(address)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import loader as models
+from . import loader
 from . import records
 from .decode import costs
 from .kernels import invariant as attention_choice
@@ -23,12 +23,12 @@ def layers_call(model) -> dict:
     return {"compiled": True} if why is None else {"compiled": False, "why": why}
 
 
-def cost_report(model: str = models.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
+def cost_report(model: str = loader.DEFAULT_MODEL, dtype: str = "auto", device: str = "auto",
                 kernels: str = "auto", remeasure: bool = False, quiet: bool = False,
                 invariant: str = "auto") -> dict:
     """What `hd costs` shows: the forward-cost curve of the model as it loads with these options
     on this machine (cached, or measured now; measured again with remeasure)."""
-    lm = models.load(model, dtype=dtype, device=device, kernels=kernels, quiet=quiet, invariant=invariant)
+    lm = loader.load(model, dtype=dtype, device=device, kernels=kernels, quiet=quiet, invariant=invariant)
     dt = lm.dtype
     curves = {lm.kernels: costs.curve_for(lm, remeasure=remeasure, quiet=quiet)}
     out = {"model": lm.name, "source": lm.source, "dtype": dt, "device": lm.device, "cpu": records.cpu_name(),

@@ -21,7 +21,7 @@ import torch
 
 from ..db.fingerprint import tokenizer_fingerprint
 from ..engine.kernels import dense as kernels
-from ..engine import loader as models
+from ..engine import loader
 from ..engine.model import is_owned
 from ..engine.model.target import TargetModel, TransformersForward
 from ..errors import HdError
@@ -81,7 +81,7 @@ def int8(model: TargetModel, target=None) -> TargetModel:
         raise HdError("self:int8 needs torch.ao.quantization, missing from this torch") from None
     owned = is_owned(model)
     if owned:
-        base = models.load(target.name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True).model
+        base = loader.load(target.name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True).model
     else:
         base = copy.deepcopy(model.module)
         kernels.unpack(base)  # torch.ao quantises nn.Linear layers only
@@ -97,7 +97,7 @@ def same_tokenizer(a, b) -> bool:
     return tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
 
 
-def load(name: str, target: models.LoadedModel) -> DraftModel:
+def load(name: str, target: loader.LoadedModel) -> DraftModel:
     t0 = time.perf_counter()
     name = name.strip()
     if name.startswith("self:"):
@@ -115,7 +115,7 @@ def load(name: str, target: models.LoadedModel) -> DraftModel:
         return DraftModel(name, m, time.perf_counter() - t0, _count(m))
     # the draft's own kernels (a GGUF's blocks for a GGUF draft), in the target's dtype; a draft
     # only proposes: the plain forward will do
-    lm = models.load(name, dtype=target.dtype, device=target.device, invariant="off")
+    lm = loader.load(name, dtype=target.dtype, device=target.device, invariant="off")
     if not same_tokenizer(lm.tokenizer, target.tokenizer):
         raise HdError(f"draft model '{name}' has another tokenizer than the target '{target.name}': "
                       "a draft must tokenize exactly like its target")
