@@ -4,7 +4,9 @@ in its package).
 The decoding options are DecodingConfig's fields (hdcli/config.py) and `hd serve`'s own are
 ServeOptions' (hdcli/serve/options.py): each is declared once there, and a command here names
 the fields it takes (hdcli/flags.py makes their options). A command's options of its own work
-(build-stats' counting, a benchmark's data) are declared with the command. What a command shows a person is
+(build-stats' counting, a benchmark's data) are declared with the command, named apart from
+the decoding options: --min-key, --max-key, --continuation-len, --keep (their older spellings
+--min-n, --max-n, --draft-len, --top-k still taken). What a command shows a person is
 hdcli/show.py's. Every error the user can fix is an HdError: printed as one line on stderr,
 exit code 2. Ctrl-C and SIGTERM end any command at once, in one line (hdcli/interrupts.py).
 """
@@ -157,11 +159,11 @@ def build_stats(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Whose tokenizer to count with."),
     field: str = typer.Option("text", help="Record field holding the text."),
     with_prompt: bool = typer.Option(False, "--with-prompt", help="Prepend the `prompt` field."),
-    min_n: int = typer.Option(1, "--min-n", help="Shortest key, in tokens."),
-    max_n: int = typer.Option(4, "--max-n", help="Longest key, in tokens."),
-    draft_len: int = typer.Option(1, "--draft-len", help="Continuation length stored per entry "
-                                  "(1: next-token counts, drafted by a greedy walk; docs/stats-db.md)."),
-    top_k: int = typer.Option(4, "--top-k", help="Continuations kept per key (0: all)."),
+    min_n: int = typer.Option(1, "--min-key", "--min-n", help="Shortest key, in tokens."),
+    max_n: int = typer.Option(4, "--max-key", "--max-n", help="Longest key, in tokens."),
+    draft_len: int = typer.Option(1, "--continuation-len", "--draft-len", help="Tokens of each stored "
+                                  "continuation (1: next-token counts, drafted by a greedy walk; docs/stats-db.md)."),
+    top_k: int = typer.Option(4, "--keep", "--top-k", help="Continuations kept per key (0: all)."),
     min_count: int = typer.Option(2, "--min-count", help="Least count of a kept continuation."),
     shard: Optional[str] = typer.Option(None, help="Build shard I/N only (unpruned, for merge-stats)."),
     limit: Optional[int] = typer.Option(None, help="Read at most this many documents."),
@@ -204,7 +206,8 @@ def build_stats(
 def merge_stats(
     inputs: List[Path] = typer.Argument(..., help="Statistics DBs (e.g. the shards of one build)."),
     out: Path = typer.Option(..., "--out", "-o"),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Default: the inputs' K (4 for shards)."),
+    top_k: Optional[int] = typer.Option(None, "--keep", "--top-k", help="Continuations kept per key. "
+                                        "Default: the inputs' (4 for shards)."),
     min_count: Optional[int] = typer.Option(None, "--min-count", help="Default: the inputs' (2 for shards)."),
     overwrite: bool = typer.Option(False),
     allow_same_sources: bool = typer.Option(False, "--allow-same-sources", help="Sum inputs counted "
@@ -247,9 +250,9 @@ def build_model_db(
     resume: bool = typer.Option(False, help="Continue an interrupted sampling run."),
     from_samples: Optional[Path] = typer.Option(None, "--from-samples", help="Only index this "
                                                 "samples file (no generation)."),
-    min_n: int = typer.Option(1, "--min-n"),
-    max_n: int = typer.Option(4, "--max-n"),
-    top_k: int = typer.Option(4, "--top-k"),
+    min_n: int = typer.Option(1, "--min-key", "--min-n", help="Shortest key, in tokens."),
+    max_n: int = typer.Option(4, "--max-key", "--max-n", help="Longest key, in tokens."),
+    top_k: int = typer.Option(4, "--keep", "--top-k", help="Continuations kept per key."),
     min_count: int = typer.Option(1, "--min-count", help="Least count kept (the samples are few)."),
     overwrite: bool = typer.Option(False),
     as_json: bool = typer.Option(False, "--json"),

@@ -83,3 +83,16 @@ def test_generate_refuses_foreign_or_missing_db(tiny_model_dir, tmp_path):
     assert isinstance(r, HdError) and "does not exist" in str(r)
     r = run("generate", "--model", str(tiny_model_dir), "-p", "hi", "--layers", "context,stats")
     assert isinstance(r, HdError) and "--stats-db" in str(r)
+
+
+def test_the_counting_options_take_their_names_and_their_older_spellings(tiny_model_dir, corpus, tmp_path):
+    """build-stats' key sizes, continuation length and continuations kept are named apart from
+    hd generate's --min-n, --max-n, --draft-len and --top-k, which they once shared: both
+    spellings build the same DB."""
+    m = str(tiny_model_dir)
+    new = ["--min-key", "2", "--max-key", "3", "--continuation-len", "2", "--keep", "2"]
+    old = ["--min-n", "2", "--max-n", "3", "--draft-len", "2", "--top-k", "2"]
+    headers = [json.loads(hd("build-stats", str(corpus), "-o", str(tmp_path / f"{i}.lmdb"), "--model", m,
+                             "--min-count", "1", "--json", *args).stdout)["header"] for i, args in enumerate((new, old))]
+    assert headers[0]["content_digest"] == headers[1]["content_digest"]
+    assert (headers[0]["n_range"], headers[0]["draft_len"], headers[0]["top_k"]) == ([2, 3], 2, 2)
