@@ -217,6 +217,28 @@ def load_growth(path, tmp_path) -> int:
     return got["peak"] - got["base"]
 
 
+class FakeLayer:
+    """A drafting layer for tests, the one shape they share: reset and extend keep nothing, and
+    propose (history, max_len, max_candidates) -> candidates is the subclass's."""
+    name = "fake"
+
+    def reset(self, tokens):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+
+class FixedCandidates(FakeLayer):
+    """Proposes the same candidates at every step, best first."""
+
+    def __init__(self, name, cands):
+        self.name, self.cands = name, [list(c) for c in cands]
+
+    def propose(self, history, max_len, max_candidates):
+        return [c[:max_len] for c in self.cands[:max_candidates]]
+
+
 def step_together(model, streams, max_nodes=None) -> None:
     """One step of hd serve's decode loop over the streams not done: each proposes its tree, one
     forward verifies them all (engine/decode/batch.forward_many), each accepts its own rows."""

@@ -11,7 +11,7 @@ from hdcli.drafting import Hierarchy, LayerSpec, registry
 from hdcli.errors import HdError
 from hdcli.hsd.stack import ModelStack
 
-from conftest import hd_main
+from conftest import FakeLayer, hd_main
 
 
 
@@ -70,15 +70,9 @@ def test_build_drafter_gives_nothing_a_hierarchy_or_a_stack(tiny_lm):
     assert stack.all_levels[0].hier.max_candidates == 1  # a level under models verifies one chain
 
 
-class _RepeatLast:
+class _RepeatLast(FakeLayer):
     """A toy layer: drafts the last token again (rarely right, so the verifier must reject it)."""
     name = "repeat"
-
-    def reset(self, tokens):
-        pass
-
-    def extend(self, tokens):
-        pass
 
     def propose(self, history, max_len, max_candidates=1):
         return [[history[-1]] * max_len] if history else []

@@ -11,10 +11,10 @@ from hdcli.engine.decode.draft import Drafter
 from hdcli.engine.decode.loop import Decoder, first_difference
 from hdcli.drafting import ContextDB, Hierarchy
 
-from conftest import tiny_gemma3, tiny_llama
+from conftest import FakeLayer, tiny_gemma3, tiny_llama
 
 
-class ScriptedLayer:
+class ScriptedLayer(FakeLayer):
     """Drafts the true continuation (read from a reference output) with random corruptions, so
     every step mixes accepted and rejected tokens at random depths."""
     name = "scripted"
@@ -23,12 +23,6 @@ class ScriptedLayer:
         self.prompt_len, self.ref, self.corrupt, self.vocab = prompt_len, reference, corrupt, vocab
         self.rng = random.Random(seed)
 
-    def reset(self, tokens):
-        pass
-
-    def extend(self, tokens):
-        pass
-
     def propose(self, history, max_len, max_candidates):
         pos = len(history) - self.prompt_len
         true = self.ref[pos:pos + max_len]
@@ -36,18 +30,12 @@ class ScriptedLayer:
                  for t in true]] if true else []
 
 
-class RandomLayer:
+class RandomLayer(FakeLayer):
     """Drafts random tokens: almost everything is rejected."""
     name = "random"
 
     def __init__(self, vocab, seed=0):
         self.vocab, self.rng = vocab, random.Random(seed)
-
-    def reset(self, tokens):
-        pass
-
-    def extend(self, tokens):
-        pass
 
     def propose(self, history, max_len, max_candidates):
         return [[self.rng.randrange(self.vocab) for _ in range(max_len)]]

@@ -27,27 +27,10 @@ from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.engine.decode.verify import Sampling, processed, sample_point_masses, target_probs
 from hdcli.engine.model.target import as_target
 
-from conftest import owned_copy, step_together, tiny_llama
+from conftest import FixedCandidates, owned_copy, step_together, tiny_llama
 
 ALPHA = 1e-3
 V = 8
-
-
-class FixedLayer:
-    """Always proposes the same continuation: a point mass that is sometimes right."""
-    name = "fixed"
-
-    def __init__(self, tokens):
-        self.tokens = list(tokens)
-
-    def reset(self, tokens):
-        pass
-
-    def extend(self, tokens):
-        pass
-
-    def propose(self, history, max_len, max_candidates):
-        return [self.tokens[:max_len]]
 
 
 def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
@@ -141,7 +124,7 @@ def test_first_two_tokens_follow_target_distribution(model, s, layer):
         table = RecycledTable(top_k=3)
         drafter = Hierarchy([RecycledLayer(table)], policy="fill-tracked", draft_len=2, max_candidates=4)
     else:
-        drafter = Hierarchy([FixedLayer(best) if layer == "fixed" else ContextDB(1, 3)], draft_len=2)
+        drafter = Hierarchy([FixedCandidates("fixed", [best]) if layer == "fixed" else ContextDB(1, 3)], draft_len=2)
     dec = Decoder(model, (), drafter)
     n, counts, accepted = 3000, {}, 0
     for seed in range(n):
@@ -201,7 +184,7 @@ def test_sampling_through_a_shared_forward_follows_target_distribution(invariant
     prompt, other = [1, 3, 4, 3, 4, 3], [2, 5, 6, 2, 5, 6, 2]
     probs = exact_two_token_distribution(model, prompt, s)
     best = max(probs, key=probs.get)
-    sampled = Decoder(model, (), Hierarchy([FixedLayer(best)], draft_len=2))
+    sampled = Decoder(model, (), Hierarchy([FixedCandidates("fixed", [best])], draft_len=2))
     greedy = Decoder(model, (), Hierarchy([ContextDB(1, 3)], draft_len=3))
     n, counts, accepted = 2000, {}, 0
     for seed in range(n):

@@ -24,8 +24,8 @@ from hdcli.engine.decode.prediction import Prediction
 from hdcli.engine.decode.verify import Sampling, target_probs
 from hdcli.engine.model.target import as_target
 
-from conftest import require_bundled, tiny_llama
-from test_sampling import ALPHA, FixedLayer, chi2_pvalue
+from conftest import FixedCandidates, require_bundled, tiny_llama
+from test_sampling import ALPHA, chi2_pvalue
 
 pytestmark = pytest.mark.bundled
 
@@ -177,7 +177,7 @@ def test_sampling_through_a_grammar_keeps_the_masked_distribution(tiny, source):
     probs = _two_token_distribution(lm, g, prompt, s)
     best = max((k for k in probs if len(k) == 2), key=probs.get)
     layer = "fixed" if source == "layer" else "prediction"
-    dec = Decoder(lm.model, lm.eos_ids, Hierarchy([FixedLayer(best)], draft_len=2) if source == "layer" else None)
+    dec = Decoder(lm.model, lm.eos_ids, Hierarchy([FixedCandidates("fixed", [best])], draft_len=2) if source == "layer" else None)
     predicted = list(best) if source == "prediction" else None
     n, counts, accepted = 600, {}, 0
     threads = torch.get_num_threads()

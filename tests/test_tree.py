@@ -21,7 +21,7 @@ from hdcli.engine.decode.tree import (Tree,
 from hdcli.engine.decode.verify import Sampling
 from hdcli.engine.model.target import as_target
 
-from conftest import tiny_gemma3, tiny_llama
+from conftest import FixedCandidates, tiny_gemma3, tiny_llama
 from test_exactness import ScriptedLayer
 from test_sampling import chi2_pvalue, exact_two_token_distribution, sampling_llama, single_thread
 
@@ -223,22 +223,6 @@ def test_adaptive_tracker_follows_acceptance_and_recovers():
     for _ in range(60):  # b no longer drafted: it drifts back towards its prior
         tr.update({("a", 1): 4}, {("a", 1): 4})
     assert tr.rate("b", 1) > 0.4
-
-
-class FixedCandidates:
-    """Proposes the same candidates at every step, best first."""
-
-    def __init__(self, name, cands):
-        self.name, self.cands = name, cands
-
-    def reset(self, tokens):
-        pass
-
-    def extend(self, tokens):
-        pass
-
-    def propose(self, history, max_len, max_candidates):
-        return [c[:max_len] for c in self.cands[:max_candidates]]
 
 
 def test_adaptive_gives_every_matching_layer_a_slot():
