@@ -183,17 +183,15 @@ def test_a_signal_during_a_kernel_build_stops_the_compiler_and_frees_both_locks(
     it for minutes. Now the compilers are killed, torch's lock is removed and hd's left empty."""
     require_bundled()
     p = start([sys.executable, "-c", BUILDING, *GENERATE], env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
-    said = []   # the lines read before the signal: the "compiling" line is among them
     for line in p.stderr:
-        said.append(line)
-        if line.strip() == "compiler running":
+        if line.strip() == "compiler running":   # the build began: its compiler runs
             break
     else:
         pytest.fail(f"no build began: exit {p.wait()}")
     p.send_signal(sig)
     ended_by(p, sig)
     folders = [f for f in tmp_path.iterdir() if f.is_dir()]
-    assert folders and any(line.startswith("hd: compiling ") for line in said), said
+    assert folders
     for folder in folders:
         assert not (folder / build.TORCH_LOCK_NAME).exists(), folder
         assert (folder / build.LOCK_NAME).read_text() == "", folder
