@@ -86,7 +86,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 # torch, hdcli and common (which imports torch) are imported in the measuring functions: the pure
-# model (fit, predict, speedups) is imported by tests/test_cores_model.py without them
+# model (fit, predict, speedups) is imported by tests/benchmarks/test_cores_model.py without them
 
 WIDTHS = (1, 2, 4, 8, 16)
 THREADS = (1, 2)

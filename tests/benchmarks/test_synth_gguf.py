@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import synth_gguf as sg  # noqa: E402
 from conftest import PATIENCE, require_bundled  # noqa: E402

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "cores.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "cores.py"
 _spec = importlib.util.spec_from_file_location("cores_under_test", _PATH)
 cores = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = cores
