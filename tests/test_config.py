@@ -189,3 +189,34 @@ def test_each_option_states_the_default_the_code_takes():
     assert tenants.default_scope(tenants.Keys([("a", "1")])) == tenants.default_scope(None) == "shared"
     assert "default: open" in helps["protect_metrics"] and defaults["protect_metrics"] is False
     assert "default: the --model given" in helps["name"] and defaults["name"] is None
+
+
+def test_a_run_is_put_together_once(tiny_lm, tmp_path, monkeypatch):
+    """hd generate's run: its plan read once, its fields checked once, one Request made per
+    prompt; and a served request's ask beyond the context's room is refused there, the
+    configuration's own cut to it and said."""
+    from hdcli import generation
+    from hdcli.commands.generate import generate_report
+    from hdcli.hsd import planner
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"kind": "hd-plan", "target": tiny_lm.name, "dtype": tiny_lm.dtype,
+                                "chain": {"bottom": "db", "levels": []}, "db_layers": ["context"]}))
+    reads, checks, made = [], [], []
+    read, validate, request = planner.read_plan_file, DecodingConfig.validate, DecodingConfig.request
+    monkeypatch.setattr(planner, "read_plan_file", lambda path: reads.append(path) or read(path))
+    monkeypatch.setattr(DecodingConfig, "validate", lambda self: checks.append(1) or validate(self))
+    monkeypatch.setattr(DecodingConfig, "request", lambda self, ids, **kw: made.append(1) or request(self, ids, **kw))
+    rep = generate_report(DecodingConfig(plan=str(plan), max_new_tokens=4), "the cat sat", lm=tiny_lm)
+    assert len(rep.data["tokens"]) <= 4 and rep.data["layers"] == ["context"]
+    assert (len(reads), len(checks), len(made)) == (1, 1, 1)
+    run = generation.Run(DecodingConfig(max_new_tokens=10 ** 6), tiny_lm)
+    ids = [5, 6, 7]
+    room = tiny_lm.max_context - len(ids)
+    with pytest.raises(generation.NoRoom) as no:
+        run.request(ids, {"max_new_tokens": room + 1})
+    assert no.value.asked == room + 1 and f"at most {room}" in str(no.value)
+    cut = []
+    assert run.request(ids, on_cut=lambda asked, left: cut.append((asked, left))).max_new_tokens == room
+    assert cut == [(10 ** 6, room)]
+    with pytest.raises(generation.NoRoom, match="shorten the prompt"):
+        run.request([5] * tiny_lm.max_context)
