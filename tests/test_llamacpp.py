@@ -22,6 +22,13 @@ from hdcli.errors import HdError
 from test_bench import spec_file  # noqa: F401 (fixture)
 
 
+def _stand_in(monkeypatch, module: types.ModuleType) -> None:
+    """`module` as llama_cpp. It is one module with no llama.cpp beneath it, so no AMX weight
+    buffers to turn off (bench/llamacpp.amx_off, on a CPU with AMX, patches llama_cpp.llama)."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setattr(llamacpp, "amx_off", lambda: False)
+
+
 def _fake_llama_cpp(lm, calls: list) -> types.ModuleType:
     """A `llama_cpp` whose Llama decodes greedily with lm's model (a full forward per token)."""
     class Llama:
@@ -59,7 +66,7 @@ def gguf_lm(tiny_lm):
 
 def test_llama_cpp_runs_as_a_method_beside_hd(gguf_lm, spec_file, monkeypatch):  # noqa: F811
     calls = []
-    monkeypatch.setitem(sys.modules, "llama_cpp", _fake_llama_cpp(gguf_lm, calls))
+    _stand_in(monkeypatch, _fake_llama_cpp(gguf_lm, calls))
     qs = bench.specbench.select(bench.specbench.load(spec_file), None)[:3]
     runners = bench.make_runners(gguf_lm, ["ar", "context", "llama-cpp"], DecodingConfig(), DBs())
     results = bench.run(gguf_lm, qs, runners, 12)
@@ -96,7 +103,7 @@ def test_llama_cpp_counts_answers_that_differ(gguf_lm, spec_file, monkeypatch): 
         for i, t in enumerate(real_gen(self, tokens, **kw)):
             yield (t + 1) % gguf_lm.model.config.vocab_size if i == 2 else t
     fake.Llama.generate = off_by_one
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    _stand_in(monkeypatch, fake)
     qs = bench.specbench.select(bench.specbench.load(spec_file), None)[1:3]
     results = bench.run(gguf_lm, qs, bench.make_runners(gguf_lm, ["ar", "llama-cpp"], DecodingConfig(), DBs()), 8)
     s = bench.summarize(results)
