@@ -40,6 +40,7 @@ _received: int | None = None   # the first signal handled
 _ending = False
 _deferring = 0                 # deferred() regions the main thread is in
 _cleanups: dict[int, Callable[[], None]] = {}
+_lock = threading.RLock()      # the handler and the relay thread (_relay_signals) may race
 _keys = itertools.count()
 
 
@@ -48,12 +49,75 @@ def install() -> dict:
     nothing off the main thread (only it may set handlers)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, _handle) for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    previous = {sig: signal.signal(sig, _handle) for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    if previous:
+        _relay_signals()
+    return previous
+
+
+# How long the relay leaves the main thread to run the handler itself: it does so at once
+# unless it is blocked in a call (a wait on a compiler).
+RELAY_GRACE = 0.2
+_relaying: tuple[int, int] | bool = False   # (the wakeup fd before, the pipe's write end)
+
+
+def _relay_signals() -> None:
+    """Python runs a signal's handler on the main thread only, between bytecodes; the kernel gives
+    a process's signal to any of its threads, and one given to another thread (OpenMP's, a build's)
+    leaves a main thread blocked in a call (waiting on a compiler for minutes) unaware of it. The
+    C handler writes every signal's number to the wakeup fd, whichever thread took it: a thread of
+    hd's reads it and ends the process itself where the main thread has not run the handler
+    within RELAY_GRACE. (A deferred region is left to the main thread: it cleans up first.)"""
+    global _relaying
+    if _relaying:
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        before = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (ValueError, OSError):   # not the main thread of the main interpreter
+        os.close(r), os.close(w)
+        return
+    _relaying = (before, w)   # restore() puts the fd back and closes the pipe: the thread ends
+    threading.Thread(target=_relay, args=(r,), name="hd-signals", daemon=True).start()
+
+
+def _relay(r: int) -> None:
+    while True:
+        try:
+            got = os.read(r, 64)
+        except OSError:
+            return
+        if not got:
+            return
+        for sig in got:
+            if sig not in SIGNALS:
+                continue
+            time.sleep(RELAY_GRACE)
+            if _received is None and not _deferring:
+                _take(sig)
+                end(sig)
+
+
+def _take(sig: int) -> bool:
+    """Record the first signal; whether this was it."""
+    global _received
+    with _lock:
+        first = _received is None
+        if first:
+            _received = sig
+    return first
 
 
 def restore(previous: dict) -> None:
+    global _relaying
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+    if previous and _relaying and all(h is not _handle for h in previous.values()):
+        # hd's handlers are gone (not an inner install's undone): the relay stops with them
+        signal.set_wakeup_fd(_relaying[0])
+        os.close(_relaying[1])
+        _relaying = False
 
 
 def stopping() -> bool:
@@ -62,10 +126,7 @@ def stopping() -> bool:
 
 
 def _handle(sig: int, frame) -> None:
-    global _received
-    first = _received is None
-    if first:
-        _received = sig
+    first = _take(sig)
     if first and _deferring:
         raise KeyboardInterrupt   # the region cleans up; deferred() ends the process as it is left
     end(sig)
@@ -132,10 +193,15 @@ def run(command: Callable[[], None]) -> None:
 def end(sig: int) -> None:
     """End the process now: children stopped, cleanups run, one line, exit 128 + sig."""
     global _ending
-    if _ending:   # a second signal while ending: the first is doing it
-        return
-    _ending = True
-    _stop_children()
+    with _lock:
+        if _ending:   # a second signal while ending (or the relay beside the handler): one does it
+            return
+        _ending = True
+    # the children are frozen first and killed last: off the main thread (the relay), the main
+    # thread goes on once its child is gone (a compiler's wait returns), and could end the
+    # process with exit 0 while this one writes (a write lets the main thread run); so there,
+    # no wait for them either, and the exit follows the kill at once
+    frozen = _freeze_children()
     _run_cleanups()
     for stream in (sys.stdout, sys.stderr):
         try:   # what the command printed so far (a stream written when the signal came may refuse)
@@ -149,6 +215,7 @@ def end(sig: int) -> None:
         os.write(2, f"{lead}error: {what} ({signal.Signals(sig).name})\n".encode())
     except OSError:
         pass
+    _kill(frozen, wait=threading.current_thread() is threading.main_thread())
     os._exit(128 + sig)
 
 
@@ -162,9 +229,12 @@ def _run_cleanups() -> None:
 
 
 def _stop_children() -> None:
+    _kill(_freeze_children())
+
+
+def _freeze_children() -> set[int]:
     """Every descendant of this process frozen (SIGSTOP), pass after pass until a pass finds none
-    new (a frozen process starts none), then killed, and waited for until each is gone (a zombie
-    is: it runs nothing; this process's own are reaped by whoever inherits them)."""
+    new (a frozen process starts none)."""
     frozen: set[int] = set()
     for _ in range(64):   # a bound; a pass finds none new once every descendant is frozen
         new = _descendants(os.getpid()) - frozen
@@ -173,9 +243,15 @@ def _stop_children() -> None:
         for pid in new:
             _signal(pid, signal.SIGSTOP)
         frozen |= new
+    return frozen
+
+
+def _kill(frozen: set[int], wait: bool = True) -> None:
+    """The frozen processes killed and (wait) waited for until each is gone (a zombie is: it runs
+    nothing; this process's own are reaped by whoever inherits them)."""
     for pid in frozen:
         _signal(pid, signal.SIGKILL)
-    for _ in range(2000):   # a bound of ~2 s: a killed process is gone in a moment
+    for _ in range(2000 if wait else 0):   # a bound of ~2 s: a killed process is gone in a moment
         if not any(_running(pid) for pid in frozen):
             break
         time.sleep(0.001)

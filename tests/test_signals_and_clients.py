@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,12 +71,13 @@ main()
 
 # A first build of the kernels (an empty TORCH_EXTENSIONS_DIR), torch's compile replaced by what it
 # does as the signal comes: torch's `lock` made, a compiler process with one of its own (ninja and
-# c++), a line once both run, and a wait for them.
+# c++), a file in $RUNNING once both run (a file, not a line: a line on the pipe of stderr was
+# sometimes not read while the build waited), and a wait for them.
 BUILDING = """
 import importlib.abc, importlib.util, os, subprocess, sys
 sys.argv = ["hd"] + sys.argv[1:]
-COMPILER = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
-            "print('compiler running', file=sys.stderr, flush=True); time.sleep(600)")
+COMPILER = ("import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
+            "open(os.path.join(os.environ['RUNNING'], str(os.getpid())), 'w').close(); time.sleep(600)")
 
 def load(name, sources, **kw):
     from torch.utils import cpp_extension
@@ -182,15 +184,17 @@ def test_a_signal_during_a_kernel_build_stops_the_compiler_and_frees_both_locks(
     the compiler went on, re-parented to init, and its `lock` stayed: the next starts waited for
     it for minutes. Now the compilers are killed, torch's lock is removed and hd's left empty."""
     require_bundled()
-    p = start([sys.executable, "-c", BUILDING, *GENERATE], env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
-    for line in p.stderr:
-        if line.strip() == "compiler running":   # the build began: its compiler runs
-            break
-    else:
-        pytest.fail(f"no build began: exit {p.wait()}")
+    running = tmp_path / "running"
+    running.mkdir()
+    p = start([sys.executable, "-c", BUILDING, *GENERATE],
+              env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "RUNNING": str(running)})
+    deadline = time.monotonic() + PATIENCE
+    while not any(running.iterdir()):   # the build began: a compiler runs
+        assert p.poll() is None and time.monotonic() < deadline, f"no build began: exit {p.poll()}"
+        time.sleep(0.05)
     p.send_signal(sig)
     ended_by(p, sig)
-    folders = [f for f in tmp_path.iterdir() if f.is_dir()]
+    folders = [f for f in (tmp_path / "ext").iterdir() if f.is_dir()]
     assert folders
     for folder in folders:
         assert not (folder / build.TORCH_LOCK_NAME).exists(), folder
@@ -413,3 +417,31 @@ def test_a_model_store_that_cannot_be_read_is_said(tmp_path):
         assert "cannot be read" in json.loads(out)["warnings"][0]
     finally:
         store.chmod(0o755)
+
+
+# A process whose main thread waits on a child (as a build waits on its compiler) while the signal
+# is given to another of its threads, as the kernel may give it: $1 "relay" or "no-relay".
+OTHER_THREAD = """
+import signal, subprocess, sys, threading
+from hdcli import interrupts
+if sys.argv[1] == "no-relay":
+    interrupts._relay_signals = lambda: None
+interrupts.install()
+def give():
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+threading.Timer(0.5, give).start()
+subprocess.run([sys.executable, "-c", "import time; time.sleep(600)"])
+"""
+
+
+def test_a_signal_given_to_another_thread_ends_hd_while_its_main_thread_waits():
+    """The kernel gives a process's signal to any thread; Python runs the handler on the main
+    thread only, when it next runs bytecode: a main thread waiting on a compiler heard a signal
+    taken by another thread only when the compiler ended (a 10-minute stall in a test)."""
+    ended_by(start([sys.executable, "-c", OTHER_THREAD, "relay"]), signal.SIGINT)
+    # the control: without the relay the process waits on its child, deaf to the signal
+    p = start([sys.executable, "-c", OTHER_THREAD, "no-relay"])
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(5)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
