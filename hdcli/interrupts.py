@@ -94,7 +94,9 @@ def _relay(r: int) -> None:
             if sig not in SIGNALS:
                 continue
             time.sleep(RELAY_GRACE)
-            if _received is None and not _deferring:
+            # only for hd's own handler: a command with handlers of its own (hd serve's drain)
+            # keeps its signals
+            if _received is None and not _deferring and signal.getsignal(sig) is _handle:
                 _take(sig)
                 end(sig)
 
