@@ -96,8 +96,8 @@ def _relay(r: int) -> None:
             time.sleep(RELAY_GRACE)
             # only for hd's own handler: a command with handlers of its own (hd serve's drain)
             # keeps its signals
-            if _received is None and not _deferring and signal.getsignal(sig) is _handle:
-                _take(sig)
+            # and only where the handler has not run meanwhile (_take: this is the first)
+            if not _deferring and signal.getsignal(sig) is _handle and _take(sig):
                 end(sig)
 
 

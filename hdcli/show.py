@@ -115,7 +115,7 @@ def status(as_json: bool):
 
     def say(message: str) -> None:
         if message.startswith("warning:"):
-            err.print(Text.assemble(("warning:", "yellow"), message[len("warning:"):]))
+            warnings([message])
         elif not as_json:
             err.print(Text(message, style="dim"))
     return say
