@@ -91,11 +91,12 @@ def _relay(r: int) -> None:
         if not got:
             return
         for sig in got:
-            if sig not in SIGNALS:
+            # only a signal that came to hd's own handler, judged as it is read (at once): a
+            # command with handlers of its own keeps its signals, also where it puts hd's back
+            # within the grace (hd serve's drain ends, and restores them)
+            if sig not in SIGNALS or signal.getsignal(sig) is not _handle:
                 continue
             time.sleep(RELAY_GRACE)
-            # only for hd's own handler: a command with handlers of its own (hd serve's drain)
-            # keeps its signals
             # and only where the handler has not run meanwhile (_take: this is the first)
             if not _deferring and signal.getsignal(sig) is _handle and _take(sig):
                 end(sig)
