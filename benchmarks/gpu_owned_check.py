@@ -46,12 +46,12 @@ def main(argv=None) -> int:
     import torch
     from common import machine
     from gpu_check import Oracle
-    from hdcli.engine import loader as models
+    from hdcli.engine import loader
     from hdcli.engine.decode.loop import Decoder
     report = {"machine": machine(), "gguf": args.gguf, "runs": {}}
     for dtype in ("fp32", "bf16"):
         t0 = time.perf_counter()
-        lm = models.load(args.gguf, dtype=dtype, device=args.device, kernels="torch", invariant="auto", quiet=True)
+        lm = loader.load(args.gguf, dtype=dtype, device=args.device, kernels="torch", invariant="auto", quiet=True)
         vocab = lm.model.config.vocab_size
         run = {"invariant": lm.invariant, "info": lm.info.get("invariant"), "numerics": lm.info.get("numerics")}
         rows = rows_equal(lm.model, vocab)
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             got = Decoder(lm.model, (), drafter=oracle).generate(prompt, max_new_tokens=48).tokens
             same += got == ref
         run["answers_identical"] = [same, 4]
-        off = models.load(args.gguf, dtype=dtype, device=args.device, kernels="torch", invariant="off", quiet=True)
+        off = loader.load(args.gguf, dtype=dtype, device=args.device, kernels="torch", invariant="off", quiet=True)
         rows = rows_equal(off.model, vocab)
         run["mode_off_rows_equal"] = [sum(rows), len(rows)]
         run["seconds"] = time.perf_counter() - t0

@@ -258,8 +258,8 @@ def main() -> None:
     results = []
     for vocab in args.vocabs.split(","):
         if vocab == "bundled":
-            from hdcli.engine import loader as models
-            lm = models.load(models.DEFAULT_MODEL, quiet=True)
+            from hdcli.engine import loader
+            lm = loader.load(loader.DEFAULT_MODEL, quiet=True)
             tok, n = lm.tokenizer, int(lm.model.config.vocab_size)
         else:
             tok = big_tokenizer()

@@ -28,12 +28,12 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["HD_CACHE_DIR"] = args.cache
     import torch
-    from hdcli.engine import loader as models
+    from hdcli.engine import loader
     from hdcli.engine.model import layouts
 
     def load():
         t = time.perf_counter()
-        lm = models.load(args.model, dtype="bf16", device="cpu", kernels="auto", invariant="off", quiet=True)
+        lm = loader.load(args.model, dtype="bf16", device="cpu", kernels="auto", invariant="off", quiet=True)
         layouts.wait()
         return lm, time.perf_counter() - t
 

@@ -105,8 +105,8 @@ def private_cache(tmp_path_factory):
     """What the suite measures (cost curves, calibrations: records keyed by tmp paths) goes to a
     fresh folder instead of the user's ~/.cache/hdcli. Assembled bundled GGUFs are shared with the
     user's cache: they hold only the package's file."""
-    from hdcli.engine import loader as models
-    user = models.cache_dir()
+    from hdcli.engine import loader
+    user = loader.cache_dir()
     root = tmp_path_factory.mktemp("hd-cache")
     for shared in ("gguf",):
         (user / shared).mkdir(parents=True, exist_ok=True)
@@ -165,9 +165,9 @@ def serve_model_dir(tmp_path_factory):
 def tiny_lm(tiny_model_dir):
     """Packed where oneDNN exists: the suite runs the packed path whatever `auto` would keep here."""
     from hdcli.engine.kernels import dense as kernels
-    from hdcli.engine import loader as models
+    from hdcli.engine import loader
     kn = "onednn" if kernels.available() else "torch"
-    return models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels=kn)
+    return loader.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels=kn)
 
 
 def require_bundled() -> None:
@@ -182,17 +182,17 @@ def require_bundled() -> None:
 @pytest.fixture(scope="session")
 def bundled_lm():
     require_bundled()
-    from hdcli.engine import loader as models
-    return models.load("smollm2-135m", dtype="fp32", device="cpu")
+    from hdcli.engine import loader
+    return loader.load("smollm2-135m", dtype="fp32", device="cpu")
 
 
 def owned_copy(model, folder, dtype: str = "fp32", kernels: str = "torch", invariant: str = "off"):
     """hd's own forward of a transformers model: saved as a checkpoint folder (with
     word_tokenizer()) and loaded as hd loads any folder (engine/loader.py). Returns the
     LoadedModel."""
-    from hdcli.engine import loader as models
+    from hdcli.engine import loader
     save_with_tokenizer(model, folder)
-    return models.load(str(folder), dtype=dtype, device="cpu", kernels=kernels, invariant=invariant, quiet=True)
+    return loader.load(str(folder), dtype=dtype, device="cpu", kernels=kernels, invariant=invariant, quiet=True)
 
 
 def load_growth(path, tmp_path) -> int:
@@ -203,13 +203,13 @@ def load_growth(path, tmp_path) -> int:
     import subprocess
     import sys
     code = ("import json, torch\n"
-            "from hdcli.engine import loader as models\nfrom hdcli.engine.kernels import quants, fused\n"
-            f"models.load_tokenizer({str(path)!r}); quants.kernel_available(); fused.load(quiet=True)\n"
+            "from hdcli.engine import loader\nfrom hdcli.engine.kernels import quants, fused\n"
+            f"loader.load_tokenizer({str(path)!r}); quants.kernel_available(); fused.load(quiet=True)\n"
             "torch.nn.functional.scaled_dot_product_attention(*torch.ones(3, 1, 1, 2, 4))\n"
-            "base = models.peak_rss_bytes()  # libraries and the tokenizer: what any model costs\n"
-            f"lm = models.load({str(path)!r}, dtype='bf16', device='cpu', invariant='off', quiet=True)\n"
+            "base = loader.peak_rss_bytes()  # libraries and the tokenizer: what any model costs\n"
+            f"lm = loader.load({str(path)!r}, dtype='bf16', device='cpu', invariant='off', quiet=True)\n"
             "lm.model.forward(torch.tensor([[5, 6, 7]]))\n"
-            "print(json.dumps({'base': base, 'peak': models.peak_rss_bytes()}))\n")
+            "print(json.dumps({'base': base, 'peak': loader.peak_rss_bytes()}))\n")
     env = dict(os.environ, HD_CACHE_DIR=str(tmp_path / "cache"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

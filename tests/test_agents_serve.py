@@ -260,10 +260,10 @@ def served_batched(tmp_path_factory):
     """A tiny random llama over the bundled tokenizer, served in the M-invariant mode: concurrent
     requests are verified in shared forwards (the bundled model's calibration takes minutes here)."""
     require_bundled()
-    from hdcli.engine import loader as models
+    from hdcli.engine import loader
     from conftest import tiny_llama
     folder = tmp_path_factory.mktemp("tiny-real-tokenizer")
-    tok = models.load_tokenizer(models.DEFAULT_MODEL)
+    tok = loader.load_tokenizer(loader.DEFAULT_MODEL)
     tiny_llama(vocab_size=len(tok), seed=7, hidden=64, scale=2.0).save_pretrained(folder)
     tok.save_pretrained(folder)
     mp = pytest.MonkeyPatch()

@@ -13,7 +13,7 @@ from hdcli import api
 from hdcli.engine import records
 from hdcli.engine.decode import costs
 from hdcli.engine.kernels import dense as kernels
-from hdcli.engine import loader as models
+from hdcli.engine import loader
 from hdcli.engine.model.target import TransformersForward
 from conftest import tiny_llama
 
@@ -156,7 +156,7 @@ def test_loading_measures_nothing(tiny_model_dir, tmp_path, monkeypatch):
     lm = api.load_model(str(tiny_model_dir), dtype="auto", kernels="auto", invariant="off", quiet=True)
     assert not list((tmp_path / "costs").glob("*.json"))
     assert lm.info["numerics"]["kernels"] == lm.kernels == ("onednn" if kernels.available() else "torch")
-    assert lm.info["numerics"]["dtype"] == lm.dtype == ("bf16" if models.native_bf16() else "fp32")
+    assert lm.info["numerics"]["dtype"] == lm.dtype == ("bf16" if loader.native_bf16() else "fp32")
 
 
 def test_hd_costs_shows_and_remeasures(tiny_model_dir, tmp_path, monkeypatch):

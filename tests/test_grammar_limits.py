@@ -26,7 +26,7 @@ import torch
 
 from hdcli import api
 from hdcli.drafting import ContextDB, Hierarchy
-from hdcli.engine import loader as models
+from hdcli.engine import loader
 from hdcli.engine.decode import costs
 from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.verify import logprobs_of
@@ -57,7 +57,7 @@ ASK = [{"role": "user", "content": "Tell me about a person."}]
 def folder(tmp_path_factory):
     require_bundled()
     path = tmp_path_factory.mktemp("tiny-real-tokenizer")
-    tok = models.load_tokenizer(models.DEFAULT_MODEL)
+    tok = loader.load_tokenizer(loader.DEFAULT_MODEL)
     tiny_llama(vocab_size=len(tok), seed=3, hidden=32, scale=2.0).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -65,7 +65,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm(folder):
-    return models.load(str(folder), dtype="fp32", device="cpu", kernels="torch", invariant="off")
+    return loader.load(str(folder), dtype="fp32", device="cpu", kernels="torch", invariant="off")
 
 
 @pytest.fixture(scope="module")

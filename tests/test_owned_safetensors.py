@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hdcli.engine.kernels import dense as kernels
-from hdcli.engine import loader as models
+from hdcli.engine import loader
 from hdcli.engine.decode.loop import Decoder
 from hdcli.errors import HdError
 
@@ -90,8 +90,8 @@ def _prompt(seed: int, n: int) -> list[int]:
 def test_owned_forward_matches_transformers(folders, family):
     """fp32, torch's kernels: logits close to transformers' forward past the sliding window,
     greedy tokens equal to transformers' generate."""
-    ref = models.load_reference(str(folders[family]), "fp32", "cpu")
-    own = models.load(str(folders[family]), dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    ref = loader.load_reference(str(folders[family]), "fp32", "cpu")
+    own = loader.load(str(folders[family]), dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
     assert own.info["forward"] == f"hd ({'gemma3' if family == 'gemma3' else 'llama'})"
     assert own.info["numerics"]["kernels"] == "torch" and own.info["file_types"] == {"F32": own.info["file_types"]["F32"]}
     ids = torch.tensor([_prompt(1, 40)])
@@ -111,8 +111,8 @@ def test_bf16_weights_load_as_transformers_casts_them(tmp_path, family):
     """A bf16 checkpoint in bf16: the same weights transformers holds (each tensor as the file has
     it), logits within bf16 rounding of transformers' forward."""
     folder = save_with_tokenizer(tiny(family).to(torch.bfloat16), tmp_path / family)
-    ref = models.load_reference(str(folder), "bf16", "cpu")
-    own = models.load(str(folder), dtype="bf16", device="cpu", kernels="torch", invariant="off", quiet=True)
+    ref = loader.load_reference(str(folder), "bf16", "cpu")
+    own = loader.load(str(folder), dtype="bf16", device="cpu", kernels="torch", invariant="off", quiet=True)
     assert set(own.info["file_types"]) == {"BF16"}
     blk, layer = own.model.blocks[1], ref.model.module.model.layers[1]
     assert torch.equal(blk.q.kernel.weight, layer.self_attn.q_proj.weight)
@@ -128,7 +128,7 @@ def test_bf16_rows_are_m_invariant_and_speculative_equals_plain(folders, family)
     """bf16 with oneDNN-packed layers (auto here), M-invariant: every chain and tree row
     torch.equal to its one-token row (past the window), and speculative greedy output equals
     plain decoding token for token."""
-    lm = models.load(str(folders[family]), dtype="bf16", device="cpu", invariant="on", quiet=True)
+    lm = loader.load(str(folders[family]), dtype="bf16", device="cpu", invariant="on", quiet=True)
     assert lm.invariant and lm.info["numerics"]["invariant"]
     assert lm.kernels == ("onednn" if kernels.available("bf16") else "torch")
     rows = rows_equal(lm.model, VOCAB)
@@ -145,7 +145,7 @@ def test_bf16_rows_are_m_invariant_and_speculative_equals_plain(folders, family)
 def test_the_check_fails_with_the_mode_off(folders):
     """Negative control: the same per-row check, fp32 rows of torch's GEMM (whose kernel depends
     on M) and SDPA over the cache, finds rows that differ."""
-    lm = models.load(str(folders["llama"]), dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    lm = loader.load(str(folders["llama"]), dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
     assert not lm.model.numerics.invariant
     assert not all(rows_equal(lm.model, VOCAB))
 
@@ -154,11 +154,11 @@ def test_kernels_for_a_checkpoint(folders):
     """gguf multiplies a GGUF's blocks: a checkpoint refuses it in one line; int4 is its alias."""
     for k in ("gguf", "int4"):
         with pytest.raises(HdError, match="--kernels gguf multiplies a GGUF"):
-            models.load(str(folders["llama"]), dtype="fp32", kernels=k, invariant="off", quiet=True)
+            loader.load(str(folders["llama"]), dtype="fp32", kernels=k, invariant="off", quiet=True)
     with pytest.raises(HdError, match="--kernels must be one of"):
-        models.load(str(folders["llama"]), kernels="fast")
+        loader.load(str(folders["llama"]), kernels="fast")
     with pytest.raises(HdError, match="--dtype fp16"):
-        models.load(str(folders["llama"]), dtype="fp16", invariant="off", quiet=True)
+        loader.load(str(folders["llama"]), dtype="fp16", invariant="off", quiet=True)
 
 
 def test_other_architectures_run_on_transformers_forward(tmp_path, capfd):
@@ -169,7 +169,7 @@ def test_other_architectures_run_on_transformers_forward(tmp_path, capfd):
     folder = save_with_tokenizer(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2,
                                                             n_positions=128)), tmp_path / "gpt2")
     capfd.readouterr()
-    lm = models.load(str(folder), dtype="auto", device="cpu", quiet=True)
+    lm = loader.load(str(folder), dtype="auto", device="cpu", quiet=True)
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "transformers' forward, M-invariant mode off" in lines[0], err
@@ -178,9 +178,9 @@ def test_other_architectures_run_on_transformers_forward(tmp_path, capfd):
     got = Decoder(lm.model, ()).generate([5, 6, 7], max_new_tokens=5)
     assert len(got.tokens) == 5
     with pytest.raises(HdError, match="--invariant on: .* transformers' forward"):
-        models.load(str(folder), device="cpu", invariant="on", quiet=True)
+        loader.load(str(folder), device="cpu", invariant="on", quiet=True)
     with pytest.raises(HdError, match="--kernels gguf: .* transformers' forward"):
-        models.load(str(folder), device="cpu", kernels="int4", quiet=True)
+        loader.load(str(folder), device="cpu", kernels="int4", quiet=True)
 
 
 def test_a_checkpoint_hd_cannot_compute_goes_to_transformers(tmp_path, capfd):
@@ -192,7 +192,7 @@ def test_a_checkpoint_hd_cannot_compute_goes_to_transformers(tmp_path, capfd):
                       num_attention_heads=2, attention_bias=True)
     folder = save_with_tokenizer(LlamaForCausalLM(cfg), tmp_path / "biased")
     capfd.readouterr()
-    lm = models.load(str(folder), device="cpu", quiet=True)
+    lm = loader.load(str(folder), device="cpu", quiet=True)
     assert lm.info["forward"] == "transformers"
     assert "o_proj.bias" in capfd.readouterr().err
 
@@ -229,8 +229,8 @@ def test_a_hub_id_runs_from_the_local_hub_cache(folders, tmp_path, monkeypatch):
     (repo / "refs" / "main").write_text("0123abcd")
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    lm = models.load("hd-test/tiny-qwen2", dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
+    lm = loader.load("hd-test/tiny-qwen2", dtype="fp32", device="cpu", kernels="torch", invariant="off", quiet=True)
     assert lm.info["forward"] == "hd (llama)" and lm.source == "hd-test/tiny-qwen2"
     assert lm.model.blocks[0].q.kernel.bias is not None   # qwen2's q/k/v biases, read
     with pytest.raises(HdError, match="is unreachable and its cache does not have it"):
-        models.load("hd-test/not-there", device="cpu", quiet=True)
+        loader.load("hd-test/not-there", device="cpu", quiet=True)

@@ -99,10 +99,10 @@ def test_special_token_strings_in_messages_are_text_not_control_tokens():
     turn (its strings became SmolLM2's control tokens). Contents are text now, in chat requests
     and `hd generate` prompts alike; ordinary prompts keep exactly the template's ids."""
     from conftest import require_bundled
-    from hdcli.engine import loader as models
+    from hdcli.engine import loader
     from hdcli.engine.text.prompts import encode_messages, encode_prompt
     require_bundled()
-    tok = models.load_tokenizer("smollm2-135m")
+    tok = loader.load_tokenizer("smollm2-135m")
     specials = set(tok.all_special_ids)
 
     def controls(ids):

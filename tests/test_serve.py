@@ -369,8 +369,8 @@ def test_sigterm_drains_running_requests_then_exits(model_dir):
 
 def test_sigkill_mid_learning_leaves_the_model_db_intact(model_dir, tmp_path):
     from hdcli.db.stores import Store
-    from hdcli.engine import loader as models
-    lm = models.load(str(model_dir), dtype="fp32", device="cpu", kernels="torch", quiet=True)
+    from hdcli.engine import loader
+    lm = loader.load(str(model_dir), dtype="fp32", device="cpu", kernels="torch", quiet=True)
     db = model_db(lm, tmp_path / "m.lmdb")
     p, port, _ = start_cli(model_dir, "--model-db", str(db), "--learn", "-n", "60")
     try:

@@ -18,7 +18,7 @@ import torch
 from hdcli import api
 from hdcli.drafting import ContextDB, Hierarchy
 from hdcli.engine.text import constrain
-from hdcli.engine import loader as models
+from hdcli.engine import loader
 from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.prediction import Prediction
 from hdcli.engine.decode.verify import Sampling, target_probs
@@ -46,7 +46,7 @@ def tiny():
     forwards of a millisecond, real tokens for the grammar. Greedy answers are grammar-valid
     nonsense, which is all exactness needs."""
     require_bundled()
-    tok = models.load_tokenizer(models.DEFAULT_MODEL)
+    tok = loader.load_tokenizer(loader.DEFAULT_MODEL)
     model = as_target(tiny_llama(vocab_size=len(tok), seed=5, hidden=32, scale=2.0))
     return types.SimpleNamespace(model=model, tokenizer=tok, eos_ids={tok.eos_token_id}, max_context=2048)
 

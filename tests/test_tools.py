@@ -71,8 +71,8 @@ CONVERSATION = [
 def smol():
     from conftest import require_bundled
     require_bundled()
-    from hdcli.engine import loader as models
-    return models.load_tokenizer("smollm2-135m")
+    from hdcli.engine import loader
+    return loader.load_tokenizer("smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +85,8 @@ def smol_lm(smol):
 
 
 def with_template(template: str):
-    from hdcli.engine import loader as models
-    tok = models.load_tokenizer("smollm2-135m")
+    from hdcli.engine import loader
+    tok = loader.load_tokenizer("smollm2-135m")
     tok.chat_template = template
     return tok
 
