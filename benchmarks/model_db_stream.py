@@ -8,7 +8,7 @@ after the other on each request:
   learning  one index for the whole stream: each answer joins the model layer's index as it is
             written (what `hd serve` and a long-running process do; --learn also keeps it on disk);
   frozen    a fresh index per request (the DB as built, nothing learned);
-  ngrams    the model layer as the DB's n-gram table (db_layers.StatsDB, hd's model layer before the
+  ngrams    the model layer as the DB's n-gram table (stats.StatsLayer, hd's model layer before the
             suffix index), learning as `--learn` does (api.learn after each request, into a copy);
 and plain decoding, which both must equal token for token. Printed and saved: the model layer's
 share of accepted tokens and the mean accepted tokens per window of `--window` requests.
@@ -28,7 +28,7 @@ from hdcli import api
 from hdcli.compose import build_drafter, open_dbs, warm_up
 from hdcli.config import DecodingConfig
 from hdcli.db.stores import Store
-from hdcli.drafting import AnswerIndex, RecycledTable, StatsDB
+from hdcli.drafting import AnswerIndex, RecycledTable, StatsLayer
 
 from common import command_line, machine, write_result
 
@@ -81,7 +81,7 @@ def main():
             d = build_drafter(cfg, lm, dbs, recycle_table=tables[arm], answer_index=index)
             if arm == "ngrams":  # the same place in the hierarchy, the n-gram table instead
                 at = next(j for j, layer in enumerate(d.layers) if layer.name == "model")
-                d.layers[at] = StatsDB(ngram_db, name="model", min_prob=0.1)
+                d.layers[at] = StatsLayer(ngram_db, name="model", min_prob=0.1)
             got = api.generate(lm, prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter=d)
             if arm == "ngrams":
                 api.learn(ngram_db, ids, got.tokens)

@@ -116,7 +116,7 @@ def db_hierarchy(cfg: DecodingConfig, dbs: DBs, cheap_verify: bool, candidates: 
     """The database hierarchy of the configuration (None when it has no layers). candidates
     overrides cfg.candidates (a level under draft models verifies one chain). recycle_table: pass
     one to share the target's recycled predictions across the drafters of a run; answer_index: the
-    model DB's answers to draft from (drafting.answer_index.AnswerIndex; default: the process's own)."""
+    model DB's answers to draft from (drafting.model.AnswerIndex; default: the process's own)."""
     inputs = layer_inputs(cfg, dbs, cheap_verify, recycle_table, answer_index)
     names = default_layers(inputs) if cfg.layers is None else cfg.layers
     built = build_layers(names, inputs)

@@ -235,7 +235,7 @@ class FixedCandidates(FakeLayer):
     def __init__(self, name, cands):
         self.name, self.cands = name, [list(c) for c in cands]
 
-    def propose(self, history, max_len, max_candidates):
+    def candidates(self, history, max_len, max_candidates):
         return [c[:max_len] for c in self.cands[:max_candidates]]
 
 

@@ -74,7 +74,7 @@ class _RepeatLast(FakeLayer):
     """A toy layer: drafts the last token again (rarely right, so the verifier must reject it)."""
     name = "repeat"
 
-    def propose(self, history, max_len, max_candidates=1):
+    def candidates(self, history, max_len, max_candidates=1):
         return [[history[-1]] * max_len] if history else []
 
 

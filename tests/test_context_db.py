@@ -38,7 +38,7 @@ def test_incremental_index_equals_rescan():
             h += step
             db.extend(step)
             for max_len, cands in ((1, 1), (5, 1), (4, 3)):
-                assert db.propose(h, max_len, cands) == brute_force(h, db.min_n, db.max_n, max_len, cands)
+                assert db.candidates(h, max_len, cands) == brute_force(h, db.min_n, db.max_n, max_len, cands)
 
 
 def test_longest_match_wins_over_recent_short_match():
@@ -46,13 +46,13 @@ def test_longest_match_wins_over_recent_short_match():
     #        a  b  c  X  ...  b  c  Y  ...  a  b  c
     h = [1, 2, 3, 10, 11, 12, 13, 2, 3, 20, 21, 22, 23, 24, 25, 26, 1, 2, 3]
     db.reset(h)
-    assert db.propose(h, 5, 2) == [[10, 11, 12, 13, 2], [20, 21, 22, 23, 24]]
+    assert db.candidates(h, 5, 2) == [[10, 11, 12, 13, 2], [20, 21, 22, 23, 24]]
     h += [30]  # a unigram match drafts at most len_per_key = 3 tokens
     db.extend([30])
-    assert db.propose(h, 5, 1) == []
+    assert db.candidates(h, 5, 1) == []
     h += [3]
     db.extend([3])
-    assert db.propose(h, 5, 1) == [[30, 3]]
+    assert db.candidates(h, 5, 1) == [[30, 3]]
 
 
 def test_no_match_no_draft_and_hierarchy_records_queries():
@@ -83,17 +83,17 @@ def test_draft_length_and_tag_follow_the_match_length():
     db.reset(h)
     # two occurrences of the key 1 2 3 4, each followed once: the most recent (B, matched 4 back:
     # 6 != 9) ranks first and drafts 2 x 4 = 8; the older (A, matched 5 back: 9 == 9) 2 x 5 = 10
-    assert db.propose(h, 16, 2) == [b[:8], a[:10]]
+    assert db.candidates(h, 16, 2) == [b[:8], a[:10]]
     plain_db = ContextDB(min_n=2, max_n=4)
     plain_db.reset(h)
-    assert plain_db.propose(h, 16, 2) == [b + [7, 9, 1, 2, 3, 4][:6], a + [5, 6, 1, 2, 3, 4]]
+    assert plain_db.candidates(h, 16, 2) == [b + [7, 9, 1, 2, 3, 4][:6], a + [5, 6, 1, 2, 3, 4]]
     tagged = ContextDB(min_n=2, max_n=4, match_factor=2.0, tag_matches=True)
     tagged.reset(h)
-    got = tagged.propose(h, 16, 2)
+    got = tagged.candidates(h, 16, 2)
     assert [(list(d.tokens), d.layer) for d in got] == [(b[:8], "context:4"), (a[:10], "context:5")]
     short, h2 = ContextDB(min_n=2, max_n=4, match_factor=2.0), [9, 1, 2, 3, 4] + a + [50, 3, 4]
     short.reset(h2)    # only the 2-token key 3 4 matches: len_per_key x 2 = 6 tokens
-    assert short.propose(h2, 16, 1) == [a[:6]]
+    assert short.candidates(h2, 16, 1) == [a[:6]]
 
 
 def test_tagged_match_lengths_are_tracked_apart_by_the_hierarchy():

@@ -23,7 +23,7 @@ class ScriptedLayer(FakeLayer):
         self.prompt_len, self.ref, self.corrupt, self.vocab = prompt_len, reference, corrupt, vocab
         self.rng = random.Random(seed)
 
-    def propose(self, history, max_len, max_candidates):
+    def candidates(self, history, max_len, max_candidates):
         pos = len(history) - self.prompt_len
         true = self.ref[pos:pos + max_len]
         return [[t if self.rng.random() > self.corrupt else self.rng.randrange(self.vocab)
@@ -37,7 +37,7 @@ class RandomLayer(FakeLayer):
     def __init__(self, vocab, seed=0):
         self.vocab, self.rng = vocab, random.Random(seed)
 
-    def propose(self, history, max_len, max_candidates):
+    def candidates(self, history, max_len, max_candidates):
         return [[self.rng.randrange(self.vocab) for _ in range(max_len)]]
 
 
@@ -209,26 +209,25 @@ def test_a_tenants_scoped_answers_draft_and_equal_plain_greedy():
     """hd serve --learn-scope key|user: a request drafts from the DB's shared answers and its own
     scope's (drafting.model.ScopedAnswers) and grows only its own; greedy output is plain decoding's,
     and what one scope generated is never proposed to another."""
-    from hdcli.drafting import answer_index as model_layer
-    if not model_layer.available():
+    from hdcli.drafting.model import AnswerIndex, ModelLayer, ScopedAnswers, available
+    if not available():
         pytest.skip("arctic-inference is not installed")
-    from hdcli.drafting.answer_index import AnswerIndex, AnswerLayer, ScopedAnswers
     m = tiny_llama(vocab_size=50, seed=1, scale=4.0)
     refs = {tuple(p): plain(m, p, 40) for p in PROMPTS}
     base = AnswerIndex([refs[tuple(PROMPTS[0])]])          # the built DB's answers: shared
     a, b = ScopedAnswers(base, AnswerIndex()), ScopedAnswers(base, AnswerIndex())
     accepted = 0
     for p in PROMPTS * 2:    # scope a asks everything twice: the second round drafts from its own answers
-        g = Decoder(m, (), Hierarchy([AnswerLayer(a)], draft_len=8)).generate(p, max_new_tokens=40)
+        g = Decoder(m, (), Hierarchy([ModelLayer(a)], draft_len=8)).generate(p, max_new_tokens=40)
         assert g.tokens == refs[tuple(p)]
         accepted += g.stats.layers["model"].accepted if "model" in g.stats.layers else 0
     assert accepted > 0
     p = PROMPTS[1]   # scope b never asked it: a's answer to it is not proposed to b
     seen = p + refs[tuple(p)][:3]
-    assert a.propose(seen, 8, 4) and not b.own.propose(seen, 8, 4)
+    assert a.candidates(seen, 8, 4) and not b.own.candidates(seen, 8, 4)
     # and the shared answers are still the DB's alone: b proposes what the DB did
-    assert b.propose(seen, 8, 4) == AnswerIndex([refs[tuple(PROMPTS[0])]]).propose(seen, 8, 4)
-    g = Decoder(m, (), Hierarchy([AnswerLayer(b)], draft_len=8)).generate(p, max_new_tokens=40)
+    assert b.candidates(seen, 8, 4) == AnswerIndex([refs[tuple(PROMPTS[0])]]).candidates(seen, 8, 4)
+    g = Decoder(m, (), Hierarchy([ModelLayer(b)], draft_len=8)).generate(p, max_new_tokens=40)
     assert g.tokens == refs[tuple(p)]
 
 
@@ -263,7 +262,7 @@ class OracleLayer(Oracle):
     """The same as a drafting layer (drafting/hierarchy.Layer) inside the hierarchy."""
     name = "oracle"
 
-    def propose(self, history, max_len, max_candidates):
+    def candidates(self, history, max_len, max_candidates):
         done = len(history) - self.prompt_len
         return [self.ref[done:done + 12]]
 

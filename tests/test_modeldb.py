@@ -184,7 +184,7 @@ def test_model_layer_greedy_equals_plain_and_drafts_a_known_answer(tiny_lm, tmp_
     """The model layer drafts from the DB's answers (suffix index) or, without arctic-inference,
     from its n-gram table; either way greedy output is plain decoding's, and a prompt whose answer
     the DB holds is drafted mostly by it."""
-    from hdcli.drafting import answer_index as model
+    from hdcli.drafting import model
     if index == "answers" and not model.available():
         pytest.skip("arctic-inference is not installed")
     if index == "ngrams":
@@ -197,7 +197,7 @@ def test_model_layer_greedy_equals_plain_and_drafts_a_known_answer(tiny_lm, tmp_
             d = api.make_drafter(layers, model_db=mdb, stats_min_prob=0.0, stats_min_expected=0.0,
                                  answer_index=model.AnswerIndex(mdb.sequences()) if index == "answers" else None)
             layer = d.layers[-1]
-            assert isinstance(layer, model.AnswerLayer) == (index == "answers")
+            assert isinstance(layer, model.ModelLayer) == (index == "answers")
             got = api.generate(tiny_lm, p, max_new_tokens=30, drafter=d, cost=FREE_FORWARD)
             assert got.tokens == ref.tokens
             if p in PROMPTS[:4] and layers == ["model"] and index == "answers":
@@ -209,7 +209,7 @@ def test_an_answer_is_drafted_for_the_next_request_of_the_process(tiny_lm, tmp_p
     """The index grows with what this process generates (as SuffixDecoding's global tree): the
     second request for the same prompt is drafted by the model layer; a fresh index (no
     learning) drafts none of it (the control)."""
-    from hdcli.drafting import answer_index as model
+    from hdcli.drafting import model
     if not model.available():
         pytest.skip("arctic-inference is not installed")
     mdb, _ = _model_db(tiny_lm, tmp_path, PROMPTS[:1], n=8)
@@ -400,12 +400,12 @@ def test_learning_grows_the_file_by_a_bounded_amount_per_token(tok, tmp_path):
     read once into the index) while the learner writes one generation per transaction. 120
     answers of 32 tokens grew the file by ~2.5 KB per token (pages pinned by the decoding Store's
     read snapshot are never reused) where ~0.3 KB of records were added."""
-    from hdcli.drafting import answer_index as model_layer
+    from hdcli.drafting import model
     path = model_db(tok, tmp_path / "m.lmdb", answers(1, 4))
     before = path.stat().st_size
     decoding = stores.Store(path, writable=True)           # compose.open_dbs with --learn
-    if model_layer.available():
-        model_layer.index_for(decoding)
+    if model.available():
+        model.index_for(decoding)
     decoding.get([5])
     learner = Learner(path)
     learned = answers(7, 120, length=32)

@@ -113,10 +113,10 @@ def test_first_two_tokens_follow_target_distribution(model, s, layer):
     best = max(probs, key=probs.get)
     if layer == "model":  # the model DB's answer index, holding an answer that continues the prompt
         # with the best pair, and learning every sampled answer as it goes; the default policy
-        from hdcli.drafting import AnswerIndex, AnswerLayer, answer_index as model_layer
-        if not model_layer.available():
+        from hdcli.drafting.model import AnswerIndex, ModelLayer, available
+        if not available():
             pytest.skip("arctic-inference is not installed")
-        drafter = Hierarchy([AnswerLayer(AnswerIndex([prompt + list(best)]))], policy="fill-tracked",
+        drafter = Hierarchy([ModelLayer(AnswerIndex([prompt + list(best)]))], policy="fill-tracked",
                             draft_len=2)
     elif layer == "recycle":   # the target's own sampled rows, recycled as trees priced by their
         # probabilities (several first tokens: the prompt's bigram is recorded by the first answer)

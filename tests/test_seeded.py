@@ -19,7 +19,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, RecycledLayer, RecycledTable, answer_index
+from hdcli import drafting
+from hdcli.drafting import AnswerIndex, ModelLayer, ContextDB, Hierarchy, RecycledLayer, RecycledTable
 from hdcli.engine.decode import loop, verify
 from hdcli.engine.decode.draft import Draft, Drafter
 from hdcli.engine.decode.loop import Decoder
@@ -112,8 +113,8 @@ def drafters(prompt, ref):
            "hierarchy-tree": Hierarchy([ContextDB(1, 3), ContextDB(2, 4)], policy="adaptive", draft_len=5,
                                        max_candidates=4),
            "draft-model chain": SampledChain(len(prompt))}
-    if answer_index.available():
-        out["model DB"] = Hierarchy([AnswerLayer(AnswerIndex([prompt + prompt[1:]]))], draft_len=5)
+    if drafting.model.available():
+        out["model DB"] = Hierarchy([ModelLayer(AnswerIndex([prompt + prompt[1:]]))], draft_len=5)
     return out
 
 
@@ -139,8 +140,8 @@ class CountingRecycled(RecycledLayer):
         super().__init__(table)
         self.priced_drafts = 0
 
-    def propose(self, history, max_len, max_candidates=1):
-        got = super().propose(history, max_len, max_candidates)
+    def candidates(self, history, max_len, max_candidates=1):
+        got = super().candidates(history, max_len, max_candidates)
         self.priced_drafts += sum(isinstance(d, Draft) and d.p is not None for d in got)
         return got
 

@@ -22,7 +22,7 @@ from hdcli.engine.decode import costs
 from hdcli.commands import db as commands
 from hdcli.db import codec, envs, fingerprint, statsdb, stores
 from hdcli.db.header import FORMAT_VERSION, HEADER_KEY
-from hdcli.drafting import StatsDB
+from hdcli.drafting import StatsLayer
 from hdcli.errors import HdError
 
 from conftest import VOCAB
@@ -221,12 +221,12 @@ def test_layer_walks_and_respects_min_prob(tiny_lm, tmp_path):
     statsdb.build(DOCS, out, tok, "tiny", min_count=1)
     db = stores.Store(out)
     ids = tokenize(tok, ["the dog sat on"])[0]
-    draft = StatsDB(db).propose(ids, 6, 1)[0]
+    draft = StatsLayer(db).candidates(ids, 6, 1)[0]
     assert draft == tokenize(tok, ["the mat . the cat sat"])[0]
-    assert StatsDB(db, min_prob=1.1).propose(ids, 6, 1) == []
+    assert StatsLayer(db, min_prob=1.1).candidates(ids, 6, 1) == []
     # the gate compares the sum of prefix probabilities along the walk with min_expected
-    assert StatsDB(db, min_expected=1.0).propose(ids, 6, 1) == [draft]
-    assert StatsDB(db, min_expected=6.0).propose(ids, 6, 1) == []
+    assert StatsLayer(db, min_expected=1.0).candidates(ids, 6, 1) == [draft]
+    assert StatsLayer(db, min_expected=6.0).candidates(ids, 6, 1) == []
 
 
 def test_layer_remembers_lookups_within_a_request(tiny_lm, tmp_path):
@@ -241,18 +241,18 @@ def test_layer_remembers_lookups_within_a_request(tiny_lm, tmp_path):
     real_get = db.get
     db.get = lambda key: calls.append(tuple(key)) or real_get(key)
     ids = tokenize(tok, ["the dog sat on"])[0]
-    plain = StatsDB(stores.Store(out)).propose(ids, 6, 1)
-    layer = StatsDB(db, memo_size=64)
+    plain = StatsLayer(stores.Store(out)).candidates(ids, 6, 1)
+    layer = StatsLayer(db, memo_size=64)
     layer.reset(ids)
-    assert layer.propose(ids, 6, 1) == plain
+    assert layer.candidates(ids, 6, 1) == plain
     first = len(calls)
     assert first > 0 and len(set(calls)) == first
-    assert layer.propose(ids, 6, 1) == plain and len(calls) == first
+    assert layer.candidates(ids, 6, 1) == plain and len(calls) == first
     layer.reset(ids)
-    assert layer.propose(ids, 6, 1) == plain and len(calls) == 2 * first
-    control = StatsDB(db, memo_size=0)
+    assert layer.candidates(ids, 6, 1) == plain and len(calls) == 2 * first
+    control = StatsLayer(db, memo_size=0)
     calls.clear()
-    control.propose(ids, 6, 1), control.propose(ids, 6, 1)
+    control.candidates(ids, 6, 1), control.candidates(ids, 6, 1)
     assert len(calls) == 2 * first
 
 
@@ -457,7 +457,7 @@ def test_fingerprint_message_says_what_differs(tiny_lm, tmp_path):
 
 def test_a_model_db_answer_holding_a_huge_id_is_not_indexed(tiny_lm, tmp_path):
     """Before: the answer index crashed on id 4,000,000,000 (arctic-inference's int32)."""
-    from hdcli.drafting import answer_index as model
+    from hdcli.drafting import model
     if not model.available():
         pytest.skip("arctic-inference is not installed")
     ids = tiny_lm.tokenizer(HEADER_DOCS[0], add_special_tokens=False)["input_ids"]
@@ -466,7 +466,7 @@ def test_a_model_db_answer_holding_a_huge_id_is_not_indexed(tiny_lm, tmp_path):
                   sequences=[ids[:4] + [4_000_000_000] + ids[4:], ids])
     mdb = api.open_stats_dbs([str(out)], tiny_lm)[0]
     index = model.index_for(mdb)   # before: OverflowError here
-    assert index.propose(ids[:3], 4, 1)
+    assert index.candidates(ids[:3], 4, 1)
     ref = api.generate(tiny_lm, PROMPT, max_new_tokens=12, drafter=None)
     got = api.generate(tiny_lm, PROMPT, max_new_tokens=12, cost=FREE_FORWARD,
                        drafter=api.make_drafter(["model"], model_db=mdb, answer_index=index))

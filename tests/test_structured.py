@@ -65,7 +65,7 @@ class Echo:
     def extend(self, tokens):
         pass
 
-    def propose(self, history, max_len, max_candidates):
+    def candidates(self, history, max_len, max_candidates):
         pos = len(history) - self.prompt_len
         got = [t if (pos + i) % 3 else t + 1 for i, t in enumerate(self.ref[pos:pos + max_len])]
         return [got] if got else []

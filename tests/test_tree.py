@@ -103,8 +103,8 @@ class BranchyLayer(ScriptedLayer):
         super().__init__(prompt_len, reference, corrupt=corrupt, vocab=V, seed=seed)
         self.name = name
 
-    def propose(self, history, max_len, max_candidates):
-        got = super().propose(history, max_len, 1)
+    def candidates(self, history, max_len, max_candidates):
+        got = super().candidates(history, max_len, 1)
         if not got:
             return []
         true = got[0]
@@ -409,13 +409,13 @@ def test_recycled_tree_grows_best_first_from_bigram_records():
     table.record([7], [8, 10, 11], [-1, 0, 0], [[10, 11], [12, 14], [13, 15]],
                  [[0.5, 0.45], [0.9, 0.05], [0.2, 0.1]])
     layer = RecycledLayer(table, tree_nodes=4, min_path_prob=0.02)
-    got = layer.propose([7, 8], max_len=3, max_candidates=4)
+    got = layer.candidates([7, 8], max_len=3, max_candidates=4)
     paths = {d.tokens: d.p for d in got}
     assert paths == {(10, 12): (0.5, 0.9), (11, 13): (0.45, 0.2)}   # 4 nodes: 10, 12, 11, 13 (0.45*0.2 > 0.45*0.1)
     assert layer.priced
-    assert [list(c) for c in layer.propose([9, 8], 3, 4)] == [[10, 12], [11, 13]]  # unigram: the walk
+    assert [list(c) for c in layer.candidates([9, 8], 3, 4)] == [[10, 12], [11, 13]]  # unigram: the walk
     table.record([7], [8], [-1], [[10, 11]])   # a greedy record: no probabilities
-    assert not layer.priced and all(not hasattr(c, "p") for c in layer.propose([7, 8], 3, 4))
+    assert not layer.priced and all(not hasattr(c, "p") for c in layer.candidates([7, 8], 3, 4))
 
 
 def test_recycled_next_best_tokens_start_candidates_for_the_token_after_next():
@@ -429,18 +429,18 @@ def test_recycled_next_best_tokens_start_candidates_for_the_token_after_next():
     table.record([6], [7, 9], [-1, -1], [[8, 9], [5, 4]])
     table.record([8], [9], [-1], [[5, 4]])
     layer = RecycledLayer(table, next_next=True)
-    got = layer.propose([6, 7, 8], max_len=3, max_candidates=4)
+    got = layer.candidates([6, 7, 8], max_len=3, max_candidates=4)
     nxt = [d for d in got if getattr(d, "layer", None) == "recycle:next"]
     assert [d.tokens for d in nxt] == [(9, 5)] == [tuple(d.tokens) for d in got]  # 9, then (8, 9) -> 5
     table.record([7], [8], [-1], [[3, 9]])     # 8 seen as input: its own walk comes first, 9 is not repeated
-    got = layer.propose([6, 7, 8], 3, 4)
+    got = layer.candidates([6, 7, 8], 3, 4)
     assert [list(c) for c in got] == [[3], [9, 5]]   # both recycle's own: 9 already starts one
-    assert layer.propose([6, 7, 8], 3, 1) == [[3]]   # no slot left for it
-    assert not [d for d in layer.propose([6, 7, 3], 3, 4) if getattr(d, "layer", "") == "recycle:next"]
-    assert not [d for d in RecycledLayer(table).propose([6, 7, 8], 3, 4)   # off by default
+    assert layer.candidates([6, 7, 8], 3, 1) == [[3]]   # no slot left for it
+    assert not [d for d in layer.candidates([6, 7, 3], 3, 4) if getattr(d, "layer", "") == "recycle:next"]
+    assert not [d for d in RecycledLayer(table).candidates([6, 7, 8], 3, 4)   # off by default
                 if getattr(d, "layer", "") == "recycle:next"]
     table.record([6], [7], [-1], [[8, 9]], [[0.6, 0.3]])   # a sampled record: no LogitSpec guess
-    assert not [d for d in layer.propose([6, 7, 8], 3, 4) if getattr(d, "layer", "") == "recycle:next"]
+    assert not [d for d in layer.candidates([6, 7, 8], 3, 4) if getattr(d, "layer", "") == "recycle:next"]
 
 
 def test_recycled_probabilities_are_calibrated_on_what_the_output_did():
@@ -452,9 +452,9 @@ def test_recycled_probabilities_are_calibrated_on_what_the_output_did():
     table.record([7], [8, 10], [-1, 0], [[10, 11], [12, 14]], [[0.9, 0.05], [0.9, 0.05]])
     missed, followed = RecycledLayer(table), RecycledLayer(table)
     for _ in range(10):
-        assert missed.propose([7, 8], 2, 4)[0].p[0] == pytest.approx(min(1.0, 0.9 * missed.calibration))
+        assert missed.candidates([7, 8], 2, 4)[0].p[0] == pytest.approx(min(1.0, 0.9 * missed.calibration))
         missed.extend([13, 13])        # neither 10 nor 11: 0.95 predicted, nothing kept
-        followed.propose([7, 8], 2, 4)
+        followed.candidates([7, 8], 2, 4)
         followed.extend([10, 12])      # 10 (0.9) then 12 (0.9): kept
     assert missed.calibration < 0.25 and followed.calibration > 1.0
-    assert missed.propose([7, 8], 2, 4)[0].p[0] < 0.25
+    assert missed.candidates([7, 8], 2, 4)[0].p[0] < 0.25

@@ -5,7 +5,7 @@ the first turns of Spec-Bench `--limit` questions per category and of the 30 use
 benchmarks/prompts/user_questions.jsonl, then replays drafters on them (common.py: replay, with the
 decoder's tree builder and this machine's cost curve): the context DB alone, SuffixDecoding (the
 peer, its global tree learning over the set), the context DB with the model layer as a suffix index
-over the model DB's answers (drafting/answer_index.py) or as its n-gram table, at several settings, and the
+over the model DB's answers (drafting/model.py) or as its n-gram table, at several settings, and the
 context DB with statistics DBs (several probability cut-offs, extra DBs given with --stats-db, e.g.
 one built with --max-n 6 or from one category's corpus). The recycle layer needs the target's
 forward and is not replayed (`hd bench spec-bench` measures it). Mean accepted tokens and the
@@ -23,7 +23,7 @@ from pathlib import Path
 from hdcli import api
 from hdcli.bench import specbench
 from hdcli.db import stores
-from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, StatsDB
+from hdcli.drafting import AnswerIndex, ModelLayer, ContextDB, Hierarchy, StatsLayer
 from hdcli.drafting.suffix import SuffixDrafter, new_cache
 from hdcli.engine.decode import costs
 
@@ -60,7 +60,7 @@ def main():
     def with_answers(extra=(), subset=None, **kw):
         def make():
             index = AnswerIndex(answers[:subset], **kw)
-            return (lambda: hier(ContextDB(1, 4), AnswerLayer(index), *extra)), True
+            return (lambda: hier(ContextDB(1, 4), ModelLayer(index), *extra)), True
         return make
 
     def peer():
@@ -68,14 +68,14 @@ def main():
         return (lambda: SuffixDrafter(cache)), False   # sent whole, as vLLM does (hd bench too)
 
     variants = {"context": fixed(), "suffix (peer)": peer,
-                "context + model (n-gram table)": fixed(StatsDB(mdb, name="model", min_prob=0.1))}
+                "context + model (n-gram table)": fixed(StatsLayer(mdb, name="model", min_prob=0.1))}
     for p, f in ((0.1, 1.0), (0.1, 4.0), (0.05, 4.0), (0.3, 8.0)):
         variants[f"context + model (answers, p {p}, factor {f})"] = with_answers(min_token_prob=p, max_spec_factor=f)
     variants["context + model (answers, first quarter of the DB)"] = with_answers(subset=len(answers) // 4)
     for name, db in sdbs.items():
         for p in (0.05, 0.1, 0.2, 0.3):
-            variants[f"context + stats ({name}, p {p})"] = fixed(StatsDB(db, min_prob=p))
-        variants[f"context + model (answers) + stats ({name})"] = with_answers([StatsDB(db, min_prob=0.1)])
+            variants[f"context + stats ({name}, p {p})"] = fixed(StatsLayer(db, min_prob=p))
+        variants[f"context + model (answers) + stats ({name})"] = with_answers([StatsLayer(db, min_prob=0.1)])
     rows = []
     for set_name, qs in sets.items():
         cache = args.refs and args.refs.with_name(f"{args.refs.stem}_{set_name}{args.refs.suffix}")

@@ -27,7 +27,7 @@ from pathlib import Path
 from hdcli import api
 from hdcli.bench import specbench
 from hdcli.db import stores
-from hdcli.drafting import AnswerIndex, AnswerLayer, ContextDB, Hierarchy, StatsDB
+from hdcli.drafting import AnswerIndex, ModelLayer, ContextDB, Hierarchy, StatsLayer
 from hdcli.drafting.suffix import SuffixDrafter, new_cache
 from hdcli.engine.decode import costs
 
@@ -52,14 +52,14 @@ def main():
     if zen5:
         curves["Zen 5 int8, 1.7B Q4_K_M (recorded)"] = costs.CostCurve(
             {int(k): v for k, v in zen5["cost_curve"]["points"].items()})
-    stats = StatsDB(stores.Store(args.stats_db), min_prob=0.2, min_expected=1.0) if args.stats_db else None
+    stats = StatsLayer(stores.Store(args.stats_db), min_prob=0.2, min_expected=1.0) if args.stats_db else None
     qs = specbench.select(specbench.load(specbench.find(None)), args.limit)
     refs = record([q["turns"][0] for q in qs], args.max_new_tokens, args.refs, lm=lm)
 
     def context_then(answers: bool = False, **kw):
         def make():
             index = AnswerIndex() if answers else None   # grows with the answers replayed
-            layers = lambda: ([ContextDB(2, 4, **kw)] + ([AnswerLayer(index)] if answers else [])
+            layers = lambda: ([ContextDB(2, 4, **kw)] + ([ModelLayer(index)] if answers else [])
                               + ([stats] if stats else []))
             return (lambda: Hierarchy(layers(), policy="fill-tracked", max_candidates=4)), True
         return make

@@ -19,7 +19,7 @@ from pathlib import Path
 from hdcli import api
 from hdcli.compose import default_min_n
 from hdcli.db import stores
-from hdcli.drafting import ContextDB, Hierarchy, StatsDB
+from hdcli.drafting import ContextDB, Hierarchy, StatsLayer
 
 BENCHMARKS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BENCHMARKS))   # common.py, one folder up
@@ -55,7 +55,7 @@ def main():
         for length, walk in ((8, False), (8, True), (1, True)):
             for min_prob in (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5):
                 r = replay(refs, lambda: Hierarchy([ContextDB(min_n, 4),
-                                                    StatsDB(dbs[length], min_prob=min_prob, walk=walk)],
+                                                    StatsLayer(dbs[length], min_prob=min_prob, walk=walk)],
                                                    draft_len=16), cost, cap=False)
                 rows.append({"dtype": dtype, "layers": "context+stats", "stored_len": length, "walk": walk,
                              "min_prob": min_prob, **r})

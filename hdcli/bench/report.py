@@ -96,7 +96,7 @@ def layer_table(methods: dict) -> Table:
     spent."""
     t = Table(title="what each layer adds (tokens accepted that no earlier layer drafted) and costs",
               caption="drafted: its tree nodes verified · kept: accepted / drafted · ms: its time per "
-                      "decode step (propose, and record for recycle) · time: share of the steps' time",
+                      "decode step (candidates, and record for recycle) · time: share of the steps' time",
               box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("method", "layer", "accepted", "share", "drafted", "kept", "ms", "time"):
         t.add_column(col, justify="left" if col in ("method", "layer") else "right", no_wrap=True)

@@ -29,7 +29,7 @@ import torch
 from ..compose import DBs, build_drafter, warm_up
 from ..config import DEFAULT_CANDIDATES, DEFAULT_POLICY, DecodingConfig
 from ..drafting import AnswerIndex, LayerInputs, RecycledTable, registry
-from ..drafting import answer_index as model_layer
+from ..drafting.model import uses_answers
 from ..engine import records
 from ..engine.decode import costs
 from ..engine.decode.loop import Decoder, first_difference
@@ -265,7 +265,7 @@ def drafter_factory(name: str, lm, cfg: DecodingConfig, dbs: DBs) -> tuple[Calla
     table = RecycledTable()  # one per method and run: the target's predictions carry across questions
     # and so do its answers: each method learns from its own (another method's answer to the
     # same question would draft this one's whole)
-    drafts_answers = model_layer.uses_answers(dbs.model) and (method.layers is None or "model" in method.layers)
+    drafts_answers = uses_answers(dbs.model) and (method.layers is None or "model" in method.layers)
     index = AnswerIndex(dbs.model.sequences()) if drafts_answers else None
     return (lambda: build_drafter(method, lm, dbs, recycle_table=table, answer_index=index)), True
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from ..compose import DBs, build_drafter, load_model_for
 from ..config import DecodingConfig
-from ..drafting import RecycledTable, StatsDB
+from ..drafting import RecycledTable, StatsLayer
 from ..engine import loader
 from ..errors import HdError
 from ..db import corpus as corpus_mod
@@ -117,5 +117,5 @@ def db_query(path: Path, text: str, model: str | None = None, *, max_len: int = 
                      "total": got[0] if got else 0,
                      "continuations": [{"text": tok.decode(c), "ids": c, "count": k}
                                        for c, k in (got[1] if got else [])]})
-    draft = StatsDB(db, min_prob=min_prob).propose(ids, max_len, 1)
+    draft = StatsLayer(db, min_prob=min_prob).candidates(ids, max_len, 1)
     return {"keys": keys, "draft": tok.decode(draft[0]) if draft else "", "draft_ids": draft[0] if draft else []}

@@ -12,7 +12,7 @@ from ..bench.baselines import hf_generate, stock_model
 from ..compose import Status, resolved, warm_up
 from ..config import DecodingConfig
 from ..db.modeldb import learn
-from ..drafting import answer_index as model_layer
+from ..drafting.model import uses_answers
 from ..engine import loader
 from ..engine.decode.loop import first_difference
 from ..engine.decode.prediction import prediction_ids
@@ -153,8 +153,8 @@ def generate_report(cfg: DecodingConfig, prompt: str, *, compare: bool = False,
                            "ms_per_row": 1e3 * res.stats.grammar_seconds / rows if rows else None}
     if predicted is not None:
         data["prediction"] = {"tokens": len(predicted)} | (res.prediction_usage or {})
-    if run.dbs.model is not None:  # what the model layer drafts from (drafting/answer_index.py)
-        data["model_db_index"] = "answers" if model_layer.uses_answers(run.dbs.model) else "ngrams"
+    if run.dbs.model is not None:  # what the model layer drafts from (drafting/model.py)
+        data["model_db_index"] = "answers" if uses_answers(run.dbs.model) else "ngrams"
     if isinstance(drafter, ModelStack):   # hd's draft models: each level's counts
         data["levels"] = drafter.level_stats()
     if cfg.learn:   # the answer is shown whatever becomes of learning it (learn_error: why not)

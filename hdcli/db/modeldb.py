@@ -10,7 +10,7 @@ Built in two separate steps so that each can be re-run alone:
      uninterrupted run would have (a half-written batch is dropped and redone), and a resume with
      other prompts or settings is refused instead of mixing two runs;
   2. index(): the answers kept whole (what the model layer's suffix index drafts from,
-     hdcli/drafting/answer_index.py) and their n-gram continuations, in the same LMDB store format as the
+     hdcli/drafting/model.py) and their n-gram continuations, in the same LMDB store format as the
      statistics DB (hdcli/db/stores.py, built by hdcli/db/statsdb.py), with kind "model".
 `hd generate --model-db DB --learn` later adds what the model generated (learn, below).
 """
@@ -240,7 +240,7 @@ def learn(model_db, prompt_ids: Sequence[int], tokens: Sequence[int], scope: byt
     """Add a generation to the model DB: the answer whole (what the model layer's suffix index
     drafts from, where the DB keeps answers) and its n-grams (keys may start in the prompt's last
     tokens, continuations are generated tokens only). Returns keys touched. The running process's
-    index already holds the answer (drafting.answer_index.AnswerLayer adds it as it is accepted).
+    index already holds the answer (drafting.model.ModelLayer adds it as it is accepted).
     scope: a tenant's tag (hd serve --learn-scope key|user): the answer is kept for that tenant
     alone, and no n-gram is counted (the n-gram table is shared by every request)."""
     kind = model_db.header.get("kind")

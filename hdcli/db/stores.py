@@ -34,7 +34,7 @@ Invariants
     touched: reading past the end of a memory map is SIGBUS, not an exception;
   * files are created with the mode the umask gives (0666 & ~umask), like any other output;
   * a model DB also holds the target's answers whole (what its suffix index drafts from,
-    hdcli/drafting/answer_index.py): SEQ_PREFIX + 8-byte big-endian index -> <u4 tokens. The key is 18
+    hdcli/drafting/model.py): SEQ_PREFIX + 8-byte big-endian index -> <u4 tokens. The key is 18
     bytes (not a multiple of 4: never an n-gram key), indices run 0 .. header["sequences"] - 1
     in the order the answers were written, and they count in `keys` and the digest like any record;
   * answers learned for one tenant (`hd serve --learn-scope key|user`, hdcli/serve/tenants.py) are

@@ -5,8 +5,8 @@ them (the engine's Drafter, hdcli/engine/decode/draft.py).
     hierarchy.py   Hierarchy (asks the layers, policies first-hit/fill/adaptive), AcceptanceTracker
     context.py     `context`: n-grams of the current request (prompt lookup)
     recycle.py     `recycle`: the target's own predictions from earlier forwards
-    answer_index.py `model`: the target's own earlier answers (a model DB), matched on long suffixes
-    db_layers.py   `stats`: continuations from an n-gram store (LMDB); a model DB's n-gram table
+    stats.py       `stats`: continuations from an n-gram store (LMDB); a model DB's n-gram table
+    model.py       `model`: the target's own earlier answers (a model DB), matched on long suffixes
     suffix.py      SuffixDecoding's drafts (arctic-inference): a peer `hd bench` runs, not a layer
 
 The imports below register the layers; each LayerSpec's `rank` gives its place in the default
@@ -17,14 +17,14 @@ hierarchy"). The statistics DB comes before both (docs/benchmarks.md). Recycle l
 when leaving it out made hd faster (`hd bench spec-bench --ablate`, docs/benchmarks.md).
 """
 from ..engine.decode.draft import Draft, base_name, bucket
-from . import context, answer_index, recycle, db_layers  # noqa: F401  (registers them; order: LayerSpec.rank)
+from . import context, stats, model, recycle  # noqa: F401  (registers them; order: LayerSpec.rank)
 from .context import ContextDB
-from .db_layers import StatsDB
-from .answer_index import AnswerIndex, AnswerLayer
+from .stats import StatsLayer
+from .model import AnswerIndex, ModelLayer
 from .hierarchy import DEFAULT_PRIOR, AcceptanceTracker, Hierarchy, Layer
 from .recycle import RecycledLayer, RecycledTable
 from .registry import PRIOR_RATES, LayerInputs, LayerSpec, build_layers, default_layers, register
 
-__all__ = ["Draft", "base_name", "bucket", "ContextDB", "StatsDB", "AnswerIndex", "AnswerLayer", "DEFAULT_PRIOR", "AcceptanceTracker",
+__all__ = ["Draft", "base_name", "bucket", "ContextDB", "StatsLayer", "AnswerIndex", "ModelLayer", "DEFAULT_PRIOR", "AcceptanceTracker",
            "Hierarchy", "Layer", "RecycledLayer", "RecycledTable", "PRIOR_RATES", "LayerInputs",
            "LayerSpec", "build_layers", "default_layers", "register"]

@@ -61,7 +61,7 @@ class ContextDB:
             for n in range(self.min_n, min(self.max_n, i + 1) + 1):
                 self.positions.setdefault(tuple(h[i - n + 1:i + 1]), []).append(i)
 
-    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+    def candidates(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
         # `history` is the indexed history, or (under a draft-model level, hdcli.hsd.stack) the indexed
         # history followed by tokens not yet accepted: those are looked up, not indexed
         h = self.history

@@ -1,15 +1,16 @@
 """The hierarchy: asks its layers in order and returns candidates tagged by layer, best first.
 
-A layer sees the whole token history (prompt and generated tokens) and proposes up to
-`max_candidates` continuations of up to `max_len` tokens, best first. Layers are told about every
-token that becomes part of the history, so an index can be kept incrementally instead of
-rescanning.
+A layer sees the whole token history (prompt and generated tokens) and gives up to
+`max_candidates` continuations of up to `max_len` tokens, best first (its `candidates`; a
+drafter's `propose` is the step's drafts, made here of the layers' candidates). Layers are told
+about every token that becomes part of the history, so an index can be kept incrementally instead
+of rescanning.
 
     class Layer:
         name: str
         def reset(self, tokens: list[int]) -> None          # a new request: the prompt tokens
         def extend(self, tokens: list[int]) -> None         # tokens appended to the history
-        def propose(self, history, max_len, max_candidates) -> list[list[int]]
+        def candidates(self, history, max_len, max_candidates) -> list[list[int]]
 
     class RecordingLayer(Layer):                            # a layer that learns from the target:
         top_k: int                                          # its best tokens per node it keeps,
@@ -33,7 +34,7 @@ class Layer(Protocol):
 
     def reset(self, tokens: Sequence[int]) -> None: ...
     def extend(self, tokens: Sequence[int]) -> None: ...
-    def propose(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]: ...
+    def candidates(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]: ...
 
 
 @runtime_checkable
@@ -194,7 +195,7 @@ class Hierarchy(Drafter):
     def _ask(self, layer, history, max_len, slots, stats) -> list[Draft]:
         length = min(max_len, self.layer_len(layer.name))
         t0 = time.perf_counter()
-        cands = layer.propose(history, length, slots) if length > 0 and slots > 0 else []
+        cands = layer.candidates(history, length, slots) if length > 0 and slots > 0 else []
         if stats is not None:
             stats.layer(layer.name).record_query(cands, time.perf_counter() - t0)
         # a layer returns token lists, or Drafts where it knows the target's probabilities (recycle)

@@ -254,7 +254,7 @@ class RecycledLayer:
         return [Draft(tuple(nodes[i][0] for i in path), self.name, p=tuple(min(1.0, scale * nodes[i][2]) for i in path))
                 for path in self._paths(nodes)[:max_candidates]]
 
-    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list:
+    def candidates(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list:
         if not history:
             return []
         a, b = (history[-2] if len(history) > 1 else -1), history[-1]

@@ -31,8 +31,8 @@ class LayerInputs:
     stats_stores: Sequence = ()    # open hdcli.db.stores.Store objects (the config's stats_dbs: their paths)
     model_db: object = None        # an open Store, or None
     recycle_table: object = None   # a shared drafting.recycle.RecycledTable, or None for a new one
-    answer_index: object = None    # a drafting.answer_index.AnswerIndex over model_db, or None for the
-                                   # process's own (one per DB file, drafting.answer_index.index_for)
+    answer_index: object = None    # a drafting.model.AnswerIndex over model_db, or None for the
+                                   # process's own (one per DB file, drafting.model.index_for)
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ class LayerSpec:
     short: str = ""                         # label in 80-column tables
     bench_default: bool = True              # a single-layer method of `hd bench` by default
     # place in the default hierarchy, lowest first (ties: registration order): context 0, stats 10,
-    # model 20, recycle 30. Declared, not taken from import order, which an import in
-    # answer_index.py once decided (and which put `stats` second before this was declared: the
+    # model 20, recycle 30. Declared, not taken from import order, which an import in the model
+    # layer's module once decided (and which put `stats` second before this was declared: the
     # ranks keep that order; docs/benchmarks.md's earlier hierarchy runs had `stats` last)
     rank: int = 100
 

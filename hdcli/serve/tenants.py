@@ -12,7 +12,7 @@ requests is kept per *scope*, and a request draws only from its own scope's:
           request without one shares its key's anonymous scope)
 
 Scoped are: the recycled predictions (drafting/recycle.py), the model DB answers learned while
-serving (drafting/answer_index.ScopedAnswers, written to the DB with the scope's tag by --learn, so a
+serving (drafting/model.ScopedAnswers, written to the DB with the scope's tag by --learn, so a
 restart keeps them apart), and the prefix cache (engine/decode/prefix.py). Not scoped, because no request
 writes them: the model DB as built by `hd build-model-db`, statistics DBs, the context layer
 (one request's own text).
@@ -43,9 +43,9 @@ from typing import Sequence
 from .. import inputs
 from ..errors import HdError
 from ..drafting import RecycledTable
-from ..drafting.answer_index import AnswerIndex
-from ..drafting.answer_index import ScopedAnswers
-from ..drafting.answer_index import index_for
+from ..drafting.model import AnswerIndex
+from ..drafting.model import ScopedAnswers
+from ..drafting.model import index_for
 
 SCOPES = ("shared", "key", "user")
 PRINTABLE = set(string.printable) - set(string.whitespace)

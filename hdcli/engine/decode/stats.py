@@ -22,7 +22,7 @@ class LayerStats:
     accepted: int = 0    # its tokens the target kept
     # Under the tree merge a token two layers drafted is the earlier layer's node, so `drafted`
     # and `accepted` are what this layer adds beyond the layers asked before it (its marginal part).
-    seconds: float = 0.0  # time in its propose (and, for layers that learn from forwards, record)
+    seconds: float = 0.0  # time in its candidates (and, for layers that learn from forwards, record)
 
     def record_query(self, cands, seconds: float = 0.0) -> None:
         self.queries += 1

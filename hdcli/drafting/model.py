@@ -6,7 +6,7 @@ each step the longest suffix of the history (up to `depth` tokens) that occurs i
 is matched, and the tree of what followed it, weighted by how often, is drafted. A long match
 seen once is strong evidence: the target's greedy answer to a similar request continues the way
 it did before, so a single observation of a 20-token match drafts with probability 1, where the
-n-gram tables (keys of at most 4 tokens) discount it (db_layers.StatsDB). On unseen questions the
+n-gram tables (keys of at most 4 tokens) discount it (stats.StatsLayer). On unseen questions the
 two draft within noise of each other from the same answers (benchmarks/tuning/hierarchy_replay.py,
 docs/benchmarks.md "The hierarchy, layer by layer"); the index learns in memory, with no DB write.
 
@@ -16,7 +16,7 @@ SuffixDecoding's global tree does; `--learn` also writes finished answers into t
 (db.modeldb.learn) so they are there after a restart.
 
 Where arctic-inference is not installed, or the DB keeps no answers (built by an older hd), the
-layer is the n-gram table of the same DB (db_layers.StatsDB), as before.
+layer is the n-gram table of the same DB (stats.StatsLayer), as before.
 
 Parameters (AnswerIndex)
   depth            longest suffix matched (SuffixDecoding's max_tree_depth)
@@ -26,7 +26,7 @@ Parameters (AnswerIndex)
   max_answers      answers kept; beyond it the oldest are dropped first (FIFO, the library's)
 Invariants
   the index holds every answer of the DB (in file order) followed by the answers of this process;
-  each AnswerLayer appends its request's accepted tokens to one answer of its own, which is
+  each ModelLayer appends its request's accepted tokens to one answer of its own, which is
   closed (stays in the index, takes no more tokens) when the layer is garbage collected.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Sequence
 
 from .registry import LayerSpec, register
 from ..errors import HdError
-from .db_layers import StatsDB
+from .stats import StatsLayer
 from .suffix import tree_paths
 
 NEEDS_MODEL_DB = ("model_db", "a model DB: pass --model-db PATH")
@@ -85,7 +85,7 @@ class AnswerIndex:
         self.append(rid, list(tokens))
         self.close(rid)
 
-    def propose(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]:
+    def candidates(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]:
         if max_len <= 0 or not history:
             return []
         d = self.cache.speculate(self._query, [int(t) for t in history[-self.depth:]],
@@ -123,15 +123,15 @@ class ScopedAnswers:
     def close(self, rid) -> None:
         self.own.close(rid)
 
-    def propose(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]:
+    def candidates(self, history: Sequence[int], max_len: int, max_candidates: int) -> list[list[int]]:
         """The tenant's own matches first (the most specific), then the shared ones."""
-        paths = self.own.propose(history, max_len, max_candidates)
+        paths = self.own.candidates(history, max_len, max_candidates)
         if len(paths) < max_candidates:
-            paths += [p for p in self.base.propose(history, max_len, max_candidates) if p not in paths]
+            paths += [p for p in self.base.candidates(history, max_len, max_candidates) if p not in paths]
         return paths[:max_candidates]
 
 
-class AnswerLayer:
+class ModelLayer:
     """Drafts from an AnswerIndex (or a tenant's ScopedAnswers) and adds its request's answer to it."""
 
     name = "model"
@@ -150,8 +150,8 @@ class AnswerLayer:
         if self.answer is not None:
             self.index.append(self.answer, tokens)
 
-    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
-        return self.index.propose(history, max_len, max_candidates)
+    def candidates(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+        return self.index.candidates(history, max_len, max_candidates)
 
 
 def uses_answers(store) -> bool:
@@ -163,8 +163,8 @@ def _model_layers(s) -> list:
     if s.model_db is None:
         raise HdError(f"layer 'model' needs {NEEDS_MODEL_DB[1]}")
     if uses_answers(s.model_db):
-        return [AnswerLayer(s.answer_index or index_for(s.model_db))]
-    return [StatsDB(s.model_db, name="model", min_prob=s.min_prob, min_expected=s.min_expected)]
+        return [ModelLayer(s.answer_index or index_for(s.model_db))]
+    return [StatsLayer(s.model_db, name="model", min_prob=s.min_prob, min_expected=s.min_expected)]
 
 
 register(LayerSpec(

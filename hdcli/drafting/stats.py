@@ -7,7 +7,7 @@ from ..errors import HdError
 from .registry import LayerSpec, register
 
 
-class StatsDB:
+class StatsLayer:
     """Corpus statistics: the top continuations of the longest suffix of the history found in an
     n-gram store built by `hd build-stats` (the same class serves the model DB's store).
 
@@ -21,10 +21,12 @@ class StatsDB:
                   stores, next-token counts, this is the whole drafting).
       min_expected  draft only when the expected number of accepted tokens (the sum of the
                   prefix probabilities along the walk) reaches this: a verification forward over
-                  a draft costs more than a plain step (fp32 on CPU: ~0.65 of a step more).
+                  a draft costs more than a plain step where verifying is dear (the target's cost
+                  curve, `hd costs`; the figures are docs/benchmarks.md's).
     memo_size   most store lookups remembered in a request (hits and misses alike): a step's
                 walk repeats most of the previous step's lookups, and each is an LMDB read
-                transaction (0.2-0.8 ms a step on the bundled model, issue 50); cleared when full.
+                transaction, the dearest part of the layer's step (docs/benchmarks.md, "Time
+                outside the forward"); cleared when full.
     The layer's only per-request state is that memo, cleared at reset: a request reads the store as
     it was when it began, or at the lookup (a model DB that learns mid-request only changes which
     drafts are offered, never the output). A continuation is cut
@@ -92,7 +94,7 @@ class StatsDB:
             expected += prob * len(step)
         return cand, expected
 
-    def propose(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
+    def candidates(self, history: Sequence[int], max_len: int, max_candidates: int = 1) -> list[list[int]]:
         found = [(c[:max_len], p) for c, p in self._lookup(history) if p >= self.min_prob]
         out = []
         for j, (cand, prob) in enumerate(found[:max_candidates]):
@@ -111,7 +113,7 @@ NEEDS_STATS_DB = ("stats_dbs", "a statistics DB: pass --stats-db PATH")
 def _stats_layers(s) -> list:
     if not s.stats_stores:
         raise HdError(f"layer 'stats' needs {NEEDS_STATS_DB[1]}")
-    return [StatsDB(db, name="stats" if len(s.stats_stores) == 1 else f"stats:{db.path.stem}",
+    return [StatsLayer(db, name="stats" if len(s.stats_stores) == 1 else f"stats:{db.path.stem}",
                     min_prob=s.min_prob, min_expected=s.min_expected) for db in s.stats_stores]
 
 
