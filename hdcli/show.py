@@ -237,7 +237,7 @@ def costs(rep: dict) -> None:
         con.print(f"its attention: [bold]{att['attention']}[/bold] ({why}; HD_FUSED_ATTENTION=0/1 overrides)")
     layers = rep.get("layers")
     if layers:
-        con.print("its decoder layers: " + ("[bold]one compiled call a forward[/bold]" if layers["compiled"]
+        con.print("its decoder blocks: " + ("[bold]one compiled call a forward[/bold]" if layers["compiled"]
                                             else f"the Python blocks ({layers['why']})"))
     when = [c["measured_at"] for c in rep["curves"].values() if c.get("measured_at")]
     if when:

@@ -182,4 +182,4 @@ def test_hd_costs_shows_and_remeasures(tiny_model_dir, tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["costs", "--model", str(tiny_model_dir)])
     assert r.exit_code == 0 and "1 token" in r.output
     assert ("its attention:" in r.output) == bool(rep["invariant"])
-    assert ("its decoder layers: one compiled call a forward" if fused else "its decoder layers: the Python blocks") in r.output
+    assert ("its decoder blocks: one compiled call a forward" if fused else "its decoder blocks: the Python blocks") in r.output

@@ -12,7 +12,7 @@ from .kernels import quants
 
 
 def layers_call(model) -> dict:
-    """{"compiled": True} where the model's decoder layers run as one compiled call, else
+    """{"compiled": True} where the model's decoder blocks run as one compiled call, else
     {"compiled": False, "why": ...} (compiled.why_not; transformers' forward has blocks of its own)."""
     from .model import is_owned
     from .model.attention import attends_fused
@@ -37,7 +37,7 @@ def cost_report(model: str = loader.DEFAULT_MODEL, dtype: str = "auto", device: 
            # which attention the M-invariant forward uses, and the times it was chosen by (decided
            # once per process, when the model loaded)
            "attention": attention_choice.decide(lm.model) if lm.invariant else None,
-           # whether the decoder layers run as one compiled call (model/compiled.py), else why not
+           # whether the decoder blocks run as one compiled call (model/compiled.py), else why not
            "layers": layers_call(lm.model),
            "curves": {},
            "cache": str(records.cache_root()), "max_age_days": costs.MAX_AGE_DAYS}

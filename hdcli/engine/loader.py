@@ -564,7 +564,7 @@ def load_owned(name: str, src, dtype: str, device: str, kernels: str, invariant:
     cfg = src.config()
     from .progress import bar as progress_bar
     shown = name if local_models.is_store_name(name) else Path(source).name   # not an Ollama blob's hash
-    bar = progress_bar(total=cfg.num_hidden_layers, desc=f"loading {shown}", unit=" layers",
+    bar = progress_bar(total=cfg.num_hidden_layers, desc=f"loading {shown}", unit=" blocks",
                        disable=quiet, mininterval=0.5, leave=False)
     kept = _layout_cache(src, dt, device, kn)
     try:

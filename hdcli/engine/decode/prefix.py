@@ -19,7 +19,7 @@ its sliding window). So the cache is on only for hd's own forward in the M-invar
 
 Layout: per scope (a Request's scope, serve's tenants: requests may reuse only what requests of
 the same scope stored; "" is one scope shared by all), a radix tree of token segments, each node holding its
-segment's keys and values per layer ([1, kv heads, rows, head dim] in the cache's stored dtype,
+segment's keys and values per block ([1, kv heads, rows, head dim] in the cache's stored dtype,
 copies). A prompt shared by several requests (a system prompt) is stored once, each request's
 own continuation in a child. Lookup walks the tree comparing token arrays; restore copies the
 path's rows into a new kvcache.Cache (`append`: its transposed-key copy for the fused attention
@@ -83,7 +83,7 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
 
 class PrefixCache:
     """Prefix keys and values of past requests, by scope, bounded by bytes (module header).
-    min_tokens: shorter prefixes are neither stored nor restored (restoring copies every layer)."""
+    min_tokens: shorter prefixes are neither stored nor restored (restoring copies every block)."""
 
     def __init__(self, max_bytes: int, min_tokens: int = 16):
         if max_bytes < 0:
@@ -114,7 +114,7 @@ class PrefixCache:
         n, path = self._walk(scope, arr)
         if n < self.min_tokens:
             return 0
-        def like(i):   # what a prefill hands layer i first: its keys' shape in the model's dtype
+        def like(i):   # what a prefill hands block i first: its keys' shape in the model's dtype
             k = path[0][0].kv[i][0]
             return torch.empty(k.shape[:2] + (0, k.shape[3]), dtype=model.dtype, device=k.device)
         k0 = path[0][0].kv[0][0]

@@ -9,7 +9,7 @@ transformers checkpoint's safetensors.
   layouts.py     a GGUF's weights in the GEMM's layout kept on disk, mapped by later starts (the layout cache)
   parts.py       Linear by kernel, the embedding read from the file, RMSNorm, the row ops (torch or compiled)
   attention.py   Step (what a forward derives once) and the attention strategies, one object a way
-  compiled.py    the decoder layers of a forward in one compiled call, bit-equal to the blocks
+  compiled.py    the decoder blocks of a forward in one compiled call, bit-equal to the blocks
   kvcache.py     the KV cache, in the form the invariant attention reads
   rope.py        rotary embeddings
   numerics.py    the Numerics record: every choice that changes the bits a forward computes

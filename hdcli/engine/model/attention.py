@@ -1,21 +1,21 @@
-"""How the layers of one owned forward attend: Step, what a forward over some parts (streams, each
-with its own cache) derives once and every layer reads, and the attention strategies, one object a
+"""How the blocks of one owned forward attend: Step, what a forward over some parts (streams, each
+with its own cache) derives once and every block reads, and the attention strategies, one object a
 way of attending.
 
 Which strategy runs is chosen once a forward (Step.__init__), from the model's numerics
 (Numerics.invariant: calibration turns it on or off after the model is built) and the process's
 attention kernel the model holds (kernels/fused.AttentionKernel: tests and benchmarks pin it on a
-loaded model to compare the two); never per layer:
+loaded model to compare the two); never per block:
   PLAIN     the M-invariant mode off: SDPA over each part's cache (no row-count guarantee);
   FUSED     the mode on, the compiled attention: every part in one call, which appends the keys too;
   PROMPT    the mode on, torch ops, one prompt wider than a verification on an empty cache: SDPA
             told it is causal (the keys of a prompt are the same in plain and speculative
-            decoding), masked where the layer has a window;
+            decoding), masked where the block has a window;
   ONE       the mode on, torch ops, one part: invariant.attend_kv;
   MANY      the same for several parts at once: invariant.attend_many.
-A layer's kind ("full" or "sliding": its window and rope) is its Block's (Block.kind); each part's
+A block's kind ("full" or "sliding": its window and rope) is its Block's (Block.kind); each part's
 visibility and layout per kind is derived once a forward (Step.visible, Step.lays) and shared by
-every layer of that kind.
+every block of that kind.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def attends_fused(model, device) -> bool:
 
 
 class Step:
-    """What one forward over some parts derives once and every layer reads: rows, positions,
+    """What one forward over some parts derives once and every block reads: rows, positions,
     the rope of each attention kind, each part's attention layout by kind, and the attention."""
 
     def __init__(self, model, parts):
@@ -77,7 +77,7 @@ class Step:
         return (pos[0] if len(pos) == 1 else torch.cat(pos, 1))[0]
 
     def rope(self, kind: str):
-        """(rope, cos, sin) of the positions for a layer of `kind`."""
+        """(rope, cos, sin) of the positions for a block of `kind`."""
         if kind not in self._rope:
             rope = self.model.rope_for(kind)
             if self.next_positions and len(self.parts) == 1:
@@ -88,11 +88,11 @@ class Step:
         return self._rope[kind]
 
     def layers(self, i: int) -> list:
-        """Each part's cache layer i."""
+        """Each part's cache of block i (its cache's layers[i])."""
         return [p[1].layers[i] for p in self.parts]
 
     def visible(self, j: int, kind: str) -> torch.Tensor | None:
-        """Part j's [m_j, past + m_j] bool visibility for a layer of `kind` (None: causal, full)."""
+        """Part j's [m_j, past + m_j] bool visibility for a block of `kind` (None: causal, full)."""
         ids, cache, pos, mask = self.parts[j]
         window = self.model.window(kind)
         if mask is None and window is None:
@@ -105,7 +105,7 @@ class Step:
         return vis
 
     def lays(self, kind: str) -> list:
-        """Each part's invariant attention layout for a layer of `kind`."""
+        """Each part's invariant attention layout for a block of `kind`."""
         if kind not in self._lays:
             g = self.hq // self.hkv
             self._lays[kind] = [invariant.layout(self.visible(j, kind), k, past + k, g, self.ids.device)
@@ -113,7 +113,7 @@ class Step:
         return self._lays[kind]
 
     def many(self, kind: str) -> invariant.Many:
-        """How the parts share the torch ops' attention in a layer of `kind`."""
+        """How the parts share the torch ops' attention in a block of `kind`."""
         if kind not in self._many:
             self._many[kind] = invariant.Many(self.lays(kind), self.sizes, self.hq, self.hkv, self.ids.device)
         return self._many[kind]
@@ -124,7 +124,7 @@ class Step:
         return self.attention(self, block.index, block.kind, q, k, v).reshape(self.m, -1)
 
     def store(self, i: int, k, v) -> None:
-        """Append each part's rows of k, v [hkv, m, d] to its cache layer i (a prefill's last layer)."""
+        """Append each part's rows of k, v [hkv, m, d] to its cache of block i (a prefill's last block)."""
         for layer, (a, b) in zip(self.layers(i), self.bounds):
             layer.append(k[None, :, a:b], v[None, :, a:b])
 
@@ -152,7 +152,7 @@ def fused_attention(step: Step, i: int, kind: str, q, k, v) -> torch.Tensor:
 
 
 def prompt_attention(step: Step, i: int, kind: str, q, k, v) -> torch.Tensor:
-    """A whole prompt on an empty cache: SDPA told it is causal, or masked by the layer's window."""
+    """A whole prompt on an empty cache: SDPA told it is causal, or masked by the block's window."""
     step.layers(i)[0].append(k, v)
     vis = step.visible(0, kind)
     if vis is None:

@@ -16,7 +16,7 @@ Invariants
     in the file's dtype (F32, F16 or BF16) and the forward casts one tensor at a time to the model
     dtype as it builds that tensor's layer (numerics.py): the model is never whole in a dtype wider
     than the file's, and never twice in memory.
-  * The embedding stays in the file (layers.Embedding reads the rows it looks up) through a map
+  * The embedding stays in the file (parts.Embedding reads the rows it looks up) through a map
     of its own; release() drops every other map, so the pages a load has read stop counting in
     the process's memory once their layer holds its copy.
   * q and k rows are in transformers' order: the rotary halves pair dimension j with j + d/2
@@ -53,7 +53,7 @@ GEMMA3_BLOCK = dict(BLOCK, ffn_norm="pre_feedforward_layernorm", post_attention_
                     post_ffw_norm="post_feedforward_layernorm")
 TOP = {"token_embd": "embed_tokens", "output_norm": "norm"}
 ACTIVATIONS = {"llama": ("silu",), "qwen2": ("silu",), "qwen3": ("silu",), "gemma3": ("gelu_pytorch_tanh",)}
-KEPT = ("token_embd.weight",)   # stays mapped while the model lives (layers.Embedding)
+KEPT = ("token_embd.weight",)   # stays mapped while the model lives (parts.Embedding)
 
 
 def model_type(folder: Path) -> str | None:
@@ -218,11 +218,11 @@ class Checkpoint:
         return params
 
     def _layer_types(self) -> list[str] | None:
-        """Each layer's attention ("sliding_attention" or "full_attention") where any slides."""
+        """Each block's attention ("sliding_attention" or "full_attention") where any slides."""
         t, n = self.text, self.text.num_hidden_layers
         types = getattr(t, "layer_types", None)
         if types is None and self.model_type == "mistral" and getattr(t, "sliding_window", None):
-            types = ["sliding_attention"] * n   # Mistral's window holds in every layer
+            types = ["sliding_attention"] * n   # Mistral's window holds in every block
         if not types or "sliding_attention" not in types[:n]:
             return None
         return list(types[:n])

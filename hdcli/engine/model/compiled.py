@@ -1,8 +1,8 @@
-"""A forward's decoder layers, final norm and head in one compiled call (csrc/qmm.cpp's Layers).
+"""A forward's decoder blocks, final norm and head in one compiled call (csrc/qmm.cpp's Layers).
 
-The Python blocks (llama.Block) make a dozen calls a layer into torch or hd's kernels: at the
+The Python blocks (llama.Block) make a dozen calls a block into torch or hd's kernels: at the
 bundled model's size that Python and dispatch was a quarter of a one-token forward
-(docs/benchmarks.md). CompiledLayers hands every layer of a forward, then the final norm and
+(docs/benchmarks.md). CompiledLayers hands every block of a forward, then the final norm and
 the head, to one C++ call that runs the same functions and torch ops the blocks call, in their
 order, on the same tensors: the logits and caches are torch.equal to the Python path's
 (tests/test_invariant.py, tests/test_owned.py), so whatever the blocks guarantee (M-invariant
@@ -18,7 +18,7 @@ calibrated least row count as Linear pads), so a GGUF and a safetensors checkpoi
 ops the model's (compiled in bf16, torch's in fp32); the fused attention (Step.attention FUSED, the
 M-invariant mode on). Elsewhere (the torch ops' attention, the mode off, the GPU) the blocks run.
 Its keys and values go where the Python path's go: each part's kvcache.InvariantLayer, claimed here
-before the call, written and attended inside it. A prefill's last layer (keys only) stays Python.
+before the call, written and attended inside it. A prefill's last block (keys only) stays Python.
 
 A model's handle is built at its first forward and rebuilt when its blocks or head change (subset,
 truncated share the weights, not the handle). `LlamaForward.compiled_layers = False` runs the
@@ -33,11 +33,11 @@ from .parts import CompiledRowOps, RowOps
 
 
 STYLES = ("llama", "gemma3", "olmo2")   # Layers' block styles, by index (csrc/qmm.cpp's Style)
-KINDS = ("full", "sliding")   # a layer's attention kind, by its index in Layers
+KINDS = ("full", "sliding")   # a block's attention kind, by its index in Layers
 
 
 def why_not(model) -> str | None:
-    """Why the model's layers cannot run as one compiled call, or None where they can."""
+    """Why the model's blocks cannot run as one compiled call, or None where they can."""
     num = model.numerics
     if model.family not in ("llama", "gemma3") or num.dtype not in ("bf16", "fp32") or num.device != "cpu":
         return "not a bf16 or fp32 llama-family or Gemma 3 model on the CPU"
@@ -49,24 +49,24 @@ def why_not(model) -> str | None:
     if fused.KERNEL.module is None or not hasattr(fused.KERNEL.module, "append_attend_many_address"):
         return "the fused attention is not loaded"
     if not model.blocks:
-        return "the model has no layers"
+        return "the model has no blocks"
     style = _style(model)
     for blk in model.blocks:
         if (blk.kind not in KINDS or blk.residual_scale != model.blocks[0].residual_scale
                 or not _is_style(blk, style)):
-            return f"layer {blk.index} is not the {style} block Layers computes"
+            return f"block {blk.index} is not the {style} block Layers computes"
         for lin in _slots(blk):
             if lin is not None and _kernel(lin) is None:
-                return f"layer {blk.index} has a linear layer on a kernel Layers does not call ({lin.kind})"
+                return f"block {blk.index} has a linear layer on a kernel Layers does not call ({lin.kind})"
         if (blk.qkv is None and blk.q is None) or (blk.gate_up is None and blk.gate is None):
-            return f"layer {blk.index} is not the {style} block Layers computes"
+            return f"block {blk.index} is not the {style} block Layers computes"
     if _kernel(model.head) is None:
         return f"the head is on a kernel Layers does not call ({model.head.kind})"
     return None
 
 
 def _style(model) -> str:
-    """The block style Layers computes a model's layers in: Gemma 3's, OLMo 2's (a norm after each
+    """The block style Layers computes a model's blocks in: Gemma 3's, OLMo 2's (a norm after each
     sublayer, none before), or the llama family's."""
     if model.family == "gemma3":
         return "gemma3"
@@ -131,16 +131,16 @@ class CompiledLayers:
         self.like = torch.empty(1, blk.hkv, 0, blk.d, dtype=model.dtype)   # what a new cache layer is made for
 
     def run(self, x: torch.Tensor, step, n: int, head: bool = False) -> torch.Tensor:
-        """x [M, D] (the embedded rows of every part) through layers 0 .. n - 1, each part's keys
+        """x [M, D] (the embedded rows of every part) through blocks 0 .. n - 1, each part's keys
         and values appended to its cache layers as the blocks append them; with head (n every
-        layer), through the final norm and the head as well: the logits [M, V]."""
+        block), through the final norm and the head as well: the logits [M, V]."""
         cos, sin, viss = [], [], {}
         for kind in KINDS[:1 + ("sliding" in self.kinds[:n])]:
             _, c, s = step.rope(kind)
             cos.append(c), sin.append(s)
             viss[kind] = [lay.vis for lay in step.lays(kind)]
         caches = [part[1].layers for part in step.parts]
-        owners, owner_viss = [], []   # layer by layer, a part after another
+        owners, owner_viss = [], []   # block by block, a part after another
         for i, kind in zip(range(n), self.kinds):
             owners += [layers[i] for layers in caches]
             owner_viss += viss[kind]
@@ -152,7 +152,7 @@ class CompiledLayers:
 
 
 def layers_of(model) -> CompiledLayers | None:
-    """The model's compiled layers where they run (why_not), else None: decided once per state of
+    """The model's compiled blocks where they run (why_not), else None: decided once per state of
     what why_not reads that can change after a model is built (its blocks and head, the calibration's
     min_rows record, the attention kernel's module), kept on the model."""
     key = (model.blocks, model.head, model.numerics.min_rows, fused.KERNEL.module)

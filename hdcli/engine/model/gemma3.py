@@ -2,7 +2,7 @@
 Gemma3ForCausalLM computes it:
 
   x = embed(ids) * sqrt(hidden)                       (the scale in the model dtype)
-  per layer: x += post_attention_norm(o(attention(q_norm(q), k_norm(k), v)))
+  per block: x += post_attention_norm(o(attention(q_norm(q), k_norm(k), v)))
              x += post_ffw_norm(down(gelu_tanh(gate(h)) * up(h))), h = ffn_norm(x)
   logits = head(output_norm(x))                       (the head is the embedding, tied)
 
@@ -11,15 +11,15 @@ What differs from the llama family:
     file; transformers subtracts the 1 when it loads, in fp32, and keeps w in the model dtype:
     we do the same, so (1 + w) is the same number here. A transformers checkpoint holds w: read
     as it is (norm_weight);
-  * sliding-window layers: five of every six (layer i is global when (i + 1) % 6 == 0, the
+  * sliding-window blocks: five of every six (block i is global when (i + 1) % 6 == 0, the
     pattern llama.cpp and transformers use for Gemma 3), or as a checkpoint's config lists
-    them (layer_types); a sliding layer's query at position p
+    them (layer_types); a sliding block's query at position p
     sees keys at positions p - window + 1 .. p, a tree node by its own position (invariant
     layouts take any visibility, so trees and the M-invariant mode work past the window);
-  * two ropes: global layers at the file's rope.freq_base (with its scaling), sliding ones at
+  * two ropes: global blocks at the file's rope.freq_base (with its scaling), sliding ones at
     10000 (Gemma 3's rope_local_base_freq; a GGUF does not carry it, a checkpoint's config does);
   * the attention scale is query_pre_attn_scalar ** -0.5 where a checkpoint's config states it;
-    in a GGUF head_dim ** -0.5, except the 27B (62 layers), whose scale is (hidden / heads) ** -0.5,
+    in a GGUF head_dim ** -0.5, except the 27B (62 blocks), whose scale is (hidden / heads) ** -0.5,
     as llama.cpp sets it;
   * rotary halves (NeoX), GELU (tanh) in the MLP, no soft-capping (Gemma 3 has none).
 """
@@ -35,7 +35,7 @@ from .numerics import Numerics
 from .rope import Rope
 from .parts import RowOps, dequantize
 
-PATTERN = 6             # every 6th layer attends globally
+PATTERN = 6             # every 6th block attends globally
 LOCAL_ROPE_BASE = 10000.0
 
 
@@ -102,11 +102,11 @@ class Gemma3Forward(LlamaForward):
             self.scaling = ((cfg.hidden_size / heads) ** -0.5 if cfg.num_hidden_layers == 62
                             else cfg.head_dim ** -0.5)
 
-    def layer_kind(self, i: int) -> str:
+    def block_kind(self, i: int) -> str:
         if not self.config.sliding_window:
             return "full"
         if self.config.extra.get("layer_types"):   # a checkpoint's config lists them
-            return super().layer_kind(i)
+            return super().block_kind(i)
         return "full" if (i + 1) % PATTERN == 0 else "sliding"
 
     def rope_for(self, kind: str) -> Rope:

@@ -78,7 +78,7 @@ INTERLEAVED_ROPE = {"llama", "mistral", "granite"}
 # GGUF metadata value types (the format's enum) -> struct format of one item; 8 string, 9 array
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRINGS_READ = 1 << 20    # bytes read at a time to walk a string array (a 128k vocabulary's ~2 MB)
-_ARRAY_KEPT = 4096   # numeric arrays up to this many items are read (per-layer head counts); longer ones
+_ARRAY_KEPT = 4096   # numeric arrays up to this many items are read (per-block head counts); longer ones
                      # (the tokenizer's) and every string array are skipped: transformers reads those
 
 
@@ -304,12 +304,12 @@ class GGUFFile:
 
     def _int(self, key: str, default=None) -> int | None:
         """A count or length of the architecture's metadata (`{arch}.{key}`), checked; one value
-        where the file gives one per layer (hd's forwards have no per-layer head counts)."""
+        where the file gives one per block (hd's forwards have no per-block head counts)."""
         value = self.arch_field(key, default)
         if isinstance(value, list):
             if not value or len(set(value)) != 1:
-                raise HdError(f"{self.path}: {self.arch}.{key} differs between layers ({value[:8]}); "
-                              "hd's forward needs one value for every layer")
+                raise HdError(f"{self.path}: {self.arch}.{key} differs between blocks ({value[:8]}); "
+                              "hd's forward needs one value for every block")
             value = value[0]
         return None if value is None else checks.positive_int(value, str(self.path), f"{self.arch}.{key}")
 
@@ -377,7 +377,7 @@ class GGUFFile:
         if self.has("rope_factors_long.weight") or self.has("rope_factors_short.weight"):
             return "a long-context rope with per-frequency factors (rope_factors_long/short)"
         if self.arch == "olmo2" and self.arch_field("attention.sliding_window"):
-            return "OLMo 3's sliding-window layers (an olmo2 file with attention.sliding_window)"
+            return "OLMo 3's sliding-window blocks (an olmo2 file with attention.sliding_window)"
         dims, hidden = self.arch_field("rope.dimension_count"), self.arch_field("embedding_length")
         heads, key = self.arch_field("attention.head_count"), self.arch_field("attention.key_length")
         if isinstance(heads, list):

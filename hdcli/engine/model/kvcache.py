@@ -3,9 +3,9 @@ buffers, laid out the way the invariant attention reads them.
 
 Why: the invariant attention (invariant.py) computes in fp32 over keys padded to whole chunks and
 over values with a ones column ([V | 1], whose weighted sum is the softmax sum). On transformers'
-DynamicCache every layer of every forward concatenated the whole cache with the new tokens, then
+DynamicCache every block of every forward concatenated the whole cache with the new tokens, then
 converted it to fp32, padded it and appended the ones column again: copies of the whole cache,
-per layer, per forward, per request: with the bundled model and several one-token requests, a
+per block, per forward, per request: with the bundled model and several one-token requests, a
 fifth of a forward's op time (torch.profiler), and a long cache's forward was slower than here
 (benchmarks/forward_many.py). Here the cache is kept in the
 form the attention reads: a forward writes its new rows, and the attention takes views.
@@ -16,14 +16,14 @@ Where the fused attention (fused.py) reads them, a bf16 model's keys and values 
 widened to fp32 as they are read (exact again): half the bytes, and with 4 requests on ~300-token
 caches the attention is bound by reading them. Elsewhere they are stored in fp32.
 
-Layout per layer (batch b, kv heads h, head dim d, capacity C a multiple of invariant.CHUNK):
+Layout per block (batch b, kv heads h, head dim d, capacity C a multiple of invariant.CHUNK):
   kbuf [b, h, C, d]       keys
   vbuf [b, h, C, d + 1]   values and a ones column
 so the first ceil(n / CHUNK) * CHUNK rows are the zero-padded keys and [V | 1] of an n-token
 cache, as the attention wants them, without a copy (padded()).
 
 Invariants
-  * Cache holds one InvariantLayer per decoder layer, and the methods of target.KVCache, the
+  * Cache holds one InvariantLayer per decoder block, and the methods of target.KVCache, the
     interface the decode loop, tree verification and the cost measurement call (get_seq_length,
     append, crop, keep_path, ...); layers[i].keys and .values are views of the live rows. Nothing
     here is transformers': hd's forwards own it.
@@ -38,7 +38,7 @@ Invariants
     writes rows through the views (Cache.keep_path) calls rewritten(), else the fused attention
     reads stale keys.
   * With the fused attention the forward appends nothing itself: claim() counts the new rows
-    and the compiled call writes them (fused.append_attend_many), one call a layer for all
+    and the compiled call writes them (fused.append_attend_many), one call a block for all
     requests: the per-request copies in Python had been a sixth of a 4-request forward of the
     bundled model.
 """
@@ -58,7 +58,7 @@ def _round_up(n: int) -> int:
 
 
 class InvariantLayer:
-    """One layer's keys and values (see the module header)."""
+    """One block's keys and values (see the module header)."""
 
     def __init__(self):
         self.is_initialized = False
@@ -106,7 +106,7 @@ class InvariantLayer:
                 self.dirty = self.length
 
     # the keys and values as they came in (without padding or the ones column), made when read:
-    # a decode step appends to every layer and seldom reads them.
+    # a decode step appends to every block and seldom reads them.
     @property
     def keys(self):
         return None if self.kbuf is None else self.kbuf[:, :, :self.length]
@@ -130,9 +130,9 @@ class InvariantLayer:
         attention writes them, fused.append_attend_many), and for reading `keys` keys (kbuf,
         vbuf and the transposed copy ktbuf cover them; rows read past the new length are zero);
         like: new keys [b, h, m', d] (their dtype, device and shape are read, not their values).
-        Returns where the m rows start. Called per layer per forward: the usual case is a few
-        integer operations, which fused.claimed does inline for every layer of a forward (the
-        call a layer cost more than they do): a change to this case is a change there too."""
+        Returns where the m rows start. Called per block per forward: the usual case is a few
+        integer operations, which fused.claimed does inline for every block of a forward (the
+        call a block cost more than they do): a change to this case is a change there too."""
         if not self.is_initialized:
             self.lazy_initialization(like)
         n = self.length
@@ -187,7 +187,7 @@ class InvariantLayer:
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last -tokens_to_remove rows (a negative count).
         The rows are zeroed when something reads past the length (padded, claim), not here: a
-        verification crops every layer of every request, and zeroing there was a third of the
+        verification crops every block of every request, and zeroing there was a third of the
         decode loop's acceptance time at 4 requests (benchmarks/scheduler_widths.py)."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
@@ -216,11 +216,11 @@ def keep_rows(layers, nodes: int, want: Sequence[int]) -> None:
 
 class Cache:
     """hd's own cache for an owned forward (hdcli/engine/model/): one InvariantLayer a decoder
-    layer, and target.KVCache's methods for the decode loop. Every layer keeps every row, a
-    sliding-window layer's too: the owned attention applies the window itself (attention.Step)."""
+    block, and target.KVCache's methods for the decode loop. Every block keeps every row, a
+    sliding-window block's too: the owned attention applies the window itself (attention.Step)."""
 
-    def __init__(self, n_layers: int):
-        self.layers = [InvariantLayer() for _ in range(n_layers)]
+    def __init__(self, n_blocks: int):
+        self.layers = [InvariantLayer() for _ in range(n_blocks)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()

@@ -1,7 +1,7 @@
 """hd's own forward for the llama family (Llama 2/3, Vicuna, SmolLM2, Mistral, Qwen2/Qwen3, Phi-3,
 OLMo 2, Granite 3), from a GGUF file in the file's own bits, or from a transformers checkpoint.
 
-One decoder layer: x += o(attention(rope(q(norm(x))), rope(k(norm(x))), v(norm(x))));
+One decoder block: x += o(attention(rope(q(norm(x))), rope(k(norm(x))), v(norm(x))));
 x += down(silu(gate(norm(x))) * up(norm(x))); then the final norm and the head. Qwen2's q/k/v
 biases and Qwen3's per-head q/k norms are read where the file has them; Phi-3's fused q/k/v
 (attn_qkv) and gate/up (ffn_up: gate rows first) are one Linear each; OLMo 2 norms each
@@ -11,7 +11,7 @@ d as Qwen3's) before they are split into heads; Granite scales the embedding, ea
 output before its residual add, the attention scores and the logits by the file's multipliers
 (ModelConfig); rope scaling as the
 file's metadata states it (transformers' rope functions compute the frequencies); a sliding
-window where a checkpoint's config gives its layers one (Mistral v0.1, Qwen2 with
+window where a checkpoint's config gives its blocks one (Mistral v0.1, Qwen2 with
 use_sliding_window). The source is a GGUF file (gguf.GGUFFile) or a transformers checkpoint
 (checkpoint.Checkpoint): both answer in GGUF tensor names.
 
@@ -32,7 +32,7 @@ It is a TargetModel (model/target.py): the decode loop, tree verification, the b
 hd serve, the cost measurement and the self-check call its `forward` (one stream's new rows),
 `forward_many` (several streams'), `prefill` and `new_cache`.
 
-What varies by numerics is chosen as objects, not per call: the row ops (layers.RowOps: torch ops
+What varies by numerics is chosen as objects, not per call: the row ops (parts.RowOps: torch ops
 or the compiled ones) when the model loads, held by every Block; the attention (attention.py: SDPA,
 the compiled invariant attention, or its torch ops for one or several streams) once a forward, by
 Step from the numerics and the attention kernel the model holds. A Block's forward is its math.
@@ -61,8 +61,8 @@ from .rope import Rope
 
 
 class Block(nn.Module):
-    """One decoder layer: its weights, its attention kind ("full" or "sliding") and the model's
-    row ops (layers.RowOps), both chosen when the model loads."""
+    """One decoder block: its weights, its attention kind ("full" or "sliding") and the model's
+    row ops (parts.RowOps), both chosen when the model loads."""
 
     def __init__(self, i: int, gf, cfg, num: Numerics, kind: str, ops: RowOps):
         super().__init__()
@@ -126,7 +126,7 @@ class Block(nn.Module):
         return q, k, v
 
     def keys_only(self, x: torch.Tensor, step: Step) -> None:
-        """The last layer of a prefill: its keys and values only, appended to each part's cache."""
+        """The last block of a prefill: its keys and values only, appended to each part's cache."""
         h = x if self.attn_norm is None else self.ops.norm(x, self.attn_norm)
         _, yk, yv = self.project_qkv(h)
         rope, cos, sin = step.rope(self.kind)
@@ -158,7 +158,7 @@ class LlamaForward(nn.Module):
 
     family = "llama"
     block_class = Block
-    compiled_layers = True   # the decoder layers in one compiled call where they fit (compiled.py); False: the blocks
+    compiled_layers = True   # the decoder blocks in one compiled call where they fit (compiled.py); False: the blocks
 
     def __init__(self, gf, cfg, num: Numerics, progress=None):
         super().__init__()
@@ -170,7 +170,7 @@ class LlamaForward(nn.Module):
         self.embed = Embedding(gf, "token_embd.weight", num)
         blocks = []
         for i in range(cfg.num_hidden_layers):
-            blocks.append(self.block_class(i, gf, cfg, num, self.layer_kind(i), self.row_ops))
+            blocks.append(self.block_class(i, gf, cfg, num, self.block_kind(i), self.row_ops))
             gf.release()
             if progress is not None:
                 progress(1)
@@ -226,7 +226,7 @@ class LlamaForward(nn.Module):
         """A model of the blocks `indices` (in order), the embedding, the final norm and the head,
         sharing their weights and numerics (no copy): the M-invariant self-check runs on the blocks
         that hold every kind of layer (calibrate.covering_blocks), not on all of them. Each block
-        is a shallow copy numbered by its place in the subset (its layer of the smaller cache).
+        is a shallow copy numbered by its place in the subset (its block of the smaller cache).
         head_blocks: a GGUF head's first column blocks only (16 logits each; QLinear.narrowed),
         which run the code all its blocks run: an 8B model's 0.4 GB head is half the time of a
         one-token forward over 3 blocks, and a row whose hidden state differs differs in these
@@ -282,16 +282,16 @@ class LlamaForward(nn.Module):
         More than invariant.MAX_ROWS rows only as one part on an empty cache (a prompt), which
         attends causally: the fused attention where it is on, else SDPA told it is causal (the
         keys of a prompt are the same in plain and speculative decoding). keys_only: fill the
-        caches and stop; the last layer computes its keys and values alone."""
+        caches and stop; the last block computes its keys and values alone."""
         ctx = Step(self, parts)
         x = self.embed_rows(ctx.ids)
         last = len(self.blocks) - 1
         start = 0   # the first block the Python loop runs
         compiled = layers_of(self) if self.compiled_layers and ctx.attention is FUSED else None
-        if compiled is not None and not keys_only:   # the layers, final norm and head in one call (compiled.py)
+        if compiled is not None and not keys_only:   # the blocks, final norm and head in one call (compiled.py)
             logits = compiled.run(x, ctx, len(self.blocks), head=True)
             return self.scaled_logits(logits, ctx, len(parts))
-        if compiled is not None and last > 0:        # a prefill's: the layers but the last (keys only, below)
+        if compiled is not None and last > 0:        # a prefill's: the blocks but the last (keys only, below)
             start = last
             x = compiled.run(x, ctx, start)
         for i in range(start, last + 1):
@@ -317,7 +317,7 @@ class LlamaForward(nn.Module):
         return self.rope
 
     def window(self, kind: str) -> int | None:
-        """The sliding window of a layer kind (keys at most window - 1 positions back), or None."""
+        """The sliding window of a block kind (keys at most window - 1 positions back), or None."""
         return int(self.config.sliding_window) if kind == "sliding" else None
 
     def embed_rows(self, ids) -> torch.Tensor:
@@ -330,10 +330,10 @@ class LlamaForward(nn.Module):
     def final_norm(self, x) -> torch.Tensor:
         return self.row_ops.norm(x, self.norm)
 
-    def layer_kind(self, i: int) -> str:
-        """Which attention layer i has: "full", or "sliding" where the config's layer types say so
-        (a checkpoint's Mistral or Qwen2 with a window), or every layer of a Phi-3 whose file states
-        a window (transformers' Phi3 and llama.cpp's phi3 both slide every layer)."""
+    def block_kind(self, i: int) -> str:
+        """Which attention block i has: "full", or "sliding" where the config's layer_types say so
+        (a checkpoint's Mistral or Qwen2 with a window), or every block of a Phi-3 whose file states
+        a window (transformers' Phi3 and llama.cpp's phi3 both slide every block)."""
         types = self.config.extra.get("layer_types")
         if self.config.architecture == "phi3" and self.config.sliding_window:
             return "sliding"

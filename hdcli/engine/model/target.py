@@ -28,11 +28,11 @@ causal chain. forward_many runs several streams' rows, each on its own cache.
         def append(self, layer, keys, values) -> None        # rows [b, kv heads, m, d] after the cached ones
         def crop(self, max_length) -> None                   # negative: drop the last -max_length rows
         def keep_path(self, past, path) -> None              # after a tree's forward: the root and path stay
-        def sliding_windows(self) -> list[int | None]        # per layer, the window the tree mask applies
+        def sliding_windows(self) -> list[int | None]        # per block, the window the tree mask applies
         def supports_trees(self) -> bool                     # whether rejected branches can be cut from it
 
 A target's new_cache makes one; two kinds implement it. hd's own forward's (kvcache.Cache): every
-layer keeps every row and the owned attention applies a sliding window itself, so no layer asks
+block keeps every row and the owned attention applies a sliding window itself, so no block asks
 the tree mask for one. Transformers' DynamicCache, for TransformersForward
 (transformers_cache.TransformersCache): its sliding-window layers show a forward only their last
 window - 1 rows, so the tree mask applies the window. The decode loop, tree verification
