@@ -227,6 +227,9 @@ class DecodingConfig:
                              group=OUTPUT, help="Stop string (repeatable).")
     # set by with_plan(): draft_models came from the plan (not serialised)
     from_plan_file: bool = field(default=False, repr=False, compare=False)
+    # set by from_plan(): (path, document) of the plan already read, so that with_plan reads the
+    # file no second time (`--config plan.json`; not serialised)
+    plan_document: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         # the forms options come in (CLI text, JSON, Python) -> one form
@@ -349,7 +352,10 @@ class DecodingConfig:
         if self.plan is None:
             return self, None
         from .hsd import planner
-        data = planner.read_plan_file(self.plan)
+        if self.plan_document is not None and self.plan_document[0] == self.plan:
+            data = planner.check_plan(self.plan, self.plan_document[1])
+        else:
+            data = planner.read_plan_file(self.plan)
         if self.draft_models and not self.from_plan_file:
             raise HdError("pass either --plan or --draft-models, not both")
         stats, model_db = planner.plan_dbs(self.plan, data, self.stats_dbs, self.model_db)
@@ -369,11 +375,11 @@ class DecodingConfig:
 
     # -- serialising ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "from_plan_file"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in UNSERIALISED}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "configuration") -> "DecodingConfig":
-        known = {f.name for f in dataclasses.fields(cls)} - {"from_plan_file"}
+        known = {f.name for f in dataclasses.fields(cls)} - set(UNSERIALISED)
         unknown = sorted(set(data) - known)
         if unknown:
             raise HdError(f"{where}: unknown field '{unknown[0]}' (known: {', '.join(sorted(known))})")
@@ -416,7 +422,10 @@ class DecodingConfig:
         from .hsd import planner
         data = data or planner.read_plan_file(path)
         return cls(model=data.get("target", DEFAULT_MODEL), dtype=data.get("dtype", "auto"),
-                   kernels=data.get("kernels", "auto"), plan=str(path))
+                   kernels=data.get("kernels", "auto"), plan=str(path), plan_document=(str(path), data))
+
+
+UNSERIALISED = ("from_plan_file", "plan_document")   # what a run sets for itself, never written out
 
 
 # What each field takes, from its declaration (from_dict checks it; hsd/planner reads plans by it)

@@ -84,4 +84,8 @@ def build(cls, values: dict, config_file: Optional[Path] = None, ctx: Optional[t
     if base is not None:
         values = {n: v for n, v in values.items()
                   if getattr(ctx.get_parameter_source(n), "name", "") not in ("DEFAULT", "DEFAULT_MAP")}
-    return cls.from_dict({**(base.to_dict() if base else {}), **values}, where="options")
+    cfg = cls.from_dict({**(base.to_dict() if base else {}), **values}, where="options")
+    # a plan given as the --config is read once: its document goes with it (with_plan)
+    if base is not None and base.plan_document is not None:
+        cfg = cfg.replace(plan_document=base.plan_document)
+    return cfg

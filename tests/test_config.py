@@ -220,3 +220,29 @@ def test_a_run_is_put_together_once(tiny_lm, tmp_path, monkeypatch):
     assert cut == [(10 ** 6, room)]
     with pytest.raises(generation.NoRoom, match="shorten the prompt"):
         run.request([5] * tiny_lm.max_context)
+
+
+def test_a_plan_given_as_the_configuration_is_read_once(tiny_model_dir, tiny_lm, tmp_path, monkeypatch):
+    """`--config plan.json` (and DecodingConfig.from_file of a plan): the file is read once, its
+    document applied as `--plan`'s (it had been read again by with_plan); a `--plan` of another
+    file than the one read is read itself."""
+    from hdcli import inputs
+    from hdcli.commands.generate import generate_report
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"kind": "hd-plan", "target": tiny_lm.name, "dtype": tiny_lm.dtype,
+                                "chain": {"bottom": "db", "levels": []}, "db_layers": ["context"]}))
+    reads = []
+    read = inputs.read_text
+    monkeypatch.setattr(inputs, "read_text", lambda path, *a, **kw: reads.append(str(path)) or read(path, *a, **kw))
+    cfg = DecodingConfig.from_file(plan)
+    rep = generate_report(cfg.replace(max_new_tokens=4), "the cat sat", lm=tiny_lm)
+    assert rep.data["layers"] == ["context"] and reads == [str(plan)]
+    reads.clear()
+    p = hd_main("generate", "--config", plan, "-m", tiny_model_dir, "-p", "the cat sat", "-n", "4", "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["layers"] == ["context"] and reads == [str(plan)]
+    other = tmp_path / "other.json"
+    other.write_text(plan.read_text())
+    reads.clear()
+    generate_report(cfg.replace(plan=str(other), max_new_tokens=4), "the cat sat", lm=tiny_lm)
+    assert reads == [str(other)]

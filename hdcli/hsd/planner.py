@@ -351,12 +351,21 @@ def measured_speed(lm, drafter, prompts: Sequence[list[int]], max_new_tokens: in
 # Plan files (`hd plan --out`, read by `hd generate --plan` and DecodingConfig.with_plan)
 
 def read_plan_file(path) -> dict:
-    """The whole document saved by `hd plan --out`, checked to hold a chain."""
+    """The whole document saved by `hd plan --out`, checked (check_plan)."""
     if inputs.kind_of(path) == "missing":
         raise HdError(f"plan {path} not found: make one with `hd plan --out {path}`")
     text = inputs.read_text(path, "--plan", inputs.DOCUMENT_BYTES, "a plan is the JSON file `hd plan --out` wrote")
     try:
         data = json.loads(text)
+    except ValueError:
+        raise HdError(f"{path} is not a plan written by `hd plan`") from None
+    return check_plan(path, data)
+
+
+def check_plan(path, data) -> dict:
+    """data, the document read from the plan file at path, checked to hold a chain, its target,
+    dtype and kernels strings."""
+    try:
         chain = data["chain"]
         chain["bottom"], [(lv["model"], int(lv["T"])) for lv in chain["levels"]]
     except (ValueError, KeyError, TypeError):
