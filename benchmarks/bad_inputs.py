@@ -1,6 +1,7 @@
 """What a user sees for each bad input: runs `hd` on each case and prints a markdown table of the
-exit code and the last line on stderr (the tests in tests/test_reliability.py, test_cli.py,
-test_corpus.py and test_bench.py assert these; this script shows them with the bundled model).
+exit code and the last line on stderr (the tests in tests/test_cli.py, test_cli_stats.py,
+test_models.py, test_statsdb.py, test_corpus.py and test_bench.py assert these; this script shows
+them with the bundled model).
 
     python benchmarks/bad_inputs.py > docs/bad-inputs.md.part
 """

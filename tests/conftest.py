@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 # HD_CPU=avx2 runs the suite as on an AVX2-only CPU (most users'; engine/environment.py) on a newer
 # one: torch's kernels and oneDNN are capped to AVX2 too, which they read once, before torch loads
@@ -295,3 +296,59 @@ def hd_main(*args, env: dict | None = None, input: str | None = None, cwd=None):
             envs.forget_env(real)
         costs._CURVES.clear()
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+# --- hd as users meet it: one-line errors, a process of its own, small corpora and DBs --------
+
+HD = [sys.executable, "-m", "hdcli.cli"]
+TEXTS = ["the cat sat on the mat and then the dog ran up", "one two three four one two three",
+         "hello world the sun is big and the moon is small", "we run and jump and eat and sleep"]
+
+
+def hd_sub(*args, **kw):
+    """`hd ARGS` in a process of its own: where the process is the subject (it is killed, limited,
+    raced, or must not take this one down with it: a server that fails to refuse would serve)."""
+    import subprocess
+    return subprocess.run(HD + [str(a) for a in args], capture_output=True, text=True, **kw)
+
+
+def one_line_error(p) -> str:
+    """The command (a subprocess.CompletedProcess) failed the way users should see it: exit 2, one
+    line, no traceback."""
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    return lines[0]
+
+
+def write_corpus(path, n):
+    import json
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": TEXTS[i % 4] + f" {['one', 'two', 'red'][i % 3]}"}) + "\n")
+
+
+def file_size_limit(nbytes):
+    """A preexec_fn: the process's files are limited to nbytes (RLIMIT_FSIZE), a write past it
+    fails with EFBIG (a full disk, as a process sees it)."""
+    import resource
+    import signal
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return apply
+
+
+def stats_db_file(tiny_model_dir, tmp_path, name="s.lmdb", extra=()):
+    """A statistics DB built by `hd build-stats` from 600 random 12-word documents, at tmp_path/name."""
+    import json
+    import random
+    corpus = tmp_path / f"{name}.jsonl"
+    rng = random.Random(len(name))
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(12))}) + "\n"
+                              for _ in range(600)))
+    out = tmp_path / name
+    p = hd_main("build-stats", corpus, "-o", out, "--model", tiny_model_dir, "--min-count", "1", *extra)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out

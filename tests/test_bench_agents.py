@@ -113,7 +113,7 @@ def test_one_question_of_each_workload_same_under_hd_and_valid(bundled_lm, monke
     (["--methods", "hd"], "error: --methods must include 'ar'"),
 ])
 def test_bad_options_are_one_line_before_the_model_loads(args, says, tmp_path):
-    from test_reliability import hd_proc, one_line_error
-    p = hd_proc("bench", "agents", *[a.format(tmp=tmp_path) for a in args])
+    from conftest import hd_main, one_line_error
+    p = hd_main("bench", "agents", *[a.format(tmp=tmp_path) for a in args])
     line = one_line_error(p)
     assert line.startswith(says.format(tmp=tmp_path)) and p.stderr.strip() == line, p.stderr

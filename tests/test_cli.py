@@ -9,6 +9,8 @@ from typer.testing import CliRunner
 from hdcli import cli
 from hdcli.errors import HdError
 
+from conftest import hd_main, one_line_error
+
 runner = CliRunner()
 
 
@@ -175,3 +177,73 @@ def test_compare_says_why_transformers_differs_and_that_drafting_did_not():
     assert "transformers' bf16 kernels" in got
     assert "output identical" in line(True, True).splitlines()[-1]
     assert "DIFFERENT from token 3" in line(False, False)
+
+
+# --- options that contradict each other or are out of range, usage errors: one line each ------
+
+@pytest.mark.parametrize("args,msg", [
+    (["generate", "-p", "x", "--learn"], "--model-db"),
+    (["generate", "-p", "x", "--no-db"], "--draft-models"),
+    (["generate", "-p", "x", "--candidates", "0"], "--candidates"),
+    (["generate", "-p", "x", "--policy", "greedy"], "--policy"),
+    (["generate", "-p", "x", "--draft-len", "context=x"], "--draft-len"),
+    (["generate", "-p", "x", "--draft-len", "bogus=3"], "unknown layer"),
+    (["generate", "-p", "x", "--draft-models", "self:layers=1", "--level-tokens", "2,3"], "--level-tokens"),
+])
+def test_contradictory_or_invalid_flags(tiny_model_dir, args, msg):
+    r = run(args[0], "--model", str(tiny_model_dir), *args[1:])
+    assert isinstance(r, HdError) and msg in str(r) and "\n" not in str(r)
+
+
+def test_bad_numbers_and_empty_lists_are_one_line_errors(tiny_model_dir, tmp_path):
+    m = str(tiny_model_dir)
+    cases = [
+        (["generate", "--model", m, "-p", "the cat", "--temperature", "nan"], "temperature must be a finite"),
+        (["generate", "--model", m, "-p", "the cat", "--temperature", "inf"], "temperature must be a finite"),
+        (["generate", "--model", m, "-p", "the cat", "--temperature", "0.7", "--seed", str(2 ** 70)],
+         "--seed must be between 0 and 2**64 - 1"),
+        (["generate", "--model", m, "-p", "the cat", "--draft-len", "stats=0"],
+         "--draft-len must be >= 1 for every layer, not stats=0"),
+        (["plan", "--model", m, "--draft-models", " , "], "--draft-models is empty"),
+        (["build-model-db", "--model", m, "-o", str(tmp_path / "missing" / "m.lmdb")],
+         "output folder"),
+    ]
+    for args, want in cases:
+        r = run(*args)
+        assert isinstance(r, HdError), (args, getattr(r, "output", r))
+        assert want in str(r) and "\n" not in str(r), (args, str(r))
+
+
+def test_empty_stop_and_thresholds_out_of_range_are_refused(tiny_model_dir):
+    m = str(tiny_model_dir)
+    for args, want in ((["--stop", ""], "--stop takes non-empty strings"),
+                       (["--stats-min-prob", "5"], "--stats-min-prob must be between 0 and 1, not 5.0"),
+                       (["--stats-min-prob", "nan"], "--stats-min-prob must be a finite number, not nan"),
+                       (["--stats-min-expected", "-1"], "--stats-min-expected must be a finite number >= 0"),
+                       (["--stats-min-expected", "inf"], "--stats-min-expected must be a finite number, not inf")):
+        r = run("generate", "-m", m, "-p", "the cat", *args)
+        assert isinstance(r, HdError) and want in str(r), (args, getattr(r, "output", r))
+
+
+@pytest.mark.parametrize("args", [["generate", "--bogus"], ["generate", "-n", "abc", "--json"],
+                                  ["db", "info"], ["build-stats", "--json"], ["plan", "--count", "x"]])
+def test_usage_errors_are_one_line(args):
+    p = hd_main(*args)
+    line = one_line_error(p)
+    assert "--help" in line and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_max_new_tokens_past_the_context_is_said(tiny_lm):
+    from hdcli.config import DecodingConfig
+    from hdcli.commands.generate import generate_report
+    said = []
+    cfg = DecodingConfig(model=tiny_lm.name, max_new_tokens=10_000, layers=[])
+    rep = generate_report(cfg, "the cat sat", lm=tiny_lm, on_status=said.append)
+    warned = [s for s in said if s.startswith("warning: --max-new-tokens 10000 exceeds the room left in the "
+                                              "model's context (")]
+    assert len(warned) == 1, said
+    room = int(warned[0].rsplit(" ", 1)[1])
+    assert 0 < room < tiny_lm.max_context and len(rep.data["tokens"]) <= room
+    said.clear()
+    generate_report(cfg.replace(max_new_tokens=4), "the cat sat", lm=tiny_lm, on_status=said.append)
+    assert not [s for s in said if "exceeds" in s]

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from conftest import hd_main, one_line_error
 from test_cli import hd, run
 from hdcli.errors import HdError
 
@@ -96,3 +97,12 @@ def test_the_counting_options_take_their_names_and_their_older_spellings(tiny_mo
                              "--min-count", "1", "--json", *args).stdout)["header"] for i, args in enumerate((new, old))]
     assert headers[0]["content_digest"] == headers[1]["content_digest"]
     assert (headers[0]["n_range"], headers[0]["draft_len"], headers[0]["top_k"]) == ([2, 3], 2, 2)
+
+
+def test_empty_corpus_and_missing_file(tiny_model_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for corpus in (empty, tmp_path / "missing.jsonl"):
+        err = one_line_error(hd_main("build-stats", corpus, "-o", tmp_path / "s.lmdb", "--model", tiny_model_dir))
+        assert corpus.name in err
+    assert not (tmp_path / "s.lmdb").exists()

@@ -1,4 +1,5 @@
-"""DecodingConfig (one object a run is built from), compose.build_drafter, the layer registry."""
+"""DecodingConfig (one object a run is built from), compose.build_drafter, the layer registry; a
+configuration file's fields of the wrong type are one line naming them."""
 from __future__ import annotations
 
 import json
@@ -246,3 +247,33 @@ def test_a_plan_given_as_the_configuration_is_read_once(tiny_model_dir, tiny_lm,
     reads.clear()
     generate_report(cfg.replace(plan=str(other), max_new_tokens=4), "the cat sat", lm=tiny_lm)
     assert reads == [str(other)]
+
+
+# --- fields of a configuration file of the wrong type -----------------------------------------
+
+@pytest.mark.parametrize("field,value,want", [
+    ("max_new_tokens", "eight", "field 'max_new_tokens' must be an integer, not \"eight\""),
+    ("max_new_tokens", 8.7, "field 'max_new_tokens' must be an integer, not 8.7"),
+    ("max_new_tokens", True, "field 'max_new_tokens' must be an integer, not true"),
+    ("draft_len", {"context": "x"}, "field 'draft_len' must be an integer or {layer: integer}"),
+    ("stop", "abc", "field 'stop' must be a list of strings"),
+    ("stats_dbs", [1], "field 'stats_dbs' must be a list of paths"),
+    ("learn", "yes", "field 'learn' must be true or false"),
+    ("temperature", "hot", "field 'temperature' must be a number"),
+])
+def test_config_fields_of_the_wrong_type_are_one_line(tmp_path, field, value, want):
+    from hdcli.config import DecodingConfig
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps({field: value}))
+    with pytest.raises(HdError) as exc:
+        DecodingConfig.from_file(f)
+    assert want in str(exc.value) and str(f) in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_config_types_that_are_right_still_read(tmp_path):
+    from hdcli.config import DecodingConfig
+    f = tmp_path / "run.json"
+    f.write_text(json.dumps({"max_new_tokens": 8, "temperature": 1, "draft_len": {"context": 4}, "stop": ["x"],
+                             "stats_min_prob": 0, "layers": None, "seed": None}))
+    cfg = DecodingConfig.from_file(f)
+    assert cfg.max_new_tokens == 8 and cfg.temperature == 1 and cfg.draft_len == {"context": 4}

@@ -1,9 +1,12 @@
 """The forward-cost curve: measured so that load cannot fake
 it, re-measured when implausible or old; loading a model measures nothing. The measurement's
-logic runs on a model's own clock (SleepyModel), so no test here rides on the machine's load."""
+logic runs on a model's own clock (SleepyModel), so no test here rides on the machine's load.
+And the cache the measurements are kept in (HD_CACHE_DIR): a malformed record is measured again,
+a cache folder that cannot be one is one line."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -15,7 +18,7 @@ from hdcli.engine.decode import costs
 from hdcli.engine.kernels import dense as kernels
 from hdcli.engine import loader
 from hdcli.engine.model.target import TransformersForward
-from conftest import tiny_llama
+from conftest import hd_main, hd_sub, one_line_error, tiny_llama
 
 
 class Clock:
@@ -183,3 +186,61 @@ def test_hd_costs_shows_and_remeasures(tiny_model_dir, tmp_path, monkeypatch):
     assert r.exit_code == 0 and "1 token" in r.output
     assert ("its attention:" in r.output) == bool(rep["invariant"])
     assert ("its decoder blocks: one compiled call a forward" if fused else "its decoder blocks: the Python blocks") in r.output
+
+
+# --- the cache the measurements are kept in (HD_CACHE_DIR) ------------------------------------
+
+def _cache_records(cache):
+    return {p.parent.name: p for p in cache.rglob("*.json") if p.parent.name in ("costs", "attention", "invariant")}
+
+
+def test_malformed_cache_records_are_dropped_and_measured_again(tiny_model_dir, tmp_path):
+    """A record with the right key and a wrong type (an edited or damaged file) made every run exit 1
+    with a TypeError, `hd costs --remeasure` too. Now each is dropped in one line and measured again.
+    Processes of their own: what a process decides once (the attention) is read from the records
+    by a new one."""
+    env = {**os.environ, "HD_CACHE_DIR": str(tmp_path / "cache")}
+    m = str(tiny_model_dir)
+    gen = ["generate", "-m", m, "-p", "the cat sat", "-n", "4", "--json"]
+    first = hd_sub(*gen, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    records = _cache_records(tmp_path / "cache")
+    assert set(records) == {"costs", "attention", "invariant"}, records
+    bad = {"costs": ("cost", "x"), "attention": ("ms", None), "invariant": ("self_check", 5)}
+
+    def spoil():
+        for kind, (field, value) in bad.items():
+            rec = json.loads(records[kind].read_text())
+            records[kind].write_text(json.dumps({**rec, field: value}))
+    spoil()
+    p = hd_sub(*gen, env=env)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert json.loads(p.stdout)["tokens"] == json.loads(first.stdout)["tokens"]
+    for kind, path in records.items():
+        assert f"warning: {path}: " in p.stderr and "is malformed; re-measuring" in p.stderr, (kind, p.stderr)
+        assert json.loads(path.read_text())[bad[kind][0]] != bad[kind][1]   # measured and written again
+    spoil()
+    p = hd_sub("costs", "-m", m, "--remeasure", "--json", env=env)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.count("is malformed; re-measuring") == 2   # attention, invariant (costs: not read)
+
+
+def test_a_cache_folder_that_cannot_be_one_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    m = str(tiny_model_dir)
+    for cache in (afile, afile / "sub"):
+        err = one_line_error(hd_main("generate", "-m", m, "-p", "x", env={**os.environ, "HD_CACHE_DIR": str(cache)}))
+        assert f"HD_CACHE_DIR {cache}" in err and "set HD_CACHE_DIR to a writable folder" in err, err
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "costs").write_text("")
+    err = one_line_error(hd_main("generate", "-m", m, "-p", "x", env={**os.environ, "HD_CACHE_DIR": str(tmp_path / "c")}))
+    assert f"{tmp_path / 'c' / 'costs'} is a file" in err
+    # read-only (what a read-only home gives): hd works, measuring again each run, and says so once
+    from hdcli.engine import environment
+    monkeypatch.setenv("HD_CACHE_DIR", str(tmp_path / "ro"))
+    monkeypatch.setattr(environment.os, "access", lambda *a: False)
+    environment.check_cache_dir()
+    environment.check_cache_dir()
+    err = capsys.readouterr().err
+    assert err.count("is not writable") == 1 and "set HD_CACHE_DIR" in err

@@ -32,8 +32,7 @@ from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.verify import logprobs_of
 from hdcli.engine.text import constrain
 
-from conftest import hd_main, require_bundled, tiny_llama
-from test_reliability import one_line_error
+from conftest import hd_main, one_line_error, require_bundled, tiny_llama
 from test_serve import Running, http
 
 pytestmark = pytest.mark.bundled

@@ -3,7 +3,8 @@
 Every file argument is read no further than its bound (hdcli/inputs.py): /dev/zero or a file
 past the bound is one line naming the flag, the file and the bound, in bounded memory. A DB path
 that is a symlink loop or a FIFO says so. A model store's bad entry is one line and the rest are
-listed; a store name stays inside its store."""
+listed; a store name stays inside its store. A UTF-8 BOM is not data; an output path that cannot
+be a DB file is one line."""
 from __future__ import annotations
 
 import json
@@ -21,9 +22,8 @@ from hdcli.commands import plan as plan_commands
 from hdcli.hsd import planner
 from hdcli.serve import tenants
 
-from conftest import hd_main
+from conftest import hd_main, hd_sub, one_line_error, write_corpus
 from test_local_models import HEX, gguf_file, stores   # noqa: F401 - fixtures
-from test_reliability import hd_sub, one_line_error
 
 MiB = 1 << 20
 
@@ -199,3 +199,41 @@ def test_a_store_name_stays_a_name_inside_its_store(stores, tmp_path, name, said
 def test_hd_generate_on_a_bad_store_name_is_one_line(stores):   # noqa: F811
     err = one_line_error(hd_main("generate", "-p", "hi", "--model", "lmstudio:/etc/passwd"))
     assert "lmstudio:/etc/passwd: expected a name inside the store" in err
+
+
+# --- a UTF-8 BOM is not data; output paths that cannot be a DB file ---------------------------
+
+def test_a_utf8_bom_is_not_data(tiny_model_dir, tmp_path):
+    """Files saved by editors that write a BOM read like any other JSON lines."""
+    from hdcli.db import modeldb
+    from hdcli.bench import specbench
+    q = tmp_path / "question.jsonl"
+    q.write_text('\ufeff{"question_id": 1, "category": "qa", "turns": ["the cat"]}\n', encoding="utf-8")
+    assert specbench.load(q)[0]["turns"] == ["the cat"]
+    p = tmp_path / "prompts.jsonl"
+    p.write_text('\ufeff{"prompt": "the cat sat"}\n', encoding="utf-8")
+    assert modeldb.load_prompts(p)[0] == ["the cat sat"]
+
+
+def test_a_prompt_file_with_a_bom_is_the_prompt_alone(tmp_path):
+    from hdcli.commands.generate import read_prompt
+    f = tmp_path / "p.txt"
+    f.write_text("\ufeffthe cat sat", encoding="utf-8")
+    assert read_prompt(None, f) == "the cat sat"
+
+
+def test_output_paths_that_cannot_be_a_db_file(tiny_model_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 8)
+    folder = tmp_path / "folder.lmdb"
+    folder.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    m = str(tiny_model_dir)
+    assert "is a folder: -o takes a file path" in one_line_error(
+        hd_main("build-stats", corpus, "-o", folder, "--overwrite", "-m", m))
+    assert "a_file is a file, not a folder" in one_line_error(
+        hd_main("build-stats", corpus, "-o", a_file / "x.lmdb", "-m", m))
+    assert "is a folder, not a DB file" in one_line_error(hd_main("db", "info", folder))
+    assert "is a folder: -o takes a file path" in one_line_error(
+        hd_main("build-model-db", "-o", folder, "--overwrite", "-m", m))

@@ -17,7 +17,7 @@ import time
 import lmdb
 import pytest
 
-from conftest import PATIENCE
+from conftest import HD, PATIENCE, file_size_limit, hd_main, one_line_error
 from hdcli import api
 from hdcli.db import atomic, codec, modeldb, statsdb, stores
 from hdcli.db.header import HEADER_KEY, read_header, write_header
@@ -25,7 +25,6 @@ from hdcli.errors import HdError
 from hdcli.serve.learner import Learner
 
 from test_cli import hd
-from test_reliability import HD, _file_size_limit, hd_proc, one_line_error
 from test_statsdb import FREE_FORWARD, db_dict, expected
 
 PROMPTS = ["the cat sat", "one two three", "red blue green", "hello world", "big small",
@@ -383,7 +382,7 @@ def test_learn_on_a_full_disk_prints_the_answer_then_one_line(tiny_model_dir, to
     texts = []
     for as_json in (True, False):
         p = subprocess.run(args + (["--json"] if as_json else []), capture_output=True, text=True,
-                           preexec_fn=_file_size_limit(size))
+                           preexec_fn=file_size_limit(size))
         line = one_line_error(p)
         assert line.startswith(f"error: the answer was not learned: could not write to {path} (") and \
             "the disk may be full" in line, line
@@ -424,11 +423,11 @@ def test_learning_grows_the_file_by_a_bounded_amount_per_token(tok, tmp_path):
 
 def test_db_info_reports_file_size_used_and_free_pages(tok, tmp_path):
     path = model_db(tok, tmp_path / "m.lmdb", answers(1, 4))
-    p = hd_proc("db", "info", path, "--json")
+    p = hd_main("db", "info", path, "--json")
     assert p.returncode == 0, p.stderr
     size = json.loads(p.stdout)["size"]
     assert size["file_bytes"] == path.stat().st_size and size["used_pages"] > 0 and size["free_pages"] >= 0
-    p = hd_proc("db", "info", path)
+    p = hd_main("db", "info", path)
     assert "used_pages" in p.stdout and "free_pages" in p.stdout
 
 
@@ -524,5 +523,5 @@ def test_a_refused_db_leaves_no_lock_file(tmp_path):
             with pytest.raises(HdError, match=why):
                 stores.Store(path, writable=writable)
             assert not os.path.exists(str(path) + "-lock"), (path.name, writable)
-    p = hd_proc("db", "verify", tmp_path / "future.lmdb")
+    p = hd_main("db", "verify", tmp_path / "future.lmdb")
     assert "format version" in one_line_error(p) and not (tmp_path / "future.lmdb-lock").exists()

@@ -4,7 +4,8 @@ Hostile model files: GGUF files whose header, metadata or tensors lie are refuse
 opened, in one line naming the file, the field or tensor and what was expected (exit 2), before
 any kernel or allocation sees them; so are checkpoints contradicting their config, and
 architectures hd cannot decode. Those files are tiny llamas written with gguf-py (F32 weights, a
-48-token byte-level vocabulary), each with one thing wrong."""
+48-token byte-level vocabulary), each with one thing wrong. A GGUF cut short and a model folder
+without a tokenizer are one line in `hd generate` too."""
 from __future__ import annotations
 
 import math
@@ -18,8 +19,8 @@ import torch
 from hdcli.engine import loader
 from hdcli.errors import HdError
 
+from conftest import hd_main, one_line_error, write_corpus
 from test_cli import run
-from test_reliability import hd_proc, one_line_error
 
 
 def test_resolve_kinds(tiny_model_dir, tmp_path):
@@ -305,7 +306,7 @@ def test_a_header_counting_2_63_tensors_is_refused_before_reading(tmp_path):
     with open(path, "r+b") as f:
         f.seek(8)
         f.write(struct.pack("<Q", 2**63))
-    err = one_line_error(hd_proc("generate", "--model", path, "-p", "hi", env={**os.environ, "HF_HUB_OFFLINE": "1"}))
+    err = one_line_error(hd_main("generate", "--model", path, "-p", "hi", env={**os.environ, "HF_HUB_OFFLINE": "1"}))
     assert f"{path}: the header says 9223372036854775808 tensors, more than the file's" in err
 
 
@@ -406,3 +407,37 @@ def test_a_checkpoint_contradicting_its_config_is_refused(tiny_model_dir, tmp_pa
     got = run("generate", "--model", str(folder), "-p", "the cat", "-n", "4", "--dtype", "fp32")
     assert isinstance(got, HdError), got
     assert "\n" not in str(got) and want in str(got), str(got)
+
+
+# --- model files that are cut short or incomplete, as `hd generate` meets them ----------------
+
+def test_truncated_gguf_is_one_line(tmp_path):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\x05\x00")  # right magic, then nothing
+    err = one_line_error(hd_main("generate", "--model", bad, "-p", "hi", env={**os.environ, "HF_HUB_OFFLINE": "1"}))
+    assert str(bad) in err
+
+
+def test_a_gguf_cut_short_says_it_is_truncated(tmp_path):
+    """A GGUF whose tensor data was cut (an interrupted download) failed inside numpy's reshape."""
+    from hdcli.engine.model.gguf import GGUFFile
+    good = write_gguf(tmp_path / "good.gguf")   # a whole tiny llama (two tensors alone: refused at open)
+    GGUFFile(good)
+    size = good.stat().st_size
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:size - 3000])
+    with pytest.raises(HdError) as exc:
+        GGUFFile(cut)
+    assert str(exc.value) == f"{cut} is truncated ({size - 3000} bytes, its tensors need {size}): download it again"
+    err = one_line_error(hd_main("generate", "--model", cut, "-p", "hi", env={**os.environ, "HF_HUB_OFFLINE": "1"}))
+    assert "cut.gguf is truncated" in err
+
+
+def test_model_folder_without_a_tokenizer(tiny_model_dir, tmp_path):
+    only = tmp_path / "only-config"
+    only.mkdir()
+    (only / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    for args in (["generate", "-m", only, "-p", "hi"],
+                 ["build-stats", tmp_path / "c.jsonl", "-o", tmp_path / "s.lmdb", "-m", only]):
+        write_corpus(tmp_path / "c.jsonl", 2)
+        assert "has no tokenizer" in one_line_error(hd_main(*args))

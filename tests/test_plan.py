@@ -1,11 +1,18 @@
-"""The expected-latency model of hdcli/hsd/planner.py: the classic formula, Monte Carlo, DP vs brute force."""
+"""hd plan (hdcli/hsd/planner.py): the expected-latency model (the classic formula, Monte Carlo, DP
+vs brute force), and the plan files it writes (their fields checked, the DBs they carry drafted
+from)."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
+from hdcli.db import stores
+from hdcli.errors import HdError
 from hdcli.hsd.planner import Chain, Params, brute_force, dp, expected_rounds, simulate, tokens_per_second, x_dist
+
+from conftest import hd_main, one_line_error, stats_db_file
 
 
 def linear(base: float, per_token: float):
@@ -70,3 +77,32 @@ def test_formula_matches_monte_carlo(chain):
     predicted = tokens_per_second(chain, p)
     simulated = simulate(chain, p, steps=40_000, seed=1)
     assert simulated == pytest.approx(predicted, rel=0.02)
+
+
+# --- plan files: their fields, the DBs they carry ---------------------------------------------
+
+def test_a_plan_field_of_the_wrong_type_names_the_plan(tmp_path):
+    """A plan's dtype of 5 read as if the user had typed `--dtype 5` ("--dtype must be one of")."""
+    from hdcli.hsd import planner
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps({"kind": "hd-plan", "target": "x", "dtype": 5, "chain": {"bottom": "db", "levels": []}}))
+    with pytest.raises(HdError, match=r"plan .*plan.json: field 'dtype' must be a string, not 5; run `hd plan` again"):
+        planner.read_plan_file(f)
+
+
+def test_generate_with_a_plan_drafts_from_the_plans_dbs(tiny_model_dir, tiny_lm, tmp_path):
+    db = stats_db_file(tiny_model_dir, tmp_path)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({
+        "kind": "hd-plan", "target": tiny_lm.name, "dtype": "fp32", "chain": {"bottom": "db", "levels": []},
+        "db_layers": ["context", "stats"], "stats_dbs": [str(db.resolve())], "model_db": None,
+        "db_digests": {str(db.resolve()): stores.Store(db).header["content_digest"]}}))
+    m = str(tiny_model_dir)
+    p = hd_main("generate", "-m", m, "-p", "the cat sat", "-n", "8", "--plan", plan, "--json",
+                "--kernels", "torch")
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(p.stdout)
+    assert report["stats_dbs"] == [str(db.resolve())] and report["layers"] == ["context", "stats"]
+    other = stats_db_file(tiny_model_dir, tmp_path, "other.lmdb")
+    err = one_line_error(hd_main("generate", "-m", m, "-p", "x", "--plan", plan, "--stats-db", other))
+    assert "was measured with" in err and "s.lmdb" in err

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from conftest import PATIENCE
+from conftest import PATIENCE, hd_sub, one_line_error
 from hdcli import api
 from hdcli.engine.decode.loop import Decoder
 from hdcli.engine.decode.draft import Draft
@@ -21,7 +21,6 @@ from hdcli.serve.server import Server, listening_socket
 from hdcli.serve import tenants
 from hdcli.serve.scheduler import Job, Scheduler
 
-from test_reliability import hd_sub, one_line_error
 from test_serve import PROMPTS, Running, chat, config, http, model_dir  # noqa: F401 - model_dir: a fixture
 
 openai = pytest.importorskip("openai")

@@ -3,11 +3,14 @@
 And every DB's header and contents: one validator for DB headers, used by every reader; `hd db
 verify` checks the tokenizer fingerprint, token ids against the vocabulary and entry lengths
 against draft_len; drafts never carry ids outside the model's vocabulary; merging two builds of
-one corpus is refused unless asked for."""
+one corpus is refused unless asked for. DB files as users meet them (another format version, cut
+short, damaged, merged wrongly, two builds racing, their file modes): one line each, nothing
+half-written left. One long document is tokenised in pieces and counted in windows: the same DB."""
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -20,14 +23,13 @@ import pytest
 from hdcli import api
 from hdcli.engine.decode import costs
 from hdcli.commands import db as commands
-from hdcli.db import codec, envs, fingerprint, statsdb, stores
+from hdcli.db import atomic, codec, envs, fingerprint, statsdb, stores
 from hdcli.db.header import FORMAT_VERSION, HEADER_KEY
 from hdcli.drafting import StatsLayer
 from hdcli.errors import HdError
 
-from conftest import VOCAB
+from conftest import HD, TEXTS, VOCAB, WORDS, hd_main, hd_sub, one_line_error, stats_db_file, write_corpus
 from test_cli import run
-from test_reliability import hd_proc, one_line_error, write_corpus
 
 DOCS = ["the cat sat on the mat . the cat sat on the red mat",
         "the dog sat on the mat and the cat ran",
@@ -377,9 +379,9 @@ def test_a_bad_header_is_one_line_for_every_reader_and_damaged_for_verify(tiny_l
 
 def test_a_bad_header_from_the_console_is_one_line(tiny_lm, tiny_model_dir, tmp_path):
     db = _rewrite(_build(tiny_lm.tokenizer, tmp_path / "s.lmdb"), header=lambda h: [h])
-    err = one_line_error(hd_proc("generate", "-m", tiny_model_dir, "-p", PROMPT, "-n", "3", "--stats-db", db))
+    err = one_line_error(hd_main("generate", "-m", tiny_model_dir, "-p", PROMPT, "-n", "3", "--stats-db", db))
     assert str(db) in err and "JSON list" in err
-    p = hd_proc("db", "verify", db)
+    p = hd_main("db", "verify", db)
     assert p.returncode == 1 and "DAMAGED" in p.stdout and "Traceback" not in p.stderr, (p.stdout, p.stderr)
 
 
@@ -526,3 +528,203 @@ def test_merging_two_builds_of_one_corpus_is_refused(tiny_model_dir, tmp_path):
     assert not isinstance(r, HdError) and r.exit_code == 0, r
     err = run("merge-stats", str(tmp_path / "s0.lmdb"), str(a), "-o", str(tmp_path / "x.lmdb"))
     assert isinstance(err, HdError)   # a shard with a pruned DB: refused as before
+
+
+# --- DB files: another format, cut short, damaged, merged wrongly, raced, their modes ---------
+
+def test_db_of_another_format_version_is_refused(tiny_lm, tmp_path):
+    out = tmp_path / "s.lmdb"
+    statsdb.build(TEXTS, out, tiny_lm.tokenizer, "tiny", min_count=1)
+    db = stores.Store(out, writable=True)
+    db.update(lambda txn: txn.put(HEADER_KEY, json.dumps({**db.header, "format_version": 99}).encode()))
+    pass  # the cached LMDB environment sees every committed write
+    r = run("db", "info", str(out))
+    assert isinstance(r, HdError) and "format" in str(r)
+
+
+def test_truncated_db_is_one_line_everywhere_and_leaves_no_lock(tiny_model_dir, tmp_path):
+    """Half a DB (an interrupted copy) used to kill every reader with SIGBUS (exit 135): LMDB maps
+    the file and reads past its end. Now the file size is checked against LMDB's last page first."""
+    good = stats_db_file(tiny_model_dir, tmp_path)
+    half = tmp_path / "half.lmdb"
+    half.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    m = str(tiny_model_dir)
+    for args in (["db", "info", half], ["db", "verify", half], ["db", "query", half, "--text", "the", "-m", m],
+                 ["generate", "-m", m, "-p", "the cat", "-n", "4", "--stats-db", half],
+                 ["merge-stats", half, good, "-o", tmp_path / "m.lmdb"]):
+        err = one_line_error(hd_sub(*args))   # a process of its own: the bug was a SIGBUS
+        assert "half.lmdb is truncated" in err, (args, err)
+    assert not (tmp_path / "half.lmdb-lock").exists() and not (tmp_path / "m.lmdb").exists()
+
+
+@pytest.mark.parametrize("where", ["structure", "content"])
+def test_damaged_db_is_found_by_verify_and_refused_by_merge(tiny_model_dir, tmp_path, where):
+    """Flipped bytes: `hd db verify` says DAMAGED (exit 1), merge-stats refuses in one line and
+    writes nothing; a good DB verifies OK with the digest of its header."""
+    good = stats_db_file(tiny_model_dir, tmp_path)
+    ok = hd_main("db", "verify", good, "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"], ok.stdout
+    data = bytearray(good.read_bytes())
+    psize = 4096
+    if where == "structure":  # 64 bytes of the middle page: headers, pointers and data
+        mid = (len(data) // psize // 2) * psize
+        for i in range(mid, mid + 64):
+            data[i] ^= 0xFF
+    else:  # one byte of record data: LMDB fills a leaf page from its end
+        data[3 * psize - 3] ^= 0x01
+    bad = tmp_path / "bad.lmdb"
+    bad.write_bytes(bytes(data))
+    p = hd_sub("db", "verify", bad, "--json")   # damaged pages must not take the test run down
+    report = json.loads(p.stdout)
+    assert p.returncode == 1 and not report["ok"] and report["dbs"][0]["problems"], p.stdout
+    other = stats_db_file(tiny_model_dir, tmp_path, "other.lmdb")
+    err = one_line_error(hd_sub("merge-stats", other, bad, "-o", tmp_path / "m.lmdb"))
+    assert "bad.lmdb" in err and "damaged" in err
+    assert not (tmp_path / "m.lmdb").exists()
+    assert not [x for x in tmp_path.iterdir() if ".tmp-" in x.name]
+
+
+def test_a_db_value_of_a_wrong_length_is_one_line(tiny_model_dir, tmp_path):
+    """A value whose length is not a multiple of 4 gave numpy's ValueError traceback in `hd generate
+    --stats-db` and `hd db query` (`db verify` found it). Now: damaged, run `hd db verify`."""
+    import lmdb
+    db = stats_db_file(tiny_model_dir, tmp_path)
+    env = lmdb.open(str(db), subdir=False, lock=True)
+    with env.begin(write=True) as txn:
+        for k in [bytes(k) for k, _ in txn.cursor() if bytes(k) != HEADER_KEY]:
+            txn.put(k, b"\x01\x02\x03")
+    env.close()
+    m = str(tiny_model_dir)
+    for args in (["db", "query", db, "--text", "the cat", "-m", m],
+                 ["generate", "-m", m, "-p", "the cat sat on the mat", "-n", "4", "--stats-db", db, "--raw"]):
+        err = one_line_error(hd_main(*args))
+        assert f"{db} is damaged (a record of 3 bytes is malformed): run `hd db verify {db}`" in err, (args, err)
+    assert hd_main("db", "verify", db).returncode == 1
+
+
+def _two_shards(tiny_model_dir, tmp_path):
+    """Shards 0/2 and 1/2 of a small corpus at s0.lmdb and s1.lmdb; returns (corpus, model)."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 40)
+    m = str(tiny_model_dir)
+    for i in range(2):
+        assert hd_main("build-stats", corpus, "-o", tmp_path / f"s{i}.lmdb", "-m", m, "--shard", f"{i}/2").returncode == 0
+    return corpus, m
+
+
+def test_content_digest_ignores_layout_and_follows_learning(tiny_model_dir, tiny_lm, tmp_path):
+    """Shards merged = the single build, digest for digest; --learn keeps the digest current."""
+    corpus, m = _two_shards(tiny_model_dir, tmp_path)
+    assert hd_main("build-stats", corpus, "-o", tmp_path / "single.lmdb", "-m", m).returncode == 0
+    merged = json.loads(hd_main("merge-stats", tmp_path / "s0.lmdb", tmp_path / "s1.lmdb",
+                                "-o", tmp_path / "merged.lmdb", "--json").stdout)["header"]
+    single = stores.Store(tmp_path / "single.lmdb").header
+    assert merged["content_digest"] == single["content_digest"] and merged["counts"].startswith("exact: all 2")
+    db = stores.Store(tmp_path / "single.lmdb", writable=True)
+    statsdb.add_counts(db, [tiny_lm.tokenizer("the cat sat on the mat", add_special_tokens=False)["input_ids"]])
+    report = db.verify()
+    assert report["ok"] and report["content_digest"] != single["content_digest"], report
+
+
+def test_merge_refuses_what_would_give_wrong_counts(tiny_model_dir, tiny_lm, tmp_path):
+    corpus, m = _two_shards(tiny_model_dir, tmp_path)
+    copy = tmp_path / "copy.lmdb"
+    copy.write_bytes((tmp_path / "s0.lmdb").read_bytes())
+    pruned = tmp_path / "pruned.lmdb"
+    assert hd_main("build-stats", corpus, "-o", pruned, "-m", m).returncode == 0
+    model_db = tmp_path / "model.lmdb"
+    statsdb.build(TEXTS, model_db, tiny_lm.tokenizer, m, min_count=1, kind="model")
+    out = tmp_path / "m.lmdb"
+    for inputs, want in (([tmp_path / "s0.lmdb", copy], "are the same DB"),
+                         ([tmp_path / "s0.lmdb", tmp_path / "s0.lmdb"], "are the same DB"),
+                         ([pruned, model_db], "merge DBs of one kind"),
+                         ([pruned, tmp_path / "s0.lmdb"], "unpruned shard")):
+        assert want in one_line_error(hd_main("merge-stats", *inputs, "-o", out))
+        assert not out.exists()
+    partial = json.loads(hd_main("merge-stats", tmp_path / "s1.lmdb", "-o", out, "--json").stdout)
+    assert partial["header"]["counts"].startswith("exact sums of 1 shards (1 of 2): not every shard")
+
+
+def test_a_build_never_replaces_an_output_that_appeared_meanwhile(tmp_path):
+    out = tmp_path / "s.lmdb"
+    first, second = atomic.StoreWriter(out), atomic.StoreWriter(out)  # both saw no output
+    first.put(codec.encode_key([1]), codec.encode_value(1, [([2], 1)], 1))
+    first.commit({"kind": "stats", "draft_len": 1, "n_range": [1, 1]})
+    digest = stores.Store(out).header["content_digest"]
+    with pytest.raises(HdError, match="appeared during the build"):
+        second.commit({"kind": "stats", "draft_len": 1, "n_range": [1, 1]})
+    second.abort()
+    assert stores.Store(out).header["content_digest"] == digest
+    assert [x.name for x in tmp_path.iterdir() if not x.name.endswith("-lock")] == ["s.lmdb"]
+
+
+def test_two_builds_racing_to_one_path_one_wins(tiny_model_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 200)
+    out = tmp_path / "s.lmdb"
+    cmd = HD + ["build-stats", str(corpus), "-o", str(out), "--model", str(tiny_model_dir)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(), p.stderr.read()) for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    err = [e for rc, e in results if rc == 2][0]
+    assert "already exists" in err or "appeared during the build" in err, err
+    assert stores.Store(out).verify()["ok"]
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_outputs_follow_the_umask(tiny_model_dir, tmp_path, umask, mode):
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 8)
+    out = tmp_path / "s.lmdb"
+    for extra in ([], ["--overwrite"]):
+        old = os.umask(umask)
+        try:
+            p = hd_main("build-stats", corpus, "-o", out, "-m", tiny_model_dir, *extra)
+        finally:
+            os.umask(old)
+        assert p.returncode == 0, p.stderr[-1000:]
+        assert out.stat().st_mode & 0o777 == mode, (extra, oct(out.stat().st_mode))
+
+
+# --- one long document: tokenised in pieces (split_text), counted in windows ------------------
+
+def test_split_text_cuts_where_whitespace_starts():
+    text = "alpha beta  gamma\n\ndelta " * 50 + "x" * 300
+    pieces = list(statsdb.split_text(text, 40))
+    assert "".join(pieces) == text and all(len(p) <= 40 for p in pieces)
+    for a, b in zip(pieces, pieces[1:]):
+        assert not a[-1].isspace() and (b[0].isspace() or len(a) == 40)   # a run of "x" is cut at the limit
+    assert list(statsdb.split_text("short", 40)) == ["short"]
+
+
+@pytest.mark.parametrize("max_n,draft_len", [(4, 1), (3, 4)])
+def test_a_long_document_counts_exactly_in_pieces(tiny_lm, tmp_path, monkeypatch, max_n, draft_len):
+    """A 50 MB one-line document was tokenised whole (7 GB) and counted whole, deaf to Ctrl-C for
+    47 s. Now it is tokenised in pieces of PIECE_CHARS characters cut at whitespace and counted in
+    windows of chunk_tokens tokens that overlap by max_n - 1 and draft_len: the same DB."""
+    rng = random.Random(0)
+    long = " ".join(rng.choice(WORDS[:12]) for _ in range(60_000))
+    texts = [long, "the cat sat on the mat", long[:5000]]
+    assert 10_000 < len(long) < statsdb.PIECE_CHARS   # whole in the first build, in pieces in the second
+    kw = dict(min_n=1, max_n=max_n, draft_len=draft_len, min_count=1)
+    whole = statsdb.build(texts, tmp_path / "whole.lmdb", tiny_lm.tokenizer, "tiny", **kw)
+    seen = {"text": 0, "tokens": 0}
+    real_tok, real_count = tiny_lm.tokenizer.__class__.__call__, statsdb.count_chunk
+
+    def tokenise(self, texts, **k):
+        seen["text"] = max(seen["text"], max(map(len, texts)))
+        return real_tok(self, texts, **k)
+
+    def count(docs, *a):
+        seen["tokens"] = max(seen["tokens"], max(len(getattr(d, "tokens", d)) for d in docs))
+        return real_count(docs, *a)
+    monkeypatch.setattr(statsdb, "PIECE_CHARS", 10_000)
+    monkeypatch.setattr(statsdb, "count_chunk", count)
+    monkeypatch.setattr(tiny_lm.tokenizer.__class__, "__call__", tokenise)
+    split = statsdb.build(texts, tmp_path / "split.lmdb", tiny_lm.tokenizer, "tiny", chunk_tokens=3_000, **kw)
+    monkeypatch.undo()
+    assert seen["text"] <= 10_000 and seen["tokens"] <= 3_000 + max_n - 1 + draft_len
+    a, b = stores.Store(tmp_path / "whole.lmdb"), stores.Store(tmp_path / "split.lmdb")
+    assert list(a.items()) == list(b.items())
+    for k in ("documents", "tokens", "keys", "content_digest", "continuations"):
+        assert whole.get(k) == split.get(k), k

@@ -235,7 +235,7 @@ def test_a_prediction_longer_than_the_context_is_refused(tiny):
 
 def test_hd_generate_bad_grammar_files_are_one_line_and_exit_2(tmp_path):
     """Checked before the model loads: each is one line naming the flag and file, exit 2."""
-    from test_reliability import hd_proc, one_line_error
+    from conftest import hd_main, one_line_error
     bad_schema = tmp_path / "bad.json"
     bad_schema.write_text('{"type": "frobnicated"}')
     empty = tmp_path / "none.lark"
@@ -246,6 +246,6 @@ def test_hd_generate_bad_grammar_files_are_one_line_and_exit_2(tmp_path):
                        (["--grammar", str(unknown)], "say its format with --grammar-format"),
                        (["--json-object", "--grammar", str(empty)], "pass one of --json-object, --grammar"),
                        (["--json-schema", str(tmp_path / "missing.json")], "cannot read --json-schema")]:
-        proc = hd_proc("generate", "-p", "Hi", "-n", "4", *args)
+        proc = hd_main("generate", "-p", "Hi", "-n", "4", *args)
         assert proc.returncode == 2, proc.stderr
         assert says in one_line_error(proc)

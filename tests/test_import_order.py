@@ -1,4 +1,4 @@
-"""The package layout holds: imports point down only, and no function grows past ~80 lines."""
+"""The package's import order holds: imports point down only, no import circle, and no function grows past ~80 lines."""
 from __future__ import annotations
 
 import ast
