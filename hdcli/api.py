@@ -49,13 +49,14 @@ from .config import DecodingConfig
 from .db.modeldb import learn
 from .drafting import registry
 from .engine import loader
+from .engine.decode.request import Speculation
 from .engine.decode.verify import Sampling
 from .engine.text.prompts import encode_messages, encode_prompt
 from .errors import HdError
 from .generation import NoRoom, Result, Run, compile_grammar, generate, prepare
 
 __all__ = [
-    "DecodingConfig", "Sampling", "HdError",
+    "DecodingConfig", "Sampling", "Speculation", "HdError",
     "load_model", "load_model_for", "encode_prompt", "encode_messages",
     "generate", "Result", "compile_grammar", "prepare", "Run", "NoRoom",
     "build_drafter", "make_drafter", "make_stack", "default_layers", "open_stats_dbs", "cheap_verification",

@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .compose import DBs, Status, check_tokenizers, drafter_for, load_model_for, open_dbs
+from .compose import DBs, Status, check_tokenizers, drafter_for, load_model_for, open_dbs, resolved
 from .config import DecodingConfig
 from .drafting import RecycledTable
 from .engine.text import constrain
@@ -18,7 +18,7 @@ from .engine.decode import costs
 from .engine import loader
 from .engine.decode.prediction import prediction_ids
 from .engine.decode.loop import Decoder, Generation
-from .engine.decode.request import Request
+from .engine.decode.request import Request, Speculation
 from .engine.text.prompts import TextStream, cut_at_stop, encode_prompt
 from .errors import HdError
 from .hsd.planner import check_made_for
@@ -90,12 +90,31 @@ class Run:
         """The forward-cost curve of this model and machine (costs.curve_for: measured once, cached)."""
         return costs.curve_for(self.lm)
 
-    def drafter(self, recycle_table: RecycledTable | None = None, answer_index=None):
+    @functools.cached_property
+    def layers(self) -> list[str]:
+        """The drafting layers this run's requests draft with, most local first (the configuration's,
+        or the default ones for its DBs): what a request's own choice is taken from."""
+        if not self.config.drafting:
+            return []
+        return list(resolved(self.config, self.lm, self.dbs).layers)
+
+    def drafter(self, recycle_table: RecycledTable | None = None, answer_index=None,
+                layers: Sequence[str] | None = None):
         """The configuration's drafter (None: plain decoding) for one scope: recycle_table and
-        answer_index are what that scope's requests taught (default: the process's own)."""
+        answer_index are what that scope's requests taught (default: the process's own); layers:
+        a request's own choice of the run's layers (Speculation.layers; None: all of them)."""
         if not self.config.drafting:
             return None
-        return drafter_for(self.config, self.lm, self.dbs, recycle_table=recycle_table, answer_index=answer_index)
+        cfg = self.config
+        if layers is not None:
+            unknown = [n for n in layers if n not in self.layers]
+            if unknown:
+                raise HdError(f"layers: '{unknown[0]}' is not one of this run's drafting layers "
+                              f"({', '.join(self.layers)})")
+            if not layers and not cfg.draft_models:
+                return None
+            cfg = cfg.replace(layers=list(layers))
+        return drafter_for(cfg, self.lm, self.dbs, recycle_table=recycle_table, answer_index=answer_index)
 
     def room(self, prompt_ids: Sequence[int], asked: int | None = None) -> int:
         """New tokens the model's context leaves after the prompt; NoRoom where it leaves none, or
@@ -173,7 +192,7 @@ def generate(lm: loader.LoadedModel, prompt: str | None = None, *, prompt_ids: l
              on_text: Callable[[str, str | None], None] | None = None,
              cost: costs.CostCurve | None = None, on_status: Callable[[str], None] | None = None,
              grammar: constrain.Grammar | None = None, prediction: str | Sequence[int] | None = None,
-             **options) -> Result:
+             speculation: Speculation | None = None, **options) -> Result:
     """Generate a completion. config: the generation settings (max_new_tokens, sampling, seed,
     chat, system, stop, logprobs) and, with drafter "default", the drafter; options: any of its
     fields by name (e.g. max_new_tokens=30, temperature=0.7, seed=7), over config's or the
@@ -189,6 +208,8 @@ def generate(lm: loader.LoadedModel, prompt: str | None = None, *, prompt_ids: l
     grammar: constrain.compile(lm, kind, source): the output follows it (engine/text/constrain.py).
     prediction: text (or token ids) the answer is expected to repeat, drafted by its own layer at
     the top of the hierarchy (engine/decode/prediction.py); it drafts with drafter None too.
+    speculation: this request's own hold on drafting (engine/decode/request.Speculation: off, a
+    cap on drafted tokens a step, a choice of the configuration's layers).
     Greedy output equals plain greedy decoding (under the same grammar) token for token whatever
     the drafts."""
     run = Run((config or DecodingConfig()).replace(**options).validate(), lm)
@@ -197,13 +218,15 @@ def generate(lm: loader.LoadedModel, prompt: str | None = None, *, prompt_ids: l
         prompt_ids = encode_prompt(lm.tokenizer, prompt or "", chat=cfg.chat, system=cfg.system,
                                    max_tokens=lm.max_context)
     return decode(run, prompt_ids, drafter, on_text=on_text, cost=cost, on_status=on_status,
-                  grammar=grammar, prediction=prediction)
+                  grammar=grammar, prediction=prediction, speculation=speculation)
 
 
 def decode(run: Run, prompt_ids: Sequence[int], drafter="default", *, on_text=None, cost=None,
-           on_status: Callable[[str], None] | None = None, grammar=None, prediction=None) -> Result:
+           on_status: Callable[[str], None] | None = None, grammar=None, prediction=None,
+           speculation: Speculation | None = None) -> Result:
     """One prompt of a run, with a cut of max_new_tokens to the context's room said (on_status)
-    and kept (Result.warnings); drafter "default": the run's."""
+    and kept (Result.warnings); drafter "default": the run's, with the request's own layers
+    (speculation)."""
     warnings = []
 
     def cut(asked: int, room: int) -> None:
@@ -211,9 +234,13 @@ def decode(run: Run, prompt_ids: Sequence[int], drafter="default", *, on_text=No
                         f"context ({room} tokens after the prompt): generating at most {room}")
         if on_status is not None:
             on_status(warnings[-1])
-    request = run.request(prompt_ids, {"grammar": grammar, "prediction": prediction}, on_cut=cut)
-    res = run.generate(request, run.drafter() if isinstance(drafter, str) and drafter == "default" else drafter,
-                       on_text, cost)
+    fields = {"grammar": grammar, "prediction": prediction}
+    if speculation is not None:
+        fields["speculation"] = speculation
+    request = run.request(prompt_ids, fields, on_cut=cut)
+    if isinstance(drafter, str) and drafter == "default":
+        drafter = run.drafter(layers=request.speculation.layers) if request.speculation.drafts else None
+    res = run.generate(request, drafter, on_text, cost)
     res.warnings = warnings
     return res
 

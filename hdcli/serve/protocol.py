@@ -153,6 +153,17 @@ class Prediction(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class Speculative(_Strict):
+    """A request's own hold on drafting (engine/decode/request.Speculation); none of it changes an
+    output token, only what is drafted and verified. enabled false: plain decoding; n_max: most
+    drafted tokens verified a step (0: none; past the server's cap of 63 nodes a step, the cap);
+    layers: the server's drafting layers this request drafts with, most local first (checked
+    against the server's by Server.job_for)."""
+    enabled: bool = True
+    n_max: Optional[int] = Field(None, ge=0)
+    layers: Optional[list[str]] = None
+
+
 class _Common(_Strict):
     model: str
     # sent by apps at their neutral values: accepted there, refused elsewhere (neutral_problem)
@@ -173,6 +184,13 @@ class _Common(_Strict):
     user: Optional[str] = None
     # not OpenAI's, sent by clients of vLLM and llama.cpp (extra_body): implemented; -1 and 0: off
     top_k: Optional[int] = _served("top_k")
+    # hd's per-request drafting controls (Speculative), and llama-server's flat key for the same cap
+    speculative: Optional[Speculative] = None
+    speculative_n_max: Optional[int] = Field(None, alias="speculative.n_max", ge=0)
+    # llama-server's other per-request drafting keys: taken and not acted on (IGNORED): hd drafts
+    # what its cost curve pays for, not a least length or probability
+    speculative_n_min: Optional[int] = Field(None, alias="speculative.n_min")
+    speculative_p_min: Optional[float] = Field(None, alias="speculative.p_min")
 
     # field -> (the values taken besides unset, as the message names them, what is not
     # implemented); a response_format is judged by its type
@@ -181,8 +199,18 @@ class _Common(_Strict):
     IGNORED: ClassVar[tuple[str, ...]] = ()
 
     def ignored(self) -> list[str]:
-        """The IGNORED fields this request set."""
-        return [name for name in self.IGNORED if getattr(self, name) is not None]
+        """The IGNORED fields this request set, as the request names them."""
+        ignored = self.IGNORED + ("speculative_n_min", "speculative_p_min")
+        return [type(self).model_fields[name].alias or name for name in ignored if getattr(self, name) is not None]
+
+    def speculation(self) -> tuple[bool, int | None, list[str] | None]:
+        """(enabled, n_max, layers) of `speculative` and llama-server's `speculative.n_max`; both
+        caps given must agree."""
+        own = self.speculative or Speculative()
+        if own.n_max is not None and self.speculative_n_max is not None and own.n_max != self.speculative_n_max:
+            raise ApiError(400, f"speculative.n_max: given twice, {self.speculative_n_max} and {own.n_max} "
+                           "(as a flat key and in the speculative object): give one", "speculative.n_max")
+        return own.enabled, own.n_max if own.n_max is not None else self.speculative_n_max, own.layers
 
     def neutral_problem(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value hd does not implement, else None."""

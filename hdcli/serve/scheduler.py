@@ -93,10 +93,10 @@ class Job:
 
 
 class Scheduler:
-    """Runs Jobs on one model. drafter_for(scope): a new drafter for one request of that scope
-    (None: plain decoding); on_finish(job): called in the decode thread when a job ends (learning, metrics)."""
+    """Runs Jobs on one model. drafter_for(request): a new drafter for that request (its scope's,
+    with its own layers; None: plain decoding); on_finish(job): called in the decode thread when a job ends (learning, metrics)."""
 
-    def __init__(self, lm, drafter_for: Callable[[str], object], cost=None, max_batch: int = 8,
+    def __init__(self, lm, drafter_for: Callable[[Request], object], cost=None, max_batch: int = 8,
                  max_queue: int = 64, on_finish: Callable[[Job], None] = lambda job: None,
                  on_step: Callable[[list[Job], list[int]], None] = lambda jobs, n: None,
                  prefix=None):
@@ -253,7 +253,7 @@ class Scheduler:
             return
         try:
             request = job.request
-            job.stream = self.decoder.stream(request, drafter=self.drafter_for(request.scope))
+            job.stream = self.decoder.stream(request, drafter=self.drafter_for(request))
         except Exception as exc:  # noqa: BLE001 - this request's fault (module header)
             if self.prefix is not None:   # its prefill may have stored part of an entry
                 self.prefix.clear()

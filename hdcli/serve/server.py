@@ -48,6 +48,7 @@ from .. import compose
 from ..config import DecodingConfig
 from ..engine.text import constrain, tools
 from ..engine.decode import prefix
+from ..engine.decode.request import Request, Speculation
 from ..engine.text.prompts import PromptTooLong, encode_messages, refuse_too_long
 from ..engine.decode.verify import Sampling
 from ..errors import HdError
@@ -176,9 +177,27 @@ class Server:
 
     # ------------------------------------------------------------ requests
 
-    def _drafter(self, scope: tenants.Scope = tenants.SHARED):
-        """A drafter for one request of this scope: its recycled predictions and answers."""
-        return self.prepared.drafter(self.tenants.recycled(scope), self.tenants.answers(scope))
+    def _drafter(self, request: Request):
+        """A drafter for one request: its scope's recycled predictions and answers, its own layers
+        (None where it drafts nothing)."""
+        own, scope = request.speculation, request.scope
+        if not own.drafts:
+            return None
+        return self.prepared.drafter(self.tenants.recycled(scope), self.tenants.answers(scope), layers=own.layers)
+
+    def _speculation(self, req) -> Speculation:
+        """The request's own hold on drafting (its `speculative` field), its layers checked against
+        the server's."""
+        enabled, n_max, layers = req.speculation()
+        if layers is not None:
+            known = self.prepared.layers
+            twice = next((n for i, n in enumerate(layers) if n in layers[:i]), None)
+            bad = next((n for n in layers if n not in known), None)
+            if twice is not None or bad is not None:
+                raise ApiError(400, f"speculative.layers: '{twice}' is named twice" if twice is not None else
+                               f"speculative.layers: '{bad}' is not one of this server's drafting layers "
+                               f"({', '.join(known) if known else 'none: it decodes plainly'})", "speculative.layers")
+        return Speculation(enabled, n_max, None if layers is None else tuple(layers))
 
     def scope_for(self, key_name: str | None, user: str | None) -> tenants.Scope:
         return tenants.scope_of(self.learn_scope, key_name, user)
@@ -203,6 +222,7 @@ class Server:
         if req.model != self.name:
             raise ApiError(404, f"model '{req.model}' is not served here; this server serves '{self.name}'",
                            "model", "model_not_found")
+        speculation = self._speculation(req)
         spec = None
         if chat:   # tools, tool messages: checked before the prompt is built from them (serve/structured.py)
             # no tokenizer lock: compiling a schema does not touch the tokenizer once constrain.prepare
@@ -232,7 +252,7 @@ class Server:
             warnings.append(f"max_tokens: unset, and the server's default of {default} new tokens exceeds "
                             f"the room the model's context leaves after the {len(ids)}-token prompt: at most {room}")
         own = {"sampling": self._sampling(req), "stop": tuple(req.stops()), "logprobs": req.logprobs_wanted(),
-               "grammar": grammar, "prediction": prediction, "scope": scope}
+               "grammar": grammar, "prediction": prediction, "scope": scope, "speculation": speculation}
         own |= {k: v for k, v in (("max_new_tokens", limit), ("seed", req.seed)) if v is not None}
         if not own["stop"]:   # what the request leaves out is the server's
             del own["stop"]
@@ -339,12 +359,14 @@ class Server:
 
     def usage(self, job: Job) -> dict:
         n = len(job.stream.out) if job.stream else 0
-        hd = {"steps": 0, "mean_accepted_tokens": None, "layers": {}}
+        hd = {"steps": 0, "mean_accepted_tokens": None, "layers": {},
+              "draft_tokens": {"verified": 0, "accepted": 0, "wasted": 0}}
         if job.stream is not None:
             st = job.stream.stats
             steps = len(st.accept_lengths)
             hd = {"steps": steps, "mean_accepted_tokens": (sum(st.accept_lengths) / steps) if steps else None,
                   "layers": {name: {"drafted": s.drafted, "accepted": s.accepted} for name, s in st.layers.items()},
+                  "draft_tokens": st.draft_tokens,
                   "queue_seconds": round(job.started - job.submitted, 4) if job.started else None,
                   "seconds": round(job.finished - job.submitted, 4),
                   "cached_prompt_tokens": st.cached_tokens, "prefill_seconds": round(st.prefill_seconds, 4)}

@@ -146,6 +146,8 @@ class Stream:
             raise ValueError("prompt is empty")
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if not request.speculation.drafts:   # the request's own: plain decoding
+            drafter = None
         self.decoder, self.drafter, self.request = decoder, drafter, request
         self.max_new_tokens, self.sampling = request.max_new_tokens, request.sampling
         self.stop_check, self.on_tokens = stop_check, on_tokens
@@ -184,7 +186,7 @@ class Stream:
         # prediction) drafts nothing: the grammar only masks.
         self.grammar = request.grammar.start() if request.grammar is not None else None
         self.prediction = Prediction(request.prediction) if request.prediction else None
-        self.speculates = drafter is not None or self.prediction is not None
+        self.speculates = request.speculation.drafts and (drafter is not None or self.prediction is not None)
 
     def propose(self, max_nodes: int | None = None, capped: bool = True) -> Tree:
         """Draft at most the room left and build this step's tree (root token: history[-1]);
@@ -194,8 +196,10 @@ class Stream:
         return self.plan(self.draft(max_nodes), max_nodes, capped)
 
     def _cap(self, max_nodes: int | None) -> int:
-        dec = self.decoder
-        return dec.max_nodes if max_nodes is None else min(max_nodes, dec.max_nodes)
+        """Most drafted nodes this step: the decoder's, the caller's and the request's own cap."""
+        cap = self.decoder.max_nodes if max_nodes is None else min(max_nodes, self.decoder.max_nodes)
+        own = self.request.speculation.max_draft
+        return cap if own is None else min(cap, own)
 
     def draft(self, max_nodes: int | None = None) -> list[Draft]:
         """The step's candidates, best first, within the room left (_drafts)."""

@@ -20,6 +20,32 @@ from .verify import Sampling
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """A request's own hold on drafting; none of it changes an output token, only how many are
+    drafted and verified. enabled False: plain decoding, nothing drafted (not the grammar's forced
+    tokens, not a prediction). max_draft: most drafted tokens verified a step (the tree's nodes past
+    its root; 0: none drafted; None: as many as the cost curve admits, at most the decoder's
+    max_nodes). layers: the run's drafting layers this request drafts with, most local first (a
+    subset of the run's own, checked by the caller; None: all of them). hd serve's `speculative`
+    body field (llama-server's per-request `speculative.n_max` is its precedent), the API's
+    `speculation=`."""
+    enabled: bool = True
+    max_draft: int | None = None
+    layers: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.max_draft is not None and self.max_draft < 0:
+            raise ValueError(f"max_draft must be >= 0, not {self.max_draft}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+
+    @property
+    def drafts(self) -> bool:
+        """Whether anything is drafted at all."""
+        return self.enabled and self.max_draft != 0
+
+
+@dataclass(frozen=True)
 class Request:
     """One generation: its prompt, how long it may run, how each token is chosen and what the
     answer is held to or comes with.
@@ -32,7 +58,8 @@ class Request:
     logprobs: None, or k to return each token's log-probability and its k best alternatives.
     grammar: the output follows it (engine/text/constrain.py). prediction: token ids the answer
     is expected to repeat, drafted by their own layer (engine/decode/prediction.py). scope: whose
-    prefix-cache entries the prompt may reuse (hd serve's tenants; "" is one scope for all)."""
+    prefix-cache entries the prompt may reuse (hd serve's tenants; "" is one scope for all).
+    speculation: how much this request drafts (Speculation: off, a cap a step, its layers)."""
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: Sampling = Sampling()
@@ -43,6 +70,7 @@ class Request:
     grammar: Grammar | None = None
     prediction: tuple[int, ...] | None = None
     scope: Hashable = ""
+    speculation: Speculation = Speculation()
 
     def __post_init__(self):
         # one form whatever the caller passed (lists, a tensor's ints): the record stays hashable

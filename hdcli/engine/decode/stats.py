@@ -77,6 +77,14 @@ class RunStats:
         return sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 0.0
 
     @property
+    def draft_tokens(self) -> dict:
+        """Drafted tokens the target verified (every step's tree past its root), those it accepted
+        and those it did not (wasted: verified for nothing, the price of speculation)."""
+        verified = sum(self.tree_sizes)
+        accepted = sum(s.accepted for s in self.layers.values())
+        return {"verified": verified, "accepted": accepted, "wasted": verified - accepted}
+
+    @property
     def overhead_share(self) -> float:
         """Share of the decode steps' time spent outside the target's forward pass."""
         steps = self.draft_seconds + self.forward_seconds + self.bookkeeping_seconds
@@ -91,7 +99,7 @@ class RunStats:
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "steps": self.steps,
             "mean_accepted_tokens": self.mean_accepted, "tokens_per_second": self.tokens_per_second,
             "wall_seconds": self.wall_seconds, "prefill_seconds": self.prefill_seconds,
-            "mean_tree_size": self.mean_tree_size, "draft_seconds": self.draft_seconds,
+            "mean_tree_size": self.mean_tree_size, "draft_tokens": self.draft_tokens, "draft_seconds": self.draft_seconds,
             "forward_seconds": self.forward_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
             "overhead_share": self.overhead_share,
             "grammar_seconds": self.grammar_seconds, "grammar_rows": self.grammar_rows,
