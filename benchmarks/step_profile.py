@@ -79,9 +79,10 @@ class ClassTimer:
         undo.append(lambda: setattr(owner, name, real) if owner.__dict__.get(name) is timed else None)
 
 
-def by_class(model, context: int, rounds: int) -> dict:
-    """A one-token forward's least time and its split by operation class (module docstring), in
-    ms; the wrapping costs ~1 us a call, inside the classes' shares."""
+def by_class(model, context: int, rounds: int, width: int = 1) -> dict:
+    """A forward's least time and its split by operation class (module docstring), in ms, for a
+    chain of `width` new tokens (1: one token; more: a verification's rows, each after the ones
+    before it); the wrapping costs ~1 us a call, inside the classes' shares."""
     from hdcli.engine.model.attention import Step
     timer, undo = ClassTimer(), []
     for n, mod in model.named_modules():
@@ -98,7 +99,7 @@ def by_class(model, context: int, rounds: int) -> dict:
     cache = model.new_cache()
     vocab = model.config.vocab_size
     Decoder(model, ())._prefill([(7 + 13 * i) % vocab for i in range(context)], cache)
-    ids = torch.tensor([[5]])
+    ids = torch.tensor([[(5 + 11 * i) % vocab for i in range(width)]])
     best, split = float("inf"), {}
     try:
         with torch.inference_mode():
@@ -115,7 +116,7 @@ def by_class(model, context: int, rounds: int) -> dict:
             u()
     out = {k: round(1e3 * v, 3) for k, v in split.items()}
     out["python"] = round(1e3 * (best - sum(split.values())), 3)
-    return {"t1_ms": round(1e3 * best, 3), "ms": out}
+    return {"t1_ms" if width == 1 else "ms_total": round(1e3 * best, 3), "width": width, "ms": out}
 
 
 def blocks_and_compiled(model, context: int, rounds: int) -> dict:
@@ -195,8 +196,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto, bf16 or fp32 (fp32: a GGUF's weights dequantized, dense kernels)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--widths", default="1", help="comma-separated chain widths for the class split "
+                    "(e.g. 1,4,8: where a verification's extra rows cost)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    widths = [int(w) for w in args.widths.split(",")]
     bw = read_bandwidth()
     doc = {"command": command_line("benchmarks/step_profile.py", args), "machine": machine(),
            "read_bandwidth_GBps": bw / 1e9, "models": {}}
@@ -209,6 +213,7 @@ def main(argv=None) -> int:
             got["share_of_limit"] = got["limit_ms"] / got["t1_ms"]
             got["numerics"] = lm.info.get("numerics", {}).get("layers")
             got["by_class"] = by_class(lm.model, args.context, args.rounds)
+            got["by_class_width"] = {w: by_class(lm.model, args.context, args.rounds, w) for w in widths if w > 1}
             got["one_call"] = blocks_and_compiled(lm.model, args.context, args.rounds)
             doc["models"].setdefault(Path(path).name, {})[kern] = got
             print(f"{Path(path).name} {kern}: one token {got['t1_ms']:.1f} ms, limit {got['limit_ms']:.1f} ms "
@@ -219,6 +224,9 @@ def main(argv=None) -> int:
             cl = got["by_class"]
             print(f"    by class (one token {cl['t1_ms']:.1f} ms): " + ", ".join(
                 f"{k} {v:.1f}" for k, v in sorted(cl["ms"].items(), key=lambda kv: -kv[1])))
+            for w, wc in got["by_class_width"].items():
+                print(f"    by class, {w} rows ({wc['ms_total']:.1f} ms, {wc['ms_total'] / cl['t1_ms']:.2f}x one): " + ", ".join(
+                    f"{k} {v:.1f} ({v / max(cl['ms'].get(k, 0.0), 1e-9):.2f}x)" for k, v in sorted(wc["ms"].items(), key=lambda kv: -kv[1])))
             for kind, row in sorted(got["by_type"].items(), key=lambda kv: -kv[1]["ms"]):
                 print(f"    {kind:8s} x{row['layers']:3d} {row['ms']:7.1f} ms  {row['bytes'] / 1e6:8.1f} MB  "
                       f"{row['GBps'] or 0:5.1f} GB/s")
