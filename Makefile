@@ -45,7 +45,8 @@ test: setup
 # plain decoding and its n-gram --spec-type drafters on the same GGUF): the vendored llama.cpp of
 # the [llama-cpp] extra's pinned sdist, its llama-server target alone, CPU only, -march=native as
 # llama-cpp-python builds it, static (the binary stands alone in .venv/bin, where hd looks; or
-# set HD_LLAMA_SERVER), without curl, OpenSSL or the web UI (nothing downloaded). The server links
+# set HD_LLAMA_SERVER), without curl, OpenSSL or the web UI (nothing downloaded); llama-bench beside
+# it (benchmarks/peer_costs.py: llama.cpp's cost of verifying w tokens). The server links
 # llama.cpp's multimodal library (mtmd), so that builds too. CMAKE_BUILD_PARALLEL_LEVEL: both cores.
 LLAMA_CPP_VERSION := 0.3.36
 LLAMA_SDIST := $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
@@ -75,8 +76,9 @@ $(BIN)/llama-server $(BIN)/llama-server-avx2:
 	  -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
 	  -DLLAMA_USE_PREBUILT_UI=OFF > $(LLAMA_SERVER_TREE)/cmake.log || { tail -20 $(LLAMA_SERVER_TREE)/cmake.log; exit 1; }
 	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} \
-	  $(CMAKE) --build $(LLAMA_SERVER_TREE)/build --target llama-server > $(LLAMA_SERVER_TREE)/build.log \
+	  $(CMAKE) --build $(LLAMA_SERVER_TREE)/build --target llama-server llama-bench > $(LLAMA_SERVER_TREE)/build.log \
 	  || { tail -20 $(LLAMA_SERVER_TREE)/build.log; exit 1; }
+	cp $(LLAMA_SERVER_TREE)/build/bin/llama-bench $(subst llama-server,llama-bench,$@)
 	cp $(LLAMA_SERVER_TREE)/build/bin/llama-server $@
 	rm -rf $(LLAMA_SERVER_TREE)
 
