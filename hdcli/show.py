@@ -125,14 +125,15 @@ def status(as_json: bool):
 def stats_table(title: str, runs: dict) -> Table:
     """runs: label -> RunStats. One row per drafting layer of each run, then each run's speed.
     Fits 80 columns; --json has every field, the draft/bookkeeping split included."""
-    t = Table(title=f"{title} · hit = queries answered · kept = accepted / drafted",
-              box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("run", "layer", "queries", "hit", "candidates", "won", "drafted", "accepted", "kept"):
+    t = Table(title=f"{title} · hit = queries answered · kept = accepted / drafted · ms = its time "
+              "drafting and learning", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("run", "layer", "queries", "hit", "cands", "won", "drafted", "accepted", "kept", "ms"):
         t.add_column(col, justify="left" if col in ("run", "layer") else "right")
     for label, st in runs.items():
         for ls in st.layers.values():
             t.add_row(label, ls.name, str(ls.queries), f"{ls.hit_rate:.0%}", str(ls.candidates),
-                      str(ls.won), str(ls.drafted), str(ls.accepted), f"{ls.acceptance_rate:.0%}")
+                      str(ls.won), str(ls.drafted), str(ls.accepted), f"{ls.acceptance_rate:.0%}",
+                      f"{1e3 * ls.seconds:.0f}")
     s = Table(title="speed: prefill and forward in seconds; outside = share of decode time spent "
               "outside the target's forward", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("run", "tokens", "steps", "tok/step", "tree", "tok/s", "prefill", "forward", "outside"):
