@@ -99,13 +99,14 @@ class Run:
         return list(resolved(self.config, self.lm, self.dbs).layers)
 
     def drafter(self, recycle_table: RecycledTable | None = None, answer_index=None,
-                layers: Sequence[str] | None = None):
+                speculation: Speculation | None = None):
         """The configuration's drafter (None: plain decoding) for one scope: recycle_table and
-        answer_index are what that scope's requests taught (default: the process's own); layers:
-        a request's own choice of the run's layers (Speculation.layers; None: all of them)."""
-        if not self.config.drafting:
+        answer_index are what that scope's requests taught (default: the process's own);
+        speculation: a request's own hold (None where it drafts nothing; its layers, a choice of
+        the run's)."""
+        if not self.config.drafting or (speculation is not None and not speculation.drafts):
             return None
-        cfg = self.config
+        cfg, layers = self.config, speculation.layers if speculation is not None else None
         if layers is not None:
             unknown = [n for n in layers if n not in self.layers]
             if unknown:
@@ -239,7 +240,7 @@ def decode(run: Run, prompt_ids: Sequence[int], drafter="default", *, on_text=No
         fields["speculation"] = speculation
     request = run.request(prompt_ids, fields, on_cut=cut)
     if isinstance(drafter, str) and drafter == "default":
-        drafter = run.drafter(layers=request.speculation.layers) if request.speculation.drafts else None
+        drafter = run.drafter(speculation=request.speculation)
     res = run.generate(request, drafter, on_text, cost)
     res.warnings = warnings
     return res

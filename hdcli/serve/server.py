@@ -180,10 +180,8 @@ class Server:
     def _drafter(self, request: Request):
         """A drafter for one request: its scope's recycled predictions and answers, its own layers
         (None where it drafts nothing)."""
-        own, scope = request.speculation, request.scope
-        if not own.drafts:
-            return None
-        return self.prepared.drafter(self.tenants.recycled(scope), self.tenants.answers(scope), layers=own.layers)
+        scope = request.scope
+        return self.prepared.drafter(self.tenants.recycled(scope), self.tenants.answers(scope), request.speculation)
 
     def _speculation(self, req) -> Speculation:
         """The request's own hold on drafting (its `speculative` field), its layers checked against
