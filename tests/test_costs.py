@@ -75,6 +75,43 @@ def test_a_load_burst_cannot_fake_a_flat_curve():
     assert curve(48) > 0.5 * true_cost(m, 48) > 5
 
 
+class AfterWideModel(SleepyModel):
+    """A forward right after one wider than 16 tokens takes `slow` times longer: what a CPU does
+    after a wide forward for a while (a one-token forward after a 64-token one, docs/benchmarks.md)."""
+
+    def __init__(self, slow=1.6):
+        super().__init__()
+        self.after_wide, self.wide_slow, self.last = False, slow, 0
+
+    def forward(self, input_ids, cache=None, position_ids=None, mask=None):
+        before = self.clock.now
+        out = super().forward(input_ids, cache, position_ids, mask)
+        if self.last > 16:
+            self.clock.now += (self.clock.now - before) * (self.wide_slow - 1)
+        self.last = input_ids.shape[1]
+        return out
+
+
+def test_narrow_widths_are_never_timed_after_a_wide_forward():
+    """Timed among every width, the one-token forward always followed a 48-token one (the rotation
+    puts it after the last width) and its slow time flattened the narrow curve; the narrow widths'
+    own rounds give their true costs. Control: the same model measured over a rotation of all
+    widths in one round reads cost(4) far below its true cost."""
+    widths = (1, 4, 16, 48)
+    m = AfterWideModel()
+    curve = costs.measure(m, context=8, repeats=3, widths=widths, clock=m.clock)
+    for w in (4, 16):
+        assert curve(w) == pytest.approx(true_cost(m, w), rel=1e-6)
+    flat = AfterWideModel()
+    old = costs.NARROW
+    try:
+        costs.NARROW = 64   # every width in one phase: the measurement this replaced
+        mixed = costs.measure(flat, context=8, repeats=3, widths=widths, clock=flat.clock)
+    finally:
+        costs.NARROW = old
+    assert mixed(4) < 0.8 * true_cost(flat, 4)
+
+
 def test_curve_is_monotone_and_starts_at_one():
     m = SleepyModel(per_token=0.0005)
     curve = costs.measure(m, context=8, repeats=2, widths=WIDTHS, clock=m.clock)

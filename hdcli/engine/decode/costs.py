@@ -21,7 +21,8 @@ Two more measured terms price what a chain of w tokens does not have (CostCurve.
 
 Measurement, made so that a loaded machine cannot fake the curve
   * rounds: every width is timed once per round, the widths of a round in a rotated order, so a
-    burst of load hits all widths alike rather than one width's block of repeats;
+    burst of load hits all widths alike rather than one width's block of repeats; the narrow
+    widths (up to NARROW) have their rounds before the wide ones', never after a wide forward;
   * each width's time is the minimum over rounds: load only ever adds time, so the minimum is
     the estimate least hurt by it (the median let one loaded stretch set the one-token time and
     turn the whole curve into 1.0, "every width free");
@@ -52,7 +53,13 @@ from ..kernels import dense
 WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CHEAP_VERIFY = 1.45  # cost(8) at or below this (in one-token forwards): verification is nearly free
 ROUNDS = 7           # timed rounds over all widths (the minimum of each width is kept)
-FORMAT = 3           # cache records of another format are measured again (3: branch, stream)
+FORMAT = 4           # cache records of another format are measured again (3: branch, stream;
+                     # 4: the narrow widths timed apart from the wide ones)
+# the widths a CPU's decode steps run (trees of up to NARROW tokens) are timed in rounds of their
+# own, before the wider ones: a forward that follows a 48- or 64-token one runs slower for tens of
+# milliseconds (measured on an Intel Xeon, docs/benchmarks.md), so rounds over every width timed
+# the one-token forward in that state, and its inflated time flattened the whole narrow curve
+NARROW = 16
 MAX_AGE_DAYS = 30    # machines change (firmware, microcode, neighbours): re-measure monthly
 FLAT_LIMIT = 1.05    # cost(64) under this on a CPU means the one-token time was inflated
 # from one width to the next a forward's cost grows at most as its rows do (it reads the same
@@ -164,15 +171,18 @@ def measure_seconds(model, context: int = 256, rounds: int = ROUNDS, widths=WIDT
         return dt
 
     best = {w: float("inf") for w in widths}
+    narrow = [w for w in widths if w <= NARROW]
+    phases = [p for p in (narrow, [w for w in widths if w > NARROW]) if p]
     with _progress(len(widths) * (rounds + 1), desc, quiet) as bar:
-        for w in widths:  # the first run of a shape warms its kernels up; not timed
-            once(w)
-            bar.update()
-        for r in range(rounds):
-            shift = r % len(widths)
-            for w in widths[shift:] + widths[:shift]:
-                best[w] = min(best[w], once(w))
+        for phase in phases:   # the narrow widths first, among themselves (NARROW)
+            for w in phase:  # the first run of a shape warms its kernels up; not timed
+                once(w)
                 bar.update()
+            for r in range(rounds):
+                shift = r % len(phase)
+                for w in phase[shift:] + phase[:shift]:
+                    best[w] = min(best[w], once(w))
+                    bar.update()
     return best
 
 
