@@ -728,3 +728,18 @@ def test_a_long_document_counts_exactly_in_pieces(tiny_lm, tmp_path, monkeypatch
     assert list(a.items()) == list(b.items())
     for k in ("documents", "tokens", "keys", "content_digest", "continuations"):
         assert whole.get(k) == split.get(k), k
+
+
+def test_the_tokenizer_fingerprint_is_hashed_once_and_again_after_a_new_token(monkeypatch):
+    """Every Run with a DB checks the fingerprint (api.generate builds one a call): it is kept per
+    tokenizer, and a token added since changes it as a fresh hash would."""
+    from conftest import word_tokenizer
+    tok = word_tokenizer()
+    hashed = []
+    real = fingerprint._fingerprint
+    monkeypatch.setattr(fingerprint, "_fingerprint", lambda t: hashed.append(1) or real(t))
+    first = fingerprint.tokenizer_fingerprint(tok)
+    assert fingerprint.tokenizer_fingerprint(tok) == first and len(hashed) == 1
+    tok.add_tokens(["zzqq"])
+    again = fingerprint.tokenizer_fingerprint(tok)
+    assert len(hashed) == 2 and again != first and again == real(tok)

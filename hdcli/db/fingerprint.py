@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 
 
 def tokenizer_vocab_size(tokenizer) -> int:
@@ -11,8 +12,29 @@ def tokenizer_vocab_size(tokenizer) -> int:
     return max(tokenizer.get_vocab().values()) + 1
 
 
+# tokenizer -> (its length, its fingerprint): every Run with a DB checks it (api.generate builds a
+# Run a call), and hashing a 49k-token vocabulary takes tens of milliseconds, a few tokens' worth
+# of decoding; a token added since (the length changed) hashes it again
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of the vocabulary and special tokens: a DB is valid only for one tokenization."""
+    try:
+        size, fp = _FINGERPRINTS[tokenizer]
+        if size == len(tokenizer):
+            return fp
+    except (KeyError, TypeError):
+        pass
+    fp = _fingerprint(tokenizer)
+    try:
+        _FINGERPRINTS[tokenizer] = (len(tokenizer), fp)
+    except TypeError:   # not weakly referable, or no length: hashed each time
+        pass
+    return fp
+
+
+def _fingerprint(tokenizer) -> str:
     h = hashlib.sha256()
     for tok, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
         h.update(f"{idx}\t{tok}\n".encode("utf-8", "surrogatepass"))
