@@ -732,7 +732,7 @@ def test_a_long_document_counts_exactly_in_pieces(tiny_lm, tmp_path, monkeypatch
 
 def test_the_tokenizer_fingerprint_is_hashed_once_and_again_after_a_new_token(monkeypatch):
     """Every Run with a DB checks the fingerprint (api.generate builds one a call): it is kept per
-    tokenizer, and a token added since changes it as a fresh hash would."""
+    tokenizer, and a token added or made special since changes it as a fresh hash would."""
     from conftest import word_tokenizer
     tok = word_tokenizer()
     hashed = []
@@ -743,3 +743,6 @@ def test_the_tokenizer_fingerprint_is_hashed_once_and_again_after_a_new_token(mo
     tok.add_tokens(["zzqq"])
     again = fingerprint.tokenizer_fingerprint(tok)
     assert len(hashed) == 2 and again != first and again == real(tok)
+    tok.add_special_tokens({"additional_special_tokens": ["zzqq"]})   # no new token: one made special
+    special = fingerprint.tokenizer_fingerprint(tok)
+    assert len(hashed) == 3 and special != again and special == real(tok)

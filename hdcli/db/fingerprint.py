@@ -12,25 +12,24 @@ def tokenizer_vocab_size(tokenizer) -> int:
     return max(tokenizer.get_vocab().values()) + 1
 
 
-# tokenizer -> (its length, its fingerprint): every Run with a DB checks it (api.generate builds a
-# Run a call), and hashing a 49k-token vocabulary takes tens of milliseconds, a few tokens' worth
-# of decoding; a token added since (the length changed) hashes it again
+# tokenizer -> (what it was hashed as: its length and special tokens, its fingerprint): every Run
+# with a DB checks it (api.generate builds a Run a call), and hashing a 49k-token vocabulary takes
+# tens of milliseconds, a few tokens' worth of decoding; a token added or made special since hashes
+# it again
 _FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of the vocabulary and special tokens: a DB is valid only for one tokenization."""
     try:
-        size, fp = _FINGERPRINTS[tokenizer]
-        if size == len(tokenizer):
-            return fp
-    except (KeyError, TypeError):
-        pass
+        state = (len(tokenizer), tuple(map(str, tokenizer.all_special_tokens)))
+        kept = _FINGERPRINTS.get(tokenizer)
+    except (TypeError, AttributeError):   # no length, or not weakly referable: hashed each time
+        return _fingerprint(tokenizer)
+    if kept is not None and kept[0] == state:
+        return kept[1]
     fp = _fingerprint(tokenizer)
-    try:
-        _FINGERPRINTS[tokenizer] = (len(tokenizer), fp)
-    except TypeError:   # not weakly referable, or no length: hashed each time
-        pass
+    _FINGERPRINTS[tokenizer] = (state, fp)
     return fp
 
 
