@@ -17,6 +17,7 @@ import argparse
 import collections
 import json
 import sys
+from statistics import median_high as median
 import time
 from pathlib import Path
 
@@ -26,11 +27,6 @@ from common import command_line, machine, write_result  # noqa: E402
 from hdcli import api  # noqa: E402
 from hdcli.engine.decode import batch, costs  # noqa: E402
 import hdcli.engine.decode.loop as loop  # noqa: E402
-
-
-def median(v):
-    v = sorted(v)
-    return v[len(v) // 2]
 
 
 def main() -> None:

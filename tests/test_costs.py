@@ -81,7 +81,7 @@ class AfterWideModel(SleepyModel):
 
     def __init__(self, slow=1.6):
         super().__init__()
-        self.after_wide, self.wide_slow, self.last = False, slow, 0
+        self.wide_slow, self.last = slow, 0
 
     def forward(self, input_ids, cache=None, position_ids=None, mask=None):
         before = self.clock.now
@@ -92,7 +92,7 @@ class AfterWideModel(SleepyModel):
         return out
 
 
-def test_narrow_widths_are_never_timed_after_a_wide_forward():
+def test_narrow_widths_are_never_timed_after_a_wide_forward(monkeypatch):
     """Timed among every width, the one-token forward always followed a 48-token one (the rotation
     puts it after the last width) and its slow time flattened the narrow curve; the narrow widths'
     own rounds give their true costs. Control: the same model measured over a rotation of all
@@ -103,12 +103,8 @@ def test_narrow_widths_are_never_timed_after_a_wide_forward():
     for w in (4, 16):
         assert curve(w) == pytest.approx(true_cost(m, w), rel=1e-6)
     flat = AfterWideModel()
-    old = costs.NARROW
-    try:
-        costs.NARROW = 64   # every width in one phase: the measurement this replaced
-        mixed = costs.measure(flat, context=8, repeats=3, widths=widths, clock=flat.clock)
-    finally:
-        costs.NARROW = old
+    monkeypatch.setattr(costs, "NARROW", 64)   # every width in one phase: the measurement this replaced
+    mixed = costs.measure(flat, context=8, repeats=3, widths=widths, clock=flat.clock)
     assert mixed(4) < 0.8 * true_cost(flat, 4)
 
 
