@@ -197,13 +197,17 @@ def end(sig: int) -> None:
     """End the process now: children stopped, cleanups run, one line, exit 128 + sig."""
     global _ending
     with _lock:
-        if _ending:   # a second signal while ending (or the relay beside the handler): one does it
-            return
-        _ending = True
-    # the children are frozen first and killed last: off the main thread (the relay), the main
-    # thread goes on once its child is gone (a compiler's wait returns), and could end the
-    # process with exit 0 while this one writes (a write lets the main thread run); so there,
-    # no wait for them either, and the exit follows the kill at once
+        ending, _ending = _ending, True
+    if ending:   # a second signal while ending (or the relay beside the handler): one does it
+        if threading.current_thread() is threading.main_thread():
+            # the relay is ending the process: the main thread, back from a wait on a child the
+            # relay killed, runs the signal's pending handler (here) before anything else, and
+            # waits here for the exit instead of going on to end the command with exit 0
+            while True:
+                time.sleep(60)
+        return
+    # the children are frozen first and killed last, and waited for on either thread (a main
+    # thread whose wait on a child returns comes here first and waits: above)
     frozen = _freeze_children()
     _run_cleanups()
     for stream in (sys.stdout, sys.stderr):
@@ -218,7 +222,7 @@ def end(sig: int) -> None:
         os.write(2, f"{lead}error: {what} ({signal.Signals(sig).name})\n".encode())
     except OSError:
         pass
-    _kill(frozen, wait=threading.current_thread() is threading.main_thread())
+    _kill(frozen)
     os._exit(128 + sig)
 
 
@@ -249,12 +253,12 @@ def _freeze_children() -> set[int]:
     return frozen
 
 
-def _kill(frozen: set[int], wait: bool = True) -> None:
-    """The frozen processes killed and (wait) waited for until each is gone (a zombie is: it runs
+def _kill(frozen: set[int]) -> None:
+    """The frozen processes killed and waited for until each is gone (a zombie is: it runs
     nothing; this process's own are reaped by whoever inherits them)."""
     for pid in frozen:
         _signal(pid, signal.SIGKILL)
-    for _ in range(2000 if wait else 0):   # a bound of ~2 s: a killed process is gone in a moment
+    for _ in range(2000):   # a bound of ~2 s: a killed process is gone in a moment
         if not any(_running(pid) for pid in frozen):
             break
         time.sleep(0.001)
