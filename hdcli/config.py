@@ -34,7 +34,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from . import inputs
 from .drafting import registry
 from .engine.loader import DEFAULT_MODEL
-from .engine.decode.request import Request
+from .engine.decode.request import Request, Speculation
 from .engine.decode.verify import SAMPLING_RANGES, Range, Sampling
 from .errors import HdError
 
@@ -177,6 +177,9 @@ class DecodingConfig:
     stats_min_expected: float | None = option(None, "--stats-min-expected", kind=OPT_NUMBER, group=DRAFTING,
                                               help="Least expected accepted tokens of a stats/model "
                                               f"draft (default: 0 {_BY_COST}, else 1).")
+    governor: bool = option(True, "--governor/--no-governor", kind=BOOL, group=DRAFTING,
+                            help="A request drafts only while drafting pays on its own clock, and "
+                            "tries again later (docs/serve.md, the governor; output unchanged either way).")
     learn: bool = option(False, "--learn", kind=BOOL, group=DRAFTING,
                          help="Add what was generated to the model DB.")
     # draft models stacked above the database hierarchy (hdcli/hsd), or a plan that chose them
@@ -335,7 +338,10 @@ class DecodingConfig:
         a Request is made (generation.Run.request checks it against the context's room)."""
         own = {"max_new_tokens": self.max_new_tokens, "sampling": self.sampling, "seed": self.seed,
                "stop": tuple(self.stop), "logprobs": self.logprobs}
-        return Request(prompt_ids, **{**own, **fields})
+        fields = {**own, **fields}
+        if not self.governor:   # the run's --no-governor holds whatever the request asks
+            fields["speculation"] = dataclasses.replace(fields.get("speculation") or Speculation(), governed=False)
+        return Request(prompt_ids, **fields)
 
     @property
     def drafting(self) -> bool:

@@ -33,7 +33,7 @@ from ..drafting.model import uses_answers
 from ..engine import records
 from ..engine.decode import costs
 from ..engine.decode.loop import Decoder, first_difference
-from ..engine.decode.request import Request
+from ..engine.decode.request import Request, Speculation
 from ..engine.text.prompts import encode_messages, encode_prompt
 from ..engine.decode.verify import Sampling
 from ..errors import HdError
@@ -55,7 +55,7 @@ def _db_methods() -> dict[str, dict]:
             "context+recycle+stats": {"layers": ["context", "recycle", "stats"]},
             "hd": {}, "hd-chain": {"candidates": 1}, "hd-first-hit": {"policy": "first-hit"},
             "hd-fill": {"policy": "fill"}, "hd-fill-tracked": {"policy": "fill-tracked"},
-            "hd-adaptive": {"policy": "adaptive"},
+            "hd-adaptive": {"policy": "adaptive"}, "hd-no-governor": {"governor": False},
             # leave-one-out: the default hierarchy of the run's DBs without one layer (--ablate)
             **{f"hd-no-{n}": {"without": n} for n in registry.LAYERS}}
 
@@ -80,6 +80,7 @@ METHOD_HELP = {
     "hd-fill": "every layer, fill policy, token trees",
     "hd-fill-tracked": "every layer, fill-tracked policy (fill's order, trees cut by this answer's acceptance), token trees",
     "hd-adaptive": "every layer, adaptive policy, token trees",
+    "hd-no-governor": "hd with every step drafting, where drafting pays or not (an ablation; --ablate adds it)",
     **{f"hd-no-{n}": f"hd without the {n} layer (an ablation; --ablate adds one for each default layer)"
        for n in registry.LAYERS},
     "hf-ar": "transformers' generate, greedy, on the stock model (torch's kernels): what users run today",
@@ -121,10 +122,12 @@ class Turn:
 
 class Runner:
     """One method: answers a prompt (token ids) with new tokens and its timing. capped: the
-    drafter's trees are cut to what pays for its forward (hd's cost cap); else sent whole."""
+    drafter's trees are cut to what pays for its forward (hd's cost cap); else sent whole.
+    governed: each answer drafts only while drafting pays (engine/decode/governor.py)."""
 
-    def __init__(self, name: str, lm, drafter_factory: Callable | None = None, capped: bool = True):
-        self.name, self.lm, self.factory = name, lm, drafter_factory
+    def __init__(self, name: str, lm, drafter_factory: Callable | None = None, capped: bool = True,
+                 governed: bool = True):
+        self.name, self.lm, self.factory, self.governed = name, lm, drafter_factory, governed
         self.cost = costs.curve_for(lm) if drafter_factory and capped else None
 
     def answer(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, seed: int | None,
@@ -133,7 +136,7 @@ class Runner:
         drafter = self.factory() if self.factory else None
         dec = Decoder(self.lm.model, self.lm.eos_ids, drafter, cost=self.cost)
         g = dec.generate(Request(prompt_ids, max_new_tokens, sampling, seed, grammar=grammar,
-                                 prediction=prediction))
+                                 prediction=prediction, speculation=Speculation(governed=self.governed)))
         s = g.stats
         return Turn(text=self.lm.tokenizer.decode(g.tokens, skip_special_tokens=True), tokens=g.tokens,
                     wall_time=s.wall_seconds, accept_lengths=list(s.accept_lengths),
@@ -246,9 +249,10 @@ def default_layers(cfg: DecodingConfig) -> list[str]:
     return registry.default_layers(LayerInputs(stats_stores=cfg.stats_dbs, model_db=cfg.model_db))
 
 
-def ablations(cfg: DecodingConfig) -> list[str]:
-    """hd-no-<layer> for each layer of the default hierarchy with the run's DBs (--ablate)."""
-    return [f"hd-no-{n}" for n in default_layers(cfg)]
+def ablations(cfg: DecodingConfig, timed: bool = True) -> list[str]:
+    """hd-no-<layer> for each layer of the default hierarchy with the run's DBs, and (timed: a
+    live run, where the governor acts on the clock; not a replay) hd without its governor (--ablate)."""
+    return [f"hd-no-{n}" for n in default_layers(cfg)] + ["hd-no-governor"] * timed
 
 
 def drafter_factory(name: str, lm, cfg: DecodingConfig, dbs: DBs) -> tuple[Callable | None, bool]:
@@ -279,7 +283,9 @@ def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
             runners[name] = HfGenerate(name, stock, prompt_lookup=10 if name == "hf-pld" else None)
         elif name in ("suffix", "ar") or name in DB_METHODS:
             factory, capped = drafter_factory(name, lm, cfg, dbs)
-            runners[name] = Runner(name, lm, factory, capped)
+            # suffix as vLLM runs it: every step drafts (hd's governor is hd's)
+            governed = name in DB_METHODS and method_config(name, cfg).governor
+            runners[name] = Runner(name, lm, factory, capped, governed)
         elif name == "llama-cpp":
             runners[name] = LlamaCpp(name, lm)
         else:

@@ -158,10 +158,12 @@ class Speculative(_Strict):
     output token, only what is drafted and verified. enabled false: plain decoding; n_max: most
     drafted tokens verified a step (0: none; past the server's cap of 63 nodes a step, the cap);
     layers: the server's drafting layers this request drafts with, most local first (checked
-    against the server's by Server.job_for)."""
+    against the server's by Server.job_for); governor false: every step drafts what the cost
+    curve admits, even where drafting does not pay (engine/decode/governor.py)."""
     enabled: bool = True
     n_max: Optional[int] = Field(None, ge=0)
     layers: Optional[list[str]] = None
+    governor: bool = True
 
 
 class _Common(_Strict):
@@ -203,14 +205,15 @@ class _Common(_Strict):
         ignored = self.IGNORED + ("speculative_n_min", "speculative_p_min")
         return [type(self).model_fields[name].alias or name for name in ignored if getattr(self, name) is not None]
 
-    def speculation(self) -> tuple[bool, int | None, list[str] | None]:
-        """(enabled, n_max, layers) of `speculative` and llama-server's `speculative.n_max`; both
-        caps given must agree."""
+    def speculation(self) -> tuple[bool, int | None, list[str] | None, bool]:
+        """(enabled, n_max, layers, governor) of `speculative` and llama-server's
+        `speculative.n_max`; both caps given must agree."""
         own = self.speculative or Speculative()
         if own.n_max is not None and self.speculative_n_max is not None and own.n_max != self.speculative_n_max:
             raise ApiError(400, f"speculative.n_max: given twice, {self.speculative_n_max} and {own.n_max} "
                            "(as a flat key and in the speculative object): give one", "speculative.n_max")
-        return own.enabled, own.n_max if own.n_max is not None else self.speculative_n_max, own.layers
+        return (own.enabled, own.n_max if own.n_max is not None else self.speculative_n_max, own.layers,
+                own.governor)
 
     def neutral_problem(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value hd does not implement, else None."""

@@ -186,7 +186,7 @@ class Server:
     def _speculation(self, req) -> Speculation:
         """The request's own hold on drafting (its `speculative` field), its layers checked against
         the server's."""
-        enabled, n_max, layers = req.speculation()
+        enabled, n_max, layers, governed = req.speculation()
         if layers is not None:
             known = self.prepared.layers
             twice = next((n for i, n in enumerate(layers) if n in layers[:i]), None)
@@ -195,7 +195,7 @@ class Server:
                 raise ApiError(400, f"speculative.layers: '{twice}' is named twice" if twice is not None else
                                f"speculative.layers: '{bad}' is not one of this server's drafting layers "
                                f"({', '.join(known) if known else 'none: it decodes plainly'})", "speculative.layers")
-        return Speculation(enabled, n_max, None if layers is None else tuple(layers))
+        return Speculation(enabled, n_max, None if layers is None else tuple(layers), governed)
 
     def scope_for(self, key_name: str | None, user: str | None) -> tenants.Scope:
         return tenants.scope_of(self.learn_scope, key_name, user)
@@ -358,13 +358,13 @@ class Server:
     def usage(self, job: Job) -> dict:
         n = len(job.stream.out) if job.stream else 0
         hd = {"steps": 0, "mean_accepted_tokens": None, "layers": {},
-              "draft_tokens": {"verified": 0, "accepted": 0, "wasted": 0}}
+              "draft_tokens": {"verified": 0, "accepted": 0, "wasted": 0}, "governed_steps": 0}
         if job.stream is not None:
             st = job.stream.stats
             steps = len(st.accept_lengths)
             hd = {"steps": steps, "mean_accepted_tokens": (sum(st.accept_lengths) / steps) if steps else None,
                   "layers": {name: {"drafted": s.drafted, "accepted": s.accepted} for name, s in st.layers.items()},
-                  "draft_tokens": st.draft_tokens,
+                  "draft_tokens": st.draft_tokens, "governed_steps": st.governed_steps,
                   "queue_seconds": round(job.started - job.submitted, 4) if job.started else None,
                   "seconds": round(job.finished - job.submitted, 4),
                   "cached_prompt_tokens": st.cached_tokens, "prefill_seconds": round(st.prefill_seconds, 4)}

@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from ..environment import governor as governor_on
 from ..kernels import invariant
 from ..model.target import TargetModel, as_target
 from .draft import Draft, Drafter, clamped
@@ -36,6 +37,7 @@ from ..text.prompts import stop_checker
 from .costs import CostCurve
 from .prediction import Prediction
 from . import batch
+from .governor import Governor
 from .tree import Tree, build_tree, cap_jointly, keep_path, node_estimates, reached
 from .verify import (accept_chain_q, accept_tree, logprobs_of, processed, sampling_key, top_probs,
                      top_tokens)
@@ -187,6 +189,9 @@ class Stream:
         self.grammar = request.grammar.start() if request.grammar is not None else None
         self.prediction = Prediction(request.prediction) if request.prediction else None
         self.speculates = request.speculation.drafts and (drafter is not None or self.prediction is not None)
+        # whether drafting pays, judged on this request's own clock (engine/decode/governor.py)
+        self.governor = Governor() if self.speculates and request.speculation.governed and governor_on() else None
+        self.drafting = self.speculates   # whether this step drafts (the governor's call)
 
     def propose(self, max_nodes: int | None = None, capped: bool = True) -> Tree:
         """Draft at most the room left and build this step's tree (root token: history[-1]);
@@ -206,7 +211,8 @@ class Stream:
         assert not self.done and self.tree is None, "accept() the last step first"
         self._t_propose = time.perf_counter()
         room = self.max_new_tokens - len(self.out) - 1
-        drafts = self._drafts(room) if self._cap(max_nodes) > 0 else []
+        self.drafting = self.speculates and (self.governor is None or self.governor.drafts())
+        drafts = self._drafts(room) if self.drafting and self._cap(max_nodes) > 0 else []
         self._q_rows = drafts[0].q if drafts else None
         return drafts
 
@@ -471,6 +477,13 @@ def speculative_steps(model: TargetModel, streams: Sequence[Stream], on_fault: F
                 new[i] = streams[i].accept(logits)   # the output, stops and drafting layers move on
             except Exception as exc:  # noqa: BLE001 - this stream's fault (docstring)
                 fault(i, exc, 0)
+    # each governed stream hears its step; timed only where the step was its own alone
+    alone = time.perf_counter() - t0 if len(streams) == 1 else None
+    for i in live:
+        s = streams[i]
+        if s.governor is not None and new[i] is not None:
+            s.governor.observe(s.drafting, len(new[i]), alone)
+            s.stats.governed_steps = s.governor.plain_steps
     if times is not None:
         times["draft"] += t1 - t0
         times["forward"] += t2 - t1

@@ -58,6 +58,7 @@ class RunStats:
     bookkeeping_seconds: float = 0.0  # acceptance, KV cache crop, statistics, layer updates
     grammar_seconds: float = 0.0      # under a grammar: masking rows, cutting drafts (engine/text/constrain.py)
     grammar_rows: int = 0             # ... rows masked
+    governed_steps: int = 0           # steps the governor left undrafted (engine/decode/governor.py)
 
     def layer(self, name: str) -> LayerStats:
         if name not in self.layers:
@@ -103,6 +104,7 @@ class RunStats:
             "forward_seconds": self.forward_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
             "overhead_share": self.overhead_share,
             "grammar_seconds": self.grammar_seconds, "grammar_rows": self.grammar_rows,
+            "governed_steps": self.governed_steps,
             "accept_lengths": self.accept_lengths, "tree_sizes": self.tree_sizes,
             "layers": {k: v.to_dict() for k, v in self.layers.items()},
         }
