@@ -61,12 +61,21 @@ def test_drafting_that_does_not_pay_pauses_for_longer_each_try_and_comes_back():
     assert sum(steps) > WINDOW * 4   # it keeps trying: drafting may pay again later
 
 
+def test_a_dry_spell_in_an_answer_whose_drafting_pays_is_no_pause():
+    """Drafts come in bursts: a copied span, then steps that keep nothing. Judged over the whole
+    request, a dry spell of WINDOW steps after a burst does not stop drafting."""
+    g = Governor()
+    run(g, WINDOW + PROBES, drafted_seconds=1.3, tokens=6)
+    steps = run(g, 3 * WINDOW, drafted_seconds=1.3, tokens=1)   # each step dearer than a plain one
+    assert all(steps) and g.pauses == 0
+
+
 def test_a_try_that_pays_again_resets_the_pause():
     g = Governor()
     run(g, WINDOW + PROBES + FIRST_PAUSE + WINDOW, drafted_seconds=2.5)   # two failed tries
     assert g._pause == 4 * FIRST_PAUSE
     run(g, 2 * FIRST_PAUSE, drafted_seconds=2.5, plain_seconds=1.0)   # the second pause runs out
-    steps = run(g, 3 * WINDOW, drafted_seconds=1.0)   # now 2 tokens a plain step's time
+    steps = run(g, 3 * WINDOW, drafted_seconds=0.5)   # now 2 tokens in half a plain step's time
     assert all(steps) and g._pause == FIRST_PAUSE
 
 

@@ -1,15 +1,21 @@
 """Governor: a request stops drafting where drafting does not pay, and tries it again later.
 
 The cost curve caps each step's tree by what its nodes are expected to earn, but it prices the
-forward alone: asking the layers, building the tree and a forward that runs slower after them are
-paid on every step, and on answers that copy nothing (a short paraphrase) the drafts earn less
-than that. The governor judges by the request's own wall clock instead: a drafted step's
-tokens per second against a plain step's one token in its seconds, both timed in this request
-(so a machine's speed and load, the same for both, cancel out).
+forward alone: asking the layers, building the tree, the verification's bookkeeping and a
+forward that runs slower after them are paid on every step, and on answers that copy nothing (a
+short paraphrase) the drafts earn less than that. The governor judges by the request's own wall
+clock instead: its drafted steps' tokens per second against a plain step's one token in its
+seconds, both timed in this request (so a machine's speed and load, the same for both, cancel).
+
+Drafts come in bursts (a copied span, then nothing), so a short window judges a dry spell and
+pauses before the next burst: tuned on Spec-Bench (docs/benchmarks.md), an 8-step window lost
+5% of hd's speed to such pauses. The judgement is over every drafted step of the request.
 
 Every parameter is a number of steps:
-  WINDOW        drafted steps judged together (the latest ones): drafting pays while their tokens
-                per second are at least a plain step's (gain >= 1);
+  WINDOW        drafted steps before the first judgement, and in each try after a pause: drafting
+                goes on while all the request's drafted steps' tokens per second are at least
+                LEAST_GAIN of a plain step's (below 1: a pause just before a burst costs more than
+                drafting that just fails to pay);
   PROBES        plain steps timed when a judgement needs a plain step's seconds and the request
                 has timed none yet (their mean is then kept, and updated by every later plain step);
   FIRST_PAUSE   plain steps after drafting is first judged not to pay, doubled after each try
@@ -20,7 +26,8 @@ output token depends on it, only the speed does.
 """
 from __future__ import annotations
 
-WINDOW = 8
+WINDOW = 16
+LEAST_GAIN = 0.9
 PROBES = 2
 FIRST_PAUSE = 8
 LONGEST_PAUSE = 64
@@ -34,7 +41,8 @@ class Governor:
     def __init__(self):
         self.plain_seconds: float | None = None   # a plain step's seconds in this request
         self._plain_timed = 0
-        self._window: list[tuple[int, float]] = []   # (tokens, seconds) of the latest drafted steps
+        self._made = self._spent = 0.0   # tokens and seconds of all the timed drafted steps
+        self._tried = 0                  # timed drafted steps since the last judgement's pause
         self._pause = FIRST_PAUSE
         self._plain_left = 0      # plain steps to go before drafting again
         self.plain_steps = 0      # steps it left undrafted
@@ -53,14 +61,15 @@ class Governor:
                 n = min(self._plain_timed, PROBES)   # the probes' mean, then a moving one
                 self.plain_seconds = seconds if self.plain_seconds is None else \
                     self.plain_seconds + (seconds - self.plain_seconds) / n
-                if self._plain_timed == PROBES and len(self._window) == WINDOW:
+                if self._plain_timed == PROBES and self._tried >= WINDOW:
                     self._judge()   # the probes were what the judgement waited for
             return
         if seconds is None:
             return
-        self._window.append((tokens, seconds))
-        del self._window[:-WINDOW]
-        if len(self._window) < WINDOW:
+        self._made += tokens
+        self._spent += seconds
+        self._tried += 1
+        if self._tried < WINDOW:
             return
         if self._plain_timed < PROBES:
             self._plain_left = PROBES - self._plain_timed   # time plain steps, then judge
@@ -68,13 +77,12 @@ class Governor:
         self._judge()
 
     def _judge(self) -> None:
-        """Drafting goes on while the window's tokens per second are at least a plain step's."""
-        made, spent = sum(t for t, _ in self._window), sum(s for _, s in self._window)
-        self.last_gain = made * self.plain_seconds / spent if spent > 0 else float("inf")
-        if self.last_gain >= 1.0:
+        """Drafting goes on while its tokens per second are at least a plain step's."""
+        self.last_gain = self._made * self.plain_seconds / self._spent if self._spent > 0 else float("inf")
+        if self.last_gain >= LEAST_GAIN:
             self._pause = FIRST_PAUSE
             return
         self.pauses += 1
         self._plain_left = self._pause
         self._pause = min(2 * self._pause, LONGEST_PAUSE)
-        self._window.clear()   # the next try is judged on its own steps
+        self._tried = 0   # the next try runs WINDOW drafted steps before it is judged
