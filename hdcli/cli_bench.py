@@ -39,7 +39,7 @@ def bench_spec_bench(
     limit: Optional[int] = typer.Option(None, "--limit", help="Questions per category (default: all)."),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated (default: all)."),
     ablate: bool = typer.Option(False, "--ablate", help="Add hd-no-<layer> for each layer of the default "
-                                "hierarchy and hd-no-governor (leave one out, in the same run)."),
+                                "hierarchy (leave one out, in the same run)."),
     out_dir: Optional[Path] = typer.Option(None, "--out", help="Write summary.json, answers/<method>.jsonl "
                                            "(Spec-Bench's answer schema) and speedup.png here."),
     as_json: bool = typer.Option(False, "--json", help="Write the summary as JSON to stdout."),

@@ -177,9 +177,10 @@ class DecodingConfig:
     stats_min_expected: float | None = option(None, "--stats-min-expected", kind=OPT_NUMBER, group=DRAFTING,
                                               help="Least expected accepted tokens of a stats/model "
                                               f"draft (default: 0 {_BY_COST}, else 1).")
-    governor: bool = option(True, "--governor/--no-governor", kind=BOOL, group=DRAFTING,
+    governor: bool = option(False, "--governor/--no-governor", kind=BOOL, group=DRAFTING,
                             help="A request drafts only while drafting pays on its own clock, and "
-                            "tries again later (docs/serve.md, the governor; output unchanged either way).")
+                            "tries again later (docs/serve.md, the governor: off by default, it cost "
+                            "more than it saved on our sets; output unchanged either way).")
     learn: bool = option(False, "--learn", kind=BOOL, group=DRAFTING,
                          help="Add what was generated to the model DB.")
     # draft models stacked above the database hierarchy (hdcli/hsd), or a plan that chose them
@@ -339,8 +340,9 @@ class DecodingConfig:
         own = {"max_new_tokens": self.max_new_tokens, "sampling": self.sampling, "seed": self.seed,
                "stop": tuple(self.stop), "logprobs": self.logprobs}
         fields = {**own, **fields}
-        if not self.governor:   # the run's --no-governor holds whatever the request asks
-            fields["speculation"] = dataclasses.replace(fields.get("speculation") or Speculation(), governed=False)
+        spec = fields.get("speculation") or Speculation()
+        if spec.governed is None:   # the request leaves it to the run (--governor)
+            fields["speculation"] = dataclasses.replace(spec, governed=self.governor)
         return Request(prompt_ids, **fields)
 
     @property

@@ -22,11 +22,6 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // max(1, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-# the governor (engine/decode/governor.py) lets a request's drafting follow the clock: off, every
-# test's drafting statistics are the same on any machine under any load; its own tests turn it on
-# with clocks of their own (tests/test_governor.py)
-os.environ.setdefault("HD_GOVERNOR", "off")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

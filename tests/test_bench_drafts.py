@@ -116,10 +116,10 @@ def test_a_recording_for_anything_else_is_refused_in_one_line(tiny_lm, rec, tmp_
 
 def test_ablation_leaves_one_default_layer_out():
     cfg = DecodingConfig(stats_dbs=["s.lmdb"])
-    assert runner.ablations(cfg) == ["hd-no-context", "hd-no-stats", "hd-no-governor"]
-    assert runner.ablations(DecodingConfig(), timed=False) == ["hd-no-context"]   # a replay has no clock
+    assert runner.ablations(cfg) == ["hd-no-context", "hd-no-stats"]
+    assert runner.ablations(DecodingConfig()) == ["hd-no-context"]
     assert runner.method_config("hd-no-stats", cfg).layers == ["context"]
-    assert runner.method_config("hd-no-governor", cfg).governor is False
+    assert runner.method_config("hd-governor", cfg).governor is True
 
 
 def test_bench_drafts_command(tiny_model_dir, tmp_path):
@@ -142,10 +142,10 @@ def test_bench_drafts_command(tiny_model_dir, tmp_path):
     assert bad.returncode != 0 and "--budgets: 65" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_spec_bench_ablate_adds_one_method_per_default_layer_and_the_governor(tiny_model_dir, tmp_path):
+def test_spec_bench_ablate_adds_one_method_per_default_layer(tiny_model_dir, tmp_path):
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS[:2]))
     r = hd_main("bench", "spec-bench", "--data", data, "--model", tiny_model_dir, "--methods", "ar,hd", "--ablate",
                 "-n", "4", "--dtype", "fp32", "--json")
     assert r.returncode == 0, r.stderr
-    assert list(json.loads(r.stdout)["methods"]) == ["ar", "hd", "hd-no-context", "hd-no-governor"]
+    assert list(json.loads(r.stdout)["methods"]) == ["ar", "hd", "hd-no-context"]

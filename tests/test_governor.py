@@ -2,8 +2,8 @@
 its own clock and tries again later, and no output token depends on it.
 
 Its judgements are tested on given step times; the decode loop's on a clock of the test's own
-(the seconds a step reports are replaced), never the machine's: HD_GOVERNOR is off in the rest
-of the suite (conftest) and on here."""
+(the seconds a step reports are replaced), never the machine's. It is off by default (on our sets
+it cost more than it saved: docs/benchmarks.md); a request asks for it (Speculation.governed)."""
 from __future__ import annotations
 
 import pytest
@@ -19,12 +19,8 @@ from hdcli.serve.protocol import ChatRequest
 
 from conftest import tiny_llama
 
+GOVERNED = Speculation(governed=True)
 PROMPT = [1, 10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12, 13, 10, 11]
-
-
-@pytest.fixture(autouse=True)
-def governed(monkeypatch):
-    monkeypatch.setenv("HD_GOVERNOR", "on")
 
 
 def run(g: Governor, steps: int, drafted_seconds: float, plain_seconds: float = 1.0, tokens: int = 2) -> list[bool]:
@@ -117,30 +113,30 @@ def test_governed_output_is_plain_decodings_token_for_token(model, monkeypatch, 
     """Greedy, and seeded sampling: the steps the governor leaves plain and the drafted ones
     between them give plain decoding's tokens. Control: it did switch (both kinds of step ran),
     and with the governor off nothing was left plain."""
-    request = Request(PROMPT, 120, sampling, seed)
+    request = Request(PROMPT, 120, sampling, seed, speculation=GOVERNED)
     plain = decode(model, request, drafter=False).tokens
     fake_clock(monkeypatch, drafted_seconds=50.0)   # drafting never pays
     g = decode(model, request)
     assert g.tokens == plain
     assert g.stats.governed_steps >= FIRST_PAUSE and g.stats.draft_tokens["verified"] > 0
-    off = decode(model, request.replace(speculation=Speculation(governed=False)))
-    assert off.tokens == plain and off.stats.governed_steps == 0
-    monkeypatch.setenv("HD_GOVERNOR", "off")
-    assert decode(model, request).stats.governed_steps == 0
+    for off in (Speculation(governed=False), Speculation()):   # off, and the default
+        got = decode(model, request.replace(speculation=off))
+        assert got.tokens == plain and got.stats.governed_steps == 0
 
 
 def test_drafting_that_pays_keeps_drafting(model, monkeypatch):
     fake_clock(monkeypatch, drafted_seconds=0.5)
-    g = decode(model, Request(PROMPT, 120))
+    g = decode(model, Request(PROMPT, 120, speculation=GOVERNED))
     assert g.stats.governed_steps == PROBES
 
 
 def test_the_runs_and_the_requests_switch_reach_the_request():
-    assert DecodingConfig().request([1, 2]).speculation.governed
-    assert not DecodingConfig(governor=False).request([1, 2]).speculation.governed
-    # the run's --no-governor holds over a request's own speculation (its cap kept)
-    own = DecodingConfig(governor=False).request([1, 2], speculation=Speculation(max_draft=3)).speculation
-    assert own.max_draft == 3 and not own.governed
+    assert DecodingConfig().request([1, 2]).speculation.governed is False
+    assert DecodingConfig(governor=True).request([1, 2]).speculation.governed is True
+    # a request that leaves it unset gets the run's (its own cap kept); one that sets it, its own
+    own = DecodingConfig(governor=True).request([1, 2], speculation=Speculation(max_draft=3)).speculation
+    assert own.max_draft == 3 and own.governed is True
+    assert DecodingConfig(governor=True).request([1, 2], speculation=Speculation(governed=False)).speculation.governed is False
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    assert ChatRequest(**body).speculation()[3] is True
-    assert ChatRequest(**body, speculative={"governor": False}).speculation()[3] is False
+    assert ChatRequest(**body).speculation()[3] is None
+    assert ChatRequest(**body, speculative={"governor": True}).speculation()[3] is True

@@ -55,7 +55,7 @@ def _db_methods() -> dict[str, dict]:
             "context+recycle+stats": {"layers": ["context", "recycle", "stats"]},
             "hd": {}, "hd-chain": {"candidates": 1}, "hd-first-hit": {"policy": "first-hit"},
             "hd-fill": {"policy": "fill"}, "hd-fill-tracked": {"policy": "fill-tracked"},
-            "hd-adaptive": {"policy": "adaptive"}, "hd-no-governor": {"governor": False},
+            "hd-adaptive": {"policy": "adaptive"}, "hd-governor": {"governor": True},
             # leave-one-out: the default hierarchy of the run's DBs without one layer (--ablate)
             **{f"hd-no-{n}": {"without": n} for n in registry.LAYERS}}
 
@@ -80,7 +80,7 @@ METHOD_HELP = {
     "hd-fill": "every layer, fill policy, token trees",
     "hd-fill-tracked": "every layer, fill-tracked policy (fill's order, trees cut by this answer's acceptance), token trees",
     "hd-adaptive": "every layer, adaptive policy, token trees",
-    "hd-no-governor": "hd with every step drafting, where drafting pays or not (an ablation; --ablate adds it)",
+    "hd-governor": "hd whose answers draft only while drafting pays on their own clock (--governor)",
     **{f"hd-no-{n}": f"hd without the {n} layer (an ablation; --ablate adds one for each default layer)"
        for n in registry.LAYERS},
     "hf-ar": "transformers' generate, greedy, on the stock model (torch's kernels): what users run today",
@@ -249,10 +249,9 @@ def default_layers(cfg: DecodingConfig) -> list[str]:
     return registry.default_layers(LayerInputs(stats_stores=cfg.stats_dbs, model_db=cfg.model_db))
 
 
-def ablations(cfg: DecodingConfig, timed: bool = True) -> list[str]:
-    """hd-no-<layer> for each layer of the default hierarchy with the run's DBs, and (timed: a
-    live run, where the governor acts on the clock; not a replay) hd without its governor (--ablate)."""
-    return [f"hd-no-{n}" for n in default_layers(cfg)] + ["hd-no-governor"] * timed
+def ablations(cfg: DecodingConfig) -> list[str]:
+    """hd-no-<layer> for each layer of the default hierarchy with the run's DBs (--ablate)."""
+    return [f"hd-no-{n}" for n in default_layers(cfg)]
 
 
 def drafter_factory(name: str, lm, cfg: DecodingConfig, dbs: DBs) -> tuple[Callable | None, bool]:
@@ -283,7 +282,7 @@ def make_runners(lm, names, cfg: DecodingConfig, dbs: DBs) -> dict[str, Runner]:
             runners[name] = HfGenerate(name, stock, prompt_lookup=10 if name == "hf-pld" else None)
         elif name in ("suffix", "ar") or name in DB_METHODS:
             factory, capped = drafter_factory(name, lm, cfg, dbs)
-            # suffix as vLLM runs it: every step drafts (hd's governor is hd's)
+            # suffix as vLLM runs it: every step drafts (hd's governor, where asked, is hd's)
             governed = name in DB_METHODS and method_config(name, cfg).governor
             runners[name] = Runner(name, lm, factory, capped, governed)
         elif name == "llama-cpp":

@@ -129,7 +129,7 @@ def bench_drafts(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, d
         raise HdError(f"--budgets: {bad[0]} is not a tree budget from 2 to 64 verified tokens")
     if methods is None:
         methods = ["hd"] + runner.single_layer_methods(cfg) + ["suffix"] * suffix.available()
-    methods = list(methods) + (runner.ablations(cfg, timed=False) if ablate else [])
+    methods = list(methods) + (runner.ablations(cfg) if ablate else [])
     methods = [m for m in dict.fromkeys(methods) if m != "ar"]
     runner.check_methods(["ar", *methods])
     path, questions, dbs, lm = _questions_and_model(cfg, data, limit, categories, on_status)

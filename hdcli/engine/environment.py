@@ -93,13 +93,6 @@ def check_cache_dir() -> Path:
     return root
 
 
-def governor() -> bool:
-    """Whether requests are governed (engine/decode/governor.py; HD_GOVERNOR, on by default). Off,
-    every step drafts what the cost curve admits whatever the clock says: drafting statistics
-    that do not depend on the machine's speed or load (the test suite runs so)."""
-    return os.environ.get("HD_GOVERNOR", "1").strip().lower() not in ("0", "off", "false", "no")
-
-
 def layout_cache() -> bool:
     """Whether a GGUF's repacked weights are kept on disk (HD_LAYOUT_CACHE, on by default)."""
     return os.environ.get("HD_LAYOUT_CACHE", "1").strip().lower() not in ("0", "off", "false", "no")

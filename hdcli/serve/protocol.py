@@ -158,12 +158,13 @@ class Speculative(_Strict):
     output token, only what is drafted and verified. enabled false: plain decoding; n_max: most
     drafted tokens verified a step (0: none; past the server's cap of 63 nodes a step, the cap);
     layers: the server's drafting layers this request drafts with, most local first (checked
-    against the server's by Server.job_for); governor false: every step drafts what the cost
-    curve admits, even where drafting does not pay (engine/decode/governor.py)."""
+    against the server's by Server.job_for); governor: true, the request drafts only while
+    drafting pays on its own clock, false, every step drafts what the cost curve admits; unset,
+    as the server runs (--governor; engine/decode/governor.py)."""
     enabled: bool = True
     n_max: Optional[int] = Field(None, ge=0)
     layers: Optional[list[str]] = None
-    governor: bool = True
+    governor: Optional[bool] = None
 
 
 class _Common(_Strict):
@@ -205,7 +206,7 @@ class _Common(_Strict):
         ignored = self.IGNORED + ("speculative_n_min", "speculative_p_min")
         return [type(self).model_fields[name].alias or name for name in ignored if getattr(self, name) is not None]
 
-    def speculation(self) -> tuple[bool, int | None, list[str] | None, bool]:
+    def speculation(self) -> tuple[bool, int | None, list[str] | None, bool | None]:
         """(enabled, n_max, layers, governor) of `speculative` and llama-server's
         `speculative.n_max`; both caps given must agree."""
         own = self.speculative or Speculative()

@@ -25,7 +25,6 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from ..environment import governor as governor_on
 from ..kernels import invariant
 from ..model.target import TargetModel, as_target
 from .draft import Draft, Drafter, clamped
@@ -190,7 +189,7 @@ class Stream:
         self.prediction = Prediction(request.prediction) if request.prediction else None
         self.speculates = request.speculation.drafts and (drafter is not None or self.prediction is not None)
         # whether drafting pays, judged on this request's own clock (engine/decode/governor.py)
-        self.governor = Governor() if self.speculates and request.speculation.governed and governor_on() else None
+        self.governor = Governor() if self.speculates and request.speculation.governed else None
         self.drafting = self.speculates   # whether this step drafts (the governor's call)
 
     def propose(self, max_nodes: int | None = None, capped: bool = True) -> Tree:

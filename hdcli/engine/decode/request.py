@@ -26,14 +26,16 @@ class Speculation:
     tokens, not a prediction). max_draft: most drafted tokens verified a step (the tree's nodes past
     its root; 0: none drafted; None: as many as the cost curve admits, at most the decoder's
     max_nodes). layers: the run's drafting layers this request drafts with, most local first (a
-    subset of the run's own, checked by the caller; None: all of them). governed: a step drafts
-    only while drafting pays on this request's own clock (engine/decode/governor.py); False:
-    every step drafts what the cost curve admits. hd serve's `speculative` body field
+    subset of the run's own, checked by the caller; None: all of them). governed: True, a step
+    drafts only while drafting pays on this request's own clock (engine/decode/governor.py; off by
+    default: on our sets it cost more than it saved, docs/benchmarks.md); False, every step drafts
+    what the cost curve admits; None, the run's choice (DecodingConfig.governor; the decode loop
+    reads None as False). hd serve's `speculative` body field
     (llama-server's per-request `speculative.n_max` is its precedent), the API's `speculation=`."""
     enabled: bool = True
     max_draft: int | None = None
     layers: tuple[str, ...] | None = None
-    governed: bool = True
+    governed: bool | None = None
 
     def __post_init__(self):
         if self.max_draft is not None and self.max_draft < 0:
