@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	mkdir -p out
 	$(BIN)/hd build-stats sample_corpora/assistant_answers.jsonl -o out/sample_stats.lmdb --min-count 1 --overwrite
-	$(BIN)/hd generate --compare --max-new-tokens 200 --prompt-file sample_corpora/demo_prompt.txt --stats-db out/sample_stats.lmdb
+	$(BIN)/hd generate --compare --max-new-tokens 200 --prompt-file sample_corpora/demo_prompt.txt --stats-db out/sample_stats.lmdb --layers context,stats
 
 # The suite on TEST_WORKERS pytest-xdist workers, one a core up to 4 (each worker its share of
 # the cores' threads: tests/conftest.py), a test file to a worker (--dist loadfile: a module's

@@ -68,6 +68,5 @@ load_model = loader.load
 
 def default_layers(stats_dbs: Sequence = (), model_db=None) -> list[str]:
     """The hierarchy run when no layers are given, most local first (drafting.registry).
-    Default order: context → stats → model (stats and model where their DBs are given; recycle
-    when named)."""
+    Default order: context → model (model where its DB is given; stats and recycle when named)."""
     return registry.default_layers(registry.LayerInputs(stats_stores=list(stats_dbs), model_db=model_db))

@@ -178,6 +178,9 @@ def prepare(cfg: DecodingConfig, lm: loader.LoadedModel | None = None,
         if why:
             on_status(f"M-invariant forward off: {why}")
     check_tokenizers(dbs, lm)
+    if cfg.stats_dbs and cfg.layers is None and plan is None:
+        on_status("note: the statistics DB is not drafted from by default (it did not pay on hd's "
+                  "question sets: docs/benchmarks.md); add --layers context,stats to draft from it")
     if plan is not None:
         check_made_for(cfg.plan, plan, lm)
         for db in dbs.all():

@@ -116,9 +116,9 @@ def test_a_recording_for_anything_else_is_refused_in_one_line(tiny_lm, rec, tmp_
 
 def test_ablation_leaves_one_default_layer_out():
     cfg = DecodingConfig(stats_dbs=["s.lmdb"])
-    assert runner.ablations(cfg) == ["hd-no-context", "hd-no-stats"]
-    assert runner.ablations(DecodingConfig()) == ["hd-no-context"]
-    assert runner.method_config("hd-no-stats", cfg).layers == ["context"]
+    assert runner.ablations(cfg) == ["hd-no-context"]   # stats: in no default hierarchy
+    assert runner.ablations(cfg.replace(model_db="m.lmdb")) == ["hd-no-context", "hd-no-model"]
+    assert runner.method_config("hd-no-model", cfg.replace(model_db="m.lmdb")).layers == ["context"]
     assert runner.method_config("hd-governor", cfg).governor is True
 
 

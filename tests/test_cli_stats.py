@@ -35,12 +35,17 @@ def test_build_info_query_generate(tiny_model_dir, corpus, tmp_path):
     # fp32: transformers' generate on the stock model is compared token for token (in bf16 its
     # rounding differs from the invariant forward's: docs/dtype.md)
     g = json.loads(hd("generate", "--model", m, "-p", "the cat sat on the", "-n", "20", "--dtype", "fp32",
-                      "--stats-db", str(out), "--json", "--compare").stdout)
+                      "--stats-db", str(out), "--layers", "context,stats", "--json", "--compare").stdout)
     assert g["compare"]["identical"] and set(g["stats"]["layers"]) <= {"context", "recycle", "stats"}
     assert g["compare"]["identical_to_hf_ar"] and g["compare"]["speedup_over_hf_ar"] > 0
     assert "stats" in g["stats"]["layers"]
     assert "stats" in hd("generate", "--model", m, "-p", "the cat", "-n", "10", "--stats-db", str(out),
-                         "--no-color").output
+                         "--layers", "context,stats", "--no-color").output
+    # not in the default hierarchy: a DB given alone is opened, not drafted from, and hd says so
+    alone = hd("generate", "--model", m, "-p", "the cat sat on the", "-n", "10", "--stats-db", str(out), "--json")
+    assert "stats" not in json.loads(alone.stdout)["stats"]["layers"]
+    told = hd("generate", "--model", m, "-p", "the cat sat on the", "-n", "10", "--stats-db", str(out), "--no-color")
+    assert "add --layers context,stats to draft from it" in told.stderr
 
 
 def test_shard_and_merge_cli(tiny_model_dir, corpus, tmp_path):

@@ -131,10 +131,11 @@ def test_the_default_order_is_declared_not_the_import_order():
 
 def test_a_configuration_makes_the_request_of_one_generation():
     """DecodingConfig.request: the API's and the CLI's one place a Request is made."""
-    from hdcli.engine.decode.request import Request
+    from hdcli.engine.decode.request import Request, Speculation
     cfg = DecodingConfig(max_new_tokens=9, temperature=0.5, top_k=3, seed=7, stop=["\n"], logprobs=2)
     r = cfg.request([1, 2, 3], prediction=[4, 5])
-    assert r == Request((1, 2, 3), 9, cfg.sampling, 7, stop=("\n",), logprobs=2, prediction=(4, 5))
+    assert r == Request((1, 2, 3), 9, cfg.sampling, 7, stop=("\n",), logprobs=2, prediction=(4, 5),
+                        speculation=Speculation(governed=False))   # the run's --governor, off
     assert cfg.request([1], max_new_tokens=4).max_new_tokens == 4       # the room the context leaves
     assert Request.of([1, 2], max_new_tokens=3) == Request((1, 2), 3)   # the decode loop's shorthand
     assert Request.of(r, choice=1) == r.replace(choice=1) and r.choice == 0
@@ -178,11 +179,11 @@ def test_each_option_states_the_default_the_code_takes():
                                   helps[name]).groups()
         assert (float(cheap), float(costly)) == (choose(True), choose(False)), name
     assert DecodingConfig().layers is None
-    stated = re.search(r"Default: (\w+), then (\w+) and (\w+) when their DBs are given \((\w+): when named\)",
+    stated = re.search(r"Default: (\w+), then (\w+) when its DB is given \((\w+), (\w+): when named\)",
                        helps["layers"]).groups()
     assert registry.default_layers(registry.LayerInputs()) == [stated[0]]
-    assert registry.default_layers(registry.LayerInputs(stats_stores=["s"], model_db="m")) == list(stated[:3])
-    assert stated[3] in registry.names() and stated[3] not in stated[:3]
+    assert registry.default_layers(registry.LayerInputs(stats_stores=["s"], model_db="m")) == list(stated[:2])
+    assert set(stated[2:]) == set(registry.names()) - set(stated[:2])
     assert "loopback by default" in helps["host"] and defaults["host"] == "127.0.0.1"
     assert "default: key with several keys, else shared" in helps["learn_scope"]
     assert defaults["learn_scope"] is None

@@ -44,14 +44,16 @@ def _sources() -> list[tuple[str, str]]:
 
 def test_the_stated_default_order_is_the_codes():
     order = code_order()
-    assert order[0] == "context" and len(order) >= 3, order   # the registry has its layers
+    assert order[0] == "context" and len(order) >= 2, order   # the registry has its layers
     wrong, stating = [], set()
     for name, text in _sources():
         for stated in stated_orders(text):
             stating.add(name)
             if stated != order:
                 wrong.append(f"{name}: {' → '.join(stated)}")
-        if name not in HISTORY:
+        # a list of two layer names is English as often ("the model, context and ..."): lists are
+        # checked where the default has three names or more
+        if name not in HISTORY and len(order) >= 3:
             wrong += [f"{name}: {', '.join(listed)}" for listed in listed_orders(text, order) if listed != order]
     assert not wrong, f"the code's default order is {' → '.join(order)}; these say otherwise:\n" + "\n".join(wrong)
     missing = [name for name in MUST_STATE if name not in stating]

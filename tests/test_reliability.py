@@ -168,7 +168,7 @@ def test_dbs_on_a_read_only_file_system_open_for_drafting(tiny_model_dir, tiny_l
         pytest.skip("needs util-linux unshare for a private read-only mount")
     gen = " ".join([sys.executable, "-m", "hdcli.cli", "generate", "--model", str(tiny_model_dir), "-p",
                     "'the cat sat on the'", "-n", "12", "--stats-db", str(mnt / "s.lmdb"), "--model-db",
-                    str(mnt / "m.lmdb"), "--compare", "--json"])
+                    str(mnt / "m.lmdb"), "--layers", "context,stats,model", "--compare", "--json"])
     script = (f"mount --bind {src} {mnt} && mount -o remount,ro,bind {mnt} || exit 77; "
               f"touch {mnt}/probe 2>/dev/null && exit 78; exec {gen}")
     p = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True)

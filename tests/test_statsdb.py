@@ -596,7 +596,7 @@ def test_a_db_value_of_a_wrong_length_is_one_line(tiny_model_dir, tmp_path):
     env.close()
     m = str(tiny_model_dir)
     for args in (["db", "query", db, "--text", "the cat", "-m", m],
-                 ["generate", "-m", m, "-p", "the cat sat on the mat", "-n", "4", "--stats-db", db, "--raw"]):
+                 ["generate", "-m", m, "-p", "the cat sat on the mat", "-n", "4", "--stats-db", db, "--layers", "context,stats", "--raw"]):
         err = one_line_error(hd_main(*args))
         assert f"{db} is damaged (a record of 3 bytes is malformed): run `hd db verify {db}`" in err, (args, err)
     assert hd_main("db", "verify", db).returncode == 1

@@ -51,6 +51,7 @@ def _db_methods() -> dict[str, dict]:
     single = {n: {"layers": [n], "policy": "first-hit", "candidates": 1} for n in registry.LAYERS}
     return {"ar": {"layers": []}, **single,
             "context+recycle": {"layers": ["context", "recycle"]},
+            "context+stats": {"layers": ["context", "stats"]},
             "context+model+recycle": {"layers": ["context", "model", "recycle"]},
             "context+recycle+stats": {"layers": ["context", "recycle", "stats"]},
             "hd": {}, "hd-chain": {"candidates": 1}, "hd-first-hit": {"policy": "first-hit"},
@@ -71,6 +72,7 @@ METHOD_HELP = {
     "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
     **{n: spec.help for n, spec in registry.LAYERS.items()},
     "context+recycle": "context DB, then recycled predictions, token trees (hd generate's default without DBs)",
+    "context+stats": "context DB, then the statistics DB (hd's default with a statistics DB before 2026-12-07)",
     "context+model+recycle": "context DB, the model DB, then recycled predictions (an ablation of hd)",
     "context+recycle+stats": "context DB, recycled predictions, then the statistics DB (an ablation of hd)",
     "hd": f"context DB, recycled predictions and every DB given, {DEFAULT_POLICY} policy, token trees of up to "

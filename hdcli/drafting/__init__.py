@@ -9,12 +9,14 @@ them (the engine's Drafter, hdcli/engine/decode/draft.py).
     model.py       `model`: the target's own earlier answers (a model DB), matched on long suffixes
     suffix.py      SuffixDecoding's drafts (arctic-inference): a peer `hd bench` runs, not a layer
 
-The imports below register the layers; each LayerSpec's `rank` gives its place in the default
-hierarchy: context, stats, model; recycle, in no default hierarchy, goes last where named. The
+The imports below register the layers; each LayerSpec's `rank` gives its place in the hierarchy:
+context, stats, model, recycle; the default one is context, then model where its DB is given
+(stats and recycle, in no default hierarchy, take their places where named). The
 model DB comes before the recycled predictions: both are the target's own writing, and a long
 match in its earlier answers is the stronger evidence (docs/model-db.md, "Place in the
-hierarchy"). The statistics DB comes before both (docs/benchmarks.md). Recycle left the default
-when leaving it out made hd faster (`hd bench spec-bench --ablate`, docs/benchmarks.md).
+hierarchy"). The statistics DB comes before both (docs/benchmarks.md). Recycle and then stats
+left the default when leaving them out made hd faster (`hd bench spec-bench --ablate`,
+docs/benchmarks.md).
 """
 from ..engine.decode.draft import Draft, base_name, bucket
 from . import context, stats, model, recycle  # noqa: F401  (registers them; order: LayerSpec.rank)

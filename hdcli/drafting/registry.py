@@ -81,7 +81,7 @@ def names() -> tuple[str, ...]:
 
 def default_layers(inputs: LayerInputs) -> list[str]:
     """The hierarchy run when no layers are named: every layer whose in_default holds, by rank
-    (context, the statistics DBs where given, the model DB where given, recycle)."""
+    (context, the model DB where given; stats and recycle only where named)."""
     return [n for n, spec in LAYERS.items() if spec.in_default(inputs)]
 
 

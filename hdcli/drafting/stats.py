@@ -120,4 +120,7 @@ def _stats_layers(s) -> list:
 register(LayerSpec(
     name="stats", rank=10, prior=(0.1, 0.3, 0.45, 0.55), style="magenta", short="st",
     help="statistics DB only (corpus retrieval, REST-like)",
-    build=_stats_layers, in_default=lambda s: bool(s.stats_stores), needs=NEEDS_STATS_DB))
+    # not in the default hierarchy: held out, it added -4% to 0% tok/s to hd, and 0% and -2% on the
+    # tuning set, below the 3% a default layer must add (`hd bench spec-bench --ablate`,
+    # docs/benchmarks.md); `--layers context,stats` drafts from a statistics DB
+    build=_stats_layers, needs=NEEDS_STATS_DB))
