@@ -75,7 +75,7 @@ METHOD_HELP = {
     "context+stats": "context DB, then the statistics DB (hd's default with a statistics DB before 2026-12-07)",
     "context+model+recycle": "context DB, the model DB, then recycled predictions (an ablation of hd)",
     "context+recycle+stats": "context DB, recycled predictions, then the statistics DB (an ablation of hd)",
-    "hd": f"context DB, recycled predictions and every DB given, {DEFAULT_POLICY} policy, token trees of up to "
+    "hd": f"the default hierarchy (context DB, the model DB where given), {DEFAULT_POLICY} policy, token trees of up to "
           f"{DEFAULT_CANDIDATES} candidates",
     "hd-chain": "every layer, default policy, one candidate (single-chain verification)",
     "hd-first-hit": "every layer, first-hit policy, token trees",
@@ -128,7 +128,7 @@ class Runner:
     governed: each answer drafts only while drafting pays (engine/decode/governor.py)."""
 
     def __init__(self, name: str, lm, drafter_factory: Callable | None = None, capped: bool = True,
-                 governed: bool = True):
+                 governed: bool = False):
         self.name, self.lm, self.factory, self.governed = name, lm, drafter_factory, governed
         self.cost = costs.curve_for(lm) if drafter_factory and capped else None
 

@@ -8,8 +8,9 @@ clock instead: its drafted steps' tokens per second against a plain step's one t
 seconds, both timed in this request (so a machine's speed and load, the same for both, cancel).
 
 Drafts come in bursts (a copied span, then nothing), so a short window judges a dry spell and
-pauses before the next burst: tuned on Spec-Bench (docs/benchmarks.md), an 8-step window lost
-5% of hd's speed to such pauses. The judgement is over every drafted step of the request.
+pauses before the next burst: on Spec-Bench an 8-step window lost 5% of hd's speed to such pauses
+(docs/benchmarks.md, "A wall-clock governor"). The judgement is over every drafted step of the
+request. Even so it cost hd 1-4% there, so it is off by default.
 
 Every parameter is a number of steps:
   WINDOW        drafted steps before the first judgement, and in each try after a pause: drafting
