@@ -76,6 +76,9 @@ def bench_drafts(
     cache: Optional[Path] = typer.Option(None, "--cache", help="The recording's file (default: under "
                                          "HD_CACHE_DIR, by model, tokenizer and questions)."),
     record: bool = typer.Option(False, "--record", help="Record the answers again."),
+    price_by: Optional[Path] = typer.Option(None, "--price-by", help="Another model's `hd costs --json` "
+                                            "(a bigger model's, say): trees cut and steps priced by its curve, "
+                                            "a prediction of that model's speedup with this one's acceptance."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the report here (JSON)."),
     as_json: bool = typer.Option(False, "--json", help="Write the report as JSON to stdout."),
 ):
@@ -88,7 +91,7 @@ def bench_drafts(
     say = show.status(False)   # progress on stderr, --json included
     report = bench_commands.bench_drafts(cfg, split_list(methods) if methods else None, data=data, limit=limit,
                                          categories=split_list(categories) if categories else None,
-                                         ablate=ablate, budgets=sizes, cache=cache, record=record, out=out,
+                                         ablate=ablate, budgets=sizes, cache=cache, record=record, price_by=price_by, out=out,
                                          progress=lambda name: say(f"replayed {name}"), on_status=say)
     if as_json:
         typer.echo(json.dumps(report))

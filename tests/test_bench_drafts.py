@@ -149,3 +149,34 @@ def test_spec_bench_ablate_adds_one_method_per_default_layer(tiny_model_dir, tmp
                 "-n", "4", "--dtype", "fp32", "--json")
     assert r.returncode == 0, r.stderr
     assert list(json.loads(r.stdout)["methods"]) == ["ar", "hd", "hd-no-context"]
+
+
+def test_price_by_replays_under_another_models_curve(tiny_model_dir, tmp_path):
+    """--price-by: the trees are cut by the given curve (an `hd costs --json` report), not this
+    machine's: a flat curve keeps wider trees than one where every row costs a whole forward; a
+    file that is no such report is refused in one line."""
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+
+    def curve_file(name, cost):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"model": name, "kernels": "gguf-int8", "cpu": "somewhere", "curves": {"gguf-int8": {
+            "one_token_ms": 300.0, "cost": {str(w): cost(w) for w in (1, 2, 4, 8, 16, 64)}, "branch": 0.0,
+            "stream": 0.0, "measured_at": 1.0}}}))
+        return f
+
+    trees = {}
+    for name, cost in (("flat", lambda w: 1.0), ("steep", lambda w: float(w))):
+        r = hd_main("bench", "drafts", "--model", tiny_model_dir, "--data", data, "-n", "24", "--methods", "context",
+                    "--budgets", "4", "--cache", tmp_path / "rec.json", "--price-by", curve_file(name, cost), "--json")
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        assert report["priced_by"]["model"] == name and report["one_token_ms"] == 300.0
+        assert report["cost_curve"]["64"] == cost(64)
+        trees[name] = report["methods"]["context"]["machine"]["mean_tree"]
+    assert trees["flat"] > trees["steep"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"curves": {}}))
+    r = hd_main("bench", "drafts", "--model", tiny_model_dir, "--data", data, "-n", "24", "--methods", "context",
+                "--cache", tmp_path / "rec.json", "--price-by", bad)
+    assert r.returncode != 0 and "--price-by" in r.stderr and "hd costs" in r.stderr and "Traceback" not in r.stderr

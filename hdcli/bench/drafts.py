@@ -345,7 +345,9 @@ def bench(lm, rec: Recording, makers: dict, budgets: Sequence[int] = BUDGETS, pr
     """Each configuration replayed as this machine runs it (its trees cut by the cost curve, the
     decoder's 63 nodes at most) and at each tree budget b (every node up to b - 1 drafted ones,
     costs.flat: b tokens verified with the root),
-    priced by this machine's curve: the report of `hd bench drafts`."""
+    priced by this machine's curve (or the one costs.assume gave the model: `--price-by`, where
+    the predicted speedup is that curve's model's, with this model's acceptance): the report of
+    `hd bench drafts`."""
     curve = costs.curve_for(lm)
     vocab, eos = int(lm.model.config.vocab_size), lm.eos_ids
     out = {}
@@ -375,8 +377,10 @@ def table(report: dict):
     from rich import box
     from rich.table import Table
     budgets = list(next(iter(report["methods"].values()))["budgets"]) if report["methods"] else []
+    by = report.get("priced_by")
     t = Table(title=f"Drafting replay · {report['questions']} answers · {report['tokens']} tokens · "
-                    f"one-token forward {report['one_token_ms']:.2f} ms",
+                    f"one-token forward {report['one_token_ms']:.2f} ms"
+                    + (f" · priced by {by.get('model')}'s curve (a prediction)" if by else ""),
               caption="MAT: mean accepted tokens a step · pred.: predicted speedup over plain (forwards by the "
                       "cost curve, and drafting time) · tree: drafted nodes a step · ms: drafting a step · "
                       "bN: MAT where every drafted node is sent, N tokens verified at most",

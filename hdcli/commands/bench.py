@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 from ..compose import Status, check_tokenizers, load_model_for, open_dbs, resolved
 from ..config import DecodingConfig
 from ..drafting import suffix
+from ..engine.decode import costs
 from ..errors import HdError
 from ..bench import agents, drafts, runner, specbench
 from ..bench.report import chart
@@ -113,15 +114,25 @@ def bench_agents(cfg: DecodingConfig, methods: Sequence[str] | None = None, *,
 def bench_drafts(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, data: Path | None = None,
                  limit: int | None = None, categories: Sequence[str] | None = None, ablate: bool = False,
                  budgets: Sequence[int] = drafts.BUDGETS, cache: Path | None = None, record: bool = False,
-                 prefill: bool = False, out: Path | None = None, progress=None,
+                 prefill: bool = False, price_by: Path | None = None, out: Path | None = None, progress=None,
                  on_status: Status = lambda m: None) -> dict:
     """hd bench drafts: drafting configurations replayed over the target's recorded greedy answers
     (hdcli/bench/drafts.py): per configuration its mean accepted tokens, predicted speedup and
     per-layer share as this machine runs it, and its MAT per tree budget. methods: hd's methods of
     `hd bench spec-bench` and suffix (default: hd, each layer alone whose DB is given, suffix
     where installed); ablate adds hd-no-<layer> for each default layer. cache: the recording's
-    file (default: under HD_CACHE_DIR, by its key); record: record again."""
+    file (default: under HD_CACHE_DIR, by its key); record: record again. price_by: an `hd costs
+    --json` report of another model (a bigger one's, say): trees are cut and steps priced by its
+    curve, so the predicted speedups are that model's with this one's acceptance (a prediction)."""
     cfg.validate()
+    priced = None
+    if price_by is not None:
+        try:
+            rep = json.loads(Path(price_by).read_text())
+        except (OSError, ValueError) as e:
+            raise HdError(f"--price-by {price_by}: cannot read it as JSON ({type(e).__name__}); "
+                          "write it with `hd costs --model FILE --json > costs.json`") from None
+        priced = costs.from_report(rep if isinstance(rep, dict) else {}, f"--price-by {price_by}")
     if limit is not None and limit < 1:
         raise HdError(f"--limit must be >= 1, not {limit}")
     bad = [b for b in budgets if not 2 <= b <= 64]
@@ -133,6 +144,8 @@ def bench_drafts(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, d
     methods = [m for m in dict.fromkeys(methods) if m != "ar"]
     runner.check_methods(["ar", *methods])
     path, questions, dbs, lm = _questions_and_model(cfg, data, limit, categories, on_status)
+    if priced is not None:
+        costs.assume(lm, priced)
     makers = drafts.configurations(lm, cfg, dbs, methods)
     rec, where = drafts.recorded(lm, questions, cfg.max_new_tokens, cache, record,
                                  progress=lambda n, total: on_status(f"recorded {n}/{total} answers"))
@@ -140,6 +153,7 @@ def bench_drafts(cfg: DecodingConfig, methods: Sequence[str] | None = None, *, d
                           progress=lambda name: progress(name) if progress else None)
     report = {"model": lm.name, "source": str(lm.source), "dtype": lm.dtype, "kernels": lm.kernels,
               "data": str(path), "max_new_tokens": cfg.max_new_tokens, "cache": str(where),
+              "priced_by": None if priced is None else {"file": str(price_by), **priced.info},
               "machine": runner.machine(), "config": resolved(cfg, lm, dbs).to_dict(), **report}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

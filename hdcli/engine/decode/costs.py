@@ -375,6 +375,33 @@ def cached_curve(key: str, model, remeasure: bool = False, quiet: bool = False,
     return curve
 
 
+def assume(lm, curve: CostCurve) -> None:
+    """Take `curve` as the loaded model's for the rest of this process (nothing is cached): what
+    `hd bench drafts --price-by` replays under, another model's measured curve, so that the trees
+    and the drafting defaults (hdcli/compose.py) are those that model's curve would give."""
+    _CURVES[_key_of(lm)] = curve
+
+
+def from_report(rep: dict, what: str) -> CostCurve:
+    """The curve of an `hd costs --json` report (its only curve, or the kernels' it ran on), or
+    HdError naming `what` (the file) and what to do."""
+    from ...errors import HdError
+    try:
+        curves = rep["curves"]
+        c = curves.get(rep.get("kernels")) or next(iter(curves.values()))
+        curve = CostCurve({int(w): float(v) for w, v in c["cost"].items()},
+                          None if c.get("one_token_ms") is None else float(c["one_token_ms"]) / 1e3,
+                          info={"model": rep.get("model"), "source": rep.get("source"), "cpu": rep.get("cpu"),
+                                "kernels": rep.get("kernels"), "measured_at": c.get("measured_at")},
+                          branch=float(c.get("branch") or 0.0), stream=float(c.get("stream") or 0.0))
+    except (KeyError, TypeError, ValueError, AttributeError, StopIteration):
+        raise HdError(f"{what}: not the output of `hd costs --json` (no curves.<kernels>.cost); "
+                      "write it with `hd costs --model FILE --json > costs.json`") from None
+    if curve.one_token_seconds is None:
+        raise HdError(f"{what}: its curve has no one_token_ms; measure it again with `hd costs --remeasure --json`")
+    return curve
+
+
 def curve_for(lm, remeasure: bool = False, quiet: bool = False) -> CostCurve:
     """The cost curve of a loaded model (api.load_model), from the cache or measured now."""
     return cached_curve(_key_of(lm), lm.model, remeasure, quiet,
