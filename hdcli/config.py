@@ -119,9 +119,11 @@ def option(default, *flags: str, help: str | None = None, kind: Kind = STR, grou
 _ALWAYS = [n for n, spec in registry.LAYERS.items() if spec.in_default(registry.LayerInputs())]
 _WITH_DBS = [n for n, spec in registry.LAYERS.items() if n not in _ALWAYS and spec.in_default(
     registry.LayerInputs(stats_stores=[object()], model_db=object()))]
-_DEFAULT_LAYERS_HELP = (", ".join(_ALWAYS) + ", then " + " and ".join(_WITH_DBS)
-                        + (" when its DB is" if len(_WITH_DBS) == 1 else " when their DBs are") + " given ("
-                        + ", ".join(n for n in registry.LAYERS if n not in _ALWAYS + _WITH_DBS) + ": when named)")
+_DEFAULT_LAYERS_HELP = (", ".join(_ALWAYS)
+                        + ("" if not _WITH_DBS else ", then " + " and ".join(_WITH_DBS)
+                           + (" when its DB is" if len(_WITH_DBS) == 1 else " when their DBs are") + " given")
+                        + (" (model: the model DB's answers where given, and this process's)" if "model" in _ALWAYS else "")
+                        + " (" + ", ".join(n for n in registry.LAYERS if n not in _ALWAYS + _WITH_DBS) + ": when named)")
 KERNELS_HELP = ("auto|gguf|gguf-int8|onednn|torch (int4: an alias of gguf). auto: a GGUF's own blocks where "
                 "hd has a kernel for their type, by int8 activations (gguf-int8) where this CPU has AVX512-VNNI "
                 "and measured them faster (once, cached) or has AVX2 and no AVX512-BF16, else by bf16 ones (gguf); else oneDNN-packed dense "

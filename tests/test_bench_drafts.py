@@ -116,7 +116,8 @@ def test_a_recording_for_anything_else_is_refused_in_one_line(tiny_lm, rec, tmp_
 
 def test_ablation_leaves_one_default_layer_out():
     cfg = DecodingConfig(stats_dbs=["s.lmdb"])
-    assert runner.ablations(cfg) == ["hd-no-context"]   # stats: in no default hierarchy
+    # stats: in no default hierarchy; model: in every one (without a DB, the run's own answers)
+    assert runner.ablations(cfg) == ["hd-no-context", "hd-no-model"]
     assert runner.ablations(cfg.replace(model_db="m.lmdb")) == ["hd-no-context", "hd-no-model"]
     assert runner.method_config("hd-no-model", cfg.replace(model_db="m.lmdb")).layers == ["context"]
     assert runner.method_config("hd-governor", cfg).governor is True
@@ -129,7 +130,7 @@ def test_bench_drafts_command(tiny_model_dir, tmp_path):
                 "context,recycle", "--ablate", "--budgets", "4,16", "--cache", tmp_path / "rec.json", "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert set(report["methods"]) == {"context", "recycle", "hd-no-context"}
+    assert set(report["methods"]) == {"context", "recycle", "hd-no-context", "hd-no-model"}
     row = report["methods"]["context"]
     assert set(row["budgets"]) == {"4", "16"} and row["machine"]["mean_accepted"] >= 1.0
     assert (tmp_path / "rec.json").exists()
@@ -148,7 +149,7 @@ def test_spec_bench_ablate_adds_one_method_per_default_layer(tiny_model_dir, tmp
     r = hd_main("bench", "spec-bench", "--data", data, "--model", tiny_model_dir, "--methods", "ar,hd", "--ablate",
                 "-n", "4", "--dtype", "fp32", "--json")
     assert r.returncode == 0, r.stderr
-    assert list(json.loads(r.stdout)["methods"]) == ["ar", "hd", "hd-no-context"]
+    assert list(json.loads(r.stdout)["methods"]) == ["ar", "hd", "hd-no-context", "hd-no-model"]
 
 
 def test_price_by_replays_under_another_models_curve(tiny_model_dir, tmp_path):

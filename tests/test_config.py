@@ -8,7 +8,7 @@ import pytest
 
 from hdcli import api, compose
 from hdcli.config import DecodingConfig
-from hdcli.drafting import Hierarchy, LayerSpec, registry
+from hdcli.drafting import Hierarchy, LayerSpec, model, registry
 from hdcli.errors import HdError
 from hdcli.hsd.stack import ModelStack
 
@@ -64,7 +64,8 @@ def test_from_file_reads_a_run_record_a_bare_config_and_refuses_junk(tmp_path):
 def test_build_drafter_gives_nothing_a_hierarchy_or_a_stack(tiny_lm):
     assert compose.build_drafter(DecodingConfig(layers=[]), tiny_lm) is None
     h = compose.build_drafter(DecodingConfig(candidates=3, policy="adaptive"), tiny_lm)
-    assert isinstance(h, Hierarchy) and [l.name for l in h.layers] == ["context"]
+    # the model layer without a DB: this process's answers (where arctic-inference is installed)
+    assert isinstance(h, Hierarchy) and [l.name for l in h.layers] == ["context", "model"][:1 + model.available()]
     assert (h.max_candidates, h.policy) == (3, "adaptive")
     stack = compose.build_drafter(DecodingConfig(draft_models=["self:layers=1"], level_tokens=[3]), tiny_lm)
     assert isinstance(stack, ModelStack)
@@ -105,7 +106,7 @@ def test_generate_json_records_a_config_that_repeats_the_run(tiny_model_dir, tmp
     run = tmp_path / "run.json"
     run.write_text(first.stdout)
     rec = json.loads(first.stdout)
-    assert rec["config"]["candidates"] == 2 and rec["config"]["layers"] == ["context"]
+    assert rec["config"]["candidates"] == 2 and rec["config"]["layers"] == ["context", "model"]
     assert rec["config"]["kernels"] in ("torch", "onednn") and rec["config"]["min_n"] in (1, 2)
     again = hd_main("generate", "-p", "the cat sat on the", "--config", str(run), "--json")
     assert again.returncode == 0, again.stderr
@@ -179,9 +180,9 @@ def test_each_option_states_the_default_the_code_takes():
                                   helps[name]).groups()
         assert (float(cheap), float(costly)) == (choose(True), choose(False)), name
     assert DecodingConfig().layers is None
-    stated = re.search(r"Default: (\w+), then (\w+) when its DB is given \((\w+), (\w+): when named\)",
-                       helps["layers"]).groups()
-    assert registry.default_layers(registry.LayerInputs()) == [stated[0]]
+    stated = re.search(r"Default: (\w+), (\w+) \(model: the model DB's answers where given, and this process's\) "
+                       r"\((\w+), (\w+): when named\)", " ".join(helps["layers"].split())).groups()
+    assert registry.default_layers(registry.LayerInputs()) == list(stated[:2])
     assert registry.default_layers(registry.LayerInputs(stats_stores=["s"], model_db="m")) == list(stated[:2])
     assert set(stated[2:]) == set(registry.names()) - set(stated[:2])
     assert "loopback by default" in helps["host"] and defaults["host"] == "127.0.0.1"

@@ -226,6 +226,58 @@ def test_an_answer_is_drafted_for_the_next_request_of_the_process(tiny_lm, tmp_p
     assert got(second) >= len(second.tokens) // 2 and got(fresh) == got(first) < got(second) / 2
 
 
+def test_without_a_db_the_default_model_layer_drafts_the_processs_earlier_answers(tiny_lm):
+    """No model DB: the default hierarchy's model layer drafts from this process's answers alone
+    (SuffixDecoding's global tree). The second request for a prompt is drafted mostly by it, greedy
+    output is plain decoding's every time, and a fresh index drafts none of it (the control)."""
+    from hdcli import compose
+    from hdcli.config import DecodingConfig
+    from hdcli.drafting import model
+    if not model.available():
+        pytest.skip("arctic-inference is not installed")
+    p = PROMPTS[6]
+    ref = api.generate(tiny_lm, p, max_new_tokens=30, drafter=None)
+    shared = model.AnswerIndex(max_answers=model.MEMORY_ANSWERS)
+    make = lambda index: compose.build_drafter(DecodingConfig(), tiny_lm, answer_index=index)
+    assert [layer.name for layer in make(shared).layers] == ["context", "model"]
+    first = api.generate(tiny_lm, p, max_new_tokens=30, drafter=make(shared), cost=FREE_FORWARD)
+    second = api.generate(tiny_lm, p, max_new_tokens=30, drafter=make(shared), cost=FREE_FORWARD)
+    fresh = api.generate(tiny_lm, p, max_new_tokens=30, drafter=make(model.AnswerIndex()), cost=FREE_FORWARD)
+    assert first.tokens == second.tokens == fresh.tokens == ref.tokens
+    got = lambda r: r.stats.layers["model"].accepted if "model" in r.stats.layers else 0
+    # (the first and the fresh one draft from their own answer's earlier part only, as the context does)
+    assert got(first) == got(fresh) < got(second) / 2 and got(second) >= len(ref.tokens) // 2
+    # without an index of its own the layer uses the process's (made once, bounded)
+    assert compose.build_drafter(DecodingConfig(), tiny_lm).layers[-1].index is model.process_answers()
+    assert model.process_answers().cache.max_cached_requests == model.MEMORY_ANSWERS
+
+
+def test_without_a_db_each_scope_and_each_bench_method_learns_apart(tiny_lm):
+    """What the model layer learns in memory is kept per scope in hd serve (no scope drafts
+    another's answers: serve/tenants.py), and per method in hd bench (another method's answer to
+    the same question would draft this one's whole): each gets an index of its own."""
+    from hdcli.bench import runner
+    from hdcli.compose import DBs
+    from hdcli.config import DecodingConfig
+    from hdcli.drafting import model
+    from hdcli.serve import tenants
+    if not model.available():
+        pytest.skip("arctic-inference is not installed")
+    t = tenants.Tenants(None, True)
+    a, b = t.answers(("key", "a")), t.answers(("key", "b"))
+    assert isinstance(a, model.AnswerIndex) and isinstance(b, model.AnswerIndex) and a is not b
+    assert t.answers(("key", "a")) is a and t.answers(()) is None   # shared: the process's
+    assert tenants.Tenants(None, False).answers(("key", "a")) is None
+    cfg = DecodingConfig(max_new_tokens=8)
+    indexes = {}
+    for name in ("hd", "hd-no-context"):
+        factory, _ = runner.drafter_factory(name, tiny_lm, cfg, DBs())
+        one, two = factory().layers[-1], factory().layers[-1]
+        assert one.name == "model" and one.index is two.index     # one index per method and run
+        indexes[name] = one.index
+    assert indexes["hd"] is not indexes["hd-no-context"] and indexes["hd"] is not model.process_answers()
+
+
 def test_learn_keeps_the_answer_and_the_digest(tiny_lm, tmp_path):
     mdb, _ = _model_db(tiny_lm, tmp_path, PROMPTS[:2], n=8)
     api.learn(mdb, [1, 2, 3], [40, 41, 42, 43])

@@ -29,6 +29,7 @@ import torch
 from ..compose import DBs, build_drafter, warm_up
 from ..config import DEFAULT_CANDIDATES, DEFAULT_POLICY, DecodingConfig
 from ..drafting import AnswerIndex, LayerInputs, RecycledTable, registry
+from ..drafting import model as model_layer
 from ..drafting.model import uses_answers
 from ..engine import records
 from ..engine.decode import costs
@@ -71,11 +72,12 @@ METHODS = tuple(DB_METHODS) + PEERS
 METHOD_HELP = {
     "ar": "plain autoregressive decoding, same model and KV cache (the baseline)",
     **{n: spec.help for n, spec in registry.LAYERS.items()},
-    "context+recycle": "context DB, then recycled predictions, token trees (hd generate's default without DBs)",
+    "context+recycle": "context DB, then recycled predictions, token trees (hd's default without DBs before 2026-12-07)",
     "context+stats": "context DB, then the statistics DB (hd's default with a statistics DB before 2026-12-07)",
-    "context+model+recycle": "context DB, the model DB, then recycled predictions (an ablation of hd)",
+    "context+model+recycle": "context DB, the model layer, then recycled predictions (an ablation of hd)",
     "context+recycle+stats": "context DB, recycled predictions, then the statistics DB (an ablation of hd)",
-    "hd": f"the default hierarchy (context DB, the model DB where given), {DEFAULT_POLICY} policy, token trees of up to "
+    "hd": f"the default hierarchy (context DB, then the model layer: the model DB's answers where given and the "
+          f"run's own), {DEFAULT_POLICY} policy, token trees of up to "
           f"{DEFAULT_CANDIDATES} candidates",
     "hd-chain": "every layer, default policy, one candidate (single-chain verification)",
     "hd-first-hit": "every layer, first-hit policy, token trees",
@@ -270,8 +272,12 @@ def drafter_factory(name: str, lm, cfg: DecodingConfig, dbs: DBs) -> tuple[Calla
     table = RecycledTable()  # one per method and run: the target's predictions carry across questions
     # and so do its answers: each method learns from its own (another method's answer to the
     # same question would draft this one's whole)
-    drafts_answers = uses_answers(dbs.model) and (method.layers is None or "model" in method.layers)
-    index = AnswerIndex(dbs.model.sequences()) if drafts_answers else None
+    layers = method.layers if method.layers is not None else default_layers(cfg)
+    index = None
+    if "model" in layers and uses_answers(dbs.model):
+        index = AnswerIndex(dbs.model.sequences())
+    elif "model" in layers and dbs.model is None and model_layer.available():   # this run's answers alone
+        index = AnswerIndex(max_answers=model_layer.MEMORY_ANSWERS)
     return (lambda: build_drafter(method, lm, dbs, recycle_table=table, answer_index=index)), True
 
 

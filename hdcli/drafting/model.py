@@ -1,4 +1,4 @@
-"""The model DB layer: what the target itself wrote before, matched on long suffixes.
+"""The model layer: what the target itself wrote before, matched on long suffixes.
 
 A model DB (hd build-model-db) keeps the target's answers whole. They go into one suffix tree
 (arctic-inference's, the structure of SuffixDecoding) held in memory for the life of the process;
@@ -15,15 +15,24 @@ tokens as they are accepted), so what one request taught is drafted for the next
 SuffixDecoding's global tree does; `--learn` also writes finished answers into the DB file
 (db.modeldb.learn) so they are there after a restart.
 
+Without a model DB the layer drafts from this process's answers alone (`process_answers`: an
+index that starts empty), SuffixDecoding's global tree: a server, an API user or a bench run
+learns from what the target wrote for earlier requests (hd serve keeps them per scope,
+serve/tenants.py); a single `hd generate` has none and the layer drafts nothing. Replayed on the
+tuning set it raised hd's mean accepted tokens 6% (docs/benchmarks.md, "The model layer learns
+without a DB").
+
 Where arctic-inference is not installed, or the DB keeps no answers (built by an older hd), the
-layer is the n-gram table of the same DB (stats.StatsLayer), as before.
+layer is the n-gram table of the same DB (stats.StatsLayer), as before; without a DB and without
+arctic-inference there is no model layer.
 
 Parameters (AnswerIndex)
   depth            longest suffix matched (SuffixDecoding's max_tree_depth)
   min_token_prob   a drafted token's estimated probability (count of the continuation / count of
                    the match) at least this, along the whole path
   max_spec_factor  at most factor * match length tokens drafted: a short match drafts little
-  max_answers      answers kept; beyond it the oldest are dropped first (FIFO, the library's)
+  max_answers      answers kept; beyond it the oldest are dropped first (FIFO, the library's);
+                   an index of a process's answers alone keeps MEMORY_ANSWERS
 Invariants
   the index holds every answer of the DB (in file order) followed by the answers of this process;
   each ModelLayer appends its request's accepted tokens to one answer of its own, which is
@@ -36,11 +45,12 @@ import weakref
 from typing import Sequence
 
 from .registry import LayerSpec, register
-from ..errors import HdError
 from .stats import StatsLayer
 from .suffix import tree_paths
 
-NEEDS_MODEL_DB = ("model_db", "a model DB: pass --model-db PATH")
+# Answers an index without a DB keeps (per process, and per scope in hd serve): its memory stays
+# bounded in a long-running server; the oldest go first
+MEMORY_ANSWERS = 1000
 
 
 def available() -> bool:
@@ -93,6 +103,17 @@ class AnswerIndex:
                                  max_spec_offset=0.0, min_token_prob=self.min_token_prob,
                                  use_tree_spec=True)
         return tree_paths(d.token_ids, d.parents)[:max_candidates]
+
+
+_PROCESS: list = []
+
+
+def process_answers() -> AnswerIndex:
+    """This process's own answers, where no model DB is given (made on first use): what the
+    model layer drafts from and grows."""
+    if not _PROCESS:
+        _PROCESS.append(AnswerIndex(max_answers=MEMORY_ANSWERS))
+    return _PROCESS[0]
 
 
 def index_for(store) -> AnswerIndex:
@@ -160,8 +181,8 @@ def uses_answers(store) -> bool:
 
 
 def _model_layers(s) -> list:
-    if s.model_db is None:
-        raise HdError(f"layer 'model' needs {NEEDS_MODEL_DB[1]}")
+    if s.model_db is None:   # this process's answers alone (none where arctic-inference is missing)
+        return [ModelLayer(s.answer_index or process_answers())] if available() else []
     if uses_answers(s.model_db):
         return [ModelLayer(s.answer_index or index_for(s.model_db))]
     return [StatsLayer(s.model_db, name="model", min_prob=s.min_prob, min_expected=s.min_expected)]
@@ -169,5 +190,6 @@ def _model_layers(s) -> list:
 
 register(LayerSpec(
     name="model", rank=20, prior=(0.1, 0.4, 0.4, 0.6), style="cyan", short="mdl",
-    help="model DB only (the target's own earlier answers, matched on long suffixes)",
-    build=_model_layers, in_default=lambda s: s.model_db is not None, needs=NEEDS_MODEL_DB))
+    help="model layer only (the target's own earlier answers, matched on long suffixes: the model DB's "
+         "where given, and this process's)",
+    build=_model_layers, in_default=lambda s: True))

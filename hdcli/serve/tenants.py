@@ -13,7 +13,9 @@ requests is kept per *scope*, and a request draws only from its own scope's:
 
 Scoped are: the recycled predictions (drafting/recycle.py), the model DB answers learned while
 serving (drafting/model.ScopedAnswers, written to the DB with the scope's tag by --learn, so a
-restart keeps them apart), and the prefix cache (engine/decode/prefix.py). Not scoped, because no request
+restart keeps them apart), without a model DB the answers the model layer learns in memory (an
+index of its own a scope, drafting/model.MEMORY_ANSWERS of them), and the prefix cache
+(engine/decode/prefix.py). Not scoped, because no request
 writes them: the model DB as built by `hd build-model-db`, statistics DBs, the context layer
 (one request's own text).
 
@@ -43,7 +45,7 @@ from typing import Sequence
 from .. import inputs
 from ..errors import HdError
 from ..drafting import RecycledTable
-from ..drafting.model import AnswerIndex
+from ..drafting.model import MEMORY_ANSWERS, AnswerIndex
 from ..drafting.model import ScopedAnswers
 from ..drafting.model import index_for
 
@@ -151,7 +153,8 @@ def tag(scope: Scope) -> bytes | None:
 
 class Tenants:
     """Per-scope learned state: each scope's recycled-prediction table and, where the model layer
-    drafts from a model DB's answers, its ScopedAnswers."""
+    drafts from answers, its answers: with a model DB its ScopedAnswers, without one an index of
+    its own (uses_answers: the model layer drafts from answers, a DB's or the process's)."""
 
     def __init__(self, model_db=None, uses_answers: bool = False, max_scopes: int = 256):
         self.model_db, self.uses_answers, self.max_scopes = model_db, uses_answers, max_scopes
@@ -163,7 +166,9 @@ class Tenants:
             self._scopes.move_to_end(scope)
             return self._scopes[scope]
         answers = None
-        if self.uses_answers:
+        if self.uses_answers and self.model_db is None:
+            answers = AnswerIndex(max_answers=MEMORY_ANSWERS)
+        elif self.uses_answers:
             own = AnswerIndex(self.model_db.sequences(scope=tag(scope)))
             answers = ScopedAnswers(index_for(self.model_db), own)
         state = (RecycledTable(), answers)
@@ -176,7 +181,8 @@ class Tenants:
         return self.shared_table if not scope else self._state(scope)[0]
 
     def answers(self, scope: Scope):
-        """The answer index a request of this scope drafts from and grows (None: the DB's shared one)."""
+        """The answer index a request of this scope drafts from and grows (None: the shared one,
+        the DB's or, without a DB, the process's)."""
         return None if not scope else self._state(scope)[1]
 
     def count(self) -> int:
