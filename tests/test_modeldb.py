@@ -266,6 +266,7 @@ def test_without_a_db_each_scope_and_each_bench_method_learns_apart(tiny_lm):
     t = tenants.Tenants(None, True)
     a, b = t.answers(("key", "a")), t.answers(("key", "b"))
     assert isinstance(a, model.AnswerIndex) and isinstance(b, model.AnswerIndex) and a is not b
+    assert a.cache.max_cached_requests == model.SCOPE_ANSWERS   # bounded: up to 256 scopes
     assert t.answers(("key", "a")) is a and t.answers(()) is None   # shared: the process's
     assert tenants.Tenants(None, False).answers(("key", "a")) is None
     cfg = DecodingConfig(max_new_tokens=8)

@@ -48,9 +48,12 @@ from .registry import LayerSpec, register
 from .stats import StatsLayer
 from .suffix import tree_paths
 
-# Answers an index without a DB keeps (per process, and per scope in hd serve): its memory stays
-# bounded in a long-running server; the oldest go first
+# Answers an index without a DB keeps, the oldest dropped first, so that a long-running server's
+# memory stays bounded: the suffix tree takes ~300 bytes a token (1,000 answers of 256 random
+# tokens: 78 MB), so the process's own index keeps MEMORY_ANSWERS, each of hd serve's scopes
+# (up to 256 of them, serve/tenants.py) SCOPE_ANSWERS
 MEMORY_ANSWERS = 1000
+SCOPE_ANSWERS = 64
 
 
 def available() -> bool:

@@ -14,7 +14,7 @@ requests is kept per *scope*, and a request draws only from its own scope's:
 Scoped are: the recycled predictions (drafting/recycle.py), the model DB answers learned while
 serving (drafting/model.ScopedAnswers, written to the DB with the scope's tag by --learn, so a
 restart keeps them apart), without a model DB the answers the model layer learns in memory (an
-index of its own a scope, drafting/model.MEMORY_ANSWERS of them), and the prefix cache
+index of its own a scope, its latest drafting/model.SCOPE_ANSWERS answers), and the prefix cache
 (engine/decode/prefix.py). Not scoped, because no request
 writes them: the model DB as built by `hd build-model-db`, statistics DBs, the context layer
 (one request's own text).
@@ -45,7 +45,7 @@ from typing import Sequence
 from .. import inputs
 from ..errors import HdError
 from ..drafting import RecycledTable
-from ..drafting.model import MEMORY_ANSWERS, AnswerIndex
+from ..drafting.model import SCOPE_ANSWERS, AnswerIndex
 from ..drafting.model import ScopedAnswers
 from ..drafting.model import index_for
 
@@ -167,7 +167,7 @@ class Tenants:
             return self._scopes[scope]
         answers = None
         if self.uses_answers and self.model_db is None:
-            answers = AnswerIndex(max_answers=MEMORY_ANSWERS)
+            answers = AnswerIndex(max_answers=SCOPE_ANSWERS)
         elif self.uses_answers:
             own = AnswerIndex(self.model_db.sequences(scope=tag(scope)))
             answers = ScopedAnswers(index_for(self.model_db), own)
