@@ -101,6 +101,17 @@ def tiny_gemma3(vocab_size: int, seed: int = 0, window: int = 8, scale: float = 
     return model
 
 
+@pytest.fixture(autouse=True)
+def fresh_process_answers():
+    """Each test starts with an empty index of the process's answers (what the default model layer
+    learns without a DB, drafting/model.process_answers): what one test generated never drafts for
+    the next, whatever order a worker runs them in."""
+    from hdcli.drafting import model
+    model._PROCESS.clear()
+    yield
+    model._PROCESS.clear()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
     """What the suite measures (cost curves, calibrations: records keyed by tmp paths) goes to a

@@ -147,7 +147,7 @@ def test_streamed_pieces_make_the_text_and_name_layers(tiny_lm):
     res = api.generate(tiny_lm, "the cat sat on the mat the cat sat on the", max_new_tokens=30,
                        on_text=lambda piece, layer: pieces.append((piece, layer)))
     assert "".join(p for p, _ in pieces) == res.text
-    assert {layer for _, layer in pieces} <= {None, "context", "recycle"}
+    assert {layer for _, layer in pieces} <= {None, "context", "model"}   # the default layers
     assert sum(layer == "context" for layer in res.layers) == res.stats.layers["context"].accepted
 
 
