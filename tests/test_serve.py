@@ -323,6 +323,35 @@ def test_learn_scope_key_keeps_one_keys_teaching_from_another(served, model_dir,
         r.stop()
 
 
+def test_without_a_db_each_key_learns_its_own_answers_in_memory(served, model_dir, tmp_path):
+    """No model DB: the model layer learns each scope's answers in memory (serve/tenants.py). Key
+    A's repeats draft from A's earlier answers; B's requests draft exactly as C's, a key that never
+    met A's (same layer counts, request by request). Control: under `--learn-scope shared` the
+    same repeats by B do draft from A's answers."""
+    from hdcli.drafting import model
+    if not model.available():
+        pytest.skip("arctic-inference is not installed")
+    keys = tmp_path / "keys"
+    keys.write_text("alice KA\nbob KB\ncarol KC\n")
+    taught = PROMPTS[:3]
+    for scope in ("key", "shared"):
+        model._PROCESS.clear()
+        r = Running(config(model_dir, layers=["model"]), api_keys_file=str(keys), learn_scope=scope)
+        try:
+            name = r.server.name
+            first = hd_layers(r.client("KA"), name, taught)
+            bob, carol = hd_layers(r.client("KB"), name, taught), hd_layers(r.client("KC"), name, taught)
+            again = hd_layers(r.client("KA"), name, taught)
+            if scope == "key":
+                assert bob == carol                          # A's answers reach neither
+                assert accepted_by(again, "model") > accepted_by(first, "model")
+                assert accepted_by(again, "model") > accepted_by(bob, "model")
+            else:                                            # shared: B drafts from A's answers
+                assert accepted_by(bob, "model") > accepted_by(first, "model")
+        finally:
+            r.stop()
+
+
 def test_api_keys_are_checked_and_scopes_named():
     from hdcli.errors import HdError
     from hdcli.serve import tenants
