@@ -68,5 +68,6 @@ load_model = loader.load
 
 def default_layers(stats_dbs: Sequence = (), model_db=None) -> list[str]:
     """The hierarchy run when no layers are given, most local first (drafting.registry).
-    Default order: context → model (model where its DB is given; stats and recycle when named)."""
+    Default order: context → model (model: the model DB's answers where given, and this process's;
+    stats and recycle when named)."""
     return registry.default_layers(registry.LayerInputs(stats_stores=list(stats_dbs), model_db=model_db))

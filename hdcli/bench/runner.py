@@ -28,9 +28,8 @@ import torch
 
 from ..compose import DBs, build_drafter, warm_up
 from ..config import DEFAULT_CANDIDATES, DEFAULT_POLICY, DecodingConfig
-from ..drafting import AnswerIndex, LayerInputs, RecycledTable, registry
+from ..drafting import LayerInputs, RecycledTable, registry
 from ..drafting import model as model_layer
-from ..drafting.model import uses_answers
 from ..engine import records
 from ..engine.decode import costs
 from ..engine.decode.loop import Decoder, first_difference
@@ -273,11 +272,8 @@ def drafter_factory(name: str, lm, cfg: DecodingConfig, dbs: DBs) -> tuple[Calla
     # and so do its answers: each method learns from its own (another method's answer to the
     # same question would draft this one's whole)
     layers = method.layers if method.layers is not None else default_layers(cfg)
-    index = None
-    if "model" in layers and uses_answers(dbs.model):
-        index = AnswerIndex(dbs.model.sequences())
-    elif "model" in layers and dbs.model is None and model_layer.available():   # this run's answers alone
-        index = AnswerIndex(max_answers=model_layer.MEMORY_ANSWERS)
+    drafts_answers = "model" in layers and model_layer.drafts_answers(dbs.model)
+    index = model_layer.new_answers(dbs.model) if drafts_answers else None
     return (lambda: build_drafter(method, lm, dbs, recycle_table=table, answer_index=index)), True
 
 

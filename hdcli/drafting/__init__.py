@@ -10,8 +10,9 @@ them (the engine's Drafter, hdcli/engine/decode/draft.py).
     suffix.py      SuffixDecoding's drafts (arctic-inference): a peer `hd bench` runs, not a layer
 
 The imports below register the layers; each LayerSpec's `rank` gives its place in the hierarchy:
-context, stats, model, recycle; the default one is context, then model where its DB is given
-(stats and recycle, in no default hierarchy, take their places where named). The
+context, stats, model, recycle; the default one is context, then model (the model DB's answers
+where given, and this process's; stats and recycle, in no default hierarchy, take their places
+where named). The
 model DB comes before the recycled predictions: both are the target's own writing, and a long
 match in its earlier answers is the stronger evidence (docs/model-db.md, "Place in the
 hierarchy"). The statistics DB comes before both (docs/benchmarks.md). Recycle and then stats

@@ -111,11 +111,16 @@ class AnswerIndex:
 _PROCESS: list = []
 
 
+def new_answers(store=None) -> AnswerIndex:
+    """A new index of a model DB's answers, or without one an empty index of MEMORY_ANSWERS."""
+    return AnswerIndex(store.sequences()) if store is not None else AnswerIndex(max_answers=MEMORY_ANSWERS)
+
+
 def process_answers() -> AnswerIndex:
     """This process's own answers, where no model DB is given (made on first use): what the
     model layer drafts from and grows."""
     if not _PROCESS:
-        _PROCESS.append(AnswerIndex(max_answers=MEMORY_ANSWERS))
+        _PROCESS.append(new_answers())
     return _PROCESS[0]
 
 
@@ -181,6 +186,12 @@ class ModelLayer:
 def uses_answers(store) -> bool:
     """Whether the model layer of this DB drafts from its answers (else from its n-gram table)."""
     return store is not None and store.sequence_count > 0 and available()
+
+
+def drafts_answers(store) -> bool:
+    """Whether the model layer drafts from answers: a model DB's (uses_answers) or, without a DB,
+    this process's (where arctic-inference is installed)."""
+    return uses_answers(store) if store is not None else available()
 
 
 def _model_layers(s) -> list:

@@ -81,7 +81,8 @@ def names() -> tuple[str, ...]:
 
 def default_layers(inputs: LayerInputs) -> list[str]:
     """The hierarchy run when no layers are named: every layer whose in_default holds, by rank
-    (context, the model DB where given; stats and recycle only where named)."""
+    (context, then model: the model DB's answers where given, and this process's; stats and
+    recycle only where named)."""
     return [n for n, spec in LAYERS.items() if spec.in_default(inputs)]
 
 

@@ -152,10 +152,9 @@ class Server:
             self.learner = Learner(self.config.model_db, on_error=on_status,
                                    on_learned=lambda keys: (m.learned.inc(), m.learned_keys.inc(keys)),
                                    on_dropped=m.learn_dropped.inc)
-        from ..drafting.model import available, uses_answers
+        from ..drafting.model import drafts_answers
         # what requests teach (recycled predictions, answers), kept per scope (tenants.py)
-        self.tenants = tenants.Tenants(self.dbs.model, uses_answers(self.dbs.model) or
-                                       (self.dbs.model is None and available()))
+        self.tenants = tenants.Tenants(self.dbs.model, drafts_answers(self.dbs.model))
         if self.learner is not None:
             self._private(self.config.model_db)
         cost = self.prepared.cost if self.config.drafting else None

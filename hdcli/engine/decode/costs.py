@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from ...errors import HdError
 from ..records import cache_file, cpu_name, number, read_record, write_json
 from . import batch
 from .tree import Tree
@@ -385,7 +386,6 @@ def assume(lm, curve: CostCurve) -> None:
 def from_report(rep: dict, what: str) -> CostCurve:
     """The curve of an `hd costs --json` report (its only curve, or the kernels' it ran on), or
     HdError naming `what` (the file) and what to do."""
-    from ...errors import HdError
     try:
         curves = rep["curves"]
         c = curves.get(rep.get("kernels")) or next(iter(curves.values()))
